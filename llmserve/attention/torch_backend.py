@@ -1,0 +1,56 @@
+"""Reference attention over the paged KV cache, in plain torch (CPU and CUDA; the test oracle).
+
+Decodes run as one batched SDPA call over keys gathered by slot (padded to the longest context);
+each prefill chunk runs its own SDPA call, causal over its context.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from llmserve.attention.metadata import AttentionMetadata
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]; k, v: [T, kv_heads, head_dim]."""
+    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, heads, head_dim]
+    k: torch.Tensor,  # [T, kv_heads, head_dim] (this step's keys, already written to the cache)
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:  # [T, heads, head_dim]
+    out = torch.empty_like(q)
+    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+    gqa = q.shape[1] != k.shape[1]
+    nd = meta.num_decodes
+    if nd:
+        assert meta.decode_slots is not None
+        keys = flat[0][meta.decode_slots].transpose(1, 2)  # [nd, kv_heads, max_len, head_dim]
+        values = flat[1][meta.decode_slots].transpose(1, 2)
+        qd = q[:nd].unsqueeze(2)  # [nd, heads, 1, head_dim]
+        o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=meta.decode_mask(sliding_window),
+                                           scale=scale, enable_gqa=gqa)
+        out[:nd] = o.squeeze(2)
+    for span in meta.prefills:
+        qs = q[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
+        if span.num_cached == 0 and (sliding_window is None or span.q_len <= sliding_window):
+            # Fresh prompt: its keys are exactly this step's keys; plain causal attention.
+            ks = k[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0)
+            vs = v[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            ks = flat[0][span.slots].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, context, head_dim]
+            vs = flat[1][span.slots].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask(sliding_window),
+                                               scale=scale, enable_gqa=gqa)
+        out[span.q_start:span.q_end] = o.squeeze(0).transpose(0, 1)
+    return out

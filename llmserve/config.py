@@ -1,0 +1,183 @@
+"""User-facing configuration: generation, engine and chat-template settings.
+
+Field names follow LMDeploy (`GenerationConfig`, `PytorchEngineConfig`, `ChatTemplateConfig`).
+Every field carries its help text in `metadata["help"]`; the CLI builds its flags from it.
+Validation happens in `__post_init__` and raises `InvalidRequestError` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmserve.errors import InvalidRequestError
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict, set)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(f"{param}: {message}", param=param)
+
+
+def _check_type(value: Any, types: tuple[type, ...], param: str, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    # bool is an int subclass: refuse it where a number is wanted, accept it where bool is wanted.
+    bad_bool = isinstance(value, bool) and bool not in types
+    if bad_bool or not isinstance(value, types):
+        names = " or ".join(t.__name__ for t in types)
+        raise InvalidRequestError(f"{param}: expected {names}, got {type(value).__name__} {value!r}", param=param)
+
+
+@dataclass
+class GenerationConfig:
+    """How to sample one request's output (LMDeploy's names and defaults)."""
+
+    n: int = _f(1, "Number of completions to return for each prompt.")
+    max_new_tokens: int = _f(512, "Maximum number of tokens to generate.")
+    min_new_tokens: int = _f(0, "Minimum number of tokens to generate before EOS or a stop token may end it.")
+    temperature: float = _f(0.8, "Sampling temperature; 0 means greedy.")
+    top_k: int = _f(50, "Keep the k most likely tokens; 0 disables, 1 is greedy.")
+    top_p: float = _f(1.0, "Nucleus sampling: keep the smallest set of tokens whose probability sums to top_p.")
+    min_p: float = _f(0.0, "Drop tokens whose probability is below min_p times the most likely one's.")
+    repetition_penalty: float = _f(1.0, "Divide positive logits (multiply negative ones) of tokens already seen "
+                                        "in the prompt or output; 1.0 disables.")
+    presence_penalty: float = _f(0.0, "Subtract from the logit of each token already generated.")
+    frequency_penalty: float = _f(0.0, "Subtract, times its count, from the logit of each token already generated.")
+    logit_bias: dict[int, float] | None = _f(None, "Token id -> value added to its logit.")
+    ignore_eos: bool = _f(False, "Keep generating past the end-of-sequence token.")
+    random_seed: int | None = _f(None, "Per-request seed: the same seed and prompt give the same output.")
+    stop_words: list[str] | None = _f(None, "Strings that end generation; cut from the text unless "
+                                            "include_stop_str_in_output.")
+    stop_token_ids: list[int] | None = _f(None, "Token ids that end generation (besides the model's EOS ids).")
+    include_stop_str_in_output: bool = _f(False, "Keep the matched stop string at the end of the text.")
+    bad_words: list[str] | None = _f(None, "Strings the model must never produce (multi-token allowed).")
+    skip_special_tokens: bool = _f(True, "Leave special tokens out of the decoded text.")
+    spaces_between_special_tokens: bool = _f(True, "Put spaces around special tokens when they are decoded.")
+    logprobs: int | None = _f(None, "Return the log-probabilities of the top-N tokens at each step "
+                                    "(and of the sampled token).")
+
+    def __post_init__(self) -> None:
+        _check_type(self.n, (int,), "n")
+        _check(self.n >= 1, "n", f"must be >= 1, got {self.n}")
+        _check_type(self.max_new_tokens, (int,), "max_new_tokens")
+        _check(self.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        _check_type(self.min_new_tokens, (int,), "min_new_tokens", optional=True)
+        self.min_new_tokens = self.min_new_tokens or 0
+        _check(0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
+               f"must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}")
+        _check_type(self.temperature, (int, float), "temperature")
+        _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check_type(self.top_k, (int,), "top_k")
+        _check(self.top_k >= 0 or self.top_k == -1, "top_k", f"must be >= 0 (0 or -1 disables), got {self.top_k}")
+        if self.top_k == -1:
+            self.top_k = 0
+        _check_type(self.top_p, (int, float), "top_p")
+        _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check_type(self.min_p, (int, float), "min_p")
+        _check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _check_type(self.repetition_penalty, (int, float), "repetition_penalty")
+        _check(self.repetition_penalty > 0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_type(value, (int, float), name)
+            _check(-2 <= value <= 2, name, f"must be in [-2, 2], got {value}")
+        _check_type(self.random_seed, (int,), "random_seed", optional=True)
+        _check_type(self.logprobs, (int,), "logprobs", optional=True)
+        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
+               f"must be in [0, 20], got {self.logprobs}")
+        self.stop_words = _string_list(self.stop_words, "stop_words")
+        self.bad_words = _string_list(self.bad_words, "bad_words")
+        if self.stop_token_ids is not None:
+            _check(isinstance(self.stop_token_ids, (list, tuple)), "stop_token_ids", "must be a list of token ids")
+            for t in self.stop_token_ids:
+                _check_type(t, (int,), "stop_token_ids")
+            self.stop_token_ids = list(self.stop_token_ids)
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict), "logit_bias", "must be a mapping of token id to bias")
+            bias = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    bias[int(k)] = float(v)
+                except (TypeError, ValueError):
+                    raise InvalidRequestError(f"logit_bias: bad entry {k!r}: {v!r}", param="logit_bias") from None
+            self.logit_bias = bias
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    def replace(self, **changes: Any) -> GenerationConfig:
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise InvalidRequestError(f"unknown generation parameter(s): {', '.join(sorted(unknown))}",
+                                      param=sorted(unknown)[0])
+        return dataclasses.replace(self, **changes)
+
+
+def _string_list(value: Any, param: str) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    _check(isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value), param,
+           "must be a string or a list of strings")
+    _check(all(s for s in value), param, "must not contain empty strings")
+    return list(value)
+
+
+@dataclass
+class EngineConfig:
+    """How to load the model and size the engine (LMDeploy's `PytorchEngineConfig` names)."""
+
+    dtype: str = _f("auto", "Weight and activation dtype: auto, float32, bfloat16 or float16. auto picks bfloat16 "
+                            "on CPUs with AVX512-BF16/AMX and on GPUs that support it, else the checkpoint's dtype "
+                            "(float32 on other CPUs).")
+    device: str = _f("auto", "cpu, cuda, cuda:N, or auto (cuda when available).")
+    tp: int = _f(1, "Tensor-parallel degree.")
+    session_len: int | None = _f(None, "Maximum tokens in one sequence (prompt + output). "
+                                       "Default: the model's max_position_embeddings.")
+    max_batch_size: int = _f(128, "Maximum number of requests running in one step.")
+    max_prefill_token_num: int = _f(4096, "Token budget of one step (prefill chunks plus decode tokens); "
+                                          "longer prompts are prefilled in chunks.")
+    block_size: int = _f(64, "Tokens per KV-cache block.", cli="--cache-block-seq-len")
+    cache_max_entry_count: float = _f(0.8, "GPU: fraction of free memory after weights given to the KV cache.")
+    cache_max_bytes: int | None = _f(None, "CPU: bytes given to the KV cache. Default: a quarter of available "
+                                           "RAM, at most 4 GiB.")
+    num_blocks: int | None = _f(None, "Exact number of KV-cache blocks (overrides the sizing rules; for tests).")
+    enable_prefix_caching: bool = _f(False, "Reuse the KV cache of prompt prefixes shared between requests.")
+    num_threads: int | None = _f(None, "CPU threads for torch. Default: the cores this process may run on.")
+    revision: str | None = _f(None, "Hub revision (branch, tag or commit) of the model.")
+    download_dir: str | None = _f(None, "Where hub downloads go. Default: the Hugging Face cache.")
+    trust_remote_code: bool = _f(False, "Allow the tokenizer/config to run code from the model repository.")
+    seed: int = _f(0, "Seed of the engine's sampling generator for requests without random_seed.")
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
+               f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        for name in ("tp", "max_batch_size", "max_prefill_token_num", "block_size"):
+            value = getattr(self, name)
+            _check_type(value, (int,), name)
+            _check(value >= 1, name, f"must be >= 1, got {value}")
+        for name in ("session_len", "num_blocks", "cache_max_bytes", "num_threads"):
+            value = getattr(self, name)
+            _check_type(value, (int,), name, optional=True)
+            _check(value is None or value >= 1, name, f"must be >= 1, got {value}")
+        _check(0 < self.cache_max_entry_count <= 1, "cache_max_entry_count",
+               f"must be in (0, 1], got {self.cache_max_entry_count}")
+
+
+@dataclass
+class ChatTemplateConfig:
+    """Override the tokenizer's chat template: a named built-in one, a jinja string, or only the system prompt."""
+
+    model_name: str | None = _f(None, "A built-in template name (see `llmserve list`), used when the tokenizer "
+                                      "has no template or to replace it.")
+    chat_template: str | None = _f(None, "A jinja chat template (or a path to a file holding one).")
+    meta_instruction: str | None = _f(None, "System prompt added when the conversation has none.")

