@@ -1,0 +1,238 @@
+"""Per-step sampling tensors, built once from the sequences of one decoding step.
+
+Only what some row uses is built: an all-greedy batch without logits processors carries no
+tensors at all, so the sampler's hot path is one argmax. Python work per step is O(batch) with
+small constants, except that rows using penalties pay O(their prompt + output length) to build
+the [B, V] masks, and rows with bad words pay O(total bad-word length).
+
+Row conventions: every per-row tensor has one entry per sequence, in `seqs` order. Rows that do
+not use a filter hold its neutral value (temperature 1, top_k = V, top_p = inf, min_p 0), so
+the sampler applies each filter to the whole batch without indexing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from llmserve.sampling.params import SamplingParams
+
+_NEUTRAL = SamplingParams()  # temperature 1, no truncation: what a greedy row holds in the filter tensors
+
+
+@dataclass
+class SequenceState:
+    """What the sampler needs from one sequence this step; the engine fills it."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    # Seeded from params.seed by the engine (see `seeded_generator`) and kept across steps, so a
+    # seeded sequence draws the same noise whatever else is in the batch. None when unseeded.
+    generator: torch.Generator | None = None
+
+
+def seeded_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+@dataclass
+class SparseEntries:
+    """(row, token) entries of a [B, V] tensor: logit biases, or banned tokens (values None)."""
+
+    rows: Tensor  # [N] int64
+    cols: Tensor  # [N] int64
+    values: Tensor | None  # [N] float32
+
+
+@dataclass
+class Penalties:
+    """Inputs of the repetition / presence / frequency penalties; a part is None when no row uses it."""
+
+    repetition: Tensor | None  # [B, 1] float32, 1.0 where unused
+    seen: Tensor | None  # [B, V] bool: token occurs in the prompt or output (repetition rows only)
+    presence: Tensor | None  # [B, 1] float32, 0.0 where unused
+    frequency: Tensor | None  # [B, 1] float32, 0.0 where unused
+    output_counts: Tensor | None  # [B, V] float32: occurrences in the output (presence/frequency rows only)
+
+
+@dataclass
+class SamplingFilters:
+    """Per-row temperature and truncation of the sampled rows; a field is None when no row uses it."""
+
+    temperature: Tensor | None  # [B, 1] float32
+    top_k: Tensor | None  # [B] int64 in [1, V]; V means disabled
+    max_top_k: int  # largest enabled top_k (0 when top_k is None): bounds a topk() instead of a sort
+    top_p: Tensor | None  # [B] float32; inf means disabled
+    min_p: Tensor | None  # [B] float32
+
+
+@dataclass
+class SamplingBatch:
+    size: int
+    vocab_size: int
+    all_greedy: bool
+    greedy: Tensor | None  # [B] bool; None when all rows or no row is greedy
+    logit_bias: SparseEntries | None
+    banned: SparseEntries | None  # bad words and stop ids before min_tokens; set to -inf
+    penalties: Penalties | None
+    filters: SamplingFilters | None  # None when all rows are greedy
+    generators: dict[int, torch.Generator]  # row -> its own generator, sampled seeded rows only
+    num_logprobs: list[int | None]  # per row: top-N logprobs to return, None = none
+    logprob_rows: Tensor | None  # [R] int64: rows whose num_logprobs is not None
+
+    @property
+    def has_processors(self) -> bool:
+        return self.logit_bias is not None or self.banned is not None or self.penalties is not None
+
+    @classmethod
+    def build(cls, seqs: list[SequenceState], vocab_size: int, device: torch.device) -> SamplingBatch:
+        params = [s.params for s in seqs]
+        greedy = [p.greedy for p in params]
+        all_greedy = all(greedy)
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        return cls(
+            size=len(seqs),
+            vocab_size=vocab_size,
+            all_greedy=all_greedy,
+            greedy=None if all_greedy or not any(greedy) else torch.tensor(greedy, device=device),
+            logit_bias=_logit_bias(params, vocab_size, device),
+            banned=_banned(seqs, vocab_size, device),
+            penalties=_penalties(seqs, vocab_size, device),
+            filters=None if all_greedy else _filters(params, greedy, vocab_size, device),
+            generators=_generators(seqs, greedy),
+            num_logprobs=[p.logprobs for p in params],
+            logprob_rows=torch.tensor(logprob_rows, device=device) if logprob_rows else None,
+        )
+
+
+def _logit_bias(params: list[SamplingParams], vocab_size: int, device: torch.device) -> SparseEntries | None:
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for i, p in enumerate(params):
+        for token, bias in (p.logit_bias or {}).items():
+            # Ids outside the vocabulary cannot be produced; SamplingParams.check_vocab refuses them earlier.
+            if 0 <= token < vocab_size:
+                rows.append(i)
+                cols.append(token)
+                values.append(bias)
+    if not rows:
+        return None
+    return SparseEntries(
+        rows=torch.tensor(rows, device=device),
+        cols=torch.tensor(cols, device=device),
+        values=torch.tensor(values, dtype=torch.float32, device=device),
+    )
+
+
+def _banned(seqs: list[SequenceState], vocab_size: int, device: torch.device) -> SparseEntries | None:
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, s in enumerate(seqs):
+        tokens = _bad_word_bans(s.params.bad_words_ids, s.output_token_ids)
+        if len(s.output_token_ids) < s.params.min_tokens:
+            tokens.extend(s.params.stop_token_ids)
+        tokens = [t for t in tokens if 0 <= t < vocab_size]
+        rows.extend([i] * len(tokens))
+        cols.extend(tokens)
+    if not rows:
+        return None
+    return SparseEntries(rows=torch.tensor(rows, device=device), cols=torch.tensor(cols, device=device), values=None)
+
+
+def _bad_word_bans(bad_words_ids: list[list[int]], output: list[int]) -> list[int]:
+    # A bad word is matched against the generated tokens only, not the prompt: the guarantee is that
+    # the output never contains the sequence (as in vLLM), and a prompt that happens to end with a
+    # prefix does not constrain the first generated token. A one-token word is always banned.
+    bans = []
+    for word in bad_words_ids:
+        prefix_len = len(word) - 1
+        if prefix_len < 0 or prefix_len > len(output):
+            continue
+        if prefix_len == 0 or output[-prefix_len:] == word[:-1]:
+            bans.append(word[-1])
+    return bans
+
+
+def _penalties(seqs: list[SequenceState], vocab_size: int, device: torch.device) -> Penalties | None:
+    rep_rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
+    count_rows = [
+        i for i, s in enumerate(seqs) if s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0
+    ]
+    if not rep_rows and not count_rows:
+        return None
+    seen = counts = None
+    if rep_rows:
+        seen = torch.zeros(len(seqs), vocab_size, dtype=torch.bool, device=device)
+        rows, ids = _row_token_ids(seqs, rep_rows, with_prompt=True, device=device)
+        seen[rows, ids] = True
+    if count_rows:
+        counts = torch.zeros(len(seqs), vocab_size, dtype=torch.float32, device=device)
+        rows, ids = _row_token_ids(seqs, count_rows, with_prompt=False, device=device)
+        counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+
+    def column(name: str, used: bool) -> Tensor | None:
+        values = [getattr(s.params, name) for s in seqs]
+        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1) if used else None
+
+    return Penalties(
+        repetition=column("repetition_penalty", bool(rep_rows)),
+        seen=seen,
+        presence=column("presence_penalty", bool(count_rows)),
+        frequency=column("frequency_penalty", bool(count_rows)),
+        output_counts=counts,
+    )
+
+
+def _row_token_ids(
+    seqs: list[SequenceState], rows: list[int], with_prompt: bool, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    # Flattened (row, token id) pairs of the given rows. Prompt ids are < V (the engine embedded
+    # them) and output ids came from this sampler, so no range check is needed.
+    ids: list[int] = []
+    lengths: list[int] = []
+    for i in rows:
+        s = seqs[i]
+        tokens = s.prompt_token_ids + s.output_token_ids if with_prompt else s.output_token_ids
+        ids.extend(tokens)
+        lengths.append(len(tokens))
+    row_ids = torch.tensor(rows, device=device).repeat_interleave(torch.tensor(lengths, device=device))
+    return row_ids, torch.tensor(ids, dtype=torch.int64, device=device)
+
+
+def _filters(
+    params: list[SamplingParams], greedy: list[bool], vocab_size: int, device: torch.device
+) -> SamplingFilters:
+    # Greedy rows took their argmax before filtering: they hold neutral values here.
+    rows = [_NEUTRAL if g else p for p, g in zip(params, greedy, strict=True)]
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in rows]
+    top_p = [p.top_p if p.top_p < 1.0 else float("inf") for p in rows]
+    temperature = [p.temperature for p in rows]
+    min_p = [p.min_p for p in rows]
+
+    def column(values: list[float], used: bool) -> Tensor | None:
+        return torch.tensor(values, dtype=torch.float32, device=device) if used else None
+
+    enabled_ks = [k for k in top_k if k < vocab_size]
+    temperature_column = column(temperature, any(t != 1.0 for t in temperature))
+    return SamplingFilters(
+        temperature=None if temperature_column is None else temperature_column.unsqueeze(1),
+        top_k=torch.tensor(top_k, device=device) if enabled_ks else None,
+        max_top_k=max(enabled_ks, default=0),
+        top_p=column(top_p, any(p < 1.0 for p in top_p)),
+        min_p=column(min_p, any(p > 0.0 for p in min_p)),
+    )
+
+
+def _generators(seqs: list[SequenceState], greedy: list[bool]) -> dict[int, torch.Generator]:
+    generators = {}
+    for i, (s, g) in enumerate(zip(seqs, greedy, strict=True)):
+        if s.params.seed is not None and s.generator is None:
+            raise ValueError(f"sequence {i} has seed {s.params.seed} but no generator: set "
+                             "SequenceState.generator = seeded_generator(seed, device) once and keep it")
+        if s.generator is not None and not g:
+            generators[i] = s.generator
+    return generators

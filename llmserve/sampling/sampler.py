@@ -1,0 +1,92 @@
+"""Turns one step's logits into one token per sequence (plus logprobs where asked).
+
+Steps, all vectorised over the batch with per-row parameters:
+  raw logprobs (rows that ask) -> logits processors (bias, bans, penalties) -> greedy rows: argmax
+  -> sampled rows: temperature, top-k, top-p, min-p -> exponential race.
+An all-greedy batch without processors is one argmax (the benchmark hot path).
+
+Sampling uses the exponential race: argmax(p_i / E_i) with E_i ~ Exponential(1) i.i.d. picks token
+i with probability p_i, and needs no cumsum or search. A seeded row draws its E from its own
+generator ([V] values per step), so its tokens do not depend on its companions; unseeded rows share
+one batch-wide draw from the sampler's generator.
+
+`logits` is overwritten in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from llmserve.sampling.batch import SamplingBatch
+from llmserve.sampling.logits_processors import apply_logits_processors, apply_sampling_filters
+from llmserve.sampling.logprobs import TokenLogprobs, gather_logprobs
+
+# Exponential draws are clamped away from 0: p / 0 would be inf (or NaN for p == 0, which
+# argmax would pick, i.e. a banned token).
+_MIN_NOISE = torch.finfo(torch.float32).tiny
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per sequence
+    logprobs: list[TokenLogprobs | None]  # None where params.logprobs is None
+
+
+class Sampler:
+    def __init__(self, seed: int | None = None) -> None:
+        # The generator of unseeded rows is made on the logits' device at first use; seed None
+        # means torch's default generator for that device.
+        self._seed = seed
+        self._generator: torch.Generator | None = None
+
+    def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """logits [B, V] float32, one row per sequence of `batch`."""
+        raw_logprobs = None
+        if batch.logprob_rows is not None:  # before processing, which works in place
+            raw_logprobs = logits.index_select(0, batch.logprob_rows).log_softmax(dim=-1)  # [R, V]
+        if batch.all_greedy and not batch.has_processors:
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = self._choose(apply_logits_processors(logits, batch), batch)
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=self._logprobs(raw_logprobs, token_ids, batch))
+
+    def _choose(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
+        if batch.all_greedy:
+            return logits.argmax(dim=-1)
+        greedy_ids = logits.argmax(dim=-1) if batch.greedy is not None else None  # before filtering
+        probs = apply_sampling_filters(logits, batch.filters).softmax(dim=-1)  # [B, V]
+        sampled_ids = probs.div_(self._exponential_noise(batch, probs)).argmax(dim=-1)
+        if greedy_ids is None:
+            return sampled_ids
+        return torch.where(batch.greedy, greedy_ids, sampled_ids)
+
+    def _exponential_noise(self, batch: SamplingBatch, like: Tensor) -> Tensor:
+        noise = torch.empty_like(like)  # [B, V]
+        if len(batch.generators) < batch.size:
+            noise.exponential_(generator=self._batch_generator(like.device))
+        for row, generator in batch.generators.items():
+            noise[row].exponential_(generator=generator)
+        return noise.clamp_min_(_MIN_NOISE)
+
+    def _batch_generator(self, device: torch.device) -> torch.Generator | None:
+        if self._seed is None:
+            return None
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device).manual_seed(self._seed)
+        return self._generator
+
+    def _logprobs(
+        self, raw_logprobs: Tensor | None, token_ids: Tensor, batch: SamplingBatch
+    ) -> list[TokenLogprobs | None]:
+        result: list[TokenLogprobs | None] = [None] * batch.size
+        if raw_logprobs is None:
+            return result
+        num_top = [n for n in batch.num_logprobs if n is not None]
+        rows = [i for i, n in enumerate(batch.num_logprobs) if n is not None]
+        per_row = gather_logprobs(raw_logprobs, token_ids.index_select(0, batch.logprob_rows), num_top)
+        for row, value in zip(rows, per_row, strict=True):
+            result[row] = value
+        return result
