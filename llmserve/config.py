@@ -59,7 +59,6 @@ class GenerationConfig:
     include_stop_str_in_output: bool = _f(False, "Keep the matched stop string at the end of the text.")
     bad_words: list[str] | None = _f(None, "Strings the model must never produce (multi-token allowed).")
     skip_special_tokens: bool = _f(True, "Leave special tokens out of the decoded text.")
-    spaces_between_special_tokens: bool = _f(True, "Put spaces around special tokens when they are decoded.")
     logprobs: int | None = _f(None, "Return the log-probabilities of the top-N tokens at each step "
                                     "(and of the sampled token).")
 

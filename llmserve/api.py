@@ -1,0 +1,207 @@
+"""The offline API, in LMDeploy's shape (`pipe(prompts, gen_config)`, `stream_infer`, `chat`) and
+DeepSpeed-MII's (`pipe(prompts, max_new_tokens=...)`). Synchronous: it drives the engine itself."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import itertools
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmserve.chat_template import ChatTemplate, Messages
+from llmserve.config import ChatTemplateConfig, EngineConfig, GenerationConfig
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.engine.output import SequenceOutput
+from llmserve.errors import InvalidRequestError
+from llmserve.models.loader import LoadedModel, load_model
+
+Prompt = str | Messages | dict[str, Any]
+
+# Keyword names other engines use, mapped to GenerationConfig's.
+_ALIASES = {"max_tokens": "max_new_tokens", "max_length": "max_new_tokens", "seed": "random_seed",
+            "stop": "stop_words", "min_tokens": "min_new_tokens"}
+_GEN_FIELDS = {f.name for f in dataclasses.fields(GenerationConfig)}
+_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+@dataclass
+class Response:
+    text: str
+    generate_token_len: int
+    input_token_len: int
+    session_id: int
+    finish_reason: str | None = None  # 'stop' | 'length' | 'abort'; None while streaming
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None  # per generated token: {token id: logprob}
+    index: int = 0  # position of the prompt in the call's batch
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@dataclass
+class Session:
+    """A multi-turn conversation held by `Pipeline.chat`."""
+
+    session_id: int
+    history: Messages = field(default_factory=list)
+    response: Response | None = None
+
+
+class Pipeline:
+    def __init__(self, model_path: str | None = None, backend_config: EngineConfig | None = None,
+                 chat_template_config: ChatTemplateConfig | None = None, log_level: str = "ERROR",
+                 **engine_kwargs: Any) -> None:
+        logging.getLogger("llmserve").setLevel(log_level.upper())
+        unknown = set(engine_kwargs) - _ENGINE_FIELDS
+        if unknown:
+            raise InvalidRequestError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        config = dataclasses.replace(backend_config or EngineConfig(), **engine_kwargs)
+        loaded = load_model(model_path, config)
+        self.model_name = loaded.served_name
+        self.tokenizer = loaded.tokenizer
+        self.chat_template = ChatTemplate(loaded.tokenizer, chat_template_config)
+        self.default_gen_config = default_generation_config(loaded)
+        self.engine: LLMEngine | None = LLMEngine(loaded, config)
+        self._ids = itertools.count()
+
+    # --- calls ---------------------------------------------------------------------------
+
+    def __call__(self, prompts: Prompt | list[Prompt], gen_config: GenerationConfig | None = None,
+                 do_preprocess: bool = True, **gen_kwargs: Any) -> Response | list[Response]:
+        batch, single = _as_batch(prompts)
+        gen = self._gen_config(gen_config, gen_kwargs)
+        results: dict[tuple[int, int], Response] = {}
+        for r, out in self._generate(batch, gen, do_preprocess):
+            key = (r.index, out.index)
+            acc = results.setdefault(key, dataclasses.replace(r, text="", token_ids=[],
+                                                              logprobs=[] if gen.logprobs is not None else None))
+            _accumulate(acc, r)
+        responses = [results[k] for k in sorted(results)]
+        return responses[0] if single and gen.n == 1 else responses
+
+    def stream_infer(self, prompts: Prompt | list[Prompt], gen_config: GenerationConfig | None = None,
+                     do_preprocess: bool = True, **gen_kwargs: Any) -> Iterator[Response]:
+        """Yield a Response per step and sequence carrying the new text and token ids (deltas);
+        `generate_token_len` is cumulative; the last one of each sequence has finish_reason set."""
+        batch, _ = _as_batch(prompts)
+        gen = self._gen_config(gen_config, gen_kwargs)
+        for r, _ in self._generate(batch, gen, do_preprocess):
+            yield r
+
+    def chat(self, prompt: str, session: Session | None = None, gen_config: GenerationConfig | None = None,
+             **gen_kwargs: Any) -> Session:
+        """One turn of a conversation: the prompt sees every earlier turn of `session`."""
+        session = session or Session(session_id=next(self._ids))
+        messages = [*session.history, {"role": "user", "content": prompt}]
+        response = self([messages], gen_config, **gen_kwargs)[0]
+        session.history = [*messages, {"role": "assistant", "content": response.text}]
+        session.response = response
+        return session
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        self.engine = None
+        gc.collect()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _gen_config(self, gen_config: GenerationConfig | None, kwargs: dict[str, Any]) -> GenerationConfig:
+        if gen_config is not None and not isinstance(gen_config, GenerationConfig):
+            raise InvalidRequestError(f"gen_config must be a GenerationConfig, got {type(gen_config).__name__}")
+        changes = {_ALIASES.get(k, k): v for k, v in kwargs.items()}
+        if changes.pop("do_sample", True) is False:
+            changes["temperature"] = 0.0
+        return (gen_config or self.default_gen_config).replace(**changes)
+
+    def _tokenize(self, prompt: Prompt, do_preprocess: bool) -> list[int]:
+        if isinstance(prompt, dict):
+            ids = prompt.get("input_ids")
+            if not isinstance(ids, list):
+                raise InvalidRequestError("a dict prompt must be {'input_ids': [token ids]}", param="prompt")
+            return ids
+        if isinstance(prompt, list):
+            text = self.chat_template.messages_to_prompt(prompt)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        if not isinstance(prompt, str):
+            raise InvalidRequestError(f"a prompt must be a string, a list of messages or {{'input_ids': [...]}}, "
+                                      f"got {type(prompt).__name__}", param="prompt")
+        if do_preprocess:
+            text = self.chat_template.messages_to_prompt([{"role": "user", "content": prompt}])
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(prompt)
+
+    def _generate(self, batch: list[Prompt], gen: GenerationConfig,
+                  do_preprocess: bool) -> Iterator[tuple[Response, SequenceOutput]]:
+        engine = self._engine()
+        token_ids = [self._tokenize(p, do_preprocess) for p in batch]
+        ids = [str(next(self._ids)) for _ in batch]
+        added: list[str] = []
+        try:
+            for rid, toks in zip(ids, token_ids):
+                engine.add_request(rid, toks, gen)
+                added.append(rid)
+            position = {rid: i for i, rid in enumerate(ids)}
+            unfinished = len(ids) * gen.n
+            while unfinished:
+                for out in engine.step():
+                    unfinished -= out.finished
+                    yield _response(out, position[out.request_id], int(out.request_id)), out
+        finally:  # an exception (or a consumer that stops iterating) must not leave requests behind
+            for rid in added:
+                engine.abort(rid)
+
+    def _engine(self) -> LLMEngine:
+        if self.engine is None:
+            raise InvalidRequestError("this pipeline was closed; create a new one")
+        return self.engine
+
+
+def pipeline(model_path: str | None = None, backend_config: EngineConfig | None = None,
+             chat_template_config: ChatTemplateConfig | None = None, log_level: str = "ERROR",
+             **engine_kwargs: Any) -> Pipeline:
+    """Load a model (a local directory, a hub id, a .gguf file, or None for the embedded default)."""
+    return Pipeline(model_path, backend_config, chat_template_config, log_level, **engine_kwargs)
+
+
+def default_generation_config(loaded: LoadedModel) -> GenerationConfig:
+    """GenerationConfig() with the model's generation_config.json defaults laid over it."""
+    known = {k: v for k, v in loaded.generation_defaults.items() if k in _GEN_FIELDS}
+    return GenerationConfig(**known)
+
+
+def _as_batch(prompts: Any) -> tuple[list[Prompt], bool]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts], True
+    if isinstance(prompts, list) and prompts and all(isinstance(p, dict) and "role" in p for p in prompts):
+        return [prompts], True  # one conversation in OpenAI message format
+    if not isinstance(prompts, list) or not prompts:
+        raise InvalidRequestError("prompts must be a non-empty string, list of prompts, list of messages or "
+                                  "{'input_ids': [...]}", param="prompts")
+    return list(prompts), False
+
+
+def _response(out: SequenceOutput, index: int, session_id: int) -> Response:
+    logprobs = [{lp.token_id: lp.logprob, **dict(lp.top)} for lp in out.new_logprobs]
+    return Response(text=out.new_text, generate_token_len=out.num_output_tokens, input_token_len=out.num_prompt_tokens,
+                    session_id=session_id, finish_reason=out.finish_reason, token_ids=list(out.new_token_ids),
+                    logprobs=logprobs or None, index=index)
+
+
+def _accumulate(acc: Response, delta: Response) -> None:
+    acc.text += delta.text
+    acc.token_ids.extend(delta.token_ids)
+    if acc.logprobs is not None and delta.logprobs:
+        acc.logprobs.extend(delta.logprobs)
+    acc.generate_token_len = delta.generate_token_len
+    acc.finish_reason = delta.finish_reason

@@ -1,0 +1,67 @@
+"""One sequence the engine generates: its tokens, how many are in the KV cache, and its state."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from llmserve.sampling.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # not yet scheduled, or preempted (then num_computed_tokens == 0)
+    RUNNING = "running"  # owns KV blocks; prefilling in chunks or decoding
+    FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
+    FINISHED_LENGTH = "length"  # max_new_tokens or session_len reached
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)  # identity semantics: two requests are never "equal"
+class Request:
+    """A single sequence. `n > 1` is expanded by the engine into n Requests sharing a parent id.
+
+    Invariant: 0 <= num_computed_tokens <= num_tokens; the first num_computed_tokens of
+    token_ids have their K/V in the blocks the KV-cache manager holds for this request.
+    """
+
+    request_id: str
+    token_ids: list[int]  # prompt followed by generated tokens; appended in place
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    max_new_tokens: int
+    max_total_tokens: int  # session_len: prompt + output never exceed it
+    parent_id: str = ""
+    index: int = 0  # which of the parent's n samples this is
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None  # per-request sampling stream when seeded
+    first_token_time: float | None = None
+    first_scheduled_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

@@ -1,0 +1,114 @@
+"""Runs one scheduled step: flatten the batch, run the model over the paged cache, sample.
+
+The runner owns the device side: the model, the KV-cache tensors (one per layer, bound to the
+attention layers) and the sampler. It never decides what to run; the scheduler does.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.attention import SeqSpec, build_attention_metadata
+from llmserve.engine.request import Request
+from llmserve.engine.scheduler import ScheduledRequest
+from llmserve.models.loader import LoadedModel
+from llmserve.sampling.sampler import Sampler, SamplerOutput, SamplingBatch, SequenceState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+        self.model = loaded.model
+        self.device = loaded.device
+        self.vocab_size = loaded.hf_config.vocab_size
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.sampler = Sampler()
+        spec = cache_spec(loaded)
+        # Zero-filled, not empty: padded decode rows read slot 0, and masked keys must still be
+        # finite (NaN * 0 is NaN inside softmax).
+        for layer in self.model.attention_layers():
+            layer.kv_cache = torch.zeros((2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim),
+                                         dtype=spec.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]) -> SamplerOutput:
+        """Run one step. Returns one sampled token per scheduled request whose `samples` is true,
+        in scheduled order. Decode (single-token) requests must come first."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        seqs: list[SeqSpec] = []
+        logit_rows: list[int] = []
+        for s, table in zip(scheduled, block_tables):
+            r, start = s.request, s.request.num_computed_tokens
+            input_ids.extend(r.token_ids[start:start + s.num_new_tokens])
+            positions.extend(range(start, start + s.num_new_tokens))
+            seqs.append(SeqSpec(start, s.num_new_tokens, table))
+            if s.samples:
+                logit_rows.append(len(input_ids) - 1)
+        meta = build_attention_metadata(seqs, self.block_size, self.device)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, pos, meta)
+        if not logit_rows:
+            return SamplerOutput([], [])
+        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
+        states = [_sequence_state(s.request) for s in scheduled if s.samples]
+        batch = SamplingBatch.build(states, self.vocab_size, self.device)
+        return self.sampler(logits, batch)
+
+
+def _sequence_state(r: Request) -> SequenceState:
+    p = r.sampling
+    # Token history only when a processor reads it: building it is O(sequence length) per step.
+    needs_history = p.needs_penalties or bool(p.bad_words_ids)
+    return SequenceState(
+        params=p,
+        prompt_token_ids=r.prompt_token_ids if needs_history else [],
+        output_token_ids=r.output_token_ids if needs_history else [],
+        generator=r.generator,
+    )
+
+
+def cache_spec(loaded: LoadedModel) -> CacheSpec:
+    layers = loaded.model.attention_layers()
+    return CacheSpec(len(layers), layers[0].num_kv_heads, layers[0].head_dim, loaded.dtype)
+
+
+def num_blocks_for(loaded: LoadedModel, block_size: int, cache_max_bytes: int | None,
+                   cache_max_entry_count: float) -> int:
+    """KV blocks that fit the budget: a byte budget on CPU, a fraction of free memory on GPU."""
+    per_block = cache_spec(loaded).bytes_per_token * block_size
+    if loaded.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(loaded.device)
+        budget = int(free * cache_max_entry_count) if cache_max_bytes is None else cache_max_bytes
+    else:
+        budget = cache_max_bytes if cache_max_bytes is not None else default_cpu_cache_bytes()
+    return max(1, budget // per_block)
+
+
+def default_cpu_cache_bytes() -> int:
+    """A quarter of available RAM, at most 2 GiB (the pool is zero-filled, so it is resident)."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        available = info.get("MemAvailable", 8 << 30)
+    except OSError:
+        available = 8 << 30
+    return min(available // 4, 2 << 30)
