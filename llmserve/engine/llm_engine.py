@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import KeysView
 from dataclasses import dataclass
 
 import torch
 
 from llmserve.config import EngineConfig, GenerationConfig
 from llmserve.engine.kv_cache import KVCacheManager
-from llmserve.engine.output import IncrementalDetokenizer, SequenceOutput
+from llmserve.engine.output import IncrementalDetokenizer, RequestTimes, SequenceOutput
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
 from llmserve.errors import InvalidRequestError, PromptTooLongError
@@ -91,6 +92,9 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def live_request_ids(self) -> KeysView[str]:
+        return self._children.keys()
+
     # --- the loop ------------------------------------------------------------------------
 
     def step(self) -> list[SequenceOutput]:
@@ -141,9 +145,12 @@ class LLMEngine:
                 stop: str | int | None = None) -> SequenceOutput:
         r = t.request
         num_out = r.num_output_tokens - (1 if reason == "stop" and isinstance(stop, int) else 0)
+        times = None
+        if reason is not None:
+            times = RequestTimes(r.arrival_time, r.first_scheduled_time, r.first_token_time, time.monotonic())
         return SequenceOutput(r.parent_id, r.index, new_ids, text, r.num_prompt_tokens, num_out,
                               finished=reason is not None, finish_reason=reason, stop_reason=stop,
-                              new_logprobs=logprobs)
+                              new_logprobs=logprobs, times=times)
 
     # --- validation and parameters -------------------------------------------------------
 

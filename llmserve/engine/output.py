@@ -13,6 +13,16 @@ from llmserve.sampling.sampler import TokenLogprobs
 _CONTEXT_TOKENS = 4
 
 
+@dataclass(frozen=True)
+class RequestTimes:
+    """Monotonic seconds; set on a sequence's final output (for metrics and the request log)."""
+
+    arrival: float
+    first_scheduled: float | None
+    first_token: float | None
+    finished: float
+
+
 @dataclass
 class SequenceOutput:
     """What one step produced for one sequence; consumers accumulate these."""
@@ -27,6 +37,7 @@ class SequenceOutput:
     finish_reason: str | None = None  # 'stop' | 'length' | 'abort'
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    times: RequestTimes | None = None
 
 
 class IncrementalDetokenizer:

@@ -18,6 +18,7 @@ when added, so the oldest running request always fits once everything newer is p
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -95,6 +96,7 @@ class Scheduler:
             self.waiting.popleft()
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
+            request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, n))
             budget -= n

@@ -1,0 +1,170 @@
+"""The engine behind the server: a background thread steps the engine; each request has its own
+asyncio stream of outputs.
+
+Threads: the engine (scheduler, KV bookkeeping, model) is touched only by the engine thread.
+Callers on the event loop send commands (add, abort) through a thread-safe queue, and the engine
+thread hands outputs back with `loop.call_soon_threadsafe`. Requests from all callers are batched
+together by the one engine (continuous batching across HTTP requests).
+
+Failure rules: a request the engine refuses raises in its caller only; an exception inside a step
+aborts the requests of that step with the error (their blocks freed) and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from llmserve.config import GenerationConfig
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.engine.output import SequenceOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    gen: GenerationConfig
+    stream: _Stream
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def put(self, item: SequenceOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_in_use: int
+    prefix_hit_rate: float
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}  # touched only by the engine thread
+        self._stats = self._read_stats()
+        self.on_step: Callable[[list[SequenceOutput]], None] | None = None  # engine thread; for metrics
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="llmserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       gen: GenerationConfig) -> AsyncIterator[SequenceOutput]:
+        """Outputs of every sequence of the request as they come; ends when all n have finished.
+        Raises the engine's InvalidRequestError if the request is refused. Leaving the iteration
+        early (client gone, task cancelled) aborts the request and frees its blocks."""
+        if self._stopping:
+            raise RuntimeError("the engine is shutting down")
+        stream = _Stream(asyncio.get_running_loop())
+        self._commands.put(_Add(request_id, prompt_token_ids, gen, stream))
+        unfinished = gen.n
+        try:
+            while unfinished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                unfinished -= item.finished
+                yield item
+        finally:
+            if unfinished:
+                self._commands.put(_Abort(request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort what is left and stop the thread."""
+        self._stopping = True
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    # --- engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            block = not self.engine.has_unfinished_requests()
+            if not self._drain_commands(block):
+                break
+            if self.engine.has_unfinished_requests():
+                self._step()
+            self._stats = self._read_stats()
+        for rid in list(self._streams):
+            self._dispatch(self.engine.abort(rid))
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply queued commands; wait for one if `block`. False when asked to stop."""
+        while True:
+            try:
+                cmd = self._commands.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                if block:
+                    continue
+                return True
+            if cmd is None:
+                return False
+            self._apply(cmd)
+            block = False
+
+    def _apply(self, cmd: _Add | _Abort) -> None:
+        if isinstance(cmd, _Abort):
+            self._dispatch(self.engine.abort(cmd.request_id))
+            self._streams.pop(cmd.request_id, None)
+            return
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.gen)
+        except Exception as e:  # refused: tell that caller only
+            cmd.stream.put(e)
+            return
+        self._streams[cmd.request_id] = cmd.stream
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            logger.exception("engine step failed; aborting its requests")
+            for rid, stream in list(self._streams.items()):
+                self.engine.abort(rid)
+                stream.put(RuntimeError(f"the engine failed while running this request: {e}"))
+            self._streams.clear()
+            return
+        if self.on_step is not None:
+            self.on_step(outputs)
+        self._dispatch(outputs)
+
+    def _dispatch(self, outputs: list[SequenceOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
+        live = self.engine.live_request_ids()
+        for rid in [r for r in self._streams if r not in live]:
+            del self._streams[rid]
+
+    def _read_stats(self) -> EngineStats:
+        sched, kv = self.engine.scheduler, self.engine.kv
+        return EngineStats(len(sched.running), len(sched.waiting), kv.num_blocks,
+                           kv.num_blocks - kv.num_free_blocks, kv.prefix_stats.hit_rate)
