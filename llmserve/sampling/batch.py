@@ -114,7 +114,7 @@ def _logit_bias(params: list[SamplingParams], vocab_size: int, device: torch.dev
     values: list[float] = []
     for i, p in enumerate(params):
         for token, bias in (p.logit_bias or {}).items():
-            # Ids outside the vocabulary cannot be produced; SamplingParams.check_vocab refuses them earlier.
+            # Ids outside the logits cannot be produced: skipped here (the engine should refuse them with a 400).
             if 0 <= token < vocab_size:
                 rows.append(i)
                 cols.append(token)
