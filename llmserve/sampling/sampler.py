@@ -20,13 +20,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from llmserve.sampling.batch import SamplingBatch
+from llmserve.sampling.batch import SamplingBatch, SequenceState
 from llmserve.sampling.logits_processors import apply_logits_processors, apply_sampling_filters
 from llmserve.sampling.logprobs import TokenLogprobs, gather_logprobs
 
 # Exponential draws are clamped away from 0: p / 0 would be inf (or NaN for p == 0, which
 # argmax would pick, i.e. a banned token).
 _MIN_NOISE = torch.finfo(torch.float32).tiny
+
+# Everything one sampling step needs, importable from here (the model runner does) or from the package.
+__all__ = ["Sampler", "SamplerOutput", "SamplingBatch", "SequenceState", "TokenLogprobs"]
 
 
 @dataclass
