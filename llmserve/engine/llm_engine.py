@@ -161,6 +161,10 @@ class LLMEngine:
         bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad!r} is not in the vocabulary [0, {vocab})", param="prompt")
+        bad_bias = next((t for t in (gen.logit_bias or {}) if not 0 <= t < vocab), None)
+        if bad_bias is not None:
+            raise InvalidRequestError(f"logit_bias token id {bad_bias} is not in the vocabulary [0, {vocab})",
+                                      param="logit_bias")
         if len(ids) + gen.max_new_tokens > self.session_len:
             raise PromptTooLongError(
                 f"the prompt has {len(ids)} tokens and max_new_tokens is {gen.max_new_tokens}: together "

@@ -75,15 +75,8 @@ class ModelRunner:
 
 
 def _sequence_state(r: Request) -> SequenceState:
-    p = r.sampling
-    # Token history only when a processor reads it: building it is O(sequence length) per step.
-    needs_history = p.needs_penalties or bool(p.bad_words_ids)
-    return SequenceState(
-        params=p,
-        prompt_token_ids=r.prompt_token_ids if needs_history else [],
-        output_token_ids=r.output_token_ids if needs_history else [],
-        generator=r.generator,
-    )
+    return SequenceState(params=r.sampling, prompt_token_ids=r.prompt_token_ids,
+                         output_token_ids=r.output_token_ids, generator=r.generator)
 
 
 def cache_spec(loaded: LoadedModel) -> CacheSpec:
