@@ -31,12 +31,13 @@ from llmserve.errors import PromptTooLongError
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
+    # True when this step computes the request's last known token, so a new one is sampled.
+    # Fixed at scheduling time: the request's counters move on after the step.
+    samples: bool
 
-    @property
-    def samples(self) -> bool:
-        """True when this step computes the request's last known token, so a new one is sampled."""
-        r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+    @classmethod
+    def of(cls, request: Request, num_new_tokens: int) -> ScheduledRequest:
+        return cls(request, num_new_tokens, request.num_computed_tokens + num_new_tokens == request.num_tokens)
 
 
 @dataclass
@@ -79,7 +80,7 @@ class Scheduler:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if self._allocate_or_preempt(request, n, preempted):
-                scheduled.append(ScheduledRequest(request, n))
+                scheduled.append(ScheduledRequest.of(request, n))
                 budget -= n
                 i += 1
             else:
@@ -98,7 +99,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
             self.running.append(request)
-            scheduled.append(ScheduledRequest(request, n))
+            scheduled.append(ScheduledRequest.of(request, n))
             budget -= n
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first, order kept
         return SchedulerOutput(scheduled, preempted)
