@@ -165,3 +165,83 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
         return made[arch]
 
     return get
+
+
+# HF name fragment -> llama.cpp name, for writing test GGUF files (the reverse of gguf_loader's map).
+_GGUF_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+               "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+               "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down"}
+
+
+def _gguf_name(hf_name: str) -> str:
+    base, suffix = hf_name.rsplit(".", 1)
+    if base.startswith("model.layers."):
+        _, _, layer, part = base.split(".", 3)
+        return f"blk.{layer}.{_GGUF_NAMES[part]}.{suffix}"
+    return f"{_GGUF_NAMES[base]}.{suffix}"
+
+
+def _llama_cpp_permute(w: Any, n_head: int) -> Any:
+    # convert_hf_to_gguf.py LlamaModel.permute: interleave the two rotary halves of each head.
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(hf_model: Any, path: str | os.PathLike, qtype: Any = None,
+                    rope_freqs: Any = None, orig_ctx: int | None = None) -> str:
+    """A llama-architecture GGUF of `hf_model` (vocab must equal the tiny tokenizer's 300) with the
+    tiny tokenizer and chat template as metadata, written as llama.cpp's converter would (Q/K
+    permuted). 2-D weights are stored as `qtype` (default F32), 1-D ones as F32."""
+    import gguf
+
+    cfg, tok = hf_model.config, tiny_tokenizer()
+    assert cfg.vocab_size == len(tok), "GGUF token list and embedding rows must agree"
+    qtype = qtype or gguf.GGMLQuantizationType.F32
+    w = gguf.GGUFWriter(os.fspath(path), "llama")
+    w.add_name("tiny llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_vocab_size(cfg.vocab_size)
+    if orig_ctx:
+        w.add_rope_scaling_orig_ctx_len(orig_ctx)
+    _add_tokenizer(w, tok)
+    for name, t in hf_model.state_dict().items():
+        arr = t.detach().float().numpy()
+        if name.endswith("q_proj.weight"):
+            arr = _llama_cpp_permute(arr, cfg.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            arr = _llama_cpp_permute(arr, cfg.num_key_value_heads)
+        if arr.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(_gguf_name(name), gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(_gguf_name(name), arr)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.numpy().astype("float32"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return os.fspath(path)
+
+
+def _add_tokenizer(w: Any, tok: PreTrainedTokenizerFast) -> None:
+    data = json.loads(tok.backend_tokenizer.to_str())
+    vocab = sorted(data["model"]["vocab"].items(), key=lambda kv: kv[1])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t, _ in vocab])  # 3: control
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in data["model"]["merges"]])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(0)
+    w.add_chat_template(CHAT_TEMPLATE)
