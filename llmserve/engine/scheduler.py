@@ -57,6 +57,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first: preemption takes from the end
+        self.num_preemptions = 0  # since start, for metrics and tests
 
     def add_request(self, request: Request) -> None:
         worst = request.num_prompt_tokens + request.max_new_tokens
@@ -117,6 +118,7 @@ class Scheduler:
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
