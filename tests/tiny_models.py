@@ -172,7 +172,7 @@ _GGUF_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", 
                "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down"}
+               "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 
 def _gguf_name(hf_name: str) -> str:
@@ -190,15 +190,17 @@ def _llama_cpp_permute(w: Any, n_head: int) -> Any:
 
 def write_tiny_gguf(hf_model: Any, path: str | os.PathLike, qtype: Any = None,
                     rope_freqs: Any = None, orig_ctx: int | None = None) -> str:
-    """A llama-architecture GGUF of `hf_model` (vocab must equal the tiny tokenizer's 300) with the
-    tiny tokenizer and chat template as metadata, written as llama.cpp's converter would (Q/K
-    permuted). 2-D weights are stored as `qtype` (default F32), 1-D ones as F32."""
+    """A GGUF of `hf_model` (llama, qwen2 or qwen3; vocab must equal the tiny tokenizer's 300) with
+    the tiny tokenizer and chat template as metadata, written as llama.cpp's converter would (Q/K
+    permuted for llama). 2-D weights are stored as `qtype` (default F32), 1-D ones as F32."""
     import gguf
 
     cfg, tok = hf_model.config, tiny_tokenizer()
     assert cfg.vocab_size == len(tok), "GGUF token list and embedding rows must agree"
     qtype = qtype or gguf.GGMLQuantizationType.F32
-    w = gguf.GGUFWriter(os.fspath(path), "llama")
+    arch = cfg.model_type
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w = gguf.GGUFWriter(os.fspath(path), arch)
     w.add_name("tiny llama")
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -208,16 +210,18 @@ def write_tiny_gguf(hf_model: Any, path: str | os.PathLike, qtype: Any = None,
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_vocab_size(cfg.vocab_size)
     if orig_ctx:
         w.add_rope_scaling_orig_ctx_len(orig_ctx)
     _add_tokenizer(w, tok)
     for name, t in hf_model.state_dict().items():
         arr = t.detach().float().numpy()
-        if name.endswith("q_proj.weight"):
+        if arch == "llama" and name.endswith("q_proj.weight"):
             arr = _llama_cpp_permute(arr, cfg.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
+        elif arch == "llama" and name.endswith("k_proj.weight"):
             arr = _llama_cpp_permute(arr, cfg.num_key_value_heads)
         if arr.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
             w.add_tensor(_gguf_name(name), gguf.quants.quantize(arr, qtype), raw_dtype=qtype)

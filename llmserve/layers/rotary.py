@@ -158,8 +158,9 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.rope = rc
-        cos, sin = compute_cos_sin(rc, head_dim, num_positions or rope_max_positions(rc))
         device = torch.get_default_device()
+        with torch.device("cpu"):  # as HF computes inv_freq: the same values on every device
+            cos, sin = compute_cos_sin(rc, head_dim, num_positions or rope_max_positions(rc))
         # fp32 tables [P, head_dim/2]; not in the state dict (derived from the config).
         self.register_buffer("cos", cos.to(device), persistent=False)
         self.register_buffer("sin", sin.to(device), persistent=False)

@@ -118,7 +118,7 @@ def _field(reader: Any, key: str) -> Any:
 
 
 def _complete_config(cfg: Any, reader: Any, path: str) -> None:
-    """What transformers' GGUF config mapping leaves out: architectures, head_dim, rope scaling."""
+    """What transformers' GGUF config mapping leaves out: architectures, head_dim, biases, rope scaling."""
     if cfg.model_type not in MODEL_TYPES:
         raise ModelLoadError(f"{path}: GGUF architecture {cfg.model_type!r} is not supported; supported: "
                              f"{', '.join(sorted(MODEL_TYPES))}")
@@ -127,6 +127,8 @@ def _complete_config(cfg: Any, reader: Any, path: str) -> None:
     key_length = _field(reader, f"{arch}.attention.key_length")
     if key_length:
         cfg.head_dim = int(key_length)
+    if cfg.model_type in ("llama", "qwen3"):  # a config flag there; GGUF only shows it by the tensors
+        cfg.attention_bias = any(t.name.endswith(".attn_q.bias") for t in reader.tensors)
     window = _field(reader, f"{arch}.attention.sliding_window")
     if window and cfg.model_type == "mistral":
         cfg.sliding_window = int(window)

@@ -96,6 +96,12 @@ def locate_model(model: str | None, config: EngineConfig) -> _Location:
         model_dir, converted = gguf_to_hf_dir(path, config.trust_remote_code)
         return _Location(model_dir, os.path.splitext(os.path.basename(path))[0], converted)
     if os.path.isdir(path):
+        ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+        if not os.path.exists(os.path.join(path, "config.json")) and ggufs:
+            if len(ggufs) > 1:
+                raise ModelLoadError(f"{path}: has no config.json and several .gguf files; name one of: "
+                                     f"{', '.join(os.path.basename(g) for g in ggufs)}")
+            return locate_model(ggufs[0], config)
         return _Location(os.path.abspath(path), os.path.basename(os.path.normpath(os.path.abspath(path))))
     if os.path.exists(path):
         raise ModelLoadError(f"{path!r} is a file; give a model directory (with config.json), a .gguf file "

@@ -58,6 +58,27 @@ def test_f32_gguf_weights_are_exact_and_logits_match(tmp_path) -> None:
     torch.testing.assert_close(ours, hf_logits(hf, IDS), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("arch, overrides", [
+    ("qwen2", {"use_sliding_window": False}),  # GGUF carries no Qwen2 window
+    ("qwen3", {}),  # head_dim 32 != hidden / heads: read from attention.key_length
+], ids=["qwen2", "qwen3"])
+def test_qwen_gguf_logits_match(arch: str, overrides: dict, tmp_path) -> None:
+    hf = make_hf_model(arch, vocab_size=300, **overrides)
+    lm = load_model(write_tiny_gguf(hf, tmp_path / f"{arch}.gguf"), CPU32)
+    assert type(lm.model).__name__ == type(hf).__name__
+    ours = PagedRunner(lm.model).step([(0, IDS)])[0]
+    torch.testing.assert_close(ours, hf_logits(hf, IDS), atol=1e-4, rtol=0)
+
+
+def test_directory_holding_one_gguf(tmp_path) -> None:
+    hf = make_hf_model("llama", vocab_size=300)
+    write_tiny_gguf(hf, tmp_path / "only.gguf")
+    assert load_model(str(tmp_path), CPU32).served_name == "only"
+    write_tiny_gguf(hf, tmp_path / "second.gguf")
+    with pytest.raises(ModelLoadError, match="several .gguf files; name one of: only.gguf, second.gguf"):
+        load_model(str(tmp_path), CPU32)
+
+
 def test_q8_0_gguf_equals_gguf_dequantization(tmp_path) -> None:
     hf = make_hf_model("llama", vocab_size=300)
     path = write_tiny_gguf(hf, tmp_path / "tiny.Q8_0.gguf", Q.Q8_0)
