@@ -70,6 +70,7 @@ def gguf_to_hf_dir(path: str, trust_remote_code: bool = False) -> tuple[str, boo
     if os.path.isfile(os.path.join(final, "config.json")):
         return final, False
     os.makedirs(os.path.dirname(final), exist_ok=True)
+    _remove_stale_temporaries(final)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.tmp-", dir=os.path.dirname(final))
     try:
         start = time.perf_counter()
@@ -85,6 +86,16 @@ def gguf_to_hf_dir(path: str, trust_remote_code: bool = False) -> tuple[str, boo
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final, True
+
+
+def _remove_stale_temporaries(final: str, max_age_s: float = 3600.0) -> None:
+    """Temp dirs left by a killed conversion; a younger one may belong to a conversion still running."""
+    prefix = f".{os.path.basename(final)}.tmp-"
+    parent = os.path.dirname(final)
+    for name in os.listdir(parent):
+        path = os.path.join(parent, name)
+        if name.startswith(prefix) and time.time() - os.path.getmtime(path) > max_age_s:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _convert(path: str, out_dir: str, trust_remote_code: bool) -> None:

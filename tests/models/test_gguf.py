@@ -136,6 +136,17 @@ def test_failed_conversion_leaves_no_cache(tmp_path, cache_dir, monkeypatch) -> 
     assert os.listdir(os.path.join(cache_dir, "gguf")) == []
 
 
+def test_stale_temporary_of_a_killed_conversion_is_removed(tmp_path, cache_dir) -> None:
+    path = write_tiny_gguf(make_hf_model("llama", vocab_size=300), tmp_path / "tiny.F32.gguf")
+    parent, name = os.path.split(gguf_loader.gguf_cache_dir(path))
+    stale, fresh = (os.path.join(parent, f".{name}.tmp-{age}") for age in ("old", "new"))
+    for d in (stale, fresh):
+        os.makedirs(d)
+    os.utime(stale, (0, 0))
+    load_model(path, CPU32)
+    assert sorted(os.listdir(parent)) == sorted([f".{name}.tmp-new", name])  # a young one may be in use
+
+
 def test_not_a_gguf_file_is_named(tmp_path) -> None:
     path = tmp_path / "broken.gguf"
     path.write_bytes(b"not a gguf file at all" * 10)
