@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve import EngineConfig, GenerationConfig, InvalidRequestError, ModelLoadError, PromptTooLongError, pipeline
+from llmserve import (
+    EngineConfig,
+    GenerationConfig,
+    InvalidRequestError,
+    ModelLoadError,
+    PromptTooLongError,
+    pipeline,
+)
 
 pytestmark = pytest.mark.slow
 QUESTION = "What is the capital of France?"

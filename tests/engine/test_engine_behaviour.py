@@ -1,0 +1,136 @@
+"""Engine behaviour on a tiny model: seeds, n, stops across token boundaries, abort, bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve import EngineConfig, GenerationConfig, PromptTooLongError, pipeline
+from llmserve.engine.output import IncrementalDetokenizer
+from tests.tiny_models import tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_model_dir):
+    with pipeline(tiny_model_dir("llama"), backend_config=EngineConfig(dtype="float32", block_size=4,
+                                                                       num_blocks=128)) as p:
+        yield p
+
+
+def ids(n: int, seed: int) -> dict:
+    return {"input_ids": torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()}
+
+
+SAMPLED = GenerationConfig(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=10, ignore_eos=True)
+
+
+def run_engine(engine, requests: dict[str, tuple[dict, GenerationConfig]]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {rid: [] for rid in requests}
+    for rid, (prompt, gen) in requests.items():
+        engine.add_request(rid, prompt["input_ids"], gen)
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    return out
+
+
+def test_same_seed_same_output_whatever_the_batch(pipe):
+    seeded = SAMPLED.replace(random_seed=7)
+    alone = pipe(ids(6, 0), gen_config=seeded).token_ids
+    among_unseeded = run_engine(pipe.engine, {"u1": (ids(9, 1), SAMPLED), "s": (ids(6, 0), seeded),
+                                              "u2": (ids(20, 2), SAMPLED)})
+    among_seeded = run_engine(pipe.engine, {"s": (ids(6, 0), seeded),
+                                            "o": (ids(3, 3), SAMPLED.replace(random_seed=99))})
+    assert among_unseeded["s"] == alone
+    assert among_seeded["s"] == alone
+    assert among_unseeded["u1"] != among_unseeded["u2"]
+    assert pipe(ids(6, 0), gen_config=SAMPLED.replace(random_seed=8)).token_ids != alone
+
+
+def test_n_returns_distinct_samples_in_order(pipe):
+    out = pipe(ids(5, 0), gen_config=SAMPLED.replace(n=3, random_seed=1))
+    assert len(out) == 3 and all(r.index == 0 for r in out)
+    assert len({tuple(r.token_ids) for r in out}) == 3  # seeds seed+0, seed+1, seed+2
+    again = pipe(ids(5, 0), gen_config=SAMPLED.replace(n=3, random_seed=1))
+    assert [r.token_ids for r in again] == [r.token_ids for r in out]
+    assert pipe.engine.kv.usage().in_use == 0
+
+
+def test_greedy_equals_top_k_1(pipe):
+    greedy = pipe(ids(8, 5), gen_config=SAMPLED.replace(temperature=0.0)).token_ids
+    assert pipe(ids(8, 5), gen_config=SAMPLED.replace(top_k=1)).token_ids == greedy
+
+
+def test_stop_token_ids_end_generation_and_are_not_returned(pipe):
+    greedy = GenerationConfig(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+    full = pipe(ids(8, 5), gen_config=greedy).token_ids
+    stop_at = full[3]
+    first = full.index(stop_at)
+    r = pipe(ids(8, 5), gen_config=greedy.replace(stop_token_ids=[stop_at]))
+    assert r.token_ids == full[:first] and r.finish_reason == "stop" and r.generate_token_len == first
+    late = pipe(ids(8, 5), gen_config=greedy.replace(stop_token_ids=[stop_at], min_new_tokens=first + 1))
+    assert stop_at not in late.token_ids[:first + 1]
+
+
+def test_stop_string_split_across_tokens_is_found_and_held_back():
+    tok = tiny_tokenizer()
+    text = "The capital of France is Paris."
+    toks = tok.encode(text)
+    stop = "France is"
+    assert not any(stop in tok.decode([t]) for t in toks)  # the stop string spans several tokens
+    detok = IncrementalDetokenizer(tok, [1], True, [stop], include_stop=False)
+    emitted = []
+    for t in toks:
+        emitted.append(detok.add(t))
+        if detok.stop_hit:
+            break
+    assert detok.stop_hit == stop
+    assert "".join(emitted) == "The capital of "
+    # Nothing that could still become the stop string was handed out early.
+    assert all(not ("".join(emitted[:i + 1])).endswith("Fr") for i in range(len(emitted) - 1))
+
+
+def test_prompt_over_session_len_is_refused_and_nothing_is_held(tiny_model_dir):
+    with pipeline(tiny_model_dir("llama"), backend_config=EngineConfig(dtype="float32", session_len=32)) as p:
+        with pytest.raises(PromptTooLongError, match="30 tokens and max_new_tokens is 8.*session length of 32"):
+            p(ids(30, 0), max_new_tokens=8)
+        assert p.engine.kv.usage().in_use == 0 and not p.engine.has_unfinished_requests()
+        assert p(ids(20, 0), max_new_tokens=8, temperature=0).generate_token_len <= 8
+
+
+def test_prompt_needing_more_blocks_than_the_pool_is_refused(tiny_model_dir):
+    with pipeline(tiny_model_dir("llama"), backend_config=EngineConfig(dtype="float32", block_size=4,
+                                                                       num_blocks=4)) as p:
+        with pytest.raises(PromptTooLongError, match="needs 5 KV blocks but the pool has 4"):
+            p(ids(12, 0), max_new_tokens=8)
+        assert p(ids(8, 0), max_new_tokens=8, temperature=0, ignore_eos=True).generate_token_len == 8
+
+
+def test_abort_frees_blocks_at_once(pipe):
+    engine = pipe.engine
+    engine.add_request("a", ids(30, 0)["input_ids"], SAMPLED.replace(max_new_tokens=50))
+    engine.add_request("b", ids(10, 1)["input_ids"], SAMPLED.replace(max_new_tokens=50))
+    engine.step()
+    engine.step()
+    held_by_a = len(engine.kv.block_table("a#0"))
+    assert held_by_a == 8  # 31 tokens in blocks of 4
+    in_use = engine.kv.usage().in_use
+    out = engine.abort("a")
+    assert [(o.request_id, o.finish_reason) for o in out] == [("a", "abort")]
+    assert engine.kv.usage().in_use == in_use - held_by_a
+    engine.kv.check_invariants()
+    engine.abort("b")
+    assert engine.kv.usage().in_use == 0 and not engine.has_unfinished_requests()
+
+
+def test_streaming_consumer_that_stops_early_leaves_nothing_behind(pipe):
+    stream = pipe.stream_infer([ids(10, 0), ids(12, 1)], gen_config=SAMPLED.replace(max_new_tokens=30))
+    next(stream)
+    stream.close()
+    assert pipe.engine.kv.usage().in_use == 0 and not pipe.engine.has_unfinished_requests()
+
+
+def test_generation_config_defaults_come_from_the_model(pipe):
+    # tests/tiny_models.py writes temperature 0.6 and top_p 0.9 into generation_config.json
+    assert pipe.default_gen_config.temperature == 0.6 and pipe.default_gen_config.top_p == 0.9
+    assert set(pipe.engine.loaded.eos_token_ids) == {0, 2}
