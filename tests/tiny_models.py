@@ -14,14 +14,18 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from llmserve.attention import SeqSpec, build_attention_metadata
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+# transformers and tokenizers are imported inside the functions: conftest imports this module for
+# every test session, and most tests never build a model.
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 (as SmolLM2)
 CHAT_TEMPLATE = (
@@ -58,6 +62,9 @@ GENERATION_CONFIG = {"bos_token_id": 1, "eos_token_id": [2, 0], "temperature": 0
 
 @cache
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     tok = Tokenizer(models.BPE(unk_token="<|endoftext|>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -69,6 +76,8 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_config(arch: str, **overrides: Any) -> Any:
+    from transformers import AutoConfig
+
     model_type, arch_overrides = TINY_CONFIGS[arch]
     return AutoConfig.for_model(model_type, **{**_BASE, **arch_overrides, **overrides})
 
@@ -84,6 +93,8 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 
 
 def make_hf_model(arch: str, seed: int = 0, **overrides: Any) -> Any:
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
     cfg = tiny_config(arch, **overrides)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
