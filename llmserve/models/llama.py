@@ -63,6 +63,8 @@ def layer_sliding_windows(cfg: Any) -> tuple[int | None, ...]:
 
 @contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    # Process-wide while a model is built (layers allocate with plain torch.empty); models are built
+    # before the engine starts stepping, so nothing else allocates concurrently.
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
