@@ -1,0 +1,98 @@
+"""Offline throughput: the whole workload through the engine at once, as vLLM's and LMDeploy's
+throughput benchmarks do. Counts the matrix FLOPs so the result can be read as a fraction of peak."""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from llmserve.bench.datasets import BenchRequest
+from llmserve.config import GenerationConfig
+from llmserve.engine.llm_engine import LLMEngine
+
+
+@dataclass
+class ThroughputResult:
+    engine: str
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    elapsed_s: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    total_tokens_per_s: float
+    prefix_cache_hit_rate: float
+    peak_rss_mb: float
+    gflop: float
+    achieved_gflops: float
+    mean_ttft_ms: float | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def run_engine_throughput(engine: LLMEngine, requests: list[BenchRequest], ignore_eos: bool) -> ThroughputResult:
+    gen = GenerationConfig(temperature=0.0, max_new_tokens=1, ignore_eos=ignore_eos)
+    for i, r in enumerate(requests):
+        engine.add_request(f"bench-{i}", r.prompt_token_ids, gen.replace(max_new_tokens=r.output_len))
+    hits_before = engine.kv.prefix_stats.hit_tokens, engine.kv.prefix_stats.queried_tokens
+    output_tokens, ttfts = 0, []
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            output_tokens += len(out.new_token_ids) + (out.finish_reason == "stop")
+            if out.times is not None and out.times.first_token is not None:
+                ttfts.append(out.times.first_token - out.times.arrival)
+    elapsed = time.perf_counter() - start
+    hit = engine.kv.prefix_stats.hit_tokens - hits_before[0]
+    queried = engine.kv.prefix_stats.queried_tokens - hits_before[1]
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    flop = workload_flop(engine.loaded.hf_config, requests)
+    return ThroughputResult(
+        engine="llmserve", num_requests=len(requests), prompt_tokens=prompt_tokens, output_tokens=output_tokens,
+        elapsed_s=elapsed, requests_per_s=len(requests) / elapsed, output_tokens_per_s=output_tokens / elapsed,
+        total_tokens_per_s=(prompt_tokens + output_tokens) / elapsed,
+        prefix_cache_hit_rate=hit / queried if queried else 0.0, peak_rss_mb=peak_rss_mb(),
+        gflop=flop / 1e9, achieved_gflops=flop / elapsed / 1e9,
+        mean_ttft_ms=1000 * sum(ttfts) / len(ttfts) if ttfts else None)
+
+
+def workload_flop(cfg: object, requests: list[BenchRequest]) -> float:
+    """Matrix FLOPs of the workload: 2 x linear params per computed token, the LM head once per
+    generated token, and attention (QK^T and PV: 4 x heads x head_dim per context position)."""
+    hidden, layers = cfg.hidden_size, cfg.num_hidden_layers
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    kv_heads = getattr(cfg, "num_key_value_heads", heads)
+    per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * cfg.intermediate_size
+    total = 0.0
+    for r in requests:
+        p, o = len(r.prompt_token_ids), r.output_len
+        tokens = p + o - 1  # the last generated token is never fed back
+        ctx_sum = tokens * (tokens + 1) / 2  # each token attends to every earlier one and itself
+        total += 2 * per_layer * layers * tokens + 2 * hidden * cfg.vocab_size * o
+        total += 4 * heads * head_dim * layers * ctx_sum
+    return total
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def matmul_peak_gflops(dtype: torch.dtype, device: torch.device, m: int = 256, k: int = 576, n: int = 1536,
+                       seconds: float = 1.0) -> float:
+    """What this device does on a model-shaped matmul: the 'peak' the achieved figure is read against."""
+    a = torch.randn(m, k, dtype=dtype, device=device)
+    w = torch.randn(n, k, dtype=dtype, device=device)
+    for _ in range(3):
+        torch.nn.functional.linear(a, w)
+    iters, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.nn.functional.linear(a, w)
+        iters += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 2 * m * k * n * iters / (time.perf_counter() - start) / 1e9
