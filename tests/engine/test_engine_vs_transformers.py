@@ -61,6 +61,7 @@ MODES = {
     "plain": dict(),
     "chunked": dict(max_prefill_token_num=7),  # every prompt longer than 7 tokens is prefilled in chunks
     "preempted": dict(num_blocks=16, block_size=4),  # 8 prompts need up to 13 blocks each
+    "prefix-cached": dict(enable_prefix_caching=True, block_size=4),  # the batch runs twice: 2nd run hits
 }
 
 
@@ -75,6 +76,11 @@ def test_greedy_batch_matches_transformers(arch, mode, tiny_model_dir, expected)
         assert all(r.finish_reason == "length" and r.generate_token_len == NEW_TOKENS for r in out)
         if mode == "preempted":
             assert engine.scheduler.num_preemptions > 0
+        if mode == "prefix-cached":
+            again = pipe([{"input_ids": p} for p in prompts()], gen_config=GREEDY)
+            assert [r.token_ids for r in again] == expected[arch]
+            # Every full block of each prompt is a hit, except one holding the prompt's last token.
+            assert engine.kv.prefix_stats.hit_tokens == sum((n - 1) // 4 * 4 for n in PROMPT_LENS) == 124
         engine.kv.check_invariants()
         assert engine.kv.usage().in_use == 0
 
