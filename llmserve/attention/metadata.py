@@ -75,33 +75,44 @@ class SeqSpec:
 
 
 def build_attention_metadata(seqs: list[SeqSpec], block_size: int, device: torch.device) -> AttentionMetadata:
-    """Flatten a step's requests into slot mappings and gather indices. Decodes must come first."""
-    slot_rows: list[list[int]] = []
-    new_slots: list[int] = []
-    for s in seqs:
-        total = s.num_cached + s.num_new
-        assert len(s.block_table) * block_size >= total, "block table too short for the context"
-        slots = [s.block_table[i // block_size] * block_size + i % block_size for i in range(total)]
-        slot_rows.append(slots)
-        new_slots.extend(slots[s.num_cached:])
+    """Flatten a step's requests into slot mappings and gather indices. Decodes must come first.
+
+    Vectorised: the per-token work is torch ops over a padded block-table tensor, so the Python
+    cost per step is O(requests + blocks), not O(context tokens).
+    """
     num_decodes = 0
     while num_decodes < len(seqs) and seqs[num_decodes].num_new == 1:
         num_decodes += 1
     assert all(s.num_new > 1 for s in seqs[num_decodes:]), "decodes must come before prefill chunks"
+    totals = [s.num_cached + s.num_new for s in seqs]
+    width = max(len(s.block_table) for s in seqs)
+    for s, total in zip(seqs, totals):
+        assert len(s.block_table) * block_size >= total, "block table too short for the context"
+    tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int64)
+    # Every slot of every request's blocks, in context order: [num_seqs, width * block_size].
+    all_slots = (tables[:, :, None] * block_size + torch.arange(block_size)).reshape(len(seqs), -1)
+    new_counts = torch.tensor([s.num_new for s in seqs])
+    row = torch.repeat_interleave(torch.arange(len(seqs)), new_counts)
+    starts = torch.tensor([s.num_cached for s in seqs])
+    # Index of each new token within its own request: 0..num_new-1 per request.
+    offset = torch.arange(int(new_counts.sum())) - torch.repeat_interleave(torch.cumsum(new_counts, 0) - new_counts,
+                                                                          new_counts)
+    slot_mapping = all_slots[row, starts[row] + offset]
     decode_slots = decode_lens = None
     if num_decodes:
-        max_len = max(len(r) for r in slot_rows[:num_decodes])
-        padded = [r + [0] * (max_len - len(r)) for r in slot_rows[:num_decodes]]
-        decode_slots = torch.tensor(padded, dtype=torch.int64, device=device)
-        decode_lens = torch.tensor([len(r) for r in slot_rows[:num_decodes]], dtype=torch.int64, device=device)
+        max_len = max(totals[:num_decodes])
+        decode_lens = torch.tensor(totals[:num_decodes], dtype=torch.int64)
+        decode_slots = all_slots[:num_decodes, :max_len].where(
+            torch.arange(max_len) < decode_lens[:, None], 0).to(device)
+        decode_lens = decode_lens.to(device)
     prefills = []
     start = num_decodes
-    for s, slots in zip(seqs[num_decodes:], slot_rows[num_decodes:]):
-        slots_t = torch.tensor(slots, dtype=torch.int64, device=device)
-        prefills.append(PrefillSpan(start, start + s.num_new, s.num_cached, slots_t))
+    for i in range(num_decodes, len(seqs)):
+        s = seqs[i]
+        prefills.append(PrefillSpan(start, start + s.num_new, s.num_cached, all_slots[i, :totals[i]].to(device)))
         start += s.num_new
     return AttentionMetadata(
-        slot_mapping=torch.tensor(new_slots, dtype=torch.int64, device=device),
+        slot_mapping=slot_mapping.to(device),
         num_decodes=num_decodes,
         decode_slots=decode_slots,
         decode_lens=decode_lens,
