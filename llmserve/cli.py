@@ -1,5 +1,6 @@
-"""`llmserve generate | list` (and the commands other modules register). Engine and generation
-flags are built from the config dataclasses, so their help text is the fields' own docs."""
+"""`llmserve serve | generate | list` (and the commands other modules register). Engine, server and
+generation flags are built from the config dataclasses, so their help text is the fields' own docs.
+Commands that load a model take it either as the first positional argument or as --model."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import types
 import typing
 from typing import Any
 
-from llmserve.config import EngineConfig, GenerationConfig
+from llmserve.config import ChatTemplateConfig, EngineConfig, GenerationConfig
+from llmserve.errors import InvalidRequestError
 
 # Generation flags offered on the command line (the rest are API-only).
 _GEN_FLAGS = ("max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
@@ -56,7 +58,8 @@ def dataclass_from_args(cls: type, args: argparse.Namespace, base: Any = None) -
 def _cmd_generate(args: argparse.Namespace) -> int:
     from llmserve.api import pipeline
 
-    with pipeline(args.model, backend_config=dataclass_from_args(EngineConfig, args), log_level=args.log_level) as pipe:
+    with pipeline(args.model, backend_config=dataclass_from_args(EngineConfig, args), log_level=args.log_level,
+                  chat_template_config=chat_template_config_from_args(args)) as pipe:
         gen = dataclass_from_args(GenerationConfig, args, base=pipe.default_gen_config)
         for response in pipe.stream_infer(args.prompt, gen_config=gen, do_preprocess=not args.no_chat_template):
             sys.stdout.write(response.text)
@@ -78,21 +81,73 @@ def _cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR (default: WARNING)")
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from llmserve.serve.config import ServerConfig
+    from llmserve.serve.server import serve
+
+    return serve(args.model, dataclass_from_args(EngineConfig, args), dataclass_from_args(ServerConfig, args),
+                 chat_template_config_from_args(args), log_level=args.log_level)
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, log_level: str = "WARNING") -> None:
+    parser.add_argument("--log-level", default=log_level, type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help=f"logging level (default: {log_level})")
     add_dataclass_flags(parser, EngineConfig, group_title="engine")
 
 
+def add_model_flags(parser: argparse.ArgumentParser, log_level: str = "WARNING") -> None:
+    """What every model-loading command takes: the model (`llmserve CMD [MODEL]` or `--model MODEL`),
+    the chat template, and the engine flags (LMDeploy's names, help from EngineConfig's field docs)."""
+    parser.add_argument("--model", dest="model_flag", default=None, metavar="MODEL", help="same as the MODEL argument")
+    add_engine_flags(parser, log_level)
+    add_dataclass_flags(parser, ChatTemplateConfig, ("chat_template", "meta_instruction"), group_title="chat template")
+
+
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None, help="a local directory, a hub id or a .gguf file "
+                                                               "(default: the embedded SmolLM2-135M-Instruct)")
+
+
+def resolve_model(args: argparse.Namespace) -> None:
+    """Merge `--model` into the positional MODEL; both given and different is an error."""
+    flag = getattr(args, "model_flag", None)
+    if flag is None:
+        return
+    if getattr(args, "model", None) not in (None, flag):
+        raise InvalidRequestError(f"two models given: {args.model!r} and --model {flag!r}; give one")
+    args.model = flag
+
+
+def chat_template_config_from_args(args: argparse.Namespace) -> ChatTemplateConfig | None:
+    """--chat-template names a built-in template (see `llmserve list`), or is a jinja string or file."""
+    from llmserve.chat_template import BUILTIN_TEMPLATES
+
+    template, meta = getattr(args, "chat_template", None), getattr(args, "meta_instruction", None)
+    if template is None and meta is None:
+        return None
+    if template in BUILTIN_TEMPLATES:
+        return ChatTemplateConfig(model_name=template, meta_instruction=meta)
+    return ChatTemplateConfig(chat_template=template, meta_instruction=meta)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from llmserve.serve.config import ServerConfig
+
     parser = argparse.ArgumentParser(prog="llmserve", description="Serve and run large language models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    srv = sub.add_parser("serve", help="serve a model over HTTP: OpenAI (/v1) and TGI (/generate) APIs, "
+                                       "/metrics, and a chat page at /")
+    add_model_argument(srv)
+    add_model_flags(srv, log_level="INFO")
+    add_dataclass_flags(srv, ServerConfig, group_title="server")
+    srv.set_defaults(func=_cmd_serve)
+
     gen = sub.add_parser("generate", help="generate text for one prompt on the terminal")
+    add_model_argument(gen)
     gen.add_argument("prompt", help="the prompt (a user message; the chat template is applied)")
-    gen.add_argument("--model", default=None, help="a local directory, a hub id or a .gguf file "
-                                                   "(default: the embedded SmolLM2-135M-Instruct)")
     gen.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
-    add_engine_flags(gen)
+    add_model_flags(gen)
     add_dataclass_flags(gen, GenerationConfig, _GEN_FLAGS, group_title="generation")
     gen.set_defaults(func=_cmd_generate)
 
@@ -106,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
+        resolve_model(args)
         return args.func(args)
     except LLMServeError as e:
         print(f"llmserve: error: {e}", file=sys.stderr)

@@ -18,6 +18,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmserve.config import GenerationConfig
 from llmserve.engine.llm_engine import LLMEngine
@@ -40,6 +41,31 @@ class _Abort:
 
 
 @dataclass
+class _Call:
+    """Run `fn(engine)` on the engine thread and resolve `future` (on `loop`) with its result."""
+
+    fn: Callable[[LLMEngine], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+    def resolve(self, engine: LLMEngine) -> None:
+        try:
+            result, error = self.fn(engine), None
+        except Exception as e:
+            result, error = None, e
+        self.loop.call_soon_threadsafe(_settle, self.future, result, error)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():  # the caller gave up waiting
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+@dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -55,13 +81,15 @@ class EngineStats:
     kv_blocks_total: int
     kv_blocks_in_use: int
     prefix_hit_rate: float
+    num_steps: int  # engine.step() calls so far
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # touched only by the engine thread
+        self._num_steps = 0
         self._stats = self._read_stats()
         self.on_step: Callable[[list[SequenceOutput]], None] | None = None  # engine thread; for metrics
         self._stopping = False
@@ -71,6 +99,21 @@ class AsyncEngine:
     @property
     def stats(self) -> EngineStats:
         return self._stats
+
+    @property
+    def is_alive(self) -> bool:
+        """False once the engine thread has stopped (shut down, or died)."""
+        return self._thread.is_alive()
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """fn(engine) run on the engine thread between steps (the only safe place to read the
+        scheduler or the KV pool), e.g. `await ae.call(lambda e: e.kv.check_invariants())`."""
+        if not self.is_alive:
+            raise RuntimeError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        call = _Call(fn, loop, loop.create_future())
+        self._commands.put(call)
+        return await call.future
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        gen: GenerationConfig) -> AsyncIterator[SequenceOutput]:
@@ -114,6 +157,19 @@ class AsyncEngine:
             self._stats = self._read_stats()
         for rid in list(self._streams):
             self._dispatch(self.engine.abort(rid))
+        self._answer_leftover_commands()
+
+    def _answer_leftover_commands(self) -> None:
+        # Commands queued after the stop marker would otherwise leave their callers waiting forever.
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Call):
+                cmd.resolve(self.engine)
+            elif isinstance(cmd, _Add):
+                cmd.stream.put(RuntimeError("the engine is shutting down"))
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued commands; wait for one if `block`. False when asked to stop."""
@@ -129,7 +185,10 @@ class AsyncEngine:
             self._apply(cmd)
             block = False
 
-    def _apply(self, cmd: _Add | _Abort) -> None:
+    def _apply(self, cmd: _Add | _Abort | _Call) -> None:
+        if isinstance(cmd, _Call):
+            cmd.resolve(self.engine)
+            return
         if isinstance(cmd, _Abort):
             self._dispatch(self.engine.abort(cmd.request_id))
             self._streams.pop(cmd.request_id, None)
@@ -142,6 +201,7 @@ class AsyncEngine:
         self._streams[cmd.request_id] = cmd.stream
 
     def _step(self) -> None:
+        self._num_steps += 1
         try:
             outputs = self.engine.step()
         except Exception as e:
@@ -167,4 +227,4 @@ class AsyncEngine:
     def _read_stats(self) -> EngineStats:
         sched, kv = self.engine.scheduler, self.engine.kv
         return EngineStats(len(sched.running), len(sched.waiting), kv.num_blocks,
-                           kv.num_blocks - kv.num_free_blocks, kv.prefix_stats.hit_rate)
+                           kv.num_blocks - kv.num_free_blocks, kv.prefix_stats.hit_rate, self._num_steps)

@@ -43,8 +43,11 @@ class SequenceOutput:
 class IncrementalDetokenizer:
     """Decodes one sequence token by token and finds stop strings across token boundaries.
 
-    While stop strings are set, the last (longest stop string - 1) characters are held back from
-    the emitted text, since they may be the start of a stop string that the next token completes.
+    While stop strings are set, the last (longest stop string - 1) characters are searched again
+    when the next token arrives, since they may start a stop string that it completes. Unless the
+    stop string is kept in the output (include_stop), they are also held back from the emitted
+    text: a match would cut them. With include_stop a match only cuts text after the stop string,
+    which is always in the newest chunk, so nothing needs holding back (TGI streams this way).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], skip_special_tokens: bool,
@@ -53,7 +56,8 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop_words = stop_words or []
         self.include_stop = include_stop
-        self.holdback = max((len(s) for s in self.stop_words), default=1) - 1
+        self.search_back = max((len(s) for s in self.stop_words), default=1) - 1
+        self.holdback = 0 if include_stop else self.search_back
         self.text = ""
         self.emitted = 0  # characters of text already handed out
         self.stop_hit: str | None = None
@@ -73,7 +77,7 @@ class IncrementalDetokenizer:
         """Append one token; return the text that may now be emitted ('' if none)."""
         chunk = self._decode(token_id)
         if chunk:
-            start = max(0, len(self.text) - self.holdback)
+            start = max(0, len(self.text) - self.search_back)
             self.text += chunk
             self._find_stop(start)
         return self.flush(final=self.stop_hit is not None)

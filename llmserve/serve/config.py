@@ -1,0 +1,39 @@
+"""Settings of the HTTP server (not of the engine). Each field's help text feeds `llmserve serve --help`;
+flag names follow LMDeploy's `api_server` (`--server-name`, `--server-port`, `--api-keys`, CORS) and
+TGI's launcher (`--max-concurrent-requests`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmserve.config import _check, _f
+
+
+@dataclass
+class ServerConfig:
+    server_name: str = _f("127.0.0.1", "Address to listen on. The default only accepts connections from this "
+                                       "machine (LMDeploy's default is 0.0.0.0); give 0.0.0.0 to serve the network.")
+    server_port: int = _f(23333, "Port to listen on.")
+    model_name: str | None = _f(None, "Name the model is served under (the `model` field of requests and "
+                                      "/v1/models). Default: the hub id, directory name or GGUF file stem.")
+    api_keys: list[str] | None = _f(None, "Accepted API keys: requests must send `Authorization: Bearer KEY` "
+                                          "(every route but /health and the chat page). Default: no key needed.")
+    allow_origins: list[str] | None = _f(None, "CORS: origins allowed to call the API from a browser, e.g. "
+                                               "http://localhost:3000 or '*'. Default: none (same origin only).")
+    allow_credentials: bool = _f(False, "CORS: allow cookies and Authorization headers cross-origin.")
+    allow_methods: list[str] = _f(["*"], "CORS: allowed methods.")
+    allow_headers: list[str] = _f(["*"], "CORS: allowed headers.")
+    max_concurrent_requests: int = _f(128, "Generation requests in flight at once; more are refused with 429 "
+                                           "(backpressure, as TGI's flag of the same name).")
+    shutdown_timeout: float = _f(5.0, "On SIGINT/SIGTERM, seconds in-flight requests may take to finish before "
+                                      "they are aborted.")
+    enable_debug_routes: bool = _f(False, "Serve GET /debug/kv (KV-pool block counts and an invariant check).")
+    access_log: bool = _f(False, "Log every HTTP request (uvicorn's access log); finished generations are "
+                                 "logged either way.")
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.server_port <= 65535, "server_port", f"must be in [0, 65535], got {self.server_port}")
+        _check(self.max_concurrent_requests >= 1, "max_concurrent_requests",
+               f"must be >= 1, got {self.max_concurrent_requests}")
+        _check(self.shutdown_timeout >= 0, "shutdown_timeout", f"must be >= 0, got {self.shutdown_timeout}")
+        _check(not self.api_keys or all(self.api_keys), "api_keys", "must not contain empty keys")

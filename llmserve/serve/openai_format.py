@@ -1,0 +1,84 @@
+"""OpenAI response pieces as plain dicts: usage, logprobs in the chat and the legacy completions
+shapes, and the accumulated state of one choice."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmserve.engine.output import SequenceOutput
+from llmserve.sampling.logprobs import TokenLogprobs
+from llmserve.serve.token_text import TokenText
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclass
+class Choice:
+    """One sequence's output, accumulated from its SequenceOutputs."""
+
+    index: int
+    prefix: str = ""  # echoed prompt (completions)
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def add(self, out: SequenceOutput) -> None:
+        self.text += out.new_text
+        self.logprobs.extend(out.new_logprobs)
+        self.num_tokens = out.num_output_tokens
+        if out.finished:
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+
+
+def chat_logprobs(tt: TokenText, lps: list[TokenLogprobs]) -> dict[str, Any]:
+    """{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
+    return {"content": [
+        {"token": tt.text(lp.token_id), "logprob": lp.logprob, "bytes": tt.bytes(lp.token_id),
+         "top_logprobs": [{"token": tt.text(t), "logprob": v, "bytes": tt.bytes(t)} for t, v in lp.top]}
+        for lp in lps
+    ]}
+
+
+class CompletionLogprobs:
+    """The legacy completions shape: parallel lists tokens, token_logprobs, top_logprobs, text_offset.
+    Offsets count characters of the choice's whole text (echoed prompt included); each token's top
+    entries also hold the sampled token (OpenAI: "up to logprobs+1 elements")."""
+
+    def __init__(self, tt: TokenText, offset: int = 0) -> None:
+        self.tt = tt
+        self.offset = offset
+
+    def prompt(self, token_ids: list[int]) -> dict[str, Any]:
+        # Logprobs of prompt tokens would need prompt logprobs from the engine: null for now.
+        return self._shape([(t, None, None) for t in token_ids])
+
+    def generated(self, lps: list[TokenLogprobs]) -> dict[str, Any]:
+        rows = []
+        for lp in lps:
+            top = {self.tt.text(t): v for t, v in lp.top}
+            top.setdefault(self.tt.text(lp.token_id), lp.logprob)
+            rows.append((lp.token_id, lp.logprob, top))
+        return self._shape(rows)
+
+    def _shape(self, rows: list[tuple[int, float | None, dict[str, float] | None]]) -> dict[str, Any]:
+        out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token_id, logprob, top in rows:
+            text = self.tt.text(token_id)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(logprob)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+
+def merge_completion_logprobs(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:
+    if a is None:
+        return b
+    return {k: a[k] + b[k] for k in a}

@@ -1,0 +1,151 @@
+"""OpenAI requests -> prompt token ids and a GenerationConfig, with every refusal as a 400 naming
+the field as the client spelled it.
+
+Defaults, as vLLM: unset sampling knobs take the model's generation_config.json values; chat's
+max_tokens defaults to what is left of the context, completions' to 16 (OpenAI's legacy default).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from llmserve.config import GenerationConfig
+from llmserve.errors import InvalidRequestError
+from llmserve.serve.errors import ApiError
+from llmserve.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
+from llmserve.serve.state import ServedModel
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+MAX_LOGPROBS = 20
+
+# GenerationConfig field -> the request field, for error messages.
+PARAM_NAMES = {"max_new_tokens": "max_tokens", "random_seed": "seed", "stop_words": "stop",
+               "min_new_tokens": "min_tokens"}
+
+
+def check_model(model: ServedModel, requested: str | None) -> None:
+    if requested is not None and requested != model.name:
+        raise ApiError(404, f"The model `{requested}` does not exist. This server serves `{model.name}`.",
+                       param="model", code="model_not_found")
+
+
+def chat_prompt_ids(model: ServedModel, messages: list[ChatMessage]) -> list[int]:
+    plain = [{"role": "system" if m.role == "developer" else m.role, "content": _content_text(m, i)}
+             for i, m in enumerate(messages)]
+    try:
+        text = model.chat_template.messages_to_prompt(plain)
+    except InvalidRequestError as e:
+        raise ApiError.from_invalid(e) from None
+    # The template writes the special tokens (BOS included) itself.
+    return model.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _content_text(m: ChatMessage, i: int) -> str:
+    if m.content is None or isinstance(m.content, str):
+        return m.content or ""
+    parts = []
+    for part in m.content:
+        if part.type != "text" or part.text is None:
+            raise ApiError(400, f"messages[{i}].content: only text parts are supported, got a {part.type!r} part",
+                           param="messages")
+        parts.append(part.text)
+    return "".join(parts)
+
+
+class CompletionPrompt(NamedTuple):
+    text: str | None  # None for a prompt sent as token ids
+    token_ids: list[int]
+
+    def echo(self, tokenizer: Any) -> str:
+        return self.text if self.text is not None else tokenizer.decode(self.token_ids)
+
+
+def completion_prompts(model: ServedModel, prompt: str | list[str] | list[int] | list[list[int]]) -> list[CompletionPrompt]:
+    """One string, several strings, one token list or several token lists."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise ApiError(400, "prompt: must not be empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [CompletionPrompt(None, list(prompt))]  # type: ignore[arg-type]
+    # Raw text: the tokenizer adds what the model expects at the start (BOS), as vLLM does.
+    return [CompletionPrompt(None, p) if isinstance(p, list) else CompletionPrompt(p, model.tokenizer.encode(p))
+            for p in prompt]
+
+
+def check_prompt_length(model: ServedModel, num_tokens: int, max_tokens: int | None, what: str) -> int:
+    """max_tokens, defaulted to what is left of the context; 400 when the prompt does not fit."""
+    limit = model.session_len
+    if num_tokens >= limit:
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens, and the {what} "
+                            f"{'have' if what == 'messages' else 'has'} {num_tokens} tokens: shorten it.",
+                       param=what, code="context_length_exceeded")
+    if max_tokens is None:
+        return limit - num_tokens
+    if num_tokens + max_tokens > limit:
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                            f"{num_tokens + max_tokens} tokens ({num_tokens} in the {what}, {max_tokens} for the "
+                            "completion). Reduce the length of the prompt or max_tokens.",
+                       param="max_tokens", code="context_length_exceeded")
+    return max_tokens
+
+
+def chat_generation_config(model: ServedModel, req: ChatCompletionRequest, max_tokens: int) -> GenerationConfig:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise ApiError(400, f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got {logprobs}", param="top_logprobs")
+    return _generation_config(model, req, max_tokens, logprobs, {"logprobs": "top_logprobs"})
+
+
+def completion_generation_config(model: ServedModel, req: CompletionRequest, max_tokens: int) -> GenerationConfig:
+    if req.suffix:
+        raise ApiError(400, "suffix: not supported", param="suffix")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise ApiError(400, f"logprobs: must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", param="logprobs")
+    return _generation_config(model, req, max_tokens, req.logprobs, {})
+
+
+def _generation_config(model: ServedModel, req: SamplingRequest, max_tokens: int, logprobs: int | None,
+                       names: dict[str, str]) -> GenerationConfig:
+    _check_unsupported(req)
+    changes: dict[str, Any] = {
+        "n": req.n, "max_new_tokens": max_tokens, "min_new_tokens": req.min_tokens, "stop_words": req.stop,
+        "random_seed": req.seed, "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
+        "logit_bias": _logit_bias(req.logit_bias), "ignore_eos": req.ignore_eos,
+        "skip_special_tokens": req.skip_special_tokens, "stop_token_ids": req.stop_token_ids,
+        "bad_words": req.bad_words, "include_stop_str_in_output": req.include_stop_str_in_output,
+        "logprobs": logprobs,
+    }
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        if getattr(req, name) is not None:
+            changes[name] = getattr(req, name)
+    try:
+        return model.defaults.replace(**changes)
+    except InvalidRequestError as e:
+        raise ApiError.from_invalid(e, {**PARAM_NAMES, **names}) from None
+
+
+def _check_unsupported(req: SamplingRequest) -> None:
+    if req.use_beam_search:
+        raise ApiError(400, "use_beam_search: beam search is not supported yet", param="use_beam_search")
+    if req.best_of is not None and req.best_of != req.n:
+        raise ApiError(400, f"best_of: only best_of == n is supported (got best_of={req.best_of}, n={req.n})",
+                       param="best_of")
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(400, "stream_options: only allowed when stream is true", param="stream_options")
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not key.lstrip("-").isdigit():
+            raise ApiError(400, f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias")
+        if not -100 <= value <= 100:
+            raise ApiError(400, f"logit_bias: values must be in [-100, 100], got {value} for token {key}",
+                           param="logit_bias")
+        out[int(key)] = value
+    return out

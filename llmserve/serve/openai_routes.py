@@ -1,0 +1,218 @@
+"""OpenAI-compatible routes: GET /v1/models, POST /v1/chat/completions, POST /v1/completions.
+
+Each generation route: check the model name, take a concurrency slot (429), build the prompt and
+the GenerationConfig (400), open the engine request(s) (first output received, so a refusal is
+still a 400), then stream SSE chunks or collect the whole answer. The slot is held until the last
+chunk is sent. Completions with several prompts run them as separate engine requests, batched
+together by the engine; choice i*n + j is sample j of prompt i (as vLLM numbers them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from llmserve.engine.output import SequenceOutput
+from llmserve.serve.errors import ApiError, error_body
+from llmserve.serve.generation import EngineRequest, new_request_id, open_request
+from llmserve.serve.openai_format import (
+    Choice,
+    CompletionLogprobs,
+    chat_logprobs,
+    merge_completion_logprobs,
+    usage,
+)
+from llmserve.serve.openai_params import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    PARAM_NAMES,
+    chat_generation_config,
+    chat_prompt_ids,
+    check_model,
+    check_prompt_length,
+    completion_generation_config,
+    completion_prompts,
+)
+from llmserve.serve.protocol import ChatCompletionRequest, CompletionRequest
+from llmserve.serve.state import ServedModel, ServerState
+from llmserve.serve.streaming import SSEResponse, merge, sse_event, until_disconnected
+
+router = APIRouter()
+DONE = "data: [DONE]\n\n"
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.llm
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> JSONResponse:
+    _, model = _state(request).ready()
+    card = {"id": model.name, "object": "model", "created": model.created, "owned_by": "llmserve",
+            "root": model.name, "parent": None, "max_model_len": model.session_len}
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    state = _state(request)
+    engine, model = state.ready()
+    check_model(model, body.model)
+    with state.admit() as permit:
+        prompt_ids = chat_prompt_ids(model, body.messages)
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = check_prompt_length(model, len(prompt_ids), requested, "messages")
+        gen = chat_generation_config(model, body, max_tokens)
+        req = EngineRequest(new_request_id("chatcmpl"), prompt_ids, gen, {**PARAM_NAMES, "logprobs": "top_logprobs"})
+        outputs = await until_disconnected(request, open_request(state, engine, req))
+        reply = _ChatReply(model, req, body)
+        if body.stream:
+            return SSEResponse(reply.stream(outputs), on_close=permit.hand_over())
+        return JSONResponse(await until_disconnected(request, reply.collect(outputs)))
+
+
+class _ChatReply:
+    def __init__(self, model: ServedModel, req: EngineRequest, body: ChatCompletionRequest) -> None:
+        self.model, self.req, self.body = model, req, body
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str) -> dict[str, Any]:
+        return {"id": self.req.request_id, "object": obj, "created": self.created, "model": self.model.name}
+
+    def _logprobs(self, out: SequenceOutput) -> dict[str, Any] | None:
+        return chat_logprobs(self.model.token_text, out.new_logprobs) if self.body.logprobs else None
+
+    async def collect(self, outputs: AsyncIterator[SequenceOutput]) -> dict[str, Any]:
+        choices = [Choice(i) for i in range(self.req.gen.n)]
+        async with aclosing(outputs):
+            async for out in outputs:
+                choices[out.index].add(out)
+        return {**self._envelope("chat.completion"), "choices": [
+            {"index": c.index, "message": {"role": "assistant", "content": c.text},
+             "logprobs": chat_logprobs(self.model.token_text, c.logprobs) if self.body.logprobs else None,
+             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices],
+            "usage": usage(len(self.req.prompt_token_ids), sum(c.num_tokens for c in choices))}
+
+    async def stream(self, outputs: AsyncIterator[SequenceOutput]) -> AsyncIterator[str]:
+        head = self._envelope("chat.completion.chunk")
+        include_usage = self.body.stream_options is not None and self.body.stream_options.include_usage
+        if include_usage:
+            head["usage"] = None
+        for i in range(self.req.gen.n):
+            yield sse_event({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                  "logprobs": None, "finish_reason": None}]})
+        tokens: dict[int, int] = {}
+        try:
+            async with aclosing(outputs):
+                async for out in outputs:
+                    tokens[out.index] = out.num_output_tokens
+                    if not (out.new_text or out.finished or (out.new_logprobs and self.body.logprobs)):
+                        continue
+                    choice = {"index": out.index, "delta": {"content": out.new_text} if out.new_text else {},
+                              "logprobs": self._logprobs(out), "finish_reason": out.finish_reason}
+                    if out.finished:
+                        choice["stop_reason"] = out.stop_reason
+                    yield sse_event({**head, "choices": [choice]})
+        except ApiError as e:
+            yield sse_event(error_body("/v1/", e.status, e.message, e.param, e.code))
+        if include_usage:
+            yield sse_event({**head, "choices": [], "usage": usage(len(self.req.prompt_token_ids),
+                                                                   sum(tokens.values()))})
+        yield DONE
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    state = _state(request)
+    engine, model = state.ready()
+    check_model(model, body.model)
+    with state.admit() as permit:
+        prompts = completion_prompts(model, body.prompt)
+        max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+        for prompt in prompts:
+            check_prompt_length(model, len(prompt.token_ids), max_tokens, "prompt")
+        gen = completion_generation_config(model, body, max_tokens)
+        rid = new_request_id("cmpl")
+        reqs = [EngineRequest(f"{rid}-{i}" if len(prompts) > 1 else rid, p.token_ids, gen, PARAM_NAMES)
+                for i, p in enumerate(prompts)]
+        streams = await until_disconnected(request, _open_all(state, reqs))
+        echoes = [p.echo(model.tokenizer) if body.echo else "" for p in prompts]
+        reply = _CompletionReply(model, rid, reqs, echoes, body)
+        if body.stream:
+            return SSEResponse(reply.stream(merge(streams)), on_close=permit.hand_over())
+        return JSONResponse(await until_disconnected(request, reply.collect(merge(streams))))
+
+
+async def _open_all(state: ServerState, reqs: list[EngineRequest]) -> list[AsyncIterator[SequenceOutput]]:
+    engine, _ = state.ready()
+    opened = await asyncio.gather(*(open_request(state, engine, r) for r in reqs), return_exceptions=True)
+    error = next((o for o in opened if isinstance(o, BaseException)), None)
+    if error is not None:
+        for o in opened:
+            if not isinstance(o, BaseException):
+                await o.aclose()  # type: ignore[attr-defined]
+        raise error
+    return opened  # type: ignore[return-value]
+
+
+class _CompletionReply:
+    def __init__(self, model: ServedModel, rid: str, reqs: list[EngineRequest], echoes: list[str],
+                 body: CompletionRequest) -> None:
+        self.model, self.rid, self.reqs, self.body = model, rid, reqs, body
+        self.n = body.n
+        self.created = int(time.time())
+        self.choices = [Choice(p * self.n + j, prefix=echoes[p]) for p in range(len(reqs)) for j in range(self.n)]
+        self.offsets = [CompletionLogprobs(model.token_text, len(c.prefix)) for c in self.choices]
+
+    def _echo_logprobs(self, i: int) -> dict[str, Any] | None:
+        if not (self.body.echo and self.body.logprobs is not None):
+            return None
+        return CompletionLogprobs(self.model.token_text).prompt(self.reqs[i // self.n].prompt_token_ids)
+
+    def _envelope(self) -> dict[str, Any]:
+        return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model.name}
+
+    def _usage(self) -> dict[str, int]:
+        return usage(sum(len(r.prompt_token_ids) for r in self.reqs), sum(c.num_tokens for c in self.choices))
+
+    async def collect(self, merged: AsyncIterator[tuple[int, SequenceOutput]]) -> dict[str, Any]:
+        lps: list[dict[str, Any] | None] = [self._echo_logprobs(c.index) for c in self.choices]
+        async with aclosing(merged):
+            async for p, out in merged:
+                i = p * self.n + out.index
+                self.choices[i].add(out)
+                if self.body.logprobs is not None:
+                    lps[i] = merge_completion_logprobs(lps[i], self.offsets[i].generated(out.new_logprobs))
+        return {**self._envelope(), "choices": [
+            {"index": c.index, "text": c.prefix + c.text, "logprobs": lp, "finish_reason": c.finish_reason,
+             "stop_reason": c.stop_reason} for c, lp in zip(self.choices, lps)], "usage": self._usage()}
+
+    async def stream(self, merged: AsyncIterator[tuple[int, SequenceOutput]]) -> AsyncIterator[str]:
+        head = self._envelope()
+        include_usage = self.body.stream_options is not None and self.body.stream_options.include_usage
+        for c in self.choices if self.body.echo else []:
+            yield sse_event({**head, "choices": [{"index": c.index, "text": c.prefix, "finish_reason": None,
+                                                  "logprobs": self._echo_logprobs(c.index)}]})
+        try:
+            async with aclosing(merged):
+                async for p, out in merged:
+                    i = p * self.n + out.index
+                    self.choices[i].num_tokens = out.num_output_tokens
+                    if not (out.new_text or out.finished or (out.new_logprobs and self.body.logprobs is not None)):
+                        continue
+                    lp = self.offsets[i].generated(out.new_logprobs) if self.body.logprobs is not None else None
+                    choice = {"index": i, "text": out.new_text, "logprobs": lp, "finish_reason": out.finish_reason}
+                    if out.finished:
+                        choice["stop_reason"] = out.stop_reason
+                    yield sse_event({**head, "choices": [choice]})
+        except ApiError as e:
+            yield sse_event(error_body("/v1/", e.status, e.message, e.param, e.code))
+        if include_usage:
+            yield sse_event({**head, "choices": [], "usage": self._usage()})
+        yield DONE
+

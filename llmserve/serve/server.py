@@ -1,0 +1,135 @@
+"""`llmserve serve`: listen first, load the model in a background thread, serve until a signal.
+
+Startup: uvicorn binds the port (a port in use fails at once, before any loading), then the model
+loads while /health and the model routes answer 503; when it is ready the address, the model and
+the KV pool are logged.
+
+Shutdown on SIGINT/SIGTERM: new connections are refused and new requests on open connections get
+503; requests in flight have `shutdown_timeout` seconds to finish, then they are aborted (their
+streams end with finish reason "abort"); the engine thread is joined; the exit code is 0. A second
+SIGINT quits without waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+from types import FrameType
+
+import uvicorn
+
+from llmserve.config import ChatTemplateConfig, EngineConfig
+from llmserve.errors import LLMServeError
+from llmserve.serve.app import create_app
+from llmserve.serve.config import ServerConfig
+from llmserve.serve.state import ServedModel, ServerState
+
+logger = logging.getLogger("llmserve.serve")
+
+
+def serve(model: str | None, engine_config: EngineConfig, config: ServerConfig,
+          chat_template: ChatTemplateConfig | None = None, log_level: str = "INFO") -> int:
+    """Run the server in this thread until a signal; returns the process exit code."""
+    _configure_logging(log_level)
+    app = create_app(config)
+    state: ServerState = app.state.llm
+    server = _Server(uvicorn.Config(
+        app, host=config.server_name, port=config.server_port, log_level=log_level.lower(),
+        access_log=config.access_log, timeout_graceful_shutdown=config.shutdown_timeout + 5,
+        timeout_keep_alive=5), state, _Loader(model, engine_config, chat_template, config, state))
+    for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn re-raises the signal it handled on exit
+        signal.signal(sig, server.on_signal_before_start)
+    server.run()
+    if state.engine is not None:
+        state.engine.shutdown()
+        logger.info("engine stopped")
+    return server.exit_code
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("llmserve").setLevel(level.upper())
+
+
+class _Loader(threading.Thread):
+    """Loads the model and attaches the engine to the app (or asks the server to exit on failure)."""
+
+    def __init__(self, model: str | None, engine_config: EngineConfig, chat_template: ChatTemplateConfig | None,
+                 config: ServerConfig, state: ServerState) -> None:
+        super().__init__(name="llmserve-loader", daemon=True)
+        self.model, self.engine_config, self.chat_template = model, engine_config, chat_template
+        self.config, self.state = config, state
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        from llmserve.api import default_generation_config
+        from llmserve.engine.async_engine import AsyncEngine
+        from llmserve.engine.llm_engine import LLMEngine
+        from llmserve.models.loader import load_model
+
+        try:
+            loaded = load_model(self.model, self.engine_config)
+            engine = LLMEngine(loaded, self.engine_config)
+            served = ServedModel.of(engine, default_generation_config(loaded), self.config.model_name,
+                                    self.chat_template)
+        except BaseException as e:  # noqa: BLE001  (reported by the main thread)
+            self.error = e
+            return
+        self.state.attach(AsyncEngine(engine), served)
+        c = self.config
+        logger.info("serving %s (%s, %s on %s) at http://%s:%d  [OpenAI: /v1, TGI: /generate, metrics: /metrics, "
+                    "chat page: /]", served.name, loaded.model_dir, served.dtype, served.device, c.server_name,
+                    c.server_port)
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens; up to %d tokens per sequence, %d sequences per "
+                    "step", engine.kv.num_blocks, engine.kv.block_size, served.kv_tokens, served.session_len,
+                    served.max_batch_size)
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState, loader: _Loader) -> None:
+        super().__init__(config)
+        self.state = state
+        self.loader = loader
+        self.exit_code = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: list | None = None) -> None:
+        await super().startup(sockets)
+        if not self.started:
+            return
+        self._loop = asyncio.get_running_loop()
+        logger.info("listening on http://%s:%d; loading the model (model routes answer 503 until it is ready)",
+                    self.config.host, self.config.port)
+        self.loader.start()
+        self._loop.create_task(self._watch_loader())
+
+    async def _watch_loader(self) -> None:
+        while self.loader.is_alive():
+            await asyncio.sleep(0.1)
+        if self.loader.error is not None:
+            e = self.loader.error
+            logger.error("could not load the model: %s", e, exc_info=not isinstance(e, LLMServeError))
+            self.exit_code = 2
+            self.should_exit = True
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        first = not self.should_exit
+        super().handle_exit(sig, frame)
+        if first and self._loop is not None:
+            logger.info("%s: shutting down; requests in flight have %.1f s to finish", signal.Signals(sig).name,
+                        self.state.config.shutdown_timeout)
+            self.state.draining = True
+            self._loop.call_soon_threadsafe(self._loop.call_later, self.state.config.shutdown_timeout,
+                                            self._abort_in_flight)
+
+    def _abort_in_flight(self) -> None:
+        n = self.state.abort_all()
+        if n:
+            logger.info("aborted %d request(s) still running after the grace period", n)
+
+    def on_signal_before_start(self, sig: int, frame: FrameType | None) -> None:
+        # Before uvicorn installs its handlers: quit at startup. After it restores ours on exit, it
+        # re-raises the signal it handled: already shut down, nothing to do.
+        self.should_exit = True

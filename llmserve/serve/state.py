@@ -1,0 +1,118 @@
+"""What the routes share: the model being served, the async engine (absent while loading), the
+concurrency limit and the requests in flight (so shutdown can abort them).
+
+Everything here is touched on the event loop only, except `attach`, which the loading thread may
+call once (a plain attribute store).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from llmserve.chat_template import ChatTemplate
+from llmserve.config import ChatTemplateConfig, GenerationConfig
+from llmserve.engine.async_engine import AsyncEngine
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.serve.config import ServerConfig
+from llmserve.serve.errors import ApiError
+from llmserve.serve.metrics import ServerMetrics
+from llmserve.serve.token_text import TokenText
+
+
+@dataclass
+class ServedModel:
+    name: str  # what clients put in `model`
+    tokenizer: Any  # transformers PreTrainedTokenizerBase; encode/decode are safe off the engine thread
+    chat_template: ChatTemplate
+    defaults: GenerationConfig  # GenerationConfig() with the model's generation_config.json over it
+    session_len: int  # max prompt + output tokens of one sequence
+    eos_token_ids: frozenset[int]
+    max_batch_size: int
+    kv_tokens: int  # KV pool capacity in tokens
+    dtype: str
+    device: str
+    created: int  # unix seconds, for /v1/models
+    token_text: TokenText  # single-token text/bytes, cached (logprobs, TGI details)
+
+    @classmethod
+    def of(cls, engine: LLMEngine, defaults: GenerationConfig, name: str | None = None,
+           chat_template: ChatTemplateConfig | None = None) -> ServedModel:
+        loaded = engine.loaded
+        return cls(name=name or loaded.served_name, tokenizer=loaded.tokenizer,
+                   chat_template=ChatTemplate(loaded.tokenizer, chat_template), defaults=defaults,
+                   session_len=engine.session_len, eos_token_ids=frozenset(loaded.eos_token_ids),
+                   max_batch_size=engine.config.max_batch_size, kv_tokens=engine.kv.num_blocks * engine.kv.block_size,
+                   dtype=str(loaded.dtype).removeprefix("torch."), device=str(loaded.device), created=int(time.time()),
+                   token_text=TokenText(loaded.tokenizer))
+
+
+class Permit:
+    """One admitted generation request; `release` gives its slot back (idempotent)."""
+
+    def __init__(self, state: ServerState) -> None:
+        self._state = state
+        self._held = True
+        self.handed_over = False
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._state.num_active -= 1
+
+    def hand_over(self) -> Callable[[], None]:
+        """For a streamed response: the slot outlives the route; the response calls the returned
+        function when it is done (see streaming.SSEResponse)."""
+        self.handed_over = True
+        return self.release
+
+
+class ServerState:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.engine: AsyncEngine | None = None
+        self.model: ServedModel | None = None
+        self.metrics = ServerMetrics(lambda: self.engine.stats if self.engine is not None else None)
+        self.draining = False  # set on SIGINT/SIGTERM: new requests get 503
+        self.num_active = 0  # admitted generation requests (HTTP), for max_concurrent_requests
+        self.in_flight: set[str] = set()  # engine request ids, for aborting on shutdown
+
+    def attach(self, engine: AsyncEngine, model: ServedModel) -> None:
+        self.model = model
+        self.engine = engine
+
+    def ready(self) -> tuple[AsyncEngine, ServedModel]:
+        """The engine and model, or a 503 while loading, after the engine stopped, or while shutting down."""
+        if self.engine is None or self.model is None:
+            raise ApiError(503, "the model is still loading; retry in a few seconds")
+        if self.draining:
+            raise ApiError(503, "the server is shutting down")
+        if not self.engine.is_alive:
+            raise ApiError(503, "the engine has stopped; restart the server")
+        return self.engine, self.model
+
+    @contextmanager
+    def admit(self) -> Iterator[Permit]:
+        """A slot among max_concurrent_requests (429 when none is free), released when the block exits
+        unless the permit was handed over to a streamed response."""
+        if self.num_active >= self.config.max_concurrent_requests:
+            raise ApiError(429, f"the server is at its limit of {self.config.max_concurrent_requests} concurrent "
+                                "requests; retry later", code="rate_limit_exceeded")
+        self.num_active += 1
+        permit = Permit(self)
+        try:
+            yield permit
+        finally:
+            if not permit.handed_over:
+                permit.release()
+
+    def abort_all(self) -> int:
+        """Abort every engine request in flight (shutdown after the grace period); returns how many."""
+        if self.engine is None:
+            return 0
+        for rid in list(self.in_flight):
+            self.engine.abort(rid)
+        return len(self.in_flight)

@@ -1,0 +1,227 @@
+"""TGI-compatible routes: POST /generate, POST /generate_stream, POST / (either, by `stream`; the
+non-streamed answer wrapped in a list, as TGI's compat route does), GET /info.
+
+TGI's semantics, not ours, where they differ:
+- raw text in `inputs`, tokenized with the tokenizer's special tokens (no chat template);
+- greedy unless `do_sample` or a sampling knob (temperature != 1, top_k, top_p < 1) is set, and
+  unset knobs are neutral (the model's generation_config is not applied);
+- a sampled request without `seed` gets a random one, reported in `details.seed`;
+- stop sequences stay in the generated text; finish reasons are `length`, `eos_token`,
+  `stop_sequence`; the EOS token is the last entry of `details.tokens` (special, logprob null:
+  the engine does not keep the logprob of the token that stopped it) and counts in
+  `generated_tokens`;
+- `decoder_input_details` lists the prompt tokens with `logprob: null` (prompt logprobs are not
+  computed yet); `typical_p` (other than 1), `watermark`, `grammar`, `best_of` > 1 and
+  `adapter_id` are refused with 400.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+import llmserve
+from llmserve.config import GenerationConfig
+from llmserve.engine.output import SequenceOutput
+from llmserve.errors import InvalidRequestError
+from llmserve.serve.errors import ApiError
+from llmserve.serve.generation import EngineRequest, new_request_id, open_request
+from llmserve.serve.state import ServedModel, ServerState
+from llmserve.serve.streaming import SSEResponse, sse_event, until_disconnected
+from llmserve.serve.tgi_protocol import TGI_DEFAULT_MAX_NEW_TOKENS, TgiParameters, TgiRequest
+
+router = APIRouter()
+PARAM_NAMES = {"max_new_tokens": "max_new_tokens", "random_seed": "seed", "stop_words": "stop",
+               "logprobs": "top_n_tokens"}
+
+
+@router.post("/generate")
+async def generate(body: TgiRequest, request: Request) -> Response:
+    return await _generate(body, request, stream=False, full_text_default=False, as_list=False)
+
+
+@router.post("/generate_stream")
+async def generate_stream(body: TgiRequest, request: Request) -> Response:
+    return await _generate(body, request, stream=True, full_text_default=False, as_list=False)
+
+
+@router.post("/")
+async def compat_generate(body: TgiRequest, request: Request) -> Response:
+    # TGI's compat route returns the prompt with the answer unless told otherwise (text-generation models).
+    return await _generate(body, request, stream=body.stream, full_text_default=True, as_list=True)
+
+
+@router.get("/info")
+async def info(request: Request) -> JSONResponse:
+    state: ServerState = request.app.state.llm
+    _, model = state.ready()
+    return JSONResponse({
+        "model_id": model.name, "model_sha": None, "model_dtype": model.dtype, "model_device_type": model.device,
+        "model_pipeline_tag": "text-generation", "max_concurrent_requests": state.config.max_concurrent_requests,
+        "max_best_of": 1, "max_stop_sequences": None, "max_input_tokens": model.session_len - 1,
+        "max_input_length": model.session_len - 1, "max_total_tokens": model.session_len,
+        "max_batch_total_tokens": model.kv_tokens, "max_batch_size": model.max_batch_size,
+        "max_client_batch_size": 1, "validation_workers": 0, "router": "llmserve",
+        "version": llmserve.__version__, "sha": None, "docker_label": None,
+    })
+
+
+async def _generate(body: TgiRequest, request: Request, stream: bool, full_text_default: bool,
+                    as_list: bool) -> Response:
+    state: ServerState = request.app.state.llm
+    engine, model = state.ready()
+    with state.admit() as permit:
+        job = _job(model, body, stream)
+        outputs = await until_disconnected(request, open_request(state, engine, job.req))
+        full_text = body.parameters.return_full_text
+        reply = _TgiReply(model, job, body.inputs if (full_text_default if full_text is None else full_text) else "")
+        if stream:
+            return SSEResponse(reply.stream(outputs), on_close=permit.hand_over())
+        answer = await until_disconnected(request, reply.collect(outputs))
+        return JSONResponse([answer] if as_list else answer, headers=reply.headers())
+
+
+@dataclass
+class _Job:
+    req: EngineRequest
+    params: TgiParameters
+    seed: int | None
+
+
+def _job(model: ServedModel, body: TgiRequest, stream: bool) -> _Job:
+    p = body.parameters
+    _refuse_unsupported(p, stream)
+    if not body.inputs:
+        raise ApiError(400, "`inputs` cannot be empty", param="inputs")
+    ids = model.tokenizer.encode(body.inputs)
+    if p.truncate is not None:
+        if p.truncate < 1:
+            raise ApiError(400, "`truncate` must be strictly positive", param="truncate")
+        ids = ids[-p.truncate:]
+    max_new = p.max_new_tokens if p.max_new_tokens is not None else TGI_DEFAULT_MAX_NEW_TOKENS
+    if len(ids) >= model.session_len:
+        raise ApiError(400, f"`inputs` must have less than {model.session_len} tokens. Given: {len(ids)}",
+                       param="inputs")
+    if max_new >= 1 and len(ids) + max_new > model.session_len:
+        raise ApiError(400, f"`inputs` tokens + `max_new_tokens` must be <= {model.session_len}. Given: "
+                            f"{len(ids)} `inputs` tokens and {max_new} `max_new_tokens`", param="max_new_tokens")
+    sampling = (p.do_sample or (p.temperature is not None and p.temperature != 1.0) or bool(p.top_k)
+                or (p.top_p is not None and p.top_p < 1.0))
+    seed = p.seed if p.seed is not None else (secrets.randbits(63) if sampling else None)
+    try:
+        gen = GenerationConfig(
+            max_new_tokens=max_new, temperature=(1.0 if p.temperature is None else p.temperature) if sampling else 0.0,
+            top_k=p.top_k or 0, top_p=1.0 if p.top_p is None else p.top_p,
+            repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
+            frequency_penalty=p.frequency_penalty or 0.0, stop_words=p.stop or None, include_stop_str_in_output=True,
+            random_seed=seed, logprobs=p.top_n_tokens or 0)
+    except InvalidRequestError as e:
+        raise ApiError.from_invalid(e, PARAM_NAMES) from None
+    return _Job(EngineRequest(new_request_id("generate"), ids, gen, PARAM_NAMES), p, seed)
+
+
+def _refuse_unsupported(p: TgiParameters, stream: bool) -> None:
+    refusals = [
+        (p.typical_p is not None and p.typical_p != 1.0, "typical_p", "typical sampling is not supported"),
+        (p.watermark, "watermark", "watermarking is not supported"),
+        (p.grammar is not None, "grammar", "grammar-constrained generation is not supported yet"),
+        (p.best_of is not None and p.best_of != 1, "best_of", "only best_of = 1 is supported"),
+        (p.adapter_id is not None, "adapter_id", "adapters are not supported"),
+        (stream and p.decoder_input_details, "decoder_input_details",
+         "`decoder_input_details` == true is not supported when streaming tokens"),
+    ]
+    for refused, param, message in refusals:
+        if refused:
+            raise ApiError(400, f"`{param}`: {message}", param=param)
+
+
+class _TgiReply:
+    def __init__(self, model: ServedModel, job: _Job, prefix: str) -> None:
+        self.model, self.job, self.prefix = model, job, prefix
+        self.tt = model.token_text
+        self.tokens: list[dict[str, Any]] = []
+        self.top_tokens: list[list[dict[str, Any]]] = []
+        self.text = ""
+        self.last: SequenceOutput | None = None
+
+    def _add(self, out: SequenceOutput) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+        """Record one output; its tokens as (token, top tokens) pairs (the EOS one made up)."""
+        self.text += out.new_text
+        self.last = out
+        new = []
+        for i, (tid, lp) in enumerate(zip(out.new_token_ids, out.new_logprobs or [None] * len(out.new_token_ids))):
+            text = out.new_text if i == len(out.new_token_ids) - 1 else ""
+            top = [self._token(t, v, self.tt.text(t)) for t, v in lp.top] if lp is not None else []
+            new.append((self._token(tid, lp.logprob if lp else None, text), top))
+        if out.finished and out.finish_reason == "stop" and isinstance(out.stop_reason, int):
+            new.append((self._token(out.stop_reason, None, self.tt.text(out.stop_reason)), []))
+        for token, top in new:
+            self.tokens.append(token)
+            self.top_tokens.append(top)
+        return new
+
+    def _token(self, token_id: int, logprob: float | None, text: str) -> dict[str, Any]:
+        return {"id": token_id, "text": text, "logprob": logprob, "special": self.tt.is_special(token_id)}
+
+    def _finish_reason(self) -> str:
+        out = self.last
+        if out is None or out.finish_reason == "abort":
+            raise ApiError(503, "the request was aborted before it finished (the server is shutting down)")
+        if out.finish_reason == "length":
+            return "length"
+        return "stop_sequence" if isinstance(out.stop_reason, str) else "eos_token"
+
+    def _details(self) -> dict[str, Any]:
+        return {"finish_reason": self._finish_reason(), "generated_tokens": len(self.tokens), "seed": self.job.seed}
+
+    async def collect(self, outputs: AsyncIterator[SequenceOutput]) -> dict[str, Any]:
+        async with aclosing(outputs):
+            async for out in outputs:
+                self._add(out)
+        p = self.job.params
+        answer: dict[str, Any] = {"generated_text": self.prefix + self.text}
+        details = self._details()  # raises for an aborted request
+        if p.details:
+            prefill = [{"id": t, "text": self.tt.text(t), "logprob": None} for t in self.job.req.prompt_token_ids]
+            answer["details"] = {**details, "prefill": prefill if p.decoder_input_details else [],
+                                 "tokens": self.tokens, "top_tokens": self.top_tokens if p.top_n_tokens else None,
+                                 "best_of_sequences": None}
+        return answer
+
+    async def stream(self, outputs: AsyncIterator[SequenceOutput]) -> AsyncIterator[str]:
+        """One event per token; the last one also carries generated_text and details (TGI's shape)."""
+        try:
+            async with aclosing(outputs):
+                async for out in outputs:
+                    new = self._add(out)
+                    if out.finish_reason == "abort":
+                        raise ApiError(503, "the request was aborted before it finished (the server is shutting "
+                                            "down)")
+                    for k, (token, top) in enumerate(new):
+                        last = out.finished and k == len(new) - 1
+                        yield sse_event({
+                            "index": len(self.tokens) - len(new) + k + 1, "token": token,
+                            "top_tokens": top if self.job.params.top_n_tokens else None,
+                            "generated_text": self.prefix + self.text if last else None,
+                            "details": {**self._details(), "input_length": len(self.job.req.prompt_token_ids)}
+                            if last else None}, sep="")
+        except ApiError as e:
+            yield sse_event({"error": e.message, "error_type": "incomplete_generation" if e.status == 503
+                             else "generation"}, sep="")
+
+    def headers(self) -> dict[str, str]:
+        t = self.last.times if self.last is not None else None
+        h = {"x-prompt-tokens": str(len(self.job.req.prompt_token_ids)),
+             "x-generated-tokens": str(len(self.tokens)), "x-compute-type": self.model.device}
+        if t is not None:
+            h["x-total-time"] = str(round((t.finished - t.arrival) * 1000))
+            if t.first_scheduled is not None:
+                h["x-queue-time"] = str(round((t.first_scheduled - t.arrival) * 1000))
+                h["x-inference-time"] = str(round((t.finished - t.first_scheduled) * 1000))
+        return h

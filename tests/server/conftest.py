@@ -1,0 +1,32 @@
+"""Session fixtures: one tiny-llama engine, shared by a default server and a strict one (API keys,
+at most one request at a time); both real uvicorn servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from tests.server.harness import EngineHandle, RunningServer, engine_for, running_server
+
+API_KEYS = ["sk-test-1", "sk-test-2"]
+# 512 blocks of 16 tokens: room for the load test's 80 concurrent sequences (<= 96 tokens each).
+TINY_ENGINE = {"num_blocks": 512, "block_size": 16}
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_model_dir: Callable[[str], str]) -> Iterator[EngineHandle]:
+    with engine_for(tiny_model_dir("llama"), name="tiny-llama", **TINY_ENGINE) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="session")
+def server(tiny: EngineHandle) -> Iterator[RunningServer]:
+    with running_server(tiny, enable_debug_routes=True) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def strict_server(tiny: EngineHandle) -> Iterator[RunningServer]:
+    with running_server(tiny, api_keys=API_KEYS, max_concurrent_requests=1) as s:
+        yield s
