@@ -43,26 +43,52 @@ class PrefillSpan:
         return self._masks[sliding_window]
 
 
+class Workspace:
+    """Scratch buffers reused across layers and steps.
+
+    Why: the decode path gathers every request's K/V blocks each layer (tens of MB at batch 64).
+    Fresh tensors that large come from mmap and page-fault on every touch (measured: 8 ms vs
+    0.6 ms for the same 15 MB gather into a reused buffer), so the gathers write in here.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = 1
+        for n in shape:
+            numel *= n
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            grown = max(numel, 2 * buf.numel()) if buf is not None and buf.dtype == dtype else numel
+            buf = self._buffers[name] = torch.empty(grown, dtype=dtype, device=device)
+        return buf[:numel].view(shape)
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
     num_decodes: int  # the first num_decodes tokens are single-token (decode) requests
-    decode_slots: torch.Tensor | None  # [num_decodes, max_len] int64 context slots, padded with slot 0
+    decode_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64 block ids, padded with block 0
     decode_lens: torch.Tensor | None  # [num_decodes] int64 context length (incl. the new token)
     prefills: list[PrefillSpan]
+    workspace: Workspace = field(default_factory=Workspace)
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
 
-    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
-        """[num_decodes, 1, 1, max_len] bool: True for real context keys (inside the window)."""
-        assert self.decode_slots is not None and self.decode_lens is not None
-        if sliding_window not in self._decode_masks:
-            k_pos = torch.arange(self.decode_slots.shape[1], device=self.decode_slots.device)
+    def decode_mask(self, sliding_window: int | None, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+        """[num_decodes, 1, 1, max_blocks * block_size] additive mask: 0 for real context keys
+        (inside the window), -inf for padding. Additive float measured faster than bool in SDPA."""
+        assert self.decode_tables is not None and self.decode_lens is not None
+        key = (sliding_window, dtype)
+        if key not in self._decode_masks:
+            k_pos = torch.arange(self.decode_tables.shape[1] * block_size, device=self.decode_tables.device)
             lens = self.decode_lens.unsqueeze(1)
-            mask = k_pos < lens
+            visible = k_pos < lens
             if sliding_window is not None:
-                mask &= k_pos >= lens - sliding_window
-            self._decode_masks[sliding_window] = mask[:, None, None, :]
-        return self._decode_masks[sliding_window]
+                visible &= k_pos >= lens - sliding_window
+            mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+            self._decode_masks[key] = mask[:, None, None, :]
+        return self._decode_masks[key]
 
 
 @dataclass
@@ -74,7 +100,8 @@ class SeqSpec:
     block_table: list[int]  # block ids holding the context, in order
 
 
-def build_attention_metadata(seqs: list[SeqSpec], block_size: int, device: torch.device) -> AttentionMetadata:
+def build_attention_metadata(seqs: list[SeqSpec], block_size: int, device: torch.device,
+                             workspace: Workspace | None = None) -> AttentionMetadata:
     """Flatten a step's requests into slot mappings and gather indices. Decodes must come first.
 
     Vectorised: the per-token work is torch ops over a padded block-table tensor, so the Python
@@ -98,13 +125,11 @@ def build_attention_metadata(seqs: list[SeqSpec], block_size: int, device: torch
     offset = torch.arange(int(new_counts.sum())) - torch.repeat_interleave(torch.cumsum(new_counts, 0) - new_counts,
                                                                           new_counts)
     slot_mapping = all_slots[row, starts[row] + offset]
-    decode_slots = decode_lens = None
+    decode_tables = decode_lens = None
     if num_decodes:
-        max_len = max(totals[:num_decodes])
-        decode_lens = torch.tensor(totals[:num_decodes], dtype=torch.int64)
-        decode_slots = all_slots[:num_decodes, :max_len].where(
-            torch.arange(max_len) < decode_lens[:, None], 0).to(device)
-        decode_lens = decode_lens.to(device)
+        max_blocks = -(-max(totals[:num_decodes]) // block_size)
+        decode_tables = tables[:num_decodes, :max_blocks].to(device)
+        decode_lens = torch.tensor(totals[:num_decodes], dtype=torch.int64, device=device)
     prefills = []
     start = num_decodes
     for i in range(num_decodes, len(seqs)):
@@ -114,7 +139,8 @@ def build_attention_metadata(seqs: list[SeqSpec], block_size: int, device: torch
     return AttentionMetadata(
         slot_mapping=slot_mapping.to(device),
         num_decodes=num_decodes,
-        decode_slots=decode_slots,
+        decode_tables=decode_tables,
         decode_lens=decode_lens,
         prefills=prefills,
+        workspace=workspace or Workspace(),
     )

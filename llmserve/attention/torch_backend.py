@@ -29,16 +29,15 @@ def paged_attention(
     sliding_window: int | None,
 ) -> torch.Tensor:  # [T, heads, head_dim]
     out = torch.empty_like(q)
-    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+    block_size, kv_heads, head_dim = kv_cache.shape[2:]
+    flat = kv_cache.view(2, -1, kv_heads, head_dim)
     gqa = q.shape[1] != k.shape[1]
     nd = meta.num_decodes
     if nd:
-        assert meta.decode_slots is not None
-        keys = flat[0][meta.decode_slots].transpose(1, 2)  # [nd, kv_heads, max_len, head_dim]
-        values = flat[1][meta.decode_slots].transpose(1, 2)
+        keys, values = _gather_blocks(kv_cache, meta)  # [nd, kv_heads, max_blocks * block_size, head_dim]
         qd = q[:nd].unsqueeze(2)  # [nd, heads, 1, head_dim]
-        o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=meta.decode_mask(sliding_window),
-                                           scale=scale, enable_gqa=gqa)
+        mask = meta.decode_mask(sliding_window, block_size, q.dtype)
+        o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[:nd] = o.squeeze(2)
     for span in meta.prefills:
         qs = q[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
@@ -48,9 +47,25 @@ def paged_attention(
             vs = v[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            ks = flat[0][span.slots].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, context, head_dim]
-            vs = flat[1][span.slots].transpose(0, 1).unsqueeze(0)
+            ks = flat[0].index_select(0, span.slots).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx, head_dim]
+            vs = flat[1].index_select(0, span.slots).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask(sliding_window),
                                                scale=scale, enable_gqa=gqa)
         out[span.q_start:span.q_end] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _gather_blocks(kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy the decode requests' blocks (whole blocks: long contiguous rows copy fastest) into
+    workspace buffers shared by all layers of the step."""
+    assert meta.decode_tables is not None
+    nd, max_blocks = meta.decode_tables.shape
+    block_size, kv_heads, head_dim = kv_cache.shape[2:]
+    idx = meta.decode_tables.reshape(-1)
+    shape = (nd * max_blocks, block_size, kv_heads, head_dim)
+    out = []
+    for i, name in enumerate(("decode_k", "decode_v")):
+        buf = meta.workspace.get(name, shape, kv_cache.dtype, kv_cache.device)
+        torch.index_select(kv_cache[i], 0, idx, out=buf)
+        out.append(buf.view(nd, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2))
+    return out[0], out[1]

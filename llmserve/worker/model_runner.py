@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.attention import SeqSpec, build_attention_metadata
+from llmserve.attention.metadata import Workspace
 from llmserve.engine.request import Request
 from llmserve.engine.scheduler import ScheduledRequest
 from llmserve.models.loader import LoadedModel
@@ -40,6 +41,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.sampler = Sampler()
+        self.workspace = Workspace()  # decode gather buffers, reused across steps
         spec = cache_spec(loaded)
         # Zero-filled, not empty: padded decode rows read slot 0, and masked keys must still be
         # finite (NaN * 0 is NaN inside softmax).
@@ -62,7 +64,7 @@ class ModelRunner:
             seqs.append(SeqSpec(start, s.num_new_tokens, table))
             if s.samples:
                 logit_rows.append(len(input_ids) - 1)
-        meta = build_attention_metadata(seqs, self.block_size, self.device)
+        meta = build_attention_metadata(seqs, self.block_size, self.device, self.workspace)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, meta)
