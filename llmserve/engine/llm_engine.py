@@ -44,7 +44,7 @@ class LLMEngine:
         self.session_len = min(config.session_len or loaded.max_model_len, loaded.max_model_len)
         num_blocks = config.num_blocks or num_blocks_for(loaded, config.block_size, config.cache_max_bytes,
                                                          config.cache_max_entry_count)
-        self.runner = ModelRunner(loaded, num_blocks, config.block_size)
+        self.runner = ModelRunner(loaded, num_blocks, config.block_size, config.num_threads)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_prefill_token_num, config.max_batch_size)
         self._tracked: dict[str, _Tracked] = {}  # sequence id -> state

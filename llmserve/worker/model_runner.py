@@ -17,6 +17,7 @@ from llmserve.engine.request import Request
 from llmserve.engine.scheduler import ScheduledRequest
 from llmserve.models.loader import LoadedModel
 from llmserve.sampling.sampler import Sampler, SamplerOutput, SamplingBatch, SequenceState
+from llmserve.worker.cpu_tuning import configure_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,10 @@ class CacheSpec:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
+                 num_threads: int | None = None) -> None:
+        if loaded.device.type == "cpu":
+            configure_cpu(num_threads)
         self.model = loaded.model
         self.device = loaded.device
         self.vocab_size = loaded.hf_config.vocab_size

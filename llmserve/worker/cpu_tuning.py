@@ -1,0 +1,44 @@
+"""Process-wide CPU settings applied once when an engine starts on CPU."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+def configure_cpu(num_threads: int | None) -> int:
+    """Set torch's thread count (default: the cores this process may run on) and keep glibc from
+    returning large freed blocks to the OS. Returns the thread count.
+
+    Why the malloc settings: activations of a prefill chunk are tens of MB; glibc serves blocks that
+    large with mmap and unmaps them on free, so every step page-faults its activations afresh.
+    Raising the mmap and trim thresholds keeps them in the heap for reuse (the effect vLLM gets
+    from preloading tcmalloc). Set LLMSERVE_NO_MALLOC_TUNING=1 to leave glibc alone.
+    """
+    threads = num_threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    if os.environ.get("LLMSERVE_NO_MALLOC_TUNING") != "1":
+        _tune_glibc_malloc()
+    return threads
+
+
+def _tune_glibc_malloc() -> None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        libc = ctypes.CDLL(name)
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, 512 << 20) and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
+        return
+    if not ok:
+        logger.debug("mallopt refused the thresholds; leaving malloc as it is")
