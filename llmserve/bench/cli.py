@@ -1,17 +1,23 @@
-"""`llmserve bench throughput` (offline, through the engine; optional transformers baseline)."""
+"""`llmserve bench throughput` (offline, through the engine; optional transformers baseline),
+`llmserve bench latency` (one request at a time through the engine) and `llmserve bench serving`
+(streaming clients against any OpenAI-compatible server)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import sys
+import time
 
 from llmserve.bench.datasets import BenchRequest, sharegpt, synthetic_chat
 from llmserve.bench.throughput import ThroughputResult, matmul_peak_gflops, run_engine_throughput
+from llmserve.errors import InvalidRequestError
 
 
 def add_bench_parser(sub: argparse._SubParsersAction, add_engine_flags) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: throughput")
+    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serving")
     kinds = bench.add_subparsers(dest="bench_kind", required=True)
     tp = kinds.add_parser("throughput", help="offline throughput through the engine")
     tp.add_argument("model", nargs="?", default=None, help="model (default: the embedded SmolLM2-135M-Instruct)")
@@ -26,6 +32,51 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_engine_flags) -> None:
     tp.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     add_engine_flags(tp)
     tp.set_defaults(func=_cmd_throughput)
+    _add_latency_parser(kinds, add_engine_flags)
+    _add_serving_parser(kinds)
+
+
+def _add_latency_parser(kinds: argparse._SubParsersAction, add_engine_flags) -> None:
+    lat = kinds.add_parser("latency", help="one request at a time through the engine: TTFT and decode tokens/s")
+    lat.add_argument("model", nargs="?", default=None, help="model (default: the embedded SmolLM2-135M-Instruct)")
+    lat.add_argument("--input-len", type=int, default=36, help="prompt tokens (random token ids, new each iteration)")
+    lat.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    lat.add_argument("--num-iters", type=int, default=5, help="measured requests")
+    lat.add_argument("--warmup", type=int, default=1, help="requests run first and not measured")
+    lat.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                     help="always generate --output-len tokens (default: yes, so decode rates compare)")
+    lat.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_engine_flags(lat)
+    lat.set_defaults(func=_cmd_latency)
+
+
+def _add_serving_parser(kinds: argparse._SubParsersAction) -> None:
+    sv = kinds.add_parser("serving", help="streaming clients against an OpenAI-compatible server: TTFT, TPOT, "
+                                          "ITL, end-to-end latency and throughput")
+    sv.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    sv.add_argument("--model", help="model name to request (default: the first of GET /v1/models)")
+    sv.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
+                    help="/v1/chat/completions (default) or /v1/completions")
+    sv.add_argument("--tokenizer", help="tokenizer that sizes the prompts: a model directory, .gguf file or hub "
+                                        "id; only its tokenizer is loaded (default: the embedded SmolLM2's)")
+    sv.add_argument("--dataset", help="ShareGPT-format JSON file")
+    sv.add_argument("--synthetic", action="store_true", help="synthetic chat prompts (default if no --dataset)")
+    sv.add_argument("--num-prompts", type=int, default=64)
+    sv.add_argument("--input-len", default="36:390", help="prompt tokens, N or MIN:MAX (synthetic)")
+    sv.add_argument("--output-len", type=int, default=None,
+                    help="max_tokens of each request (synthetic default 128; dataset default: the reply's length)")
+    sv.add_argument("--max-len", type=int, default=None,
+                    help="skip dataset conversations longer than this (default: the server's max_model_len)")
+    load = sv.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int, help="requests in flight at most (default: all at once)")
+    load.add_argument("--request-rate", type=float, help="requests/s, Poisson arrivals (seeded by --seed)")
+    sv.add_argument("--seed", type=int, default=0, help="of the workload and the arrival times")
+    sv.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM's and our extra field)")
+    sv.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                    help="sent as a bearer token (default: $OPENAI_API_KEY)")
+    sv.add_argument("--timeout", type=float, default=600.0, help="seconds to wait on a connect or read")
+    sv.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    sv.set_defaults(func=_cmd_serving)
 
 
 def _input_range(spec: str) -> tuple[int, int]:
@@ -85,3 +136,59 @@ def _report(results: list[ThroughputResult], peak_gflops: float, dtype: str, as_
 
 def _ratio(results: list[ThroughputResult]) -> float | None:
     return results[0].output_tokens_per_s / results[1].output_tokens_per_s if len(results) > 1 else None
+
+
+def _cmd_latency(args: argparse.Namespace) -> int:
+    from llmserve.api import pipeline
+    from llmserve.bench.latency import LatencyPlan, format_latency, run_latency
+    from llmserve.cli import dataclass_from_args
+    from llmserve.config import EngineConfig
+
+    plan = LatencyPlan(input_len=args.input_len, output_len=args.output_len, num_iters=args.num_iters,
+                       warmup=args.warmup, ignore_eos=args.ignore_eos)
+    start = time.perf_counter()
+    with pipeline(args.model, backend_config=dataclass_from_args(EngineConfig, args), log_level=args.log_level) as pipe:
+        result = run_latency(pipe.engine, plan, load_s=time.perf_counter() - start)
+    if args.json:
+        json.dump(result.as_dict(), sys.stdout, indent=2)
+        print()
+    else:
+        print(format_latency(result))
+    return 0
+
+
+def _cmd_serving(args: argparse.Namespace) -> int:
+    from llmserve.bench import serving
+    from llmserve.chat_template import ChatTemplate
+
+    if args.num_prompts < 1 or (args.concurrency is not None and args.concurrency < 1) or (
+            args.request_rate is not None and args.request_rate <= 0):
+        raise InvalidRequestError("--num-prompts and --concurrency must be >= 1, --request-rate > 0")
+    try:
+        import httpx  # noqa: F401  (a dev extra of the package; the client of this command)
+    except ImportError:
+        raise InvalidRequestError("bench serving needs httpx: pip install httpx") from None
+    model = args.model
+    max_len = args.max_len
+    if model is None:
+        served = serving.first_served_model(args.base_url, args.api_key)
+        model, max_len = served.name, max_len or served.max_model_len
+    tokenizer = serving.load_bench_tokenizer(args.tokenizer)
+    template = ChatTemplate(tokenizer)
+    if args.dataset:
+        bench = sharegpt(args.dataset, tokenizer, template, args.num_prompts, args.output_len, max_len or sys.maxsize,
+                         seed=args.seed)
+    else:
+        bench = synthetic_chat(tokenizer, template, args.num_prompts, _input_range(args.input_len),
+                               args.output_len or 128, seed=args.seed)
+    plan = serving.ServingPlan(base_url=args.base_url, model=model, endpoint=args.endpoint,
+                               concurrency=args.concurrency, request_rate=args.request_rate,
+                               ignore_eos=args.ignore_eos, api_key=args.api_key, seed=args.seed,
+                               timeout_s=args.timeout)
+    result = asyncio.run(serving.run_serving(plan, serving.serving_requests(bench, tokenizer, args.endpoint)))
+    if args.json:
+        json.dump(result.as_dict(), sys.stdout, indent=2)
+        print()
+    else:
+        print(serving.format_serving(result))
+    return 0 if result.completed else 1
