@@ -153,6 +153,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     lst = sub.add_parser("list", help="list supported architectures and built-in chat templates")
     lst.set_defaults(func=_cmd_list)
+
+    # --- chat: llmserve/chat_cli.py ---
+    def run_chat(args: argparse.Namespace) -> int:
+        from llmserve.chat_cli import run  # on use only: it imports torch
+
+        return run(args)
+
+    chat = sub.add_parser("chat", help="chat with a model on the terminal (multi-turn, streaming; /help inside)")
+    add_model_argument(chat)
+    chat.add_argument("--stats", action="store_true", help="after each answer, print token counts, TTFT and "
+                                                           "tokens/s to stderr")
+    add_model_flags(chat)
+    add_dataclass_flags(chat, GenerationConfig, _GEN_FLAGS, group_title="generation")
+    chat.set_defaults(func=run_chat)
+    # --- end chat ---
     return parser
 
 

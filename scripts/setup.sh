@@ -5,6 +5,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 stamp=.venv/.llmserve-installed
+# Headless Chromium for the web page test (tests/web): Debian's package, installed only when it is
+# missing and we are root. Before the stamp check, so a machine set up earlier gets it too. Without
+# it that test skips and says why.
+if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    log=/tmp/llmserve-chromium-install.log
+    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } >"$log" 2>&1 \
+        || echo "setup: could not install chromium (log: $log); the web page test will skip" >&2
+fi
 if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt scripts/setup.sh ]; then
     exit 0
 fi

@@ -1,0 +1,301 @@
+// The chat page: talks to the server's OpenAI routes (GET v1/models, POST v1/chat/completions
+// with stream: true). Model output is only ever put in the page through textContent, never as HTML.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+
+const state = {
+  history: [],       // the conversation sent with each request: {role, content} (no system prompt)
+  controller: null,  // AbortController of the answer being generated; null when idle
+  model: null,       // id from v1/models, sent as `model`
+  conversation: 0,   // bumped by "New chat", so a turn that ends afterwards stays out of the new one
+};
+
+const SETTINGS_KEY = "llmserve.chat.settings";
+const API_KEY_KEY = "llmserve.chat.apiKey";  // sessionStorage: a secret should not outlive the tab
+
+// --- settings -----------------------------------------------------------------------------
+
+function loadSettings() {
+  let saved = {};
+  try { saved = JSON.parse(localStorage.getItem(SETTINGS_KEY) || "{}"); } catch { /* corrupt: defaults */ }
+  if (typeof saved.system === "string") $("system-prompt").value = saved.system;
+  if (typeof saved.temperature === "string") $("temperature").value = saved.temperature;
+  if (typeof saved.maxTokens === "string") $("max-tokens").value = saved.maxTokens;
+  $("api-key").value = sessionStorage.getItem(API_KEY_KEY) || "";
+}
+
+function saveSettings() {
+  localStorage.setItem(SETTINGS_KEY, JSON.stringify({
+    system: $("system-prompt").value, temperature: $("temperature").value, maxTokens: $("max-tokens").value,
+  }));
+  sessionStorage.setItem(API_KEY_KEY, $("api-key").value);
+}
+
+// An empty or invalid number field is left out of the request, so the server's default applies.
+function numberField(id, parse) {
+  const el = $(id);
+  if (el.value.trim() === "" || !el.checkValidity()) return undefined;
+  const value = parse(el.value);
+  return Number.isFinite(value) ? value : undefined;
+}
+
+function headers() {
+  const h = { "Content-Type": "application/json" };
+  const key = $("api-key").value.trim();
+  if (key) h.Authorization = `Bearer ${key}`;
+  return h;
+}
+
+// --- server -------------------------------------------------------------------------------
+
+// The OpenAI error body is {"error": {"message": ...}}; anything else is shown as the status line.
+async function errorMessage(resp) {
+  const text = await resp.text();
+  try {
+    const body = JSON.parse(text);
+    const msg = body?.error?.message ?? body?.detail ?? body?.message;
+    if (msg) return `${resp.status}: ${typeof msg === "string" ? msg : JSON.stringify(msg)}`;
+  } catch { /* not JSON */ }
+  return `${resp.status} ${resp.statusText}${text ? `: ${text.slice(0, 300)}` : ""}`;
+}
+
+async function loadModel() {
+  try {
+    const resp = await fetch("v1/models", { headers: headers() });
+    if (!resp.ok) throw new Error(await errorMessage(resp));
+    const models = (await resp.json()).data || [];
+    state.model = models.length ? models[0].id : null;
+    $("model-name").textContent = state.model ?? "no model";
+  } catch (e) {
+    $("model-name").textContent = "model unknown";
+    showError(`Could not list models: ${e.message}`);
+  }
+}
+
+// Calls onData(parsed JSON) per Server-Sent Event; resolves true on `data: [DONE]`, false when
+// the stream ended without it (the server went away mid-answer).
+async function readEvents(resp, onData) {
+  const reader = resp.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return false;
+    buffer += decoder.decode(value, { stream: true });
+    const events = buffer.split(/\r?\n\r?\n/);
+    buffer = events.pop();  // an incomplete event waits for the next read
+    for (const event of events) {
+      const data = event.split(/\r?\n/).filter((l) => l.startsWith("data:"))
+        .map((l) => l.slice(5).replace(/^ /, "")).join("\n");
+      if (data === "[DONE]") return true;
+      if (data) onData(JSON.parse(data));
+    }
+  }
+}
+
+// --- conversation view --------------------------------------------------------------------
+
+function addMessage(role, text) {
+  $("empty-hint").hidden = true;
+  const article = document.createElement("article");
+  article.className = `msg ${role}`;
+  article.dataset.role = role;
+  const who = document.createElement("div");
+  who.className = "who";
+  who.textContent = role === "user" ? "You" : "Assistant";
+  const body = document.createElement("div");
+  body.className = "body";
+  body.textContent = text;
+  article.append(who, body);
+  $("conversation").append(article);
+  scrollToEnd(true);
+  return article;
+}
+
+function scrollToEnd(force) {
+  const log = $("conversation");
+  // Follow the answer only if the reader has not scrolled up to read something earlier.
+  const nearEnd = log.scrollHeight - log.scrollTop - log.clientHeight < 80;
+  if (force || nearEnd) log.scrollTop = log.scrollHeight;
+}
+
+function showError(message) {
+  $("error-text").textContent = message;
+  $("error").hidden = false;
+}
+
+function hideError() {
+  $("error").hidden = true;
+}
+
+function setBusy(busy) {
+  $("send").hidden = busy;
+  $("stop").hidden = !busy;
+  $("conversation").setAttribute("aria-busy", String(busy));  // screen readers wait for the whole answer
+}
+
+// --- one turn -----------------------------------------------------------------------------
+
+class Answer {
+  constructor(article) {
+    this.article = article;
+    this.body = article.querySelector(".body");
+    this.text = "";
+    this.chunks = 0;           // SSE chunks that carried text
+    this.usageTokens = null;   // completion_tokens from the usage chunk, when the server sends it
+    this.finishReason = null;
+    this.start = performance.now();
+    this.first = null;         // ms timestamps of the first and latest text chunk
+    this.last = null;
+    article.dataset.chunks = "0";
+    article.dataset.state = "streaming";
+  }
+
+  onChunk(chunk) {
+    if (chunk.error) throw new Error(chunk.error.message || JSON.stringify(chunk.error));
+    if (chunk.usage) this.usageTokens = chunk.usage.completion_tokens;
+    const choice = (chunk.choices || [])[0];
+    if (!choice) return;
+    if (choice.finish_reason) this.finishReason = choice.finish_reason;
+    const delta = choice.delta?.content;
+    if (!delta) return;
+    this.last = performance.now();
+    this.first ??= this.last;
+    this.text += delta;
+    this.chunks += 1;
+    this.body.textContent = this.text;
+    this.article.dataset.chunks = String(this.chunks);
+    scrollToEnd(false);
+  }
+
+  finish(stateName) {
+    this.article.dataset.state = stateName;
+    const tokens = this.usageTokens ?? this.chunks;  // without usage, one chunk is one token
+    const parts = [`${tokens} token${tokens === 1 ? "" : "s"}`];
+    if (tokens > 1 && this.last > this.first) {
+      // Decode speed: tokens after the first over the time they took (TTFT is shown apart).
+      parts.push(`${((tokens - 1) / ((this.last - this.first) / 1000)).toFixed(1)} tok/s`);
+    }
+    if (this.first !== null) parts.push(`TTFT ${Math.round(this.first - this.start)} ms`);
+    if (stateName === "stopped") parts.push("stopped");
+    else if (this.finishReason === "length") parts.push("cut at max tokens");
+    const stats = document.createElement("div");
+    stats.className = "stats";
+    stats.textContent = parts.join(" · ");
+    this.article.append(stats);
+  }
+}
+
+function requestBody(messages) {
+  const body = { messages, stream: true, stream_options: { include_usage: true } };
+  if (state.model) body.model = state.model;
+  const temperature = numberField("temperature", parseFloat);
+  if (temperature !== undefined) body.temperature = temperature;
+  const maxTokens = numberField("max-tokens", (v) => parseInt(v, 10));
+  if (maxTokens !== undefined) body.max_tokens = maxTokens;
+  return body;
+}
+
+async function send(text) {
+  if (state.controller || !text.trim()) return;
+  const controller = new AbortController();
+  const conversation = state.conversation;
+  state.controller = controller;
+  setBusy(true);
+  hideError();
+  if (!state.model) await loadModel();
+  if (conversation !== state.conversation) return;  // "New chat" while the model list loaded
+  const user = { role: "user", content: text };
+  const system = $("system-prompt").value.trim();
+  const messages = [...(system ? [{ role: "system", content: system }] : []), ...state.history, user];
+  const userArticle = addMessage("user", text);
+  const answer = new Answer(addMessage("assistant", ""));
+  try {
+    const resp = await fetch("v1/chat/completions", {
+      method: "POST", headers: headers(), body: JSON.stringify(requestBody(messages)), signal: controller.signal,
+    });
+    if (!resp.ok) throw new Error(await errorMessage(resp));
+    const complete = await readEvents(resp, (chunk) => answer.onChunk(chunk));
+    if (!complete) throw new Error("the server closed the stream before the answer was complete");
+    answer.finish("done");
+  } catch (e) {
+    const stopped = e.name === "AbortError";
+    if (conversation !== state.conversation) return;
+    if (!stopped) showError(e.message);
+    if (!answer.text) {
+      // Nothing came back: take the turn out again and give the question back for a retry.
+      userArticle.remove();
+      answer.article.remove();
+      if (!$("prompt").value) $("prompt").value = text;
+      $("empty-hint").hidden = state.history.length > 0;
+      return;
+    }
+    answer.finish(stopped ? "stopped" : "error");
+  } finally {
+    if (state.controller === controller) {
+      state.controller = null;
+      setBusy(false);
+    }
+  }
+  // A turn with any answer text stays in the conversation, stopped or not: the user saw it.
+  if (conversation === state.conversation) state.history.push(user, { role: "assistant", content: answer.text });
+}
+
+function newChat() {
+  state.conversation += 1;
+  state.controller?.abort();
+  state.controller = null;
+  setBusy(false);
+  state.history = [];
+  $("conversation").querySelectorAll(".msg").forEach((m) => m.remove());
+  $("empty-hint").hidden = false;
+  hideError();
+  $("prompt").focus();
+}
+
+// --- wiring -------------------------------------------------------------------------------
+
+function autoGrow(el) {
+  el.style.height = "auto";
+  el.style.height = `${Math.min(el.scrollHeight, 240)}px`;
+}
+
+function submitPrompt() {
+  const prompt = $("prompt");
+  const text = prompt.value;
+  if (state.controller || !text.trim()) return;
+  prompt.value = "";
+  autoGrow(prompt);
+  send(text);
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  if (window.matchMedia("(max-width: 760px)").matches) $("settings").open = false;
+  loadSettings();
+  loadModel();
+  $("composer").addEventListener("submit", (e) => { e.preventDefault(); submitPrompt(); });
+  $("prompt").addEventListener("keydown", (e) => {
+    // Enter sends; Shift+Enter is a new line; Enter while an IME composes a word is the IME's.
+    if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
+      e.preventDefault();
+      submitPrompt();
+    } else if (e.key === "Escape" && state.controller) {
+      state.controller.abort();
+    }
+  });
+  $("prompt").addEventListener("input", (e) => autoGrow(e.target));
+  $("stop").addEventListener("click", () => { state.controller?.abort(); $("prompt").focus(); });
+  $("new-chat").addEventListener("click", newChat);
+  $("error-close").addEventListener("click", hideError);
+  for (const id of ["system-prompt", "temperature", "max-tokens", "api-key"]) {
+    $(id).addEventListener("change", saveSettings);
+  }
+  $("api-key").addEventListener("change", async () => {
+    if (!state.model && !state.controller) {
+      await loadModel();
+      if (state.model) hideError();  // the error was the missing key
+    }
+  });
+  $("prompt").focus();
+});
