@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_flags(chat, GenerationConfig, _GEN_FLAGS, group_title="generation")
     chat.set_defaults(func=run_chat)
     # --- end chat ---
+    from llmserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub, add_engine_flags)
     return parser
 
 
