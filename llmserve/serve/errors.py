@@ -44,8 +44,11 @@ class ApiError(Exception):
     def from_invalid(cls, e: InvalidRequestError, param_names: dict[str, str] | None = None) -> ApiError:
         """An engine/config refusal as a 400; `param_names` maps our field names to the API's."""
         param = (param_names or {}).get(e.param or "", e.param)
+        message = str(e)
+        if e.param and param != e.param and message.startswith(e.param + ":"):
+            message = param + message[len(e.param):]  # "max_new_tokens: ..." -> "max_tokens: ..."
         code = "context_length_exceeded" if isinstance(e, PromptTooLongError) else None
-        return cls(400, str(e), param, code)
+        return cls(400, message, param, code)
 
 
 def is_openai_path(path: str) -> bool:

@@ -2,7 +2,8 @@
 the field as the client spelled it.
 
 Defaults, as vLLM: unset sampling knobs take the model's generation_config.json values; chat's
-max_tokens defaults to what is left of the context, completions' to 16 (OpenAI's legacy default).
+max_tokens defaults to what is left of the context (or of the KV pool, if that is smaller),
+completions' to 16 (OpenAI's legacy default).
 """
 
 from __future__ import annotations
@@ -80,8 +81,12 @@ def check_prompt_length(model: ServedModel, num_tokens: int, max_tokens: int | N
         raise ApiError(400, f"This model's maximum context length is {limit} tokens, and the {what} "
                             f"{'have' if what == 'messages' else 'has'} {num_tokens} tokens: shorten it.",
                        param=what, code="context_length_exceeded")
-    if max_tokens is None:
-        return limit - num_tokens
+    if max_tokens is None:  # as much as fits: in the context, and in the KV pool for a lone sequence
+        if num_tokens >= model.kv_tokens:
+            raise ApiError(400, f"The {what} {'have' if what == 'messages' else 'has'} {num_tokens} tokens, and the "
+                                f"KV cache holds at most {model.kv_tokens} tokens per sequence: shorten it.",
+                           param=what, code="context_length_exceeded")
+        return min(limit, model.kv_tokens) - num_tokens
     if num_tokens + max_tokens > limit:
         raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                             f"{num_tokens + max_tokens} tokens ({num_tokens} in the {what}, {max_tokens} for the "

@@ -1,0 +1,90 @@
+"""Load: 64 concurrent streaming clients get complete, correct answers (each equal to the greedy
+answer of the same request sent alone) while 16 more leave mid-stream; afterwards no KV block is in
+use, the pool's invariants hold, and /metrics adds up."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+
+from tests.server.harness import EngineHandle, RunningServer, wait_until
+
+NUM_CLIENTS = 64
+NUM_LEAVERS = 16
+WORDS = ["Paris", "fox", "tiny", "cache", "model", "world", "capital", "quick"]
+
+
+def _request(i: int) -> dict[str, Any]:
+    # Different prompts and lengths, so sequences join and leave the batch at different steps.
+    content = f"{WORDS[i % 8]} {WORDS[(i // 8) % 8]} number {i}"
+    return {"model": "tiny-llama", "messages": [{"role": "user", "content": content}], "temperature": 0,
+            "max_tokens": 8 + (i % 5) * 8}
+
+
+async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], leave_after: int | None = None) -> dict:
+    text, finish, usage, chunks = "", None, None, 0
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for c in chunk["choices"]:
+                text += c["delta"].get("content") or ""
+                finish = c["finish_reason"] or finish
+            chunks += 1
+            if leave_after is not None and chunks >= leave_after:
+                return {"left_after": chunks}  # leaving the block closes the connection mid-stream
+    return {"text": text, "finish_reason": finish, "usage": usage}
+
+
+async def _run_all(url: str) -> tuple[list[dict], list[dict]]:
+    limits = httpx.Limits(max_connections=NUM_CLIENTS + NUM_LEAVERS + 8)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+        leaver_body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Never stop talking."}],
+                       "temperature": 0, "max_tokens": 200, "ignore_eos": True}
+        tasks = [_stream(client, url, _request(i)) for i in range(NUM_CLIENTS)]
+        tasks += [_stream(client, url, leaver_body, leave_after=3 + i % 4) for i in range(NUM_LEAVERS)]
+        results = await asyncio.gather(*tasks)
+    return results[:NUM_CLIENTS], results[NUM_CLIENTS:]
+
+
+def test_64_streams_with_16_leavers(server: RunningServer, tiny: EngineHandle) -> None:
+    alone = []
+    for i in range(NUM_CLIENTS):  # reference: one at a time
+        r = httpx.post(server.url + "/v1/chat/completions", json=_request(i), timeout=60).json()
+        alone.append({"text": r["choices"][0]["message"]["content"], "finish_reason": r["choices"][0]["finish_reason"],
+                      "usage": r["usage"]})
+    before = {reason: server.metric("llmserve:request_success_total", finished_reason=reason)
+              for reason in ("stop", "length", "abort")}
+    prompt_tokens = server.metric("llmserve:prompt_tokens_total")
+    steps = tiny.engine.stats.num_steps
+
+    together, leavers = asyncio.run(_run_all(server.url))
+
+    assert together == alone  # same text, finish reason and usage as when sent alone
+    assert all(leaver["left_after"] >= 3 for leaver in leavers)
+    report = wait_until(lambda: (lambda r: r if r["in_use"] == 0 and not r["unfinished_requests"] else None)(
+        httpx.get(server.url + "/debug/kv").json()), what="every KV block to be released")
+    assert report["invariants_ok"] and report["free"] + report["cached"] == report["total"] == 512
+    assert server.state.num_active == 0 and not server.state.in_flight
+
+    finished = {reason: server.metric("llmserve:request_success_total", finished_reason=reason) - before[reason]
+                for reason in ("stop", "length", "abort")}
+    expected = {"stop": 0, "length": 0, "abort": NUM_LEAVERS}
+    for a in alone:
+        expected[a["finish_reason"]] += 1
+    assert finished == expected
+    leaver_prompt = len(tiny.tokenizer.apply_chat_template([{"role": "user", "content": "Never stop talking."}],
+                                                           add_generation_prompt=True, tokenize=True, return_dict=False))
+    assert server.metric("llmserve:prompt_tokens_total") - prompt_tokens == \
+        sum(a["usage"]["prompt_tokens"] for a in alone) + NUM_LEAVERS * leaver_prompt
+    # Continuous batching across connections: far fewer engine steps than tokens generated.
+    generated = sum(a["usage"]["completion_tokens"] for a in alone)
+    assert tiny.engine.stats.num_steps - steps < generated / 4

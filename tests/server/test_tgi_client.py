@@ -1,0 +1,105 @@
+"""TGI's own `text_generation` client against the server on the tiny llama model, plus the TGI
+routes' shapes the client does not look at (POST / wrapping, /generate without details, /info)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.server.harness import EngineHandle, RunningServer
+
+text_generation = pytest.importorskip("text_generation", reason="TGI's client is missing: run scripts/setup.sh")
+Client, ValidationError = text_generation.Client, text_generation.errors.ValidationError
+PROMPT = "The capital of France is"
+# text_generation 0.7 calls pydantic's deprecated .dict(); not ours to fix.
+pytestmark = pytest.mark.filterwarnings("ignore:The `dict` method is deprecated:DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> Client:
+    return Client(server.url, timeout=60)
+
+
+def test_generate_details_count_tokens_and_list_the_prompt(client: Client, tiny: EngineHandle) -> None:
+    r = client.generate(PROMPT, max_new_tokens=7, decoder_input_details=True)
+    d = r.details
+    assert d.finish_reason == "length" and d.generated_tokens == 7 == len(d.tokens)
+    assert d.seed is None  # greedy (do_sample false, no sampling knob)
+    assert r.generated_text == "".join(t.text for t in d.tokens)
+    assert [t.id for t in d.prefill] == tiny.tokenizer.encode(PROMPT)
+    assert all(t.logprob is None for t in d.prefill)  # prompt logprobs are not computed
+    assert all(t.logprob is not None and t.logprob <= 0 and not t.special for t in d.tokens)
+    # Greedy is the same through the OpenAI route.
+    body = {"prompt": tiny.tokenizer.encode(PROMPT), "max_tokens": 7, "temperature": 0, "ignore_eos": True}
+    assert httpx.post(client.base_url + "/v1/completions", json=body).json()["choices"][0]["text"] == r.generated_text
+
+
+def test_generate_stream_equals_generate(client: Client) -> None:
+    whole = client.generate(PROMPT, max_new_tokens=9)
+    events = list(client.generate_stream(PROMPT, max_new_tokens=9))
+    assert "".join(e.token.text for e in events if not e.token.special) == whole.generated_text
+    assert [e.token.id for e in events] == [t.id for t in whole.details.tokens]
+    assert all(e.generated_text is None and e.details is None for e in events[:-1])
+    assert events[-1].generated_text == whole.generated_text
+    assert events[-1].details.finish_reason == "length" and events[-1].details.generated_tokens == 9
+
+
+def test_sampling_gets_a_seed_that_reproduces_it(client: Client) -> None:
+    first = client.generate(PROMPT, max_new_tokens=12, do_sample=True, temperature=1.0)
+    seed = first.details.seed
+    assert isinstance(seed, int)
+    again = client.generate(PROMPT, max_new_tokens=12, do_sample=True, temperature=1.0, seed=seed)
+    assert again.generated_text == first.generated_text and again.details.seed == seed
+
+
+def test_stop_sequence_stays_in_the_text(client: Client) -> None:
+    greedy = client.generate(PROMPT, max_new_tokens=20).generated_text
+    stop = next(greedy[i:i + 2] for i in range(3, len(greedy) - 2) if "\ufffd" not in greedy[i:i + 2])
+    r = client.generate(PROMPT, max_new_tokens=20, stop_sequences=[stop])
+    assert r.generated_text == greedy[:greedy.index(stop) + len(stop)]
+    assert r.details.finish_reason == "stop_sequence"
+    streamed = list(client.generate_stream(PROMPT, max_new_tokens=20, stop_sequences=[stop]))
+    assert "".join(e.token.text for e in streamed) == r.generated_text
+    assert streamed[-1].details.finish_reason == "stop_sequence"
+
+
+def test_top_n_tokens(client: Client) -> None:
+    r = client.generate(PROMPT, max_new_tokens=3, top_n_tokens=2)
+    assert len(r.details.top_tokens) == 3
+    for token, top in zip(r.details.tokens, r.details.top_tokens):
+        assert len(top) == 2 and top[0].id == token.id and top[0].logprob == token.logprob
+
+
+def test_typical_p_is_refused_as_a_validation_error(client: Client) -> None:
+    with pytest.raises(ValidationError, match="typical_p"):
+        client.generate(PROMPT, max_new_tokens=3, typical_p=0.5)
+    assert client.generate(PROMPT, max_new_tokens=2).details.generated_tokens == 2
+
+
+def test_compat_route_wraps_in_a_list_and_returns_full_text_by_default(server: RunningServer) -> None:
+    plain = httpx.post(server.url + "/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 4}})
+    assert plain.status_code == 200 and set(plain.json()) == {"generated_text"}  # no details unless asked
+    assert int(plain.headers["x-generated-tokens"]) == 4
+    compat = httpx.post(server.url + "/", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 4}})
+    assert compat.json() == [{"generated_text": PROMPT + plain.json()["generated_text"]}]
+    told = httpx.post(server.url + "/", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 4,
+                                                                               "return_full_text": False}})
+    assert told.json() == [plain.json()]
+
+
+def test_compat_route_streams_when_asked(server: RunningServer) -> None:
+    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 3}, "stream": True}
+    with httpx.stream("POST", server.url + "/", json=body) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert len(lines) == 3 and all(line.startswith("data:{") for line in lines)
+
+
+def test_info(server: RunningServer, tiny: EngineHandle) -> None:
+    info = httpx.get(server.url + "/info").json()
+    assert info["model_id"] == "tiny-llama"
+    assert info["max_total_tokens"] == tiny.model.session_len == 256
+    assert info["max_input_tokens"] == 255
+    assert info["max_concurrent_requests"] == 128
+    assert info["max_batch_total_tokens"] == 512 * 16
+    assert info["model_pipeline_tag"] == "text-generation" and info["router"] == "llmserve"
