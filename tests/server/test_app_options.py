@@ -1,0 +1,72 @@
+"""What the server exposes besides generation: /metrics' families, CORS only when asked for, the chat
+page and its files, /debug/kv only when enabled."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+
+from tests.server.harness import EngineHandle, RunningServer, running_server
+
+METRIC_FAMILIES = {
+    "llmserve:request_success_total": "counter", "llmserve:requests_rejected_total": "counter",
+    "llmserve:prompt_tokens_total": "counter", "llmserve:generation_tokens_total": "counter",
+    "llmserve:time_to_first_token_seconds": "histogram", "llmserve:time_per_output_token_seconds": "histogram",
+    "llmserve:e2e_request_latency_seconds": "histogram", "llmserve:request_queue_time_seconds": "histogram",
+    "llmserve:request_prompt_tokens": "histogram", "llmserve:request_generation_tokens": "histogram",
+    "llmserve:num_requests_running": "gauge", "llmserve:num_requests_waiting": "gauge",
+    "llmserve:kv_cache_usage_perc": "gauge", "llmserve:kv_cache_blocks_total": "gauge",
+    "llmserve:prefix_cache_hit_rate": "gauge",
+}
+
+
+def test_metrics_families_and_one_request_counted(server: RunningServer) -> None:
+    r = httpx.get(server.url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    types = {line.split()[2]: line.split()[3] for line in r.text.splitlines() if line.startswith("# TYPE")}
+    assert METRIC_FAMILIES.items() <= types.items()
+    assert "_created" not in r.text
+    assert server.metric("llmserve:kv_cache_blocks_total") == 512
+
+    def counts() -> list[float]:
+        return [server.metric("llmserve:request_success_total", finished_reason="length"),
+                server.metric("llmserve:generation_tokens_total"), server.metric("llmserve:prompt_tokens_total"),
+                server.metric("llmserve:time_to_first_token_seconds_count"),
+                server.metric("llmserve:time_per_output_token_seconds_count"),
+                server.metric("llmserve:e2e_request_latency_seconds_count"),
+                server.metric("llmserve:request_queue_time_seconds_count")]
+
+    before = counts()
+    body = {"prompt": [5, 6, 7], "max_tokens": 6, "n": 2, "temperature": 0, "ignore_eos": True}
+    assert httpx.post(server.url + "/v1/completions", json=body).status_code == 200
+    # Per sequence (n = 2): two finishes, 12 tokens, one prompt of 3 tokens.
+    assert [a - b for a, b in zip(counts(), before)] == [2, 12, 3, 2, 2, 2, 2]
+
+
+def test_cors_only_for_configured_origins(server: RunningServer, tiny: EngineHandle) -> None:
+    preflight = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    r = httpx.options(server.url + "/v1/chat/completions", headers=preflight)
+    assert "access-control-allow-origin" not in r.headers  # default: no cross-origin access
+    with running_server(tiny, allow_origins=["http://localhost:3000"], api_keys=["k"]) as cors:
+        r = httpx.options(cors.url + "/v1/chat/completions", headers=preflight)
+        assert r.status_code == 200  # answered before the API-key check: browsers send no key here
+        assert r.headers["access-control-allow-origin"] == "http://localhost:3000"
+        r = httpx.get(cors.url + "/v1/models", headers={"Origin": "http://localhost:3000", "Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+        r = httpx.options(cors.url + "/v1/chat/completions", headers={**preflight, "Origin": "http://evil.example"})
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+
+
+def test_chat_page_and_its_files(server: RunningServer) -> None:
+    page = httpx.get(server.url + "/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "<html" in page.text.lower()
+    for src in re.findall(r'(?:src|href)="(static/[^"]+)"', page.text):  # every file the page names is served
+        assert httpx.get(f"{server.url}/{src}").status_code == 200, src
+
+
+def test_debug_kv_is_off_by_default(tiny: EngineHandle) -> None:
+    with running_server(tiny) as plain:
+        assert httpx.get(plain.url + "/debug/kv").status_code == 404
