@@ -65,8 +65,10 @@ def error_body(path: str, status: int, message: str, param: str | None = None,
 
 def error_response(path: str, status: int, message: str, param: str | None = None,
                    code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    level = logging.WARNING if status >= 500 else logging.INFO
-    logger.log(level, "%s refused with %d: %s", path, status, message)
+    # 503s are expected while loading and draining (and probes ask often): not warnings.
+    level = logging.WARNING if status >= 500 and status != 503 else logging.INFO
+    if path != "/health":
+        logger.log(level, "%s refused with %d: %s", path, status, message)
     return JSONResponse(error_body(path, status, message, param, code), status_code=status, headers=headers)
 
 
