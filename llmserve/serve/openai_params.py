@@ -132,7 +132,12 @@ def _generation_config(model: ServedModel, req: SamplingRequest, max_tokens: int
         raise ApiError.from_invalid(e, {**PARAM_NAMES, **names}) from None
 
 
+MAX_N = 128  # OpenAI's limit; each sample is a sequence in the engine
+
+
 def _check_unsupported(req: SamplingRequest) -> None:
+    if req.n > MAX_N:
+        raise ApiError(400, f"n: must be <= {MAX_N}, got {req.n}", param="n")
     if req.use_beam_search:
         raise ApiError(400, "use_beam_search: beam search is not supported yet", param="use_beam_search")
     if req.best_of is not None and req.best_of != req.n:

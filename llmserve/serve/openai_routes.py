@@ -149,15 +149,20 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 
 
 async def _open_all(state: ServerState, reqs: list[EngineRequest]) -> list[AsyncIterator[SequenceOutput]]:
+    """Open every prompt's request (they run batched); if one is refused or the wait is cancelled
+    (client gone), close the ones already open, which aborts them."""
     engine, _ = state.ready()
-    opened = await asyncio.gather(*(open_request(state, engine, r) for r in reqs), return_exceptions=True)
-    error = next((o for o in opened if isinstance(o, BaseException)), None)
-    if error is not None:
-        for o in opened:
-            if not isinstance(o, BaseException):
-                await o.aclose()  # type: ignore[attr-defined]
-        raise error
-    return opened  # type: ignore[return-value]
+    tasks = [asyncio.ensure_future(open_request(state, engine, r)) for r in reqs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for t in tasks:
+            if not t.cancelled() and t.exception() is None:
+                await t.result().aclose()  # type: ignore[attr-defined]
+        raise
 
 
 class _CompletionReply:

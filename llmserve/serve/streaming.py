@@ -43,14 +43,15 @@ class SSEResponse(StreamingResponse):
         try:
             async with anyio.create_task_group() as tg:
                 async def stream_then_stop() -> None:
-                    await self.stream_response(send)
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client left while we were writing
+                        pass
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(stream_then_stop)
                 await self.listen_for_disconnect(receive)
                 tg.cancel_scope.cancel()  # the client left: stop streaming
-        except OSError:  # the client left while we were writing
-            pass
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
             if self._on_close is not None:

@@ -64,6 +64,7 @@ OPENAI_400 = [
     (CHAT, _chat(logit_bias={"100000": 5}), "logit_bias", "token id 100000 is not in the vocabulary [0, 320)"),
     ("/v1/completions", {"prompt": [999999], "max_tokens": 2}, "prompt", "token id 999999 is not in the vocabulary"),
     ("/v1/completions", {"prompt": [], "max_tokens": 2}, "prompt", "prompt: must not be empty"),
+    ("/v1/completions", {"prompt": "x", "n": 129}, "n", "n: must be <= 128, got 129"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix", "suffix: not supported"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs", "logprobs: must be in [0, 20], got 21"),
 ]
@@ -72,6 +73,15 @@ OPENAI_400 = [
 @pytest.mark.parametrize("path,body,param,fragment", OPENAI_400, ids=[f"{i}-{c[2]}" for i, c in enumerate(OPENAI_400)])
 def test_openai_400(server: RunningServer, path: str, body: dict[str, Any], param: str, fragment: str) -> None:
     _openai_error(httpx.post(server.url + path, json=body), 400, param, fragment)
+    _assert_serving(server)
+
+
+def test_one_refused_prompt_of_several_aborts_the_others(server: RunningServer) -> None:
+    body = {"prompt": [[5, 6, 7], [999999]], "max_tokens": 50, "ignore_eos": True}
+    _openai_error(httpx.post(server.url + "/v1/completions", json=body), 400, "prompt",
+                  "token id 999999 is not in the vocabulary")
+    assert not server.state.in_flight
+    wait_until(lambda: httpx.get(server.url + "/debug/kv").json()["in_use"] == 0, what="blocks freed")
     _assert_serving(server)
 
 
