@@ -60,6 +60,8 @@ def _add_service_routes(app: FastAPI, state: ServerState) -> None:
             return error_response("/health", 503, "the model is still loading")
         if not state.engine.is_alive:
             return error_response("/health", 503, "the engine thread has stopped")
+        if state.draining:  # tell load balancers to stop sending traffic here
+            return error_response("/health", 503, "the server is shutting down")
         return Response(status_code=200)
 
     @app.get("/metrics")

@@ -40,7 +40,7 @@ from llmserve.serve.openai_params import (
 )
 from llmserve.serve.protocol import ChatCompletionRequest, CompletionRequest
 from llmserve.serve.state import ServedModel, ServerState
-from llmserve.serve.streaming import SSEResponse, merge, sse_event, until_disconnected
+from llmserve.serve.streaming import REQUEST_ID_HEADER, SSEResponse, merge, sse_event, until_disconnected
 
 router = APIRouter()
 DONE = "data: [DONE]\n\n"
@@ -72,8 +72,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         outputs = await until_disconnected(request, open_request(state, engine, req))
         reply = _ChatReply(model, req, body)
         if body.stream:
-            return SSEResponse(reply.stream(outputs), on_close=permit.hand_over())
-        return JSONResponse(await until_disconnected(request, reply.collect(outputs)))
+            return SSEResponse(reply.stream(outputs), on_close=permit.hand_over(), request_id=req.request_id)
+        return JSONResponse(await until_disconnected(request, reply.collect(outputs)),
+                            headers={REQUEST_ID_HEADER: req.request_id})
 
 
 class _ChatReply:
@@ -144,8 +145,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         echoes = [p.echo(model.tokenizer) if body.echo else "" for p in prompts]
         reply = _CompletionReply(model, rid, reqs, echoes, body)
         if body.stream:
-            return SSEResponse(reply.stream(merge(streams)), on_close=permit.hand_over())
-        return JSONResponse(await until_disconnected(request, reply.collect(merge(streams))))
+            return SSEResponse(reply.stream(merge(streams)), on_close=permit.hand_over(), request_id=rid)
+        return JSONResponse(await until_disconnected(request, reply.collect(merge(streams))),
+                            headers={REQUEST_ID_HEADER: rid})
 
 
 async def _open_all(state: ServerState, reqs: list[EngineRequest]) -> list[AsyncIterator[SequenceOutput]]:

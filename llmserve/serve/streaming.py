@@ -20,6 +20,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
+REQUEST_ID_HEADER = "X-Request-Id"  # the id in the server's log lines, so a client's report can be found
 
 
 def sse_event(payload: dict[str, Any] | str, sep: str = " ") -> str:
@@ -35,8 +36,12 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None] | None = None) -> None:
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None] | None = None,
+                 request_id: str | None = None) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        if request_id is not None:
+            headers[REQUEST_ID_HEADER] = request_id
+        super().__init__(content, headers=headers)
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -33,7 +33,7 @@ from llmserve.errors import InvalidRequestError
 from llmserve.serve.errors import ApiError
 from llmserve.serve.generation import EngineRequest, new_request_id, open_request
 from llmserve.serve.state import ServedModel, ServerState
-from llmserve.serve.streaming import SSEResponse, sse_event, until_disconnected
+from llmserve.serve.streaming import REQUEST_ID_HEADER, SSEResponse, sse_event, until_disconnected
 from llmserve.serve.tgi_protocol import TGI_DEFAULT_MAX_NEW_TOKENS, TgiParameters, TgiRequest
 
 router = APIRouter()
@@ -82,7 +82,7 @@ async def _generate(body: TgiRequest, request: Request, stream: bool, full_text_
         full_text = body.parameters.return_full_text
         reply = _TgiReply(model, job, body.inputs if (full_text_default if full_text is None else full_text) else "")
         if stream:
-            return SSEResponse(reply.stream(outputs), on_close=permit.hand_over())
+            return SSEResponse(reply.stream(outputs), on_close=permit.hand_over(), request_id=job.req.request_id)
         answer = await until_disconnected(request, reply.collect(outputs))
         return JSONResponse([answer] if as_list else answer, headers=reply.headers())
 
@@ -217,7 +217,7 @@ class _TgiReply:
 
     def headers(self) -> dict[str, str]:
         t = self.last.times if self.last is not None else None
-        h = {"x-prompt-tokens": str(len(self.job.req.prompt_token_ids)),
+        h = {REQUEST_ID_HEADER: self.job.req.request_id, "x-prompt-tokens": str(len(self.job.req.prompt_token_ids)),
              "x-generated-tokens": str(len(self.tokens)), "x-compute-type": self.model.device}
         if t is not None:
             h["x-total-time"] = str(round((t.finished - t.arrival) * 1000))

@@ -3,9 +3,11 @@ page and its files, /debug/kv only when enabled."""
 
 from __future__ import annotations
 
+import logging
 import re
 
 import httpx
+import pytest
 
 from tests.server.harness import EngineHandle, RunningServer, running_server
 
@@ -70,3 +72,19 @@ def test_chat_page_and_its_files(server: RunningServer) -> None:
 def test_debug_kv_is_off_by_default(tiny: EngineHandle) -> None:
     with running_server(tiny) as plain:
         assert httpx.get(plain.url + "/debug/kv").status_code == 404
+
+
+def test_request_id_header_and_one_log_line_per_finished_sequence(server: RunningServer,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "n": 2,
+            "temperature": 0, "ignore_eos": True}
+    with caplog.at_level(logging.INFO, logger="llmserve.serve"):
+        r = httpx.post(server.url + "/v1/chat/completions", json=body)
+    rid = r.json()["id"]
+    assert r.headers["x-request-id"] == rid
+    prompt = r.json()["usage"]["prompt_tokens"]
+    lines = sorted(m for m in caplog.messages if m.startswith(rid))
+    assert [re.sub(r"TTFT [0-9.]+ s, [0-9.]+ s in all", "TTFT t, d", m) for m in lines] == \
+        [f"{rid}#{i} finished (length): {prompt} prompt + 4 output tokens, TTFT t, d" for i in (0, 1)]
+    with httpx.stream("POST", server.url + "/generate_stream", json={"inputs": "Hi"}) as s:
+        assert s.headers["x-request-id"].startswith("generate-")

@@ -212,5 +212,6 @@ def test_503_while_loading_then_serving(tiny: EngineHandle) -> None:
         assert httpx.get(loading.url + "/health").status_code == 200
         _assert_serving(loading)
         loading.state.draining = True  # what SIGTERM does
+        assert httpx.get(loading.url + "/health").status_code == 503  # load balancers: stop sending here
         _openai_error(httpx.post(loading.url + CHAT, json=_chat()), 503, None, "the server is shutting down",
                       type_="service_unavailable")
