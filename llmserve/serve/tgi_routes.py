@@ -3,6 +3,7 @@ non-streamed answer wrapped in a list, as TGI's compat route does), GET /info.
 
 TGI's semantics, not ours, where they differ:
 - raw text in `inputs`, tokenized with the tokenizer's special tokens (no chat template);
+- `max_new_tokens` left out is 100, sent as null is "as many as fit";
 - greedy unless `do_sample` or a sampling knob (temperature != 1, top_k, top_p < 1) is set, and
   unset knobs are neutral (the model's generation_config is not applied);
 - a sampled request without `seed` gets a random one, reported in `details.seed`;
@@ -104,10 +105,10 @@ def _job(model: ServedModel, body: TgiRequest, stream: bool) -> _Job:
         if p.truncate < 1:
             raise ApiError(400, "`truncate` must be strictly positive", param="truncate")
         ids = ids[-p.truncate:]
-    max_new = p.max_new_tokens if p.max_new_tokens is not None else TGI_DEFAULT_MAX_NEW_TOKENS
     if len(ids) >= model.session_len:
         raise ApiError(400, f"`inputs` must have less than {model.session_len} tokens. Given: {len(ids)}",
                        param="inputs")
+    max_new = _max_new_tokens(model, p, len(ids))
     if max_new >= 1 and len(ids) + max_new > model.session_len:
         raise ApiError(400, f"`inputs` tokens + `max_new_tokens` must be <= {model.session_len}. Given: "
                             f"{len(ids)} `inputs` tokens and {max_new} `max_new_tokens`", param="max_new_tokens")
@@ -124,6 +125,15 @@ def _job(model: ServedModel, body: TgiRequest, stream: bool) -> _Job:
     except InvalidRequestError as e:
         raise ApiError.from_invalid(e, PARAM_NAMES) from None
     return _Job(EngineRequest(new_request_id("generate"), ids, gen, PARAM_NAMES), p, seed)
+
+
+def _max_new_tokens(model: ServedModel, p: TgiParameters, num_inputs: int) -> int:
+    # As TGI 2: left out, 100; sent as null, whatever fits (in the context and in the KV pool).
+    if "max_new_tokens" not in p.model_fields_set:
+        return TGI_DEFAULT_MAX_NEW_TOKENS
+    if p.max_new_tokens is None:
+        return max(1, min(model.session_len, model.kv_tokens) - num_inputs)
+    return p.max_new_tokens
 
 
 def _refuse_unsupported(p: TgiParameters, stream: bool) -> None:

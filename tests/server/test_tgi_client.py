@@ -103,3 +103,15 @@ def test_info(server: RunningServer, tiny: EngineHandle) -> None:
     assert info["max_concurrent_requests"] == 128
     assert info["max_batch_total_tokens"] == 512 * 16
     assert info["model_pipeline_tag"] == "text-generation" and info["router"] == "llmserve"
+
+
+def test_max_new_tokens_default_and_null(server: RunningServer, tiny: EngineHandle) -> None:
+    def generated(parameters: dict) -> int:
+        body = {"inputs": PROMPT, "parameters": {**parameters, "details": True}}
+        r = httpx.post(server.url + "/generate", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["details"]["finish_reason"] == "length"  # greedy tiny model: no EOS in reach
+        return r.json()["details"]["generated_tokens"]
+
+    assert generated({}) == 100  # TGI's default
+    assert generated({"max_new_tokens": None}) == 256 - len(tiny.tokenizer.encode(PROMPT))  # all that fits
