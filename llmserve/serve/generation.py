@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -35,23 +35,39 @@ class EngineRequest:
     param_names: dict[str, str] = field(default_factory=dict)  # our field name -> the API's, for errors
 
 
-async def open_request(state: ServerState, engine: AsyncEngine, req: EngineRequest) -> AsyncIterator[SequenceOutput]:
+async def open_request(state: ServerState, engine: AsyncEngine, req: EngineRequest) -> Primed:
     """The request's outputs, the first one already received. Raises ApiError (400 refused, 503 engine
-    stopping) here rather than mid-stream. Close the iterator (aclosing) to abort the request."""
+    stopping) here rather than mid-stream. `aclose()` aborts the request (if it has not finished)."""
     outputs = _tracked(state, engine, req)
     try:
         first = await outputs.__anext__()
     except BaseException:
         await outputs.aclose()
         raise
-    return _prepend(first, outputs)
+    return Primed(first, outputs)
 
 
-async def _prepend(first: SequenceOutput, rest: AsyncIterator[SequenceOutput]) -> AsyncIterator[SequenceOutput]:
-    async with aclosing(rest):
-        yield first
-        async for out in rest:
-            yield out
+class Primed:
+    """An output stream whose first item was already taken: it is yielded again first. Unlike a
+    generator wrapping the stream, `aclose()` works before iteration started (a client that left
+    before its response began must still have its request aborted)."""
+
+    def __init__(self, first: SequenceOutput, rest: AsyncGenerator[SequenceOutput, None]) -> None:
+        self._first: SequenceOutput | None = first
+        self._rest = rest
+
+    def __aiter__(self) -> Primed:
+        return self
+
+    async def __anext__(self) -> SequenceOutput:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return await self._rest.__anext__()
+
+    async def aclose(self) -> None:
+        self._first = None
+        await self._rest.aclose()
 
 
 async def _tracked(state: ServerState, engine: AsyncEngine, req: EngineRequest) -> AsyncIterator[SequenceOutput]:

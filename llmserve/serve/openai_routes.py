@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 
 from llmserve.engine.output import SequenceOutput
 from llmserve.serve.errors import ApiError, error_body
-from llmserve.serve.generation import EngineRequest, new_request_id, open_request
+from llmserve.serve.generation import EngineRequest, Primed, new_request_id, open_request
 from llmserve.serve.openai_format import (
     Choice,
     CompletionLogprobs,
@@ -72,7 +72,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         outputs = await until_disconnected(request, open_request(state, engine, req))
         reply = _ChatReply(model, req, body)
         if body.stream:
-            return SSEResponse(reply.stream(outputs), on_close=permit.hand_over(), request_id=req.request_id)
+            return SSEResponse(reply.stream(outputs), on_close=permit.hand_over(), request_id=req.request_id,
+                               source=outputs)
         return JSONResponse(await until_disconnected(request, reply.collect(outputs)),
                             headers={REQUEST_ID_HEADER: req.request_id})
 
@@ -144,13 +145,14 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         streams = await until_disconnected(request, _open_all(state, reqs))
         echoes = [p.echo(model.tokenizer) if body.echo else "" for p in prompts]
         reply = _CompletionReply(model, rid, reqs, echoes, body)
+        merged = _Merged(streams)
         if body.stream:
-            return SSEResponse(reply.stream(merge(streams)), on_close=permit.hand_over(), request_id=rid)
-        return JSONResponse(await until_disconnected(request, reply.collect(merge(streams))),
+            return SSEResponse(reply.stream(merged), on_close=permit.hand_over(), request_id=rid, source=merged)
+        return JSONResponse(await until_disconnected(request, reply.collect(merged)),
                             headers={REQUEST_ID_HEADER: rid})
 
 
-async def _open_all(state: ServerState, reqs: list[EngineRequest]) -> list[AsyncIterator[SequenceOutput]]:
+async def _open_all(state: ServerState, reqs: list[EngineRequest]) -> list[Primed]:
     """Open every prompt's request (they run batched); if one is refused or the wait is cancelled
     (client gone), close the ones already open, which aborts them."""
     engine, _ = state.ready()
@@ -165,6 +167,25 @@ async def _open_all(state: ServerState, reqs: list[EngineRequest]) -> list[Async
             if not t.cancelled() and t.exception() is None:
                 await t.result().aclose()  # type: ignore[attr-defined]
         raise
+
+
+class _Merged:
+    """merge() of the prompts' streams; `aclose()` also closes streams a never-started merge holds."""
+
+    def __init__(self, streams: list[Primed]) -> None:
+        self._streams = streams
+        self._merged = merge(streams)  # type: ignore[arg-type]
+
+    def __aiter__(self) -> _Merged:
+        return self
+
+    async def __anext__(self) -> tuple[int, SequenceOutput]:
+        return await self._merged.__anext__()
+
+    async def aclose(self) -> None:
+        await self._merged.aclose()  # type: ignore[attr-defined]
+        for s in self._streams:
+            await s.aclose()
 
 
 class _CompletionReply:

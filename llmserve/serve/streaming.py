@@ -32,17 +32,19 @@ def sse_event(payload: dict[str, Any] | str, sep: str = " ") -> str:
 class SSEResponse(StreamingResponse):
     """A text/event-stream response that (1) watches for the client leaving whatever ASGI version the
     server speaks (starlette only listens below 2.4, otherwise it notices on the next failed write)
-    and (2) always closes its body generator and calls `on_close`, even if the body never started."""
+    and (2) always closes its body generator and its source and calls `on_close`, even if the body
+    never started (closing an unstarted generator would not reach the stream it wraps)."""
 
     media_type = "text/event-stream"
 
     def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None] | None = None,
-                 request_id: str | None = None) -> None:
+                 request_id: str | None = None, source: Any = None) -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         if request_id is not None:
             headers[REQUEST_ID_HEADER] = request_id
         super().__init__(content, headers=headers)
         self._on_close = on_close
+        self._source = source  # what `content` reads (has aclose); closed too, as `content` may never have started
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -59,6 +61,8 @@ class SSEResponse(StreamingResponse):
                 tg.cancel_scope.cancel()  # the client left: stop streaming
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            if self._source is not None:
+                await self._source.aclose()
             if self._on_close is not None:
                 self._on_close()
 

@@ -83,7 +83,8 @@ async def _generate(body: TgiRequest, request: Request, stream: bool, full_text_
         full_text = body.parameters.return_full_text
         reply = _TgiReply(model, job, body.inputs if (full_text_default if full_text is None else full_text) else "")
         if stream:
-            return SSEResponse(reply.stream(outputs), on_close=permit.hand_over(), request_id=job.req.request_id)
+            return SSEResponse(reply.stream(outputs), on_close=permit.hand_over(), request_id=job.req.request_id,
+                               source=outputs)
         answer = await until_disconnected(request, reply.collect(outputs))
         return JSONResponse([answer] if as_list else answer, headers=reply.headers())
 
