@@ -52,8 +52,35 @@ class Linear(nn.Module):
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
 
+        self.packed: torch.Tensor | None = None  # oneDNN-blocked copy of the weight (CPU), see pack_for_cpu
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return onednn_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def pack_for_cpu(self) -> None:
+        """Replace the weight by a oneDNN-blocked copy (the plain one is freed)."""
+        self.packed = pack_weight(self.weight)
+        self.weight = None
+
+
+def onednn_available(weight: torch.Tensor) -> bool:
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16
+                                              and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """Why: on CPU, torch's F.linear goes to MKL sgemm, which on this AMD EPYC (AVX2) reaches 10 GB/s
+    at M=1 and gets slower still at M=4..16. oneDNN on a pre-blocked weight measured 1.46x faster at
+    M=1, 1.42x at M=8, 1.26x at M=64 and even at M=512, streaming a whole decoder's weights."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)  # 64: batch hint; any M works
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
 class MergedLinear(Linear):

@@ -190,6 +190,16 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
+    def pack_for_cpu(self) -> None:
+        """Switch every matmul to oneDNN-blocked weights (after load_weights; see layers.linear)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu()
+        if self.lm_head is None:
+            self.model.embed_tokens.pack_for_cpu(keep_plain=True)
+        else:
+            self.lm_head.pack_for_cpu(keep_plain=False)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fill every parameter from HF-named tensors; each must arrive exactly once with its shape."""
         params = dict(self.named_parameters())

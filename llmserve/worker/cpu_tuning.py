@@ -9,6 +9,8 @@ import os
 
 import torch
 
+from llmserve.layers.linear import onednn_available
+
 logger = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1
@@ -42,3 +44,10 @@ def _tune_glibc_malloc() -> None:
         return
     if not ok:
         logger.debug("mallopt refused the thresholds; leaving malloc as it is")
+
+
+def use_onednn(loaded: object) -> bool:
+    """oneDNN-blocked weights for CPU matmuls, unless LLMSERVE_NO_ONEDNN=1 (for A/B measurements)."""
+    if os.environ.get("LLMSERVE_NO_ONEDNN") == "1" or not hasattr(loaded.model, "pack_for_cpu"):
+        return False
+    return onednn_available(loaded.model.model.embed_tokens.weight)

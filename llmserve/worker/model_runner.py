@@ -17,7 +17,7 @@ from llmserve.engine.request import Request
 from llmserve.engine.scheduler import ScheduledRequest
 from llmserve.models.loader import LoadedModel
 from llmserve.sampling.sampler import Sampler, SamplerOutput, SamplingBatch, SequenceState
-from llmserve.worker.cpu_tuning import configure_cpu
+from llmserve.worker.cpu_tuning import configure_cpu, use_onednn
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,8 @@ class ModelRunner:
                  num_threads: int | None = None) -> None:
         if loaded.device.type == "cpu":
             configure_cpu(num_threads)
+            if use_onednn(loaded):
+                loaded.model.pack_for_cpu()
         self.model = loaded.model
         self.device = loaded.device
         self.vocab_size = loaded.hf_config.vocab_size
