@@ -168,6 +168,8 @@ class EngineConfig:
             value = getattr(self, name)
             _check_type(value, (int,), name, optional=True)
             _check(value is None or value >= 1, name, f"must be >= 1, got {value}")
+        # Refused rather than ignored: a user asking for tp=2 must not silently get one device.
+        _check(self.tp == 1, "tp", f"tensor parallelism is not implemented yet (got tp={self.tp}); use tp=1")
         _check(0 < self.cache_max_entry_count <= 1, "cache_max_entry_count",
                f"must be in (0, 1], got {self.cache_max_entry_count}")
 

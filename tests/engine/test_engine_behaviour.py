@@ -134,3 +134,10 @@ def test_generation_config_defaults_come_from_the_model(pipe):
     # tests/tiny_models.py writes temperature 0.6 and top_p 0.9 into generation_config.json
     assert pipe.default_gen_config.temperature == 0.6 and pipe.default_gen_config.top_p == 0.9
     assert set(pipe.engine.loaded.eos_token_ids) == {0, 2}
+
+
+def test_unimplemented_tensor_parallelism_is_refused_not_ignored():
+    from llmserve import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="tensor parallelism is not implemented yet"):
+        EngineConfig(tp=2)
