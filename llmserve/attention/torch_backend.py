@@ -1,7 +1,8 @@
 """Reference attention over the paged KV cache, in plain torch (CPU and CUDA; the test oracle).
 
-Decodes run as one batched SDPA call over keys gathered by slot (padded to the longest context);
-each prefill chunk runs its own SDPA call, causal over its context.
+Decodes run as one batched SDPA call over keys gathered by slot (padded to the longest context),
+unless the registry offers a native kernel (CPU); each prefill chunk runs its own SDPA call, causal
+over its context.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from llmserve.attention import registry
 from llmserve.attention.metadata import AttentionMetadata
 
 
@@ -34,11 +36,8 @@ def paged_attention(
     gqa = q.shape[1] != k.shape[1]
     nd = meta.num_decodes
     if nd:
-        keys, values = _gather_blocks(kv_cache, meta)  # [nd, kv_heads, max_blocks * block_size, head_dim]
-        qd = q[:nd].unsqueeze(2)  # [nd, heads, 1, head_dim]
-        mask = meta.decode_mask(sliding_window, block_size, q.dtype)
-        o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        out[:nd] = o.squeeze(2)
+        decode = registry.native_decode(q, kv_cache) or decode_attention
+        out[:nd] = decode(q[:nd], kv_cache, meta, scale, sliding_window)
     for span in meta.prefills:
         qs = q[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
         if span.num_cached == 0 and (sliding_window is None or span.q_len <= sliding_window):
@@ -53,6 +52,17 @@ def paged_attention(
                                                scale=scale, enable_gqa=gqa)
         out[span.q_start:span.q_end] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                     sliding_window: int | None) -> torch.Tensor:
+    """Reference decode: q [nd, heads, head_dim], one query token per request -> [nd, heads, head_dim]."""
+    block_size = kv_cache.shape[2]
+    keys, values = _gather_blocks(kv_cache, meta)  # [nd, kv_heads, max_blocks * block_size, head_dim]
+    mask = meta.decode_mask(sliding_window, block_size, q.dtype)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
+                                       enable_gqa=q.shape[1] != keys.shape[1])
+    return o.squeeze(2)
 
 
 def _gather_blocks(kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

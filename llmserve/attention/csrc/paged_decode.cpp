@@ -1,0 +1,246 @@
+// Paged decode attention on CPU: one query token per request, K/V read in place from the paged
+// cache (no gather copy), online softmax block by block (flash-decoding style), fp32 accumulation.
+//
+// Layouts (all contiguous):
+//   q            [nd, H, D]            query of each decode request (scaled here, not by the caller)
+//   k/v cache    [NB, BS, KVH, D]      one layer's paged cache; token t of block b at [b, t]
+//   block_tables [nd, MB] int64        block ids in context order (padding past len is never read)
+//   lens         [nd] int64            context length including this step's token
+//   out          [nd, H, D]
+// Query head h reads KV head h / (H / KVH) (GQA, same as SDPA's enable_gqa).
+// Parallel over (request, kv_head) with at::parallel_for, which is OpenMP in the CPU wheels; it
+// shares torch's OpenMP runtime (libgomp.so.1 is already loaded) and honours torch.set_num_threads.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LLMSERVE_AVX2 1
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float dot(const float* __restrict q, const T* __restrict k, int64_t d) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < d; ++i) s += q[i] * static_cast<float>(k[i]);
+  return s;
+}
+
+template <typename T>
+inline void axpy(float a, const T* __restrict x, float* __restrict y, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) y[i] += a * static_cast<float>(x[i]);
+}
+
+#ifdef LLMSERVE_AVX2
+// exp for x <= 0 (logits minus their running max), Cephes polynomial: ~2 ulp, 8 lanes at a time.
+// Why: libm expf per score was a large share of the kernel's time.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));  // below this exp underflows; result ~1e-38, harmless
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // x - n*ln2, split for precision
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// s[t] = exp(s[t] - m) for t in [t0, t1); returns their sum.
+inline float exp_sub_sum(float* s, int64_t t0, int64_t t1, float m) {
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t t = t0;
+  for (; t + 8 <= t1; t += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
+    _mm256_storeu_ps(s + t, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float sum = hsum256(acc);
+  for (; t < t1; ++t) sum += (s[t] = std::exp(s[t] - m));
+  return sum;
+}
+
+// Scores of one head against keys [t0, t1) of a block, 64 dims at a time: the query chunk stays in
+// 8 registers while keys stream past. Requires D % 64 == 0.
+inline void qk_block(const float* q, const float* kb, int64_t tok_stride, int64_t t0, int64_t t1, int64_t D,
+                     float* s) {
+  for (int64_t t = t0; t < t1; ++t) s[t] = 0.f;
+  for (int64_t c = 0; c < D; c += 64) {
+    __m256 qv[8];
+    for (int i = 0; i < 8; ++i) qv[i] = _mm256_loadu_ps(q + c + 8 * i);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* k = kb + t * tok_stride + c;
+      __m256 a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
+      __m256 a1 = _mm256_mul_ps(qv[1], _mm256_loadu_ps(k + 8));
+      for (int i = 2; i < 8; i += 2) {
+        a0 = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k + 8 * i), a0);
+        a1 = _mm256_fmadd_ps(qv[i + 1], _mm256_loadu_ps(k + 8 * i + 8), a1);
+      }
+      s[t] += hsum256(_mm256_add_ps(a0, a1));
+    }
+  }
+}
+
+// acc[0:D] += sum_t p[t] * v[t, 0:D] over [t0, t1), the accumulator chunk held in 8 registers.
+inline void pv_block(const float* p, const float* vb, int64_t tok_stride, int64_t t0, int64_t t1, int64_t D,
+                     float* acc) {
+  for (int64_t c = 0; c < D; c += 64) {
+    __m256 a[8];
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_loadu_ps(acc + c + 8 * i);
+    for (int64_t t = t0; t < t1; ++t) {
+      const __m256 pt = _mm256_set1_ps(p[t]);
+      const float* v = vb + t * tok_stride + c;
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * i), a[i]);
+    }
+    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(acc + c + 8 * i, a[i]);
+  }
+}
+#endif
+
+struct Dims {
+  int64_t heads, kv_heads, group, head_dim, block_size, max_blocks;
+};
+
+// Attention of the `group` query heads sharing KV head `kvh` of one request over keys
+// [start, len). qs: [group, D] pre-scaled query; acc: [group, D] output (normalised on return).
+template <typename T>
+void attend_one(const float* qs, const T* k_cache, const T* v_cache, const int64_t* table,
+                int64_t start, int64_t len, int64_t kvh, const Dims& dm, float* acc, float* scores,
+                float* m, float* l) {
+  // scores: [G, BS] logits, then probabilities, of the current block; m, l: [G] running max / sum.
+  const int64_t G = dm.group, D = dm.head_dim, BS = dm.block_size;
+  const int64_t tok_stride = dm.kv_heads * D;  // elements between consecutive tokens of a block
+  const int64_t blk_stride = BS * tok_stride;
+  std::fill(m, m + G, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + G, 0.f);
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t b = start / BS; b * BS < len; ++b) {
+    const int64_t t0 = std::max(start - b * BS, int64_t(0));
+    const int64_t t1 = std::min(len - b * BS, BS);
+    const T* kb = k_cache + table[b] * blk_stride + kvh * D;
+    const T* vb = v_cache + table[b] * blk_stride + kvh * D;
+#ifdef LLMSERVE_AVX2
+    if constexpr (std::is_same<T, float>::value) {  // fp32 cache: vector kernels read it directly
+      if (D % 64 == 0) {
+        for (int64_t g = 0; g < G; ++g) qk_block(qs + g * D, kb, tok_stride, t0, t1, D, scores + g * BS);
+      } else {
+        for (int64_t t = t0; t < t1; ++t)
+          for (int64_t g = 0; g < G; ++g) scores[g * BS + t] = dot(qs + g * D, kb + t * tok_stride, D);
+      }
+    } else
+#endif
+    {
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t g = 0; g < G; ++g) scores[g * BS + t] = dot(qs + g * D, kb + t * tok_stride, D);
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* s = scores + g * BS;
+      float m_new = m[g];
+      for (int64_t t = t0; t < t1; ++t) m_new = std::max(m_new, s[t]);
+      const float alpha = std::exp(m[g] - m_new);  // exp(-inf) = 0 on the first block
+#ifdef LLMSERVE_AVX2
+      const float sum = exp_sub_sum(s, t0, t1, m_new);
+#else
+      float sum = 0.f;
+      for (int64_t t = t0; t < t1; ++t) sum += (s[t] = std::exp(s[t] - m_new));
+#endif
+      l[g] = l[g] * alpha + sum;
+      m[g] = m_new;
+      if (alpha != 1.f)
+        for (int64_t i = 0; i < D; ++i) acc[g * D + i] *= alpha;
+    }
+#ifdef LLMSERVE_AVX2
+    if constexpr (std::is_same<T, float>::value) {
+      if (D % 64 == 0) {
+        for (int64_t g = 0; g < G; ++g) pv_block(scores + g * BS, vb, tok_stride, t0, t1, D, acc + g * D);
+        continue;
+      }
+    }
+#endif
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t g = 0; g < G; ++g) axpy(scores[g * BS + t], vb + t * tok_stride, acc + g * D, D);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;  // empty context (len 0) -> zeros
+    for (int64_t i = 0; i < D; ++i) acc[g * D + i] *= inv;
+  }
+}
+
+template <typename T>
+void paged_decode_impl(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
+                       const int64_t* lens, double scale, int64_t window, int64_t nd, const Dims& dm,
+                       T* out) {
+  const int64_t G = dm.group, D = dm.head_dim;
+  at::parallel_for(0, nd * dm.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    // Per-thread scratch, reused across this thread's (request, kv_head) items.
+    std::vector<float> qs(G * D), acc(G * D), scores(G * dm.block_size), m(G), l(G);
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t r = w / dm.kv_heads, kvh = w % dm.kv_heads;
+      const int64_t len = lens[r];
+      const int64_t start = window > 0 ? std::max(len - window, int64_t(0)) : 0;
+      const int64_t head0 = kvh * G;  // first query head of this KV head's group
+      const T* qr = q + (r * dm.heads + head0) * D;
+      for (int64_t i = 0; i < G * D; ++i) qs[i] = static_cast<float>(qr[i]) * static_cast<float>(scale);
+      attend_one(qs.data(), k_cache, v_cache, tables + r * dm.max_blocks, start, len, kvh, dm, acc.data(),
+                 scores.data(), m.data(), l.data());
+      T* o = out + (r * dm.heads + head0) * D;
+      for (int64_t i = 0; i < G * D; ++i) o[i] = static_cast<T>(acc[i]);
+    }
+  });
+}
+
+}  // namespace
+
+// window <= 0 means no sliding window; otherwise keys j with j >= len - window are visible.
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor lens, double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad ranks/shapes");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode is CPU only");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "q and cache dtypes differ");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cache must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "int64 indices");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  lens = lens.contiguous();
+  const int64_t nd = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head_dim mismatch or heads not a multiple of kv_heads");
+  TORCH_CHECK(block_tables.size(0) == nd && lens.size(0) == nd, "one table row and length per request");
+  const Dims dm{H, KVH, H / KVH, D, k_cache.size(1), block_tables.size(1)};
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t r = 0; r < nd; ++r)
+    TORCH_CHECK(lp[r] >= 0 && lp[r] <= dm.block_size * dm.max_blocks, "context length outside the block table");
+  auto out = torch::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_decode", [&] {
+    paged_decode_impl<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                                block_tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), scale, window, nd, dm,
+                                out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "Paged decode attention reading K/V in place (CPU)");
+}

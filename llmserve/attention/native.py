@@ -1,0 +1,59 @@
+"""The C++ paged decode kernel (csrc/paged_decode.cpp), compiled lazily on first use.
+
+Compiling takes tens of seconds, so it never happens at import: `load()` builds on first call
+(torch caches the build under ~/.cache/torch_extensions, so later processes only link it) and is
+thread-safe. A failed build logs one warning and returns None for the rest of the process, so
+callers fall back to the torch reference.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_failed = False
+
+
+def _cflags() -> list[str]:
+    # Not -march=native: the cache may be shared by machines of different generations. AVX2+FMA
+    # only where torch itself found them on this CPU (AVX512 machines have both too).
+    flags = ["-O3", "-fopenmp"]
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        flags += ["-mavx2", "-mfma"]
+    return flags
+
+
+def load() -> ModuleType | None:
+    """The compiled extension, or None if it cannot be built here."""
+    global _module, _failed
+    if _module is not None or _failed:
+        return _module
+    with _lock:
+        if _module is None and not _failed:
+            try:
+                from torch.utils.cpp_extension import load as cpp_load
+
+                _module = cpp_load(name="llmserve_paged_decode", sources=[str(_SOURCE)],
+                                   extra_cflags=_cflags(), extra_ldflags=["-fopenmp"], verbose=False)
+            except Exception as e:  # noqa: BLE001 - any build or link failure means "use the fallback"
+                _failed = True
+                log.warning("native paged decode attention unavailable, using torch: %s", e)
+    return _module
+
+
+def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor,
+                 scale: float, sliding_window: int | None) -> torch.Tensor:
+    """q: [nd, heads, head_dim]; kv_cache: [2, num_blocks, block_size, kv_heads, head_dim];
+    block_tables: [nd, max_blocks] int64; lens: [nd] int64 -> [nd, heads, head_dim]. Needs load()."""
+    assert _module is not None, "call load() first"
+    return _module.paged_decode(q, kv_cache[0], kv_cache[1], block_tables, lens, scale,
+                                -1 if sliding_window is None else sliding_window)
