@@ -44,11 +44,21 @@ class Response:
 
 @dataclass
 class Session:
-    """A multi-turn conversation held by `Pipeline.chat`."""
+    """A multi-turn conversation held by `Pipeline.chat`.
+
+    `token_ids` is the conversation as the engine saw it (every prompt, then every answer's ids) and
+    `text` the rendered chat those ids stand for. The next turn appends only the tokens of the text
+    rendered after `text`, so its prompt starts with exactly these ids and, with prefix caching on,
+    hits the KV of every full block of the earlier turns. A session holds no KV blocks itself: reuse
+    goes through the LRU prefix cache, so sessions are bounded by the pool like any prefix, and a
+    turn whose blocks were evicted is recomputed from the same ids, with the same output.
+    """
 
     session_id: int
     history: Messages = field(default_factory=list)
     response: Response | None = None
+    token_ids: list[int] = field(default_factory=list)  # empty: the next turn tokenizes the whole chat
+    text: str = ""
 
 
 class Pipeline:
@@ -97,9 +107,17 @@ class Pipeline:
         """One turn of a conversation: the prompt sees every earlier turn of `session`."""
         session = session or Session(session_id=next(self._ids))
         messages = [*session.history, {"role": "user", "content": prompt}]
-        response = self([messages], gen_config, **gen_kwargs)[0]
+        text = self.chat_template.messages_to_prompt(messages)
+        prompt_ids = self._session_prompt_ids(session, text)
+        response = self([{"input_ids": prompt_ids}], gen_config, **gen_kwargs)[0]
         session.history = [*messages, {"role": "assistant", "content": response.text}]
         session.response = response
+        # The answer's ids stand for its text only if they decode to exactly it: a stop string cut
+        # from the text (its ids stay) or skipped special tokens break that; the next turn then
+        # tokenizes the whole chat again.
+        in_sync = self.tokenizer.decode(response.token_ids, skip_special_tokens=False) == response.text
+        session.token_ids = prompt_ids + response.token_ids if in_sync else []
+        session.text = text + response.text if in_sync else ""
         return session
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -123,6 +141,19 @@ class Pipeline:
         if changes.pop("do_sample", True) is False:
             changes["temperature"] = 0.0
         return (gen_config or self.default_gen_config).replace(**changes)
+
+    def _session_prompt_ids(self, session: Session, text: str) -> list[int]:
+        """The session's ids followed by the tokens of what the template rendered after them.
+
+        Only the new text is tokenized, so earlier answers keep the ids they were generated as (a
+        whole re-tokenization may merge tokens differently at a join and miss the cache from there
+        on). When the rendering does not start with the previous one (a template that rewrites
+        earlier turns, or a session out of sync), fall back to tokenizing the whole chat: correct,
+        but the turn recomputes from the first differing block.
+        """
+        if session.token_ids and text.startswith(session.text):
+            return session.token_ids + self.tokenizer.encode(text[len(session.text):], add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _tokenize(self, prompt: Prompt, do_preprocess: bool) -> list[int]:
         if isinstance(prompt, dict):

@@ -15,6 +15,10 @@ block out of the queue wherever it is (OrderedDict.pop is O(1)).
 Full blocks are hashed as a chain: hash(previous block's hash, this block's token ids), so
 one lookup per block finds the longest cached prefix; a hit also compares the token ids,
 so a hash collision can never serve another prompt's KV.
+
+Parallel sampling (n > 1) shares a prompt without the prefix cache: `fork` hands a sibling the
+first sequence's computed full prompt blocks, which `allocate` takes by reference (ref_count + 1,
+no copy), exactly as it takes cached-prefix blocks.
 """
 
 from __future__ import annotations
@@ -122,11 +126,27 @@ class KVCacheManager:
                 block.block_hash = h
                 self._cached[h] = block_id
 
+    # --- parallel sampling ---------------------------------------------------------------
+
+    def num_shareable_blocks(self, request: Request) -> int:
+        """Full prompt blocks a sibling can share: never the one holding the last prompt token, which
+        the request computes itself so that the step yields its logits (as with a prefix hit)."""
+        return (request.num_prompt_tokens - 1) // self.block_size
+
+    def fork(self, source: Request, num_full_blocks: int) -> list[int]:
+        """The first num_full_blocks of the source's table, for a request with the same prompt to pass to
+        allocate() as its prefix. The blocks must already hold computed K/V: they are shared, never copied."""
+        table = self._tables.get(source.request_id, [])
+        assert num_full_blocks <= len(table), "fork of blocks the source does not hold"
+        assert num_full_blocks * self.block_size <= source.num_computed_tokens, "fork of uncomputed blocks"
+        return table[:num_full_blocks]
+
     # --- allocation ----------------------------------------------------------------------
 
     def allocate(self, request: Request, num_new_tokens: int, cached_prefix: list[int] | None = None) -> bool:
         """Make room for request.num_computed_tokens + num_new_tokens tokens; False (and no change) if
-        the pool cannot. `cached_prefix` (from find_cached_prefix) is taken first, on a fresh request."""
+        the pool cannot. `cached_prefix` (from find_cached_prefix or fork) is taken first, by reference,
+        on a fresh request."""
         table = self._tables.setdefault(request.request_id, [])
         cached_prefix = cached_prefix or []
         assert not (cached_prefix and table), "a cached prefix is only taken by a request without blocks"

@@ -70,7 +70,8 @@ class LLMEngine:
                 request_id=f"{request_id}#{i}", token_ids=list(prompt_token_ids),
                 num_prompt_tokens=len(prompt_token_ids), sampling=seq_params,
                 max_new_tokens=gen.max_new_tokens, max_total_tokens=self.session_len,
-                parent_id=request_id, index=i, generator=self._generator(seq_params)))
+                parent_id=request_id, index=i, generator=self._generator(seq_params),
+                prompt_source=seqs[0] if seqs else None))  # the prompt is computed once, then shared
         for r in seqs:
             self.scheduler.add_request(r)  # first one may refuse (too big for the pool): nothing queued yet
             self._tracked[r.request_id] = _Tracked(r, IncrementalDetokenizer(

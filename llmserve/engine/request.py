@@ -39,6 +39,9 @@ class Request:
     max_total_tokens: int  # session_len: prompt + output never exceed it
     parent_id: str = ""
     index: int = 0  # which of the parent's n samples this is
+    # n > 1: the first sibling, whose computed full prompt blocks this one shares instead of prefilling
+    # the prompt again. Cleared when the request starts, so a preempted request recomputes on its own.
+    prompt_source: Request | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0

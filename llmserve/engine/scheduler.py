@@ -10,7 +10,8 @@ num_computed_tokens (already in the KV cache); each step hands out at most
    with its generated tokens kept, so its output does not change);
 2. then waiting requests, first come first served, get chunks of the remaining budget. A prompt
    longer than the budget is prefilled over several steps. A prefix-cache hit starts a request
-   with num_computed_tokens = hit blocks * block_size.
+   with num_computed_tokens = hit blocks * block_size. The siblings of an n > 1 request wait for
+   the first one's prompt and share its blocks (see _start_of).
 
 Admission guarantees progress: a request that could not run even alone in the pool is refused
 when added, so the oldest running request always fits once everything newer is preempted.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.request import Request, RequestStatus
@@ -50,6 +52,11 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
+class _Start(NamedTuple):
+    blocks: list[int]  # computed blocks the request takes by reference: a prefix-cache hit or a fork
+    forked: bool  # shared from a sibling (not counted in the prefix-cache hit rate)
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_batch_size: int) -> None:
         self.kv = kv
@@ -58,6 +65,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first: preemption takes from the end
         self.num_preemptions = 0  # since start, for metrics and tests
+        self.num_prefill_tokens = 0  # prompt tokens computed since start (recomputes included)
 
     def add_request(self, request: Request) -> None:
         worst = request.num_prompt_tokens + request.max_new_tokens
@@ -88,13 +96,17 @@ class Scheduler:
                 break  # the request itself was preempted: it was the newest
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size and not preempted:
             request = self.waiting[0]
-            prefix = self.kv.find_cached_prefix(request)
-            num_cached = len(prefix) * self.kv.block_size
+            start = self._start_of(request)
+            if start is None:
+                break  # waits for its sibling's prompt; first come, first served, so do the ones behind it
+            num_cached = len(start.blocks) * self.kv.block_size
             n = min(request.num_tokens - num_cached, budget)
-            if not self.kv.allocate(request, n, prefix):
+            if not self.kv.allocate(request, n, start.blocks):
                 break  # first come, first served: nobody overtakes the head of the queue
-            self.kv.prefix_stats.queried_tokens += request.num_tokens
-            self.kv.prefix_stats.hit_tokens += num_cached
+            if not start.forked:
+                self.kv.prefix_stats.queried_tokens += request.num_tokens
+                self.kv.prefix_stats.hit_tokens += num_cached
+            request.prompt_source = None
             self.waiting.popleft()
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
@@ -104,6 +116,25 @@ class Scheduler:
             budget -= n
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first, order kept
         return SchedulerOutput(scheduled, preempted)
+
+    def _start_of(self, request: Request) -> _Start | None:
+        """The computed blocks a waiting request starts with; None while it must wait for them.
+
+        A sibling of an n > 1 request waits until the first sibling has computed the prompt, then
+        shares its full prompt blocks (whether or not prefix caching is on) instead of prefilling the
+        prompt n times. It recomputes the partial last block itself (under block_size tokens, or one
+        block when the prompt fills its blocks exactly) where vLLM copies that block on write: that
+        keeps the bookkeeping free of device copies (no copy hook in the runner) at the price of at
+        most block_size prompt tokens per sibling. If the first sibling is no longer running
+        (finished or aborted; a preempted one is back ahead of it in the queue), it prefills normally.
+        """
+        source = request.prompt_source
+        num_shared = self.kv.num_shareable_blocks(request)
+        if source is None or num_shared == 0 or source.status != RequestStatus.RUNNING:
+            return _Start(self.kv.find_cached_prefix(request), forked=False)
+        if source.num_computed_tokens < num_shared * self.kv.block_size:
+            return None  # the source is running, so it gets budget before any waiting request: the wait ends
+        return _Start(self.kv.fork(source, num_shared), forked=True)
 
     def _allocate_or_preempt(self, request: Request, n: int, preempted: list[Request]) -> bool:
         while not self.kv.allocate(request, n):
@@ -125,6 +156,9 @@ class Scheduler:
     def update_after_step(self, output: SchedulerOutput) -> None:
         """The step's tokens are now in the cache; publish full blocks to the prefix cache."""
         for s in output.scheduled:
+            r = s.request
+            self.num_prefill_tokens += max(min(r.num_prompt_tokens, r.num_computed_tokens + s.num_new_tokens)
+                                           - r.num_computed_tokens, 0)
             s.request.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_blocks(s.request)
 
