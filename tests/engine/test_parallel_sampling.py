@@ -9,8 +9,9 @@ import torch
 from llmserve import EngineConfig, GenerationConfig, pipeline
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.request import Request, RequestStatus
-from llmserve.engine.scheduler import Scheduler, SchedulerOutput
+from llmserve.engine.scheduler import Scheduler
 from llmserve.sampling.params import SamplingParams
+from tests.engine.test_scheduler import plan, run_step
 
 
 def siblings(n: int, n_prompt: int, max_new: int = 4) -> list[Request]:
@@ -19,17 +20,6 @@ def siblings(n: int, n_prompt: int, max_new: int = 4) -> list[Request]:
         out.append(Request(f"p#{i}", list(range(1, n_prompt + 1)), n_prompt, SamplingParams(), max_new, 10_000,
                            parent_id="p", index=i, prompt_source=out[0] if out else None))
     return out
-
-
-def run_step(s: Scheduler, out: SchedulerOutput, token: int = 7) -> None:
-    samplers = [x.request for x in out.scheduled if x.samples]
-    s.update_after_step(out)
-    for r in samplers:
-        r.append_token(token)
-
-
-def plan(out: SchedulerOutput) -> list[tuple[str, int]]:
-    return [(x.request.request_id, x.num_new_tokens) for x in out.scheduled]
 
 
 @pytest.mark.parametrize("caching", [False, True])
