@@ -82,6 +82,8 @@ class EngineStats:
     kv_blocks_in_use: int
     prefix_hit_rate: float
     num_steps: int  # engine.step() calls so far
+    prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache, since start
+    prefix_hit_tokens: int = 0  # of those, found cached
 
 
 class AsyncEngine:
@@ -227,4 +229,5 @@ class AsyncEngine:
     def _read_stats(self) -> EngineStats:
         sched, kv = self.engine.scheduler, self.engine.kv
         return EngineStats(len(sched.running), len(sched.waiting), kv.num_blocks,
-                           kv.num_blocks - kv.num_free_blocks, kv.prefix_stats.hit_rate, self._num_steps)
+                           kv.num_blocks - kv.num_free_blocks, kv.prefix_stats.hit_rate, self._num_steps,
+                           kv.prefix_stats.queried_tokens, kv.prefix_stats.hit_tokens)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from llmserve.engine.async_engine import EngineStats
@@ -106,8 +106,14 @@ class _EngineGauges(Collector):
             "llmserve:kv_cache_usage_perc": ("Fraction of KV-cache blocks in use (1 = full).",
                                              s.kv_blocks_in_use / max(1, s.kv_blocks_total)),
             "llmserve:kv_cache_blocks_total": ("KV-cache blocks in the pool.", s.kv_blocks_total),
-            "llmserve:prefix_cache_hit_rate": ("Fraction of looked-up prompt blocks found in the prefix cache.",
+            "llmserve:prefix_cache_hit_rate": ("Fraction of looked-up prompt tokens found in the prefix cache.",
                                                s.prefix_hit_rate),
         }
         for name, (doc, value) in values.items():
             yield GaugeMetricFamily(name, doc, value=float(value))
+        # Cumulative, as vLLM's prefix_cache_queries / prefix_cache_hits: rate() over them gives the
+        # hit rate of any window, which the since-start gauge above cannot.
+        yield CounterMetricFamily("llmserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                  value=float(s.prefix_queried_tokens))
+        yield CounterMetricFamily("llmserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                  value=float(s.prefix_hit_tokens))

@@ -20,6 +20,7 @@ METRIC_FAMILIES = {
     "llmserve:num_requests_running": "gauge", "llmserve:num_requests_waiting": "gauge",
     "llmserve:kv_cache_usage_perc": "gauge", "llmserve:kv_cache_blocks_total": "gauge",
     "llmserve:prefix_cache_hit_rate": "gauge",
+    "llmserve:prefix_cache_queries_total": "counter", "llmserve:prefix_cache_hits_total": "counter",
 }
 
 
@@ -88,3 +89,18 @@ def test_request_id_header_and_one_log_line_per_finished_sequence(server: Runnin
         [f"{rid}#{i} finished (length): {prompt} prompt + 4 output tokens, TTFT t, d" for i in (0, 1)]
     with httpx.stream("POST", server.url + "/generate_stream", json={"inputs": "Hi"}) as s:
         assert s.headers["x-request-id"].startswith("generate-")
+
+
+def test_prefix_cache_counters_expose_the_engine_token_counts() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from llmserve.engine.async_engine import EngineStats
+    from llmserve.serve.metrics import _EngineGauges
+
+    registry = CollectorRegistry()
+    registry.register(_EngineGauges(lambda: EngineStats(1, 0, 8, 2, 0.5, 3, prefix_queried_tokens=100,
+                                                        prefix_hit_tokens=50)))
+    lines = generate_latest(registry).decode().splitlines()
+    assert "llmserve:prefix_cache_queries_total 100.0" in lines
+    assert "llmserve:prefix_cache_hits_total 50.0" in lines
+    assert "llmserve:prefix_cache_hit_rate 0.5" in lines
