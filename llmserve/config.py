@@ -156,11 +156,19 @@ class EngineConfig:
     download_dir: str | None = _f(None, "Where hub downloads go. Default: the Hugging Face cache.")
     trust_remote_code: bool = _f(False, "Allow the tokenizer/config to run code from the model repository.")
     seed: int = _f(0, "Seed of the engine's sampling generator for requests without random_seed.")
+    speculative_method: str | None = _f(None, "Speculative decoding: ngram (prompt lookup, no draft model) or "
+                                              "draft_model (needs speculative_model). Off by default.")
+    speculative_model: str | None = _f(None, "Draft model for speculative decoding (same vocabulary as the target); "
+                                             "implies speculative_method=draft_model.")
+    num_speculative_tokens: int = _f(4, "Draft tokens proposed and verified per decoding step.")
+    prompt_lookup_max: int = _f(4, "ngram speculation: longest suffix n-gram looked up in the context.")
+    prompt_lookup_min: int = _f(2, "ngram speculation: shortest suffix n-gram looked up in the context.")
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
                f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        for name in ("tp", "max_batch_size", "max_prefill_token_num", "block_size"):
+        for name in ("tp", "max_batch_size", "max_prefill_token_num", "block_size", "num_speculative_tokens",
+                     "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
             _check_type(value, (int,), name)
             _check(value >= 1, name, f"must be >= 1, got {value}")
@@ -170,6 +178,14 @@ class EngineConfig:
             _check(value is None or value >= 1, name, f"must be >= 1, got {value}")
         # Refused rather than ignored: a user asking for tp=2 must not silently get one device.
         _check(self.tp == 1, "tp", f"tensor parallelism is not implemented yet (got tp={self.tp}); use tp=1")
+        if self.speculative_model is not None and self.speculative_method is None:
+            self.speculative_method = "draft_model"
+        _check(self.speculative_method in (None, "ngram", "draft_model"), "speculative_method",
+               f"must be ngram or draft_model, got {self.speculative_method!r}")
+        _check(self.speculative_method != "draft_model" or self.speculative_model is not None, "speculative_model",
+               "speculative_method=draft_model needs a draft model (speculative_model)")
+        _check(self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min",
+               f"must be <= prompt_lookup_max ({self.prompt_lookup_max}), got {self.prompt_lookup_min}")
         _check(0 < self.cache_max_entry_count <= 1, "cache_max_entry_count",
                f"must be in (0, 1], got {self.cache_max_entry_count}")
 

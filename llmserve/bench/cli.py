@@ -130,6 +130,9 @@ def _report(results: list[ThroughputResult], peak_gflops: float, dtype: str, as_
         print(f"{r.engine:<26}{r.requests_per_s:>8.2f}{r.output_tokens_per_s:>11.1f}{r.total_tokens_per_s:>13.1f}"
               f"{r.elapsed_s:>11.2f}{100 * r.achieved_gflops / peak_gflops:>7.0f}%"
               f"{100 * r.prefix_cache_hit_rate:>9.0f}%{r.peak_rss_mb:>13.0f}")
+    if r0.spec_acceptance_rate is not None:
+        print(f"speculative decoding: {100 * r0.spec_acceptance_rate:.0f}% of draft tokens accepted, "
+              f"{r0.spec_tokens_per_step:.2f} tokens per verify step")
     if _ratio(results):
         print(f"llmserve / {results[1].engine}: {_ratio(results):.2f}x output tokens/s")
 

@@ -29,6 +29,9 @@ class ThroughputResult:
     gflop: float
     achieved_gflops: float
     mean_ttft_ms: float | None = None
+    prefill_tokens_computed: int | None = None  # prompt tokens the engine computed (after cache hits)
+    spec_acceptance_rate: float | None = None  # speculative decoding: accepted / proposed drafts
+    spec_tokens_per_step: float | None = None  # tokens a request gained per verify step
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -39,6 +42,9 @@ def run_engine_throughput(engine: LLMEngine, requests: list[BenchRequest], ignor
     for i, r in enumerate(requests):
         engine.add_request(f"bench-{i}", r.prompt_token_ids, gen.replace(max_new_tokens=r.output_len))
     hits_before = engine.kv.prefix_stats.hit_tokens, engine.kv.prefix_stats.queried_tokens
+    prefill_before = engine.scheduler.num_prefill_tokens
+    spec = engine.spec_stats
+    spec_before = spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_emitted_tokens
     output_tokens, ttfts = 0, []
     start = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -51,13 +57,18 @@ def run_engine_throughput(engine: LLMEngine, requests: list[BenchRequest], ignor
     queried = engine.kv.prefix_stats.queried_tokens - hits_before[1]
     prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
     flop = workload_flop(engine.loaded.hf_config, requests)
+    drafts, draft_tokens, accepted, emitted = (now - before for now, before in zip(
+        (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_emitted_tokens), spec_before))
     return ThroughputResult(
         engine="llmserve", num_requests=len(requests), prompt_tokens=prompt_tokens, output_tokens=output_tokens,
         elapsed_s=elapsed, requests_per_s=len(requests) / elapsed, output_tokens_per_s=output_tokens / elapsed,
         total_tokens_per_s=(prompt_tokens + output_tokens) / elapsed,
         prefix_cache_hit_rate=hit / queried if queried else 0.0, peak_rss_mb=peak_rss_mb(),
         gflop=flop / 1e9, achieved_gflops=flop / elapsed / 1e9,
-        mean_ttft_ms=1000 * sum(ttfts) / len(ttfts) if ttfts else None)
+        mean_ttft_ms=1000 * sum(ttfts) / len(ttfts) if ttfts else None,
+        prefill_tokens_computed=engine.scheduler.num_prefill_tokens - prefill_before,
+        spec_acceptance_rate=accepted / draft_tokens if engine.proposer and draft_tokens else None,
+        spec_tokens_per_step=emitted / drafts if engine.proposer and drafts else None)
 
 
 def workload_flop(cfg: object, requests: list[BenchRequest]) -> float:

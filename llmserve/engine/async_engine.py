@@ -84,6 +84,10 @@ class EngineStats:
     num_steps: int  # engine.step() calls so far
     prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache, since start
     prefix_hit_tokens: int = 0  # of those, found cached
+    spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified, since start
+    spec_accepted_tokens: int = 0  # of those, accepted
+    spec_verify_steps: int = 0  # request-steps that verified drafts
+    spec_emitted_tokens: int = 0  # tokens those steps emitted (accepted + 1 each)
 
 
 class AsyncEngine:
@@ -227,7 +231,8 @@ class AsyncEngine:
             del self._streams[rid]
 
     def _read_stats(self) -> EngineStats:
-        sched, kv = self.engine.scheduler, self.engine.kv
+        sched, kv, spec = self.engine.scheduler, self.engine.kv, self.engine.spec_stats
         return EngineStats(len(sched.running), len(sched.waiting), kv.num_blocks,
                            kv.num_blocks - kv.num_free_blocks, kv.prefix_stats.hit_rate, self._num_steps,
-                           kv.prefix_stats.queried_tokens, kv.prefix_stats.hit_tokens)
+                           kv.prefix_stats.queried_tokens, kv.prefix_stats.hit_tokens, spec.num_draft_tokens,
+                           spec.num_accepted_tokens, spec.num_drafts, spec.num_emitted_tokens)

@@ -20,9 +20,10 @@ from llmserve.config import EngineConfig, GenerationConfig
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.output import IncrementalDetokenizer, RequestTimes, SequenceOutput
 from llmserve.engine.request import Request, RequestStatus
-from llmserve.engine.scheduler import Scheduler, SchedulerOutput
+from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from llmserve.engine.speculative import DraftModelProposer, NgramProposer, SpecStats
 from llmserve.errors import InvalidRequestError, PromptTooLongError
-from llmserve.models.loader import LoadedModel
+from llmserve.models.loader import LoadedModel, load_model
 from llmserve.sampling.params import SamplingParams
 from llmserve.sampling.sampler import SamplerOutput
 from llmserve.worker.model_runner import ModelRunner, num_blocks_for
@@ -42,11 +43,19 @@ class LLMEngine:
         self.config = config
         self.tokenizer = loaded.tokenizer
         self.session_len = min(config.session_len or loaded.max_model_len, loaded.max_model_len)
+        draft = self._load_draft(loaded, config)
         num_blocks = config.num_blocks or num_blocks_for(loaded, config.block_size, config.cache_max_bytes,
-                                                         config.cache_max_entry_count)
+                                                         config.cache_max_entry_count, draft)
         self.runner = ModelRunner(loaded, num_blocks, config.block_size, config.num_threads)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_prefill_token_num, config.max_batch_size)
+        self.proposer: NgramProposer | DraftModelProposer | None = None
+        if config.speculative_method == "ngram":
+            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        elif draft is not None:
+            self.proposer = DraftModelProposer(ModelRunner(draft, num_blocks, config.block_size, config.num_threads))
+        self.spec_stats = SpecStats()
+        lookahead = config.num_speculative_tokens if self.proposer else 0
+        self.scheduler = Scheduler(self.kv, config.max_prefill_token_num, config.max_batch_size, lookahead)
         self._tracked: dict[str, _Tracked] = {}  # sequence id -> state
         self._children: dict[str, list[str]] = {}  # caller's request id -> its sequence ids
         self._seed_gen = torch.Generator(device="cpu").manual_seed(config.seed)
@@ -87,6 +96,8 @@ class LLMEngine:
             if t is None:
                 continue
             self.scheduler.finish(t.request, RequestStatus.FINISHED_ABORTED)
+            if isinstance(self.proposer, DraftModelProposer):
+                self.proposer.forget(t.request)
             outputs.append(self._output(t, [], t.detok.flush(final=True), [], "abort"))
         return outputs
 
@@ -100,32 +111,87 @@ class LLMEngine:
 
     def step(self) -> list[SequenceOutput]:
         plan = self.scheduler.schedule()
+        if isinstance(self.proposer, DraftModelProposer):
+            for r in plan.preempted:
+                self.proposer.forget(r)
         if not plan.scheduled:
             return []
+        if self.proposer is not None:
+            self._add_drafts(plan)
         sampled = self.runner.execute(plan.scheduled, [self.kv.block_table(s.request.request_id)
                                                        for s in plan.scheduled])
         self.scheduler.update_after_step(plan)
         return self._process(plan, sampled)
 
+    def _add_drafts(self, plan: SchedulerOutput) -> None:
+        wanting = [s for s in plan.scheduled if s.lookahead]
+        if not wanting:
+            return
+        if isinstance(self.proposer, DraftModelProposer):
+            drafts = self.proposer.propose(wanting, {s.request: self.kv.block_table(s.request.request_id)
+                                                     for s in wanting})
+        else:
+            drafts = self.proposer.propose(wanting)
+        plan.scheduled = [
+            dataclasses.replace(s, num_new_tokens=s.num_new_tokens + len(d), draft_token_ids=tuple(d))
+            if (d := drafts.get(s.request)) else s
+            for s in plan.scheduled]
+        plan.scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # decodes first, as the runner requires
+
     def _process(self, plan: SchedulerOutput, sampled: SamplerOutput) -> list[SequenceOutput]:
         outputs = []
         now = time.monotonic()
-        samplers = (s.request for s in plan.scheduled if s.samples)
-        for request, token, logprobs in zip(samplers, sampled.token_ids, sampled.logprobs):
-            t = self._tracked[request.request_id]
-            request.first_token_time = request.first_token_time or now
+        row = 0
+        for s in plan.scheduled:
+            if not s.samples:
+                continue
+            num_rows = 1 + len(s.draft_token_ids)
+            tokens = sampled.token_ids[row:row + num_rows]
+            logprobs = sampled.logprobs[row:row + num_rows]
+            if s.draft_token_ids:  # emit up to the first rejected draft, inclusive
+                accepted = sampled.accepted[row:row + num_rows - 1]
+                num_accepted = next((i for i, a in enumerate(accepted) if not a), len(accepted))
+                tokens, logprobs = tokens[:num_accepted + 1], logprobs[:num_accepted + 1]
+                self._after_verify(s, num_accepted)
+            row += num_rows
+            outputs.append(self._emit(s.request, tokens, logprobs, now))
+        return outputs
+
+    def _after_verify(self, s: ScheduledRequest, num_accepted: int) -> None:
+        """Before the accepted tokens are appended: their K/V were computed by the verify pass, so
+        they count as computed (a request that stops among them is freed anyway)."""
+        r = s.request
+        self.spec_stats.record(len(s.draft_token_ids), num_accepted, num_accepted + 1)
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.accepted(r, r.num_tokens, num_accepted, len(s.draft_token_ids))
+        r.num_computed_tokens += num_accepted
+
+    def _emit(self, request: Request, tokens: list[int], logprobs: list, now: float) -> SequenceOutput:
+        """Append the step's tokens one by one, stopping at the first that ends the sequence."""
+        t = self._tracked[request.request_id]
+        request.first_token_time = request.first_token_time or now
+        text = ""
+        new_ids: list[int] = []
+        new_lp = []
+        reason = stop = None
+        for token, lp in zip(tokens, logprobs):
             request.append_token(token)
             reason, stop = self._stop_reason(request, token)
-            text = "" if reason == "stop" else t.detok.add(token)
+            text += "" if reason == "stop" else t.detok.add(token)
             if t.detok.stop_hit is not None:
                 reason, stop = "stop", t.detok.stop_hit
-            new_ids = [] if stop == token and reason == "stop" else [token]
-            new_lp = [logprobs] if logprobs is not None and new_ids else []
+            if not (stop == token and reason == "stop"):
+                new_ids.append(token)
+                if lp is not None:
+                    new_lp.append(lp)
             if reason is not None:
-                text += t.detok.flush(final=True)
-                self._finish(t, reason)
-            outputs.append(self._output(t, new_ids, text, new_lp, reason, stop))
-        return outputs
+                break
+        if reason is not None:
+            text += t.detok.flush(final=True)
+            self._finish(t, reason)
+        else:
+            self.kv.cache_full_blocks(request)  # accepted drafts may have filled blocks
+        return self._output(t, new_ids, text, new_lp, reason, stop)
 
     def _stop_reason(self, r: Request, token: int) -> tuple[str | None, str | int | None]:
         if token in r.sampling.stop_token_ids and r.num_output_tokens > r.sampling.min_tokens:
@@ -137,6 +203,8 @@ class LLMEngine:
     def _finish(self, t: _Tracked, reason: str) -> None:
         r = t.request
         self.scheduler.finish(r, RequestStatus(reason))
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.forget(r)
         del self._tracked[r.request_id]
         siblings = self._children.get(r.parent_id, [])
         if not any(s in self._tracked for s in siblings):
@@ -154,6 +222,18 @@ class LLMEngine:
                               new_logprobs=logprobs, times=times)
 
     # --- validation and parameters -------------------------------------------------------
+
+    @staticmethod
+    def _load_draft(loaded: LoadedModel, config: EngineConfig) -> LoadedModel | None:
+        if config.speculative_method != "draft_model":
+            return None
+        draft = load_model(config.speculative_model, config)
+        if draft.hf_config.vocab_size != loaded.hf_config.vocab_size:
+            raise InvalidRequestError(
+                f"the draft model {config.speculative_model!r} has a vocabulary of {draft.hf_config.vocab_size} "
+                f"tokens and the target {loaded.hf_config.vocab_size}: speculative decoding needs the same "
+                "tokenizer", param="speculative_model")
+        return draft
 
     def _validate_prompt(self, ids: list[int], gen: GenerationConfig) -> None:
         if not ids:

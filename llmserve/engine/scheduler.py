@@ -36,10 +36,19 @@ class ScheduledRequest:
     # True when this step computes the request's last known token, so a new one is sampled.
     # Fixed at scheduling time: the request's counters move on after the step.
     samples: bool
+    # Speculative decoding: room reserved (budget and blocks) for this many draft tokens, and the
+    # drafts the proposer filled in (at most lookahead; they are part of num_new_tokens).
+    lookahead: int = 0
+    draft_token_ids: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, request: Request, num_new_tokens: int) -> ScheduledRequest:
-        return cls(request, num_new_tokens, request.num_computed_tokens + num_new_tokens == request.num_tokens)
+    def of(cls, request: Request, num_new_tokens: int, lookahead: int = 0) -> ScheduledRequest:
+        return cls(request, num_new_tokens, request.num_computed_tokens + num_new_tokens == request.num_tokens,
+                   lookahead)
+
+    @property
+    def num_real_tokens(self) -> int:
+        return self.num_new_tokens - len(self.draft_token_ids)
 
 
 @dataclass
@@ -58,8 +67,10 @@ class _Start(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_batch_size: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_batch_size: int,
+                 num_lookahead_tokens: int = 0) -> None:
         self.kv = kv
+        self.num_lookahead_tokens = num_lookahead_tokens  # speculative decoding: drafts per decode step
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_batch_size = max_batch_size
         self.waiting: deque[Request] = deque()
@@ -88,7 +99,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self._allocate_or_preempt(request, n, preempted):
+            lookahead = self._lookahead(request, budget)
+            if lookahead and self.kv.allocate(request, n + lookahead):  # drafts never cause a preemption
+                scheduled.append(ScheduledRequest.of(request, n, lookahead))
+                budget -= n + lookahead
+                i += 1
+            elif self._allocate_or_preempt(request, n, preempted):
                 scheduled.append(ScheduledRequest.of(request, n))
                 budget -= n
                 i += 1
@@ -116,6 +132,16 @@ class Scheduler:
             budget -= n
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first, order kept
         return SchedulerOutput(scheduled, preempted)
+
+    def _lookahead(self, request: Request, budget: int) -> int:
+        """Draft tokens a decoding request may verify this step: none past its max_new_tokens (the
+        last draft is followed by one more sampled token) or its session length."""
+        if not self.num_lookahead_tokens or request.num_tokens - request.num_computed_tokens != 1:
+            return 0
+        if request.sampling.beam_width:
+            return 0
+        room = min(request.max_new_tokens - request.num_output_tokens, request.max_total_tokens - request.num_tokens)
+        return max(0, min(self.num_lookahead_tokens, budget - 1, room - 1))
 
     def _start_of(self, request: Request) -> _Start | None:
         """The computed blocks a waiting request starts with; None while it must wait for them.
@@ -157,9 +183,9 @@ class Scheduler:
         """The step's tokens are now in the cache; publish full blocks to the prefix cache."""
         for s in output.scheduled:
             r = s.request
-            self.num_prefill_tokens += max(min(r.num_prompt_tokens, r.num_computed_tokens + s.num_new_tokens)
+            self.num_prefill_tokens += max(min(r.num_prompt_tokens, r.num_computed_tokens + s.num_real_tokens)
                                            - r.num_computed_tokens, 0)
-            s.request.num_computed_tokens += s.num_new_tokens
+            s.request.num_computed_tokens += s.num_real_tokens  # accepted drafts are added by the engine
             self.kv.cache_full_blocks(s.request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:

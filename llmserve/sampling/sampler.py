@@ -36,6 +36,8 @@ __all__ = ["Sampler", "SamplerOutput", "SamplingBatch", "SequenceState", "TokenL
 class SamplerOutput:
     token_ids: list[int]  # one per sequence
     logprobs: list[TokenLogprobs | None]  # None where params.logprobs is None
+    # Speculative decoding (`Sampler.verify`): per row, whether its draft token was accepted.
+    accepted: list[bool] | None = None
 
 
 class Sampler:
@@ -55,6 +57,52 @@ class Sampler:
         else:
             token_ids = self._choose(apply_logits_processors(logits, batch), batch)
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=self._logprobs(raw_logprobs, token_ids, batch))
+
+    def verify(self, logits: Tensor, batch: SamplingBatch, drafts: list[int]) -> SamplerOutput:
+        """Speculative decoding: row i scores the position of draft token drafts[i] (-1: no draft,
+        the row after a sequence's last draft). Returns, per row, whether the draft is accepted and
+        the token to emit there: the draft itself when accepted, otherwise a token drawn so that the
+        emitted sequence follows the target distribution exactly.
+
+        Drafts are deterministic proposals (n-gram lookup, a draft model's argmax), i.e. the proposal
+        distribution q is a point mass on the draft d. Rejection sampling (Leviathan et al.) then
+        reads: accept d with probability min(1, p(d) / q(d)) = p(d); on rejection draw from the
+        residual max(p - q, 0), which is p with d removed, renormalised. Greedy rows accept when d is
+        the argmax and emit the argmax. Rows without a draft sample as usual. The caller emits the
+        tokens of a sequence's rows up to its first rejected row, inclusive.
+        """
+        raw_logprobs = None
+        if batch.logprob_rows is not None:
+            raw_logprobs = logits.index_select(0, batch.logprob_rows).log_softmax(dim=-1)
+        draft = torch.tensor(drafts, dtype=torch.long, device=logits.device)
+        has_draft = draft >= 0
+        logits = apply_logits_processors(logits, batch) if batch.has_processors else logits
+        token_ids = logits.argmax(dim=-1)
+        accepted = has_draft & (token_ids == draft)
+        if not batch.all_greedy:
+            probs = apply_sampling_filters(logits, batch.filters).softmax(dim=-1)  # [B, V]
+            safe = draft.clamp_min(0).unsqueeze(1)
+            p_draft = probs.gather(1, safe).squeeze(1)
+            uniform = self._uniform(batch, logits.device)
+            sampled_accept = has_draft & (uniform < p_draft)
+            residual = probs.scatter(1, safe, torch.where(has_draft, 0.0, p_draft).unsqueeze(1))
+            residual_ids = residual.div_(self._exponential_noise(batch, residual)).argmax(dim=-1)
+            sampled_ids = torch.where(sampled_accept, draft, residual_ids)
+            if batch.greedy is None:
+                token_ids, accepted = sampled_ids, sampled_accept
+            else:
+                token_ids = torch.where(batch.greedy, token_ids, sampled_ids)
+                accepted = torch.where(batch.greedy, accepted, sampled_accept)
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=self._logprobs(raw_logprobs, token_ids, batch),
+                             accepted=accepted.tolist())
+
+    def _uniform(self, batch: SamplingBatch, device: torch.device) -> Tensor:
+        u = torch.empty(batch.size, device=device)
+        if len(batch.generators) < batch.size:
+            u.uniform_(generator=self._batch_generator(device))
+        for row, generator in batch.generators.items():
+            u[row : row + 1].uniform_(generator=generator)
+        return u
 
     def _choose(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
         if batch.all_greedy:

@@ -117,3 +117,12 @@ class _EngineGauges(Collector):
                                   value=float(s.prefix_queried_tokens))
         yield CounterMetricFamily("llmserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                   value=float(s.prefix_hit_tokens))
+        # Speculative decoding (vLLM's spec_decode_* names): acceptance rate = accepted / draft tokens,
+        # mean tokens per verify step = emitted / drafts.
+        for name, doc, value in (
+                ("spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_accepted_tokens),
+                ("spec_decode_num_drafts", "Request-steps that verified draft tokens.", s.spec_verify_steps),
+                ("spec_decode_num_emitted_tokens", "Tokens emitted by verify steps (accepted + 1 each).",
+                 s.spec_emitted_tokens)):
+            yield CounterMetricFamily(f"llmserve:{name}", doc, value=float(value))

@@ -57,34 +57,67 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]) -> SamplerOutput:
-        """Run one step. Returns one sampled token per scheduled request whose `samples` is true,
-        in scheduled order. Decode (single-token) requests must come first."""
+        """Run one step. Returns one sampled token per scheduled request whose `samples` is true, in
+        scheduled order; a request carrying draft tokens gets one row per draft plus one (see
+        `Sampler.verify`). Decode (single-token) requests must come first."""
+        spans: list[Span] = []
+        states: list[SequenceState] = []
+        drafts: list[int] = []
+        for s, table in zip(scheduled, block_tables):
+            r, start = s.request, s.request.num_computed_tokens
+            num_real = s.num_new_tokens - len(s.draft_token_ids)
+            spans.append(Span(r.token_ids[start:start + num_real] + list(s.draft_token_ids), start, table,
+                              1 + len(s.draft_token_ids) if s.samples else 0))
+            if s.samples:
+                for i in range(len(s.draft_token_ids) + 1):
+                    states.append(_sequence_state(r, s.draft_token_ids[:i]))
+                    drafts.append(s.draft_token_ids[i] if i < len(s.draft_token_ids) else -1)
+        logits = self.forward(spans)
+        if logits is None:
+            return SamplerOutput([], [])
+        batch = SamplingBatch.build(states, self.vocab_size, self.device)
+        if any(d >= 0 for d in drafts):
+            return self.sampler.verify(logits, batch, drafts)
+        return self.sampler(logits, batch)
+
+    @torch.inference_mode()
+    def forward(self, spans: list[Span]) -> torch.Tensor | None:
+        """Run the model over each span's tokens (K/V written to the span's blocks) and return the
+        logits of the last `num_logits` tokens of every span, in span order: [sum num_logits, V].
+        Single-token spans must come first."""
         input_ids: list[int] = []
         positions: list[int] = []
         seqs: list[SeqSpec] = []
         logit_rows: list[int] = []
-        for s, table in zip(scheduled, block_tables):
-            r, start = s.request, s.request.num_computed_tokens
-            input_ids.extend(r.token_ids[start:start + s.num_new_tokens])
-            positions.extend(range(start, start + s.num_new_tokens))
-            seqs.append(SeqSpec(start, s.num_new_tokens, table))
-            if s.samples:
-                logit_rows.append(len(input_ids) - 1)
+        for span in spans:
+            input_ids.extend(span.token_ids)
+            positions.extend(range(span.start, span.start + len(span.token_ids)))
+            seqs.append(SeqSpec(span.start, len(span.token_ids), span.block_table))
+            logit_rows.extend(range(len(input_ids) - span.num_logits, len(input_ids)))
         meta = build_attention_metadata(seqs, self.block_size, self.device, self.workspace)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, meta)
         if not logit_rows:
-            return SamplerOutput([], [])
-        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
-        states = [_sequence_state(s.request) for s in scheduled if s.samples]
-        batch = SamplingBatch.build(states, self.vocab_size, self.device)
-        return self.sampler(logits, batch)
+            return None
+        return self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
 
 
-def _sequence_state(r: Request) -> SequenceState:
+@dataclass(frozen=True)
+class Span:
+    """Tokens of one sequence to run at positions start.. over its blocks; keep the last num_logits logits."""
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    num_logits: int
+
+
+def _sequence_state(r: Request, drafts: tuple[int, ...] = ()) -> SequenceState:
+    # A draft row sees the drafts before it as generated (penalties, bans and min_tokens count them).
+    output = r.output_token_ids + list(drafts) if drafts else r.output_token_ids
     return SequenceState(params=r.sampling, prompt_token_ids=r.prompt_token_ids,
-                         output_token_ids=r.output_token_ids, generator=r.generator)
+                         output_token_ids=output, generator=r.generator)
 
 
 def cache_spec(loaded: LoadedModel) -> CacheSpec:
@@ -93,9 +126,11 @@ def cache_spec(loaded: LoadedModel) -> CacheSpec:
 
 
 def num_blocks_for(loaded: LoadedModel, block_size: int, cache_max_bytes: int | None,
-                   cache_max_entry_count: float) -> int:
-    """KV blocks that fit the budget: a byte budget on CPU, a fraction of free memory on GPU."""
-    per_block = cache_spec(loaded).bytes_per_token * block_size
+                   cache_max_entry_count: float, draft: LoadedModel | None = None) -> int:
+    """KV blocks that fit the budget: a byte budget on CPU, a fraction of free memory on GPU. A draft
+    model keeps a cache of the same blocks, so it shares the budget."""
+    per_token = cache_spec(loaded).bytes_per_token + (cache_spec(draft).bytes_per_token if draft else 0)
+    per_block = per_token * block_size
     if loaded.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(loaded.device)
         budget = int(free * cache_max_entry_count) if cache_max_bytes is None else cache_max_bytes

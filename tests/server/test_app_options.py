@@ -3,13 +3,14 @@ page and its files, /debug/kv only when enabled."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 
 import httpx
 import pytest
 
-from tests.server.harness import EngineHandle, RunningServer, running_server
+from tests.server.harness import EngineHandle, RunningServer, engine_for, running_server
 
 METRIC_FAMILIES = {
     "llmserve:request_success_total": "counter", "llmserve:requests_rejected_total": "counter",
@@ -21,6 +22,8 @@ METRIC_FAMILIES = {
     "llmserve:kv_cache_usage_perc": "gauge", "llmserve:kv_cache_blocks_total": "gauge",
     "llmserve:prefix_cache_hit_rate": "gauge",
     "llmserve:prefix_cache_queries_total": "counter", "llmserve:prefix_cache_hits_total": "counter",
+    "llmserve:spec_decode_num_draft_tokens_total": "counter", "llmserve:spec_decode_num_accepted_tokens_total": "counter",
+    "llmserve:spec_decode_num_drafts_total": "counter", "llmserve:spec_decode_num_emitted_tokens_total": "counter",
 }
 
 
@@ -104,3 +107,25 @@ def test_prefix_cache_counters_expose_the_engine_token_counts() -> None:
     assert "llmserve:prefix_cache_queries_total 100.0" in lines
     assert "llmserve:prefix_cache_hits_total 50.0" in lines
     assert "llmserve:prefix_cache_hit_rate 0.5" in lines
+
+
+def test_speculative_server_same_answers_and_acceptance_metrics(server: RunningServer, tiny_model_dir) -> None:
+    """An n-gram speculating server answers greedy requests exactly as the plain one, streamed or
+    not, and /metrics counts its drafts."""
+    body = {"model": "tiny-llama", "prompt": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True}
+    plain = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]["text"]
+    with engine_for(tiny_model_dir("llama"), name="tiny-llama", num_blocks=64, block_size=16,
+                    speculative_method="ngram", prompt_lookup_min=1) as handle, running_server(handle) as spec:
+        assert httpx.post(spec.url + "/v1/completions", json=body).json()["choices"][0]["text"] == plain
+        streamed = ""
+        with httpx.stream("POST", spec.url + "/v1/completions", json={**body, "stream": True}) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    streamed += json.loads(line[6:])["choices"][0]["text"]
+        assert streamed == plain
+        drafts = spec.metric("llmserve:spec_decode_num_draft_tokens_total")
+        accepted = spec.metric("llmserve:spec_decode_num_accepted_tokens_total")
+        assert drafts > 0 and 0 <= accepted <= drafts  # acceptance itself: tests/engine/test_speculative.py
+        assert spec.metric("llmserve:spec_decode_num_emitted_tokens_total") == \
+            accepted + spec.metric("llmserve:spec_decode_num_drafts_total")

@@ -1,0 +1,129 @@
+"""Speculative decoding: proposers of draft tokens, and the acceptance counters.
+
+Each step, the scheduler reserves room (token budget and KV blocks) for up to
+`num_speculative_tokens` drafts per decoding request; a proposer fills in drafts; the target model
+scores the request's last token plus its drafts in one forward pass, and `Sampler.verify` accepts a
+prefix of the drafts and adds one token of its own. A step therefore emits 1 to k + 1 tokens per
+request, and the output is the one the target alone would give (greedy: identical; sampled: the
+same distribution).
+
+Proposers:
+- `NgramProposer` (prompt lookup): finds the latest earlier occurrence of the sequence's last n
+  tokens (n from prompt_lookup_max down to prompt_lookup_min) and proposes the tokens that followed
+  it. No model; pays off where the output copies the context (summaries, code edits, RAG).
+- `DraftModelProposer`: a smaller model with the same vocabulary proposes its greedy continuation.
+  It keeps its own KV cache tensors, laid out over the target's block tables (same block ids, same
+  block size), and tracks per request how many positions of its cache are valid. It catches up on
+  the tokens it has not seen (the prompt on the first step, accepted tokens afterwards) in the
+  first of its k forward passes, so it never needs blocks the target does not already hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from llmserve.engine.request import Request
+from llmserve.engine.scheduler import ScheduledRequest
+from llmserve.worker.model_runner import ModelRunner, Span
+
+
+@dataclass
+class SpecStats:
+    """Cumulative counters (vLLM's names): drafts proposed and accepted, and verify steps."""
+
+    num_drafts: int = 0  # request-steps that verified at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0  # tokens emitted by those request-steps (accepted + 1 each)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_tokens_per_step(self) -> float:
+        """Tokens a request gains per verify step (1.0 would be plain decoding)."""
+        return self.num_emitted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def record(self, num_draft: int, num_accepted: int, num_emitted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        self.num_emitted_tokens += num_emitted
+
+
+class NgramProposer:
+    def __init__(self, min_n: int, max_n: int) -> None:
+        assert 1 <= min_n <= max_n
+        self.min_n = min_n
+        self.max_n = max_n
+
+    def propose(self, scheduled: list[ScheduledRequest]) -> dict[Request, list[int]]:
+        return {s.request: drafts for s in scheduled if (drafts := self.lookup(s.request.token_ids, s.lookahead))}
+
+    def lookup(self, token_ids: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix."""
+        if k <= 0 or len(token_ids) <= self.min_n:
+            return []
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            suffix = tokens[-n:]
+            # Windows starting at 0 .. len - n - 1: every occurrence that ends before the suffix itself.
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return tokens[start:start + k].tolist()
+        return []
+
+
+class DraftModelProposer:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._computed: dict[Request, int] = {}  # positions of the request valid in the draft's cache
+
+    def propose(self, scheduled: list[ScheduledRequest], tables: dict[Request, list[int]]) -> dict[Request, list[int]]:
+        todo = [s for s in scheduled if s.lookahead > 0]
+        if not todo:
+            return {}
+        drafts: dict[Request, list[int]] = {s.request: [] for s in todo}
+        # Pass 1: catch up on unseen tokens (single-token spans first, as the runner requires).
+        spans = []
+        for s in todo:
+            r = s.request
+            done = self._computed.get(r, 0)
+            if done >= r.num_tokens:  # cache ahead of a rolled-back sequence cannot happen; recompute
+                done = 0
+            spans.append((r, Span(r.token_ids[done:], done, tables[r], 1)))
+        spans.sort(key=lambda x: len(x[1].token_ids) != 1)
+        self._step(spans, drafts)
+        for r, span in spans:
+            self._computed[r] = span.start + len(span.token_ids)
+        # Passes 2..k: one token each, for the requests that still want more.
+        for i in range(1, max(s.lookahead for s in todo)):
+            spans = [(s.request, Span([drafts[s.request][-1]], self._computed[s.request], tables[s.request], 1))
+                     for s in todo if s.lookahead > i]
+            self._step(spans, drafts)
+            for r, _ in spans:
+                self._computed[r] += 1
+        return drafts
+
+    def _step(self, spans: list[tuple[Request, Span]], drafts: dict[Request, list[int]]) -> None:
+        logits = self.runner.forward([span for _, span in spans])
+        assert logits is not None
+        for (r, _), token in zip(spans, logits.argmax(dim=-1).tolist()):
+            drafts[r].append(token)
+
+    def accepted(self, request: Request, num_verified_before: int, num_accepted: int, num_proposed: int) -> None:
+        """After verification: the draft's cache holds the request's tokens up to position
+        num_verified_before - 1 (the last known token) plus the accepted drafts it computed itself
+        (it never computed its own last draft)."""
+        if request in self._computed:
+            self._computed[request] = min(self._computed[request],
+                                          num_verified_before + min(num_accepted, num_proposed - 1))
+
+    def forget(self, request: Request) -> None:
+        """The request's blocks were freed (finished, aborted or preempted): its draft cache is gone."""
+        self._computed.pop(request, None)
