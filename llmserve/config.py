@@ -61,6 +61,14 @@ class GenerationConfig:
     skip_special_tokens: bool = _f(True, "Leave special tokens out of the decoded text.")
     logprobs: int | None = _f(None, "Return the log-probabilities of the top-N tokens at each step "
                                     "(and of the sampled token).")
+    best_of: int | None = _f(None, "Sample best_of sequences and return the n with the highest cumulative "
+                                   "log-probability (>= n; results come at the end, not streamed token by token).")
+    use_beam_search: bool = _f(False, "Beam search instead of sampling (temperature, top-k/p and seeds are ignored).")
+    beam_width: int | None = _f(None, "Beams kept at each step. Default: best_of, else n.")
+    length_penalty: float = _f(1.0, "Beam search: a finished beam scores logprob / length ** length_penalty.")
+    early_stopping: bool | str = _f(False, "Beam search: True stops once beam_width beams finished; False stops "
+                                           "when no live beam can still win at its current length; 'never' "
+                                           "judges that at the longest possible length.")
 
     def __post_init__(self) -> None:
         _check_type(self.n, (int,), "n")
@@ -91,6 +99,7 @@ class GenerationConfig:
         _check_type(self.logprobs, (int,), "logprobs", optional=True)
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
                f"must be in [0, 20], got {self.logprobs}")
+        self._check_best_of_and_beams()
         self.stop_words = _string_list(self.stop_words, "stop_words")
         self.bad_words = _string_list(self.bad_words, "bad_words")
         if self.stop_token_ids is not None:
@@ -107,6 +116,25 @@ class GenerationConfig:
                 except (TypeError, ValueError):
                     raise InvalidRequestError(f"logit_bias: bad entry {k!r}: {v!r}", param="logit_bias") from None
             self.logit_bias = bias
+
+    def _check_best_of_and_beams(self) -> None:
+        _check_type(self.best_of, (int,), "best_of", optional=True)
+        _check(self.best_of is None or self.best_of >= self.n, "best_of",
+               f"must be >= n ({self.n}), got {self.best_of}")
+        _check_type(self.use_beam_search, (bool,), "use_beam_search")
+        _check_type(self.beam_width, (int,), "beam_width", optional=True)
+        _check_type(self.length_penalty, (int, float), "length_penalty")
+        _check(self.early_stopping in (True, False, "never"), "early_stopping",
+               f"must be true, false or 'never', got {self.early_stopping!r}")
+        if self.use_beam_search:
+            width = self.num_beams
+            _check(width >= 1, "beam_width", f"must be >= 1, got {width}")
+            _check(width >= self.n, "beam_width", f"must be >= n ({self.n}) to return n beams, got {width}")
+            _check(self.logprobs is None, "logprobs", "is not supported with beam search")
+
+    @property
+    def num_beams(self) -> int:
+        return self.beam_width or self.best_of or self.n
 
     @property
     def greedy(self) -> bool:

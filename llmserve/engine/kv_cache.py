@@ -141,6 +141,30 @@ class KVCacheManager:
         assert num_full_blocks * self.block_size <= source.num_computed_tokens, "fork of uncomputed blocks"
         return table[:num_full_blocks]
 
+    def fork_beam(self, parent: Request, child: Request) -> tuple[int, int] | None | bool:
+        """Give `child` (a beam forked from `parent`, same tokens so far) the parent's computed K/V:
+        full blocks by reference, the partial last block copied on write.
+
+        Returns the (source, destination) block pair the runner must copy, None when nothing needs
+        copying, or False when the pool has no block for the copy: the child then shares the full
+        blocks only and its num_computed_tokens is cut back to them (it recomputes the tail)."""
+        assert child.request_id not in self._tables
+        table = self._tables.get(parent.request_id, [])
+        num_computed = child.num_computed_tokens
+        num_full = min(num_computed // self.block_size, len(table))
+        shared = table[:num_full]
+        for block_id in shared:
+            self._take(block_id)
+        self._tables[child.request_id] = list(shared)
+        if num_computed == num_full * self.block_size:
+            return None
+        if not self._free:
+            child.num_computed_tokens = num_full * self.block_size
+            return False
+        copy = self._take_free()
+        self._tables[child.request_id].append(copy)
+        return table[num_full], copy
+
     # --- allocation ----------------------------------------------------------------------
 
     def allocate(self, request: Request, num_new_tokens: int, cached_prefix: list[int] | None = None) -> bool:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.config import EngineConfig, GenerationConfig
+from llmserve.engine.beam_search import BeamGroup
+from llmserve.engine.groups import BeamSearch, BestOf
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.output import IncrementalDetokenizer, RequestTimes, SequenceOutput
 from llmserve.engine.request import Request, RequestStatus
@@ -58,6 +60,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_prefill_token_num, config.max_batch_size, lookahead)
         self._tracked: dict[str, _Tracked] = {}  # sequence id -> state
         self._children: dict[str, list[str]] = {}  # caller's request id -> its sequence ids
+        self._beams: dict[str, BeamSearch] = {}  # caller's request id -> its beam search
+        self._best_of: dict[str, BestOf] = {}  # caller's request id -> its held-back samples
         self._seed_gen = torch.Generator(device="cpu").manual_seed(config.seed)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens in all, up to %d tokens per sequence)",
                     num_blocks, config.block_size, num_blocks * config.block_size, self.session_len)
@@ -70,8 +74,15 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         self._validate_prompt(prompt_token_ids, gen)
         params = self._sampling_params(gen)
+        if gen.use_beam_search:
+            return self._add_beam_search(request_id, prompt_token_ids, gen, params)
+        num_seqs = gen.n
+        if gen.best_of is not None and gen.best_of > gen.n:
+            num_seqs = gen.best_of
+            # The ranking needs each sampled token's logprob.
+            params = dataclasses.replace(params, logprobs=params.logprobs or 0)
         seqs = []
-        for i in range(gen.n):
+        for i in range(num_seqs):
             seq_params = params
             if params.seed is not None:
                 seq_params = dataclasses.replace(params, seed=params.seed + i)
@@ -87,10 +98,34 @@ class LLMEngine:
                 self.tokenizer, prompt_token_ids, gen.skip_special_tokens, gen.stop_words,
                 gen.include_stop_str_in_output))
         self._children[request_id] = [r.request_id for r in seqs]
+        if num_seqs > gen.n:
+            self._best_of[request_id] = BestOf(gen.n, num_seqs, keep_logprobs=gen.logprobs is not None)
+
+    def _add_beam_search(self, request_id: str, prompt: list[int], gen: GenerationConfig,
+                         params: SamplingParams) -> None:
+        # Beams are greedy rows to the sampler (no temperature, truncation or seed): it hands back
+        # their log-probabilities and the engine chooses.
+        params = dataclasses.replace(params, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None,
+                                     logprobs=None, beam_width=gen.num_beams)
+        root = Request(request_id=f"{request_id}#b0", token_ids=list(prompt), num_prompt_tokens=len(prompt),
+                       sampling=params, max_new_tokens=gen.max_new_tokens, max_total_tokens=self.session_len,
+                       parent_id=request_id)
+        self.scheduler.add_request(root)
+        group = BeamGroup(request_id, gen.num_beams, gen.n, len(prompt), gen.max_new_tokens, self.session_len,
+                          params.stop_token_ids, float(gen.length_penalty), gen.early_stopping, live={root: 0.0})
+        self._beams[request_id] = BeamSearch(group, gen, root.arrival_time)
+        self._children[request_id] = []
 
     def abort(self, request_id: str) -> list[SequenceOutput]:
         """Abort a request's sequences now; their blocks are free when this returns."""
         outputs = []
+        self._best_of.pop(request_id, None)
+        if (beams := self._beams.pop(request_id, None)) is not None:
+            results = beams.group.results()
+            first = min((b.first_scheduled_time for b in beams.group.live if b.first_scheduled_time), default=None)
+            for beam in beams.group.live:
+                self.scheduler.finish(beam, RequestStatus.FINISHED_ABORTED)
+            outputs.extend(beams.outputs(self.tokenizer, results, first, reason="abort"))
         for seq_id in self._children.pop(request_id, []):
             t = self._tracked.pop(seq_id, None)
             if t is None:
@@ -121,7 +156,23 @@ class LLMEngine:
         sampled = self.runner.execute(plan.scheduled, [self.kv.block_table(s.request.request_id)
                                                        for s in plan.scheduled])
         self.scheduler.update_after_step(plan)
-        return self._process(plan, sampled)
+        outputs = self._process(plan, sampled)
+        if self._best_of:
+            outputs = self._hold_best_of(outputs)
+        return outputs
+
+    def _hold_best_of(self, outputs: list[SequenceOutput]) -> list[SequenceOutput]:
+        released = []
+        for out in outputs:
+            group = self._best_of.get(out.request_id)
+            if group is None:
+                released.append(out)
+                continue
+            winners = group.add(out)
+            if winners:
+                del self._best_of[out.request_id]
+                released.extend(winners)
+        return released
 
     def _add_drafts(self, plan: SchedulerOutput) -> None:
         wanting = [s for s in plan.scheduled if s.lookahead]
@@ -142,8 +193,15 @@ class LLMEngine:
         outputs = []
         now = time.monotonic()
         row = 0
+        reported: dict[str, BeamSearch] = {}
         for s in plan.scheduled:
             if not s.samples:
+                continue
+            if s.request.sampling.beam_width:
+                beams = self._beams[s.request.parent_id]
+                beams.group.pending[s.request] = sampled.beam_logprobs[row]
+                reported[s.request.parent_id] = beams
+                row += 1
                 continue
             num_rows = 1 + len(s.draft_token_ids)
             tokens = sampled.token_ids[row:row + num_rows]
@@ -155,7 +213,49 @@ class LLMEngine:
                 self._after_verify(s, num_accepted)
             row += num_rows
             outputs.append(self._emit(s.request, tokens, logprobs, now))
+        for beams in reported.values():
+            if beams.group.ready():
+                outputs.extend(self._beam_step(beams, now))
         return outputs
+
+    def _beam_step(self, beams: BeamSearch, now: float) -> list[SequenceOutput]:
+        """Every live beam of the group reported: select, then fork, extend and drop beams."""
+        group = beams.group
+        beams.first_token = beams.first_token or now
+        chosen = group.select()
+        results = group.results() if group.done else []  # before the live beams are dropped
+        old = group.live
+        first_scheduled = min((b.first_scheduled_time for b in old if b.first_scheduled_time), default=None)
+        children: dict[Request, list] = {}
+        for c in chosen:
+            children.setdefault(c.parent, []).append(c)
+        for beam in old:  # drop first: their blocks may serve the copies below
+            if beam not in children:
+                self.scheduler.finish(beam, RequestStatus.FINISHED_STOPPED)
+        group.live = {}
+        copies = []
+        for parent, kids in children.items():
+            for c in kids[1:]:  # forks first: they copy the parent before it grows
+                child = beams.fork(parent, c.token_id)
+                if parent.status == RequestStatus.RUNNING:
+                    pair = self.kv.fork_beam(parent, child)
+                    if pair:
+                        copies.append(pair)
+                    self.scheduler.add_running(child)
+                else:  # parked (preempted after reporting): the child recomputes too
+                    self.scheduler.waiting.appendleft(child)
+                group.live[child] = c.logprob
+            parent.append_token(kids[0].token_id)
+            self.scheduler.unpark(parent)  # if it was parked without blocks, it recomputes now
+            group.live[parent] = kids[0].logprob
+        self.runner.copy_blocks(copies)
+        if not group.done:
+            return []
+        for beam in group.live:
+            self.scheduler.finish(beam, RequestStatus.FINISHED_STOPPED)
+        del self._beams[group.request_id]
+        self._children.pop(group.request_id, None)
+        return beams.outputs(self.tokenizer, results, first_scheduled)
 
     def _after_verify(self, s: ScheduledRequest, num_accepted: int) -> None:
         """Before the accepted tokens are appended: their K/V were computed by the verify pass, so

@@ -75,6 +75,9 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first: preemption takes from the end
+        # Beams preempted while waiting for their group (their step is reported, so they need no
+        # compute until the group extends them): not queued; the engine requeues them (`unpark`).
+        self.parked: list[Request] = []
         self.num_preemptions = 0  # since start, for metrics and tests
         self.num_prefill_tokens = 0  # prompt tokens computed since start (recomputes included)
 
@@ -99,6 +102,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if n == 0:  # a beam that reported its step and waits for the rest of its group
+                i += 1
+                continue
             lookahead = self._lookahead(request, budget)
             if lookahead and self.kv.allocate(request, n + lookahead):  # drafts never cause a preemption
                 scheduled.append(ScheduledRequest.of(request, n, lookahead))
@@ -117,7 +123,7 @@ class Scheduler:
                 break  # waits for its sibling's prompt; first come, first served, so do the ones behind it
             num_cached = len(start.blocks) * self.kv.block_size
             n = min(request.num_tokens - num_cached, budget)
-            if not self.kv.allocate(request, n, start.blocks):
+            if not self._admit(request, n, start.blocks, may_park=not scheduled):
                 break  # first come, first served: nobody overtakes the head of the queue
             if not start.forked:
                 self.kv.prefix_stats.queried_tokens += request.num_tokens
@@ -162,6 +168,17 @@ class Scheduler:
             return None  # the source is running, so it gets budget before any waiting request: the wait ends
         return _Start(self.kv.fork(source, num_shared), forked=True)
 
+    def _admit(self, request: Request, n: int, blocks: list[int], may_park: bool) -> bool:
+        """Allocate for the head of the queue. When nothing else runs this step, the running
+        requests can only be beams waiting for their group, holding blocks without computing: park
+        them (newest first) to make room, or nothing would ever move."""
+        while not self.kv.allocate(request, n, blocks):
+            idle = [r for r in self.running if r.num_computed_tokens == r.num_tokens]
+            if not may_park or not idle:
+                return False
+            self._preempt(idle[-1])
+        return True
+
     def _allocate_or_preempt(self, request: Request, n: int, preempted: list[Request]) -> bool:
         while not self.kv.allocate(request, n):
             victim = self.running.pop()
@@ -172,12 +189,24 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
+        idle = request.num_computed_tokens == request.num_tokens  # a beam that reported its step
+        if request in self.running:
+            self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        if idle:
+            self.parked.append(request)
+        else:
+            self.waiting.appendleft(request)
+
+    def unpark(self, request: Request) -> None:
+        """A parked beam was extended: queue it (first) for recomputation."""
+        if request in self.parked:
+            self.parked.remove(request)
+            self.waiting.appendleft(request)
 
     def update_after_step(self, output: SchedulerOutput) -> None:
         """The step's tokens are now in the cache; publish full blocks to the prefix cache."""
@@ -188,6 +217,12 @@ class Scheduler:
             s.request.num_computed_tokens += s.num_real_tokens  # accepted drafts are added by the engine
             self.kv.cache_full_blocks(s.request)
 
+    def add_running(self, request: Request) -> None:
+        """A beam forked from a running one: it holds blocks (see KVCacheManager.fork_beam) and runs."""
+        request.status = RequestStatus.RUNNING
+        request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
+        self.running.append(request)
+
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Remove a request wherever it is and free its blocks at once (finish or abort)."""
         assert status.finished
@@ -195,5 +230,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        elif request in self.parked:
+            self.parked.remove(request)
         request.status = status
         self.kv.free(request)

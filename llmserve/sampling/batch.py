@@ -82,6 +82,7 @@ class SamplingBatch:
     generators: dict[int, torch.Generator]  # row -> its own generator, sampled seeded rows only
     num_logprobs: list[int | None]  # per row: top-N logprobs to return, None = none
     logprob_rows: Tensor | None  # [R] int64: rows whose num_logprobs is not None
+    beam_rows: list[int] | None = None  # rows of beam-search beams: the sampler returns their log-probabilities
 
     @property
     def has_processors(self) -> bool:
@@ -105,6 +106,7 @@ class SamplingBatch:
             generators=_generators(seqs, greedy),
             num_logprobs=[p.logprobs for p in params],
             logprob_rows=torch.tensor(logprob_rows, device=device) if logprob_rows else None,
+            beam_rows=[i for i, p in enumerate(params) if p.beam_width] or None,
         )
 
 

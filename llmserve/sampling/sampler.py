@@ -38,6 +38,8 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # None where params.logprobs is None
     # Speculative decoding (`Sampler.verify`): per row, whether its draft token was accepted.
     accepted: list[bool] | None = None
+    # Beam search: row -> [V] log-probabilities of the next token after logit bias, bans and penalties.
+    beam_logprobs: dict[int, Tensor] | None = None
 
 
 class Sampler:
@@ -52,11 +54,15 @@ class Sampler:
         raw_logprobs = None
         if batch.logprob_rows is not None:  # before processing, which works in place
             raw_logprobs = logits.index_select(0, batch.logprob_rows).log_softmax(dim=-1)  # [R, V]
-        if batch.all_greedy and not batch.has_processors:
-            token_ids = logits.argmax(dim=-1)
-        else:
-            token_ids = self._choose(apply_logits_processors(logits, batch), batch)
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=self._logprobs(raw_logprobs, token_ids, batch))
+        if batch.has_processors:
+            apply_logits_processors(logits, batch)
+        beams = None
+        if batch.beam_rows is not None:  # beams are greedy rows: filters never touch them
+            rows = torch.tensor(batch.beam_rows, device=logits.device)
+            beams = dict(zip(batch.beam_rows, logits.index_select(0, rows).log_softmax(dim=-1).cpu()))
+        token_ids = logits.argmax(dim=-1) if batch.all_greedy else self._choose(logits, batch)
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=self._logprobs(raw_logprobs, token_ids, batch),
+                             beam_logprobs=beams)
 
     def verify(self, logits: Tensor, batch: SamplingBatch, drafts: list[int]) -> SamplerOutput:
         """Speculative decoding: row i scores the position of draft token drafts[i] (-1: no draft,

@@ -21,7 +21,7 @@ MAX_LOGPROBS = 20
 
 # GenerationConfig field -> the request field, for error messages.
 PARAM_NAMES = {"max_new_tokens": "max_tokens", "random_seed": "seed", "stop_words": "stop",
-               "min_new_tokens": "min_tokens"}
+               "min_new_tokens": "min_tokens", "beam_width": "best_of"}
 
 
 def check_model(model: ServedModel, requested: str | None) -> None:
@@ -121,7 +121,8 @@ def _generation_config(model: ServedModel, req: SamplingRequest, max_tokens: int
         "logit_bias": _logit_bias(req.logit_bias), "ignore_eos": req.ignore_eos,
         "skip_special_tokens": req.skip_special_tokens, "stop_token_ids": req.stop_token_ids,
         "bad_words": req.bad_words, "include_stop_str_in_output": req.include_stop_str_in_output,
-        "logprobs": logprobs,
+        "logprobs": logprobs, "best_of": req.best_of, "use_beam_search": req.use_beam_search,
+        "length_penalty": req.length_penalty, "early_stopping": req.early_stopping,
     }
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         if getattr(req, name) is not None:
@@ -138,11 +139,8 @@ MAX_N = 128  # OpenAI's limit; each sample is a sequence in the engine
 def _check_unsupported(req: SamplingRequest) -> None:
     if req.n > MAX_N:
         raise ApiError(400, f"n: must be <= {MAX_N}, got {req.n}", param="n")
-    if req.use_beam_search:
-        raise ApiError(400, "use_beam_search: beam search is not supported yet", param="use_beam_search")
-    if req.best_of is not None and req.best_of != req.n:
-        raise ApiError(400, f"best_of: only best_of == n is supported (got best_of={req.best_of}, n={req.n})",
-                       param="best_of")
+    if req.best_of is not None and req.best_of > MAX_N:
+        raise ApiError(400, f"best_of: must be <= {MAX_N}, got {req.best_of}", param="best_of")
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options: only allowed when stream is true", param="stream_options")
 

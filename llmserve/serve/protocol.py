@@ -38,8 +38,10 @@ class SamplingRequest(_Body):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    best_of: int | None = None
+    best_of: int | None = None  # sampled: best of this many; beam search: the beam width
     use_beam_search: bool = False
+    length_penalty: float = 1.0  # beam search (vLLM's legacy names)
+    early_stopping: bool | Literal["never"] = False
     # ours (extra_body), vLLM's names
     top_k: int | None = None
     min_p: float | None = None

@@ -81,6 +81,16 @@ class ModelRunner:
         return self.sampler(logits, batch)
 
     @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks, source -> destination, in every layer (copy-on-write of forked beams)."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        for layer in self.model.attention_layers():
+            layer.kv_cache[:, dst] = layer.kv_cache[:, src]
+
+    @torch.inference_mode()
     def forward(self, spans: list[Span]) -> torch.Tensor | None:
         """Run the model over each span's tokens (K/V written to the span's blocks) and return the
         logits of the last `num_logits` tokens of every span, in span order: [sum num_logits, V].

@@ -161,3 +161,30 @@ def test_logit_bias_forces_a_token(client: openai.OpenAI, tiny: EngineHandle) ->
     r = client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=3, temperature=0,
                                   logit_bias={str(forced): 100}, logprobs=0, extra_body={"ignore_eos": True})
     assert r.choices[0].text == tiny.tokenizer.decode([forced] * 3)
+
+
+def test_beam_search_and_best_of_through_the_client(client: openai.OpenAI, tiny_model_dir) -> None:
+    """use_beam_search (width = best_of) and best_of > n return what the offline engine returns,
+    streamed or not; the stream carries each beam's whole text in its final chunk."""
+    from llmserve import EngineConfig, GenerationConfig, pipeline
+
+    prompt = [5, 6, 7, 8, 9, 10]
+    beam = {"use_beam_search": True, "best_of": 3, "length_penalty": 0.5, "ignore_eos": True}
+    r = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=8, n=2, extra_body=beam)
+    gen = GenerationConfig(use_beam_search=True, beam_width=3, n=2, max_new_tokens=8, length_penalty=0.5,
+                           ignore_eos=True)
+    with pipeline(tiny_model_dir("llama"), backend_config=EngineConfig(dtype="float32")) as pipe:
+        offline = pipe([{"input_ids": prompt}], gen_config=gen)
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [o.text for o in offline]
+    assert r.usage.completion_tokens == sum(len(o.token_ids) for o in offline)
+    chunks = list(client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=8, n=2, stream=True,
+                                            extra_body=beam))
+    streamed = {}
+    for c in chunks:
+        for choice in c.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[0], streamed[1]] == [o.text for o in offline]
+    best = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=6, n=2, seed=3, temperature=1.0,
+                                     extra_body={"best_of": 4, "ignore_eos": True})
+    assert len(best.choices) == 2 and best.usage.completion_tokens == 12
+    assert all(c.logprobs is None for c in best.choices)
