@@ -23,7 +23,7 @@ from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.output import IncrementalDetokenizer, RequestTimes, SequenceOutput
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from llmserve.engine.speculative import DraftModelProposer, NgramProposer, SpecStats
+from llmserve.engine.speculative import DraftModelProposer, NgramProposer, Proposer, SpecStats
 from llmserve.errors import InvalidRequestError, PromptTooLongError
 from llmserve.models.loader import LoadedModel, load_model
 from llmserve.sampling.params import SamplingParams
@@ -50,7 +50,7 @@ class LLMEngine:
                                                          config.cache_max_entry_count, draft)
         self.runner = ModelRunner(loaded, num_blocks, config.block_size, config.num_threads)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.proposer: NgramProposer | DraftModelProposer | None = None
+        self.proposer: Proposer | None = None
         if config.speculative_method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         elif draft is not None:
@@ -131,7 +131,7 @@ class LLMEngine:
             if t is None:
                 continue
             self.scheduler.finish(t.request, RequestStatus.FINISHED_ABORTED)
-            if isinstance(self.proposer, DraftModelProposer):
+            if self.proposer is not None:
                 self.proposer.forget(t.request)
             outputs.append(self._output(t, [], t.detok.flush(final=True), [], "abort"))
         return outputs
@@ -146,7 +146,7 @@ class LLMEngine:
 
     def step(self) -> list[SequenceOutput]:
         plan = self.scheduler.schedule()
-        if isinstance(self.proposer, DraftModelProposer):
+        if self.proposer is not None:
             for r in plan.preempted:
                 self.proposer.forget(r)
         if not plan.scheduled:
@@ -178,11 +178,8 @@ class LLMEngine:
         wanting = [s for s in plan.scheduled if s.lookahead]
         if not wanting:
             return
-        if isinstance(self.proposer, DraftModelProposer):
-            drafts = self.proposer.propose(wanting, {s.request: self.kv.block_table(s.request.request_id)
-                                                     for s in wanting})
-        else:
-            drafts = self.proposer.propose(wanting)
+        drafts = self.proposer.propose(wanting, {s.request: self.kv.block_table(s.request.request_id)
+                                                 for s in wanting})
         plan.scheduled = [
             dataclasses.replace(s, num_new_tokens=s.num_new_tokens + len(d), draft_token_ids=tuple(d))
             if (d := drafts.get(s.request)) else s
@@ -262,8 +259,7 @@ class LLMEngine:
         they count as computed (a request that stops among them is freed anyway)."""
         r = s.request
         self.spec_stats.record(len(s.draft_token_ids), num_accepted, num_accepted + 1)
-        if isinstance(self.proposer, DraftModelProposer):
-            self.proposer.accepted(r, r.num_tokens, num_accepted, len(s.draft_token_ids))
+        self.proposer.accepted(r, r.num_tokens, num_accepted, len(s.draft_token_ids))
         r.num_computed_tokens += num_accepted
 
     def _emit(self, request: Request, tokens: list[int], logprobs: list, now: float) -> SequenceOutput:
@@ -303,7 +299,7 @@ class LLMEngine:
     def _finish(self, t: _Tracked, reason: str) -> None:
         r = t.request
         self.scheduler.finish(r, RequestStatus(reason))
-        if isinstance(self.proposer, DraftModelProposer):
+        if self.proposer is not None:
             self.proposer.forget(r)
         del self._tracked[r.request_id]
         siblings = self._children.get(r.parent_id, [])

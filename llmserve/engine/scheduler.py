@@ -176,6 +176,7 @@ class Scheduler:
             idle = [r for r in self.running if r.num_computed_tokens == r.num_tokens]
             if not may_park or not idle:
                 return False
+            self.running.remove(idle[-1])
             self._preempt(idle[-1])
         return True
 
@@ -189,9 +190,8 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
+        """Free a request the caller took out of `running`; requeue it first, or park an idle beam."""
         idle = request.num_computed_tokens == request.num_tokens  # a beam that reported its step
-        if request in self.running:
-            self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1

@@ -54,13 +54,26 @@ class SpecStats:
         self.num_emitted_tokens += num_emitted
 
 
-class NgramProposer:
+class Proposer:
+    """Fills in draft tokens for the scheduled requests that have room for them (`lookahead`)."""
+
+    def propose(self, scheduled: list[ScheduledRequest], tables: dict[Request, list[int]]) -> dict[Request, list[int]]:
+        raise NotImplementedError
+
+    def accepted(self, request: Request, num_verified_before: int, num_accepted: int, num_proposed: int) -> None:
+        """After verification (stateful proposers track what their own cache holds)."""
+
+    def forget(self, request: Request) -> None:
+        """The request's blocks were freed: finished, aborted or preempted."""
+
+
+class NgramProposer(Proposer):
     def __init__(self, min_n: int, max_n: int) -> None:
         assert 1 <= min_n <= max_n
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, scheduled: list[ScheduledRequest]) -> dict[Request, list[int]]:
+    def propose(self, scheduled: list[ScheduledRequest], tables: dict[Request, list[int]]) -> dict[Request, list[int]]:
         return {s.request: drafts for s in scheduled if (drafts := self.lookup(s.request.token_ids, s.lookahead))}
 
     def lookup(self, token_ids: list[int], k: int) -> list[int]:
@@ -79,7 +92,7 @@ class NgramProposer:
         return []
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self._computed: dict[Request, int] = {}  # positions of the request valid in the draft's cache

@@ -22,6 +22,17 @@ def siblings(n: int, n_prompt: int, max_new: int = 4) -> list[Request]:
     return out
 
 
+def queued_pair(n_prompt: int, budget: int = 64, batch: int = 8,
+                caching: bool = False) -> tuple[KVCacheManager, Scheduler, Request, Request]:
+    """An 8-block pool of 4-token blocks with two siblings of an n = 2 request queued."""
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=caching)
+    s = Scheduler(kv, max_num_batched_tokens=budget, max_batch_size=batch)
+    a, b = siblings(2, n_prompt)
+    s.add_request(a)
+    s.add_request(b)
+    return kv, s, a, b
+
+
 @pytest.mark.parametrize("caching", [False, True])
 def test_siblings_wait_then_share_full_prompt_blocks_and_compute_the_tail(caching):
     kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=caching)
@@ -54,11 +65,7 @@ def test_siblings_wait_then_share_full_prompt_blocks_and_compute_the_tail(cachin
 
 
 def test_prompt_filling_its_blocks_recomputes_one_whole_block():
-    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
-    s = Scheduler(kv, max_num_batched_tokens=64, max_batch_size=8)
-    a, b = siblings(2, 8)
-    s.add_request(a)
-    s.add_request(b)
+    kv, s, a, b = queued_pair(8)
     run_step(s, s.schedule())
     out = s.schedule()
     assert plan(out) == [("p#0", 1), ("p#1", 4)]  # the last prompt token must be computed for logits
@@ -74,11 +81,7 @@ def test_prompt_under_one_block_is_not_held_back():
 
 
 def test_siblings_wait_through_a_chunked_prompt():
-    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
-    s = Scheduler(kv, max_num_batched_tokens=6, max_batch_size=8)
-    a, b = siblings(2, 10)
-    s.add_request(a)
-    s.add_request(b)
+    kv, s, a, b = queued_pair(10, budget=6)
     out = s.schedule()
     assert plan(out) == [("p#0", 6)]
     run_step(s, out)
@@ -91,11 +94,7 @@ def test_siblings_wait_through_a_chunked_prompt():
 
 @pytest.mark.parametrize("caching, b_table, b_computed", [(False, [3, 4, 5], 0), (True, [0, 1, 3], 8)])
 def test_source_finished_before_the_sibling_starts_falls_back_to_a_normal_prefill(caching, b_table, b_computed):
-    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=caching)
-    s = Scheduler(kv, max_num_batched_tokens=64, max_batch_size=1)
-    a, b = siblings(2, 10)
-    s.add_request(a)
-    s.add_request(b)
+    kv, s, a, b = queued_pair(10, batch=1, caching=caching)
     out = s.schedule()
     assert plan(out) == [("p#0", 10)]
     run_step(s, out)
