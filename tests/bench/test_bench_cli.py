@@ -26,7 +26,7 @@ def test_latency_json_on_a_tiny_model(tiny_model_dir: Callable[[str], str], caps
 def test_latency_table_and_without_ignore_eos(tiny_model_dir: Callable[[str], str],
                                               capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["bench", "latency", tiny_model_dir("llama"), "--input-len", "8", "--output-len", "4", "--num-iters",
-               "2", "--warmup", "0", "--num-blocks", "16", "--no-ignore-eos"])
+               "2", "--warmup", "0", "--num-blocks", "16", "--no-ignore-eos", "--dtype", "float32"])
     lines = capsys.readouterr().out.splitlines()
     assert rc == 0
     assert lines[0] == "single request: 8 prompt tokens, 4 output tokens requested, 2 iterations; float32 on cpu"

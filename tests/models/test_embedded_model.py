@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from llmserve.config import EngineConfig
 from llmserve.models import load_model
+from llmserve.models.loader import cpu_has_fast_bf16
 from tests.tiny_models import PagedRunner, hf_logits
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -31,10 +32,12 @@ def _greedy(lm, prompt: list[int], max_new: int) -> tuple[list[int], torch.Tenso
 def test_embedded_model_converts_once_and_answers_paris(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path))
     cold = load_model(None, EngineConfig(device="cpu"))
-    warm = load_model(None, EngineConfig(device="cpu"))
+    # fp32: the answer and logits below are compared with transformers in fp32.
+    warm = load_model(None, EngineConfig(device="cpu", dtype="float32"))
     assert (cold.gguf_converted, warm.gguf_converted) == (True, False)
     assert warm.model_dir == cold.model_dir and warm.model_dir.startswith(str(tmp_path))
     assert warm.served_name == "SmolLM2-135M-Instruct.Q4_1"
+    assert cold.dtype == (torch.bfloat16 if cpu_has_fast_bf16() else torch.float32)  # auto
     assert warm.dtype == torch.float32 and warm.max_model_len == 8192
     assert warm.eos_token_ids == [2]  # <|im_end|>
     assert warm.hf_config.tie_word_embeddings and len(warm.model.attention_layers()) == 30

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from llmserve.config import EngineConfig
 from llmserve.errors import InvalidRequestError, ModelLoadError
 from llmserve.models import load_model, loader, resolve_device, resolve_dtype
+from llmserve.models.loader import cpu_has_fast_bf16
 from tests.tiny_models import PagedRunner
 
 CPU32 = EngineConfig(dtype="float32", device="cpu")
@@ -45,7 +46,8 @@ def test_local_directory_metadata(tiny_model_dir) -> None:
     lm = load_model(path, EngineConfig(device="cpu"))
     assert lm.model_dir == os.path.abspath(path)
     assert lm.served_name == os.path.basename(path)
-    assert lm.dtype == torch.float32  # auto on a CPU without AVX512-BF16/AMX (these machines)
+    # auto: bf16 only on CPUs with native bf16 dot products (AVX512-BF16 or AMX)
+    assert lm.dtype == (torch.bfloat16 if cpu_has_fast_bf16() else torch.float32)
     assert lm.device == torch.device("cpu")
     assert lm.eos_token_ids == [2, 0]  # config 2, generation_config [2, 0], tokenizer <|im_end|> = 2
     assert lm.generation_defaults == {"temperature": 0.6, "top_p": 0.9}  # do_sample is not a default
