@@ -166,6 +166,9 @@ class EngineConfig:
     dtype: str = _f("auto", "Weight and activation dtype: auto, float32, bfloat16 or float16. auto picks bfloat16 "
                             "on CPUs with AVX512-BF16/AMX and on GPUs that support it, else the checkpoint's dtype "
                             "(float32 on other CPUs).")
+    kv_cache_dtype: str = _f("auto", "KV-cache dtype: auto (the model's dtype), float32, bfloat16 or float16. A "
+                                     "16-bit cache under a float32 model holds twice the tokens and halves what "
+                                     "decode attention reads (vLLM's kv_cache_dtype).")
     device: str = _f("auto", "cpu, cuda, cuda:N, or auto (cuda when available).")
     tp: int = _f(1, "Tensor-parallel degree.")
     session_len: int | None = _f(None, "Maximum tokens in one sequence (prompt + output). "
@@ -195,6 +198,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
                f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        _check(self.kv_cache_dtype in ("auto", "float32", "bfloat16", "float16"), "kv_cache_dtype",
+               f"must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}")
         for name in ("tp", "max_batch_size", "max_prefill_token_num", "block_size", "num_speculative_tokens",
                      "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)

@@ -14,6 +14,8 @@ import torch
 from llmserve.attention import native
 from llmserve.attention.metadata import AttentionMetadata
 
+_NATIVE_DTYPES = {torch.float32, torch.bfloat16, torch.float16}  # any mix of q and cache dtypes
+
 # (q [nd, heads, head_dim], kv_cache, meta, scale, sliding_window) -> [nd, heads, head_dim]
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float, "int | None"], torch.Tensor]
 
@@ -26,7 +28,7 @@ def _native_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetad
 
 def native_decode(q: torch.Tensor, kv_cache: torch.Tensor) -> DecodeFn | None:
     """The native decode kernel for these tensors, or None where the torch reference should run."""
-    if (q.device.type != "cpu" or q.dtype != kv_cache.dtype or not kv_cache.is_contiguous()
+    if (q.device.type != "cpu" or not {q.dtype, kv_cache.dtype} <= _NATIVE_DTYPES or not kv_cache.is_contiguous()
             or os.environ.get("LLMSERVE_ATTENTION") == "torch"):
         return None
     return _native_decode if native.load() is not None else None

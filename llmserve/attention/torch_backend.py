@@ -15,10 +15,11 @@ from llmserve.attention.metadata import AttentionMetadata
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]; k, v: [T, kv_heads, head_dim]."""
+    """kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]; k, v: [T, kv_heads, head_dim]. The cache
+    may be narrower than the model (kv_cache_dtype): K/V are rounded to it here."""
     flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
-    flat[0].index_copy_(0, slot_mapping, k)
-    flat[1].index_copy_(0, slot_mapping, v)
+    flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
 
 
 def paged_attention(
@@ -46,8 +47,9 @@ def paged_attention(
             vs = v[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            ks = flat[0].index_select(0, span.slots).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx, head_dim]
-            vs = flat[1].index_select(0, span.slots).transpose(0, 1).unsqueeze(0)
+            # [1, kv_heads, ctx, head_dim], widened to q's dtype when the cache is narrower
+            ks = flat[0].index_select(0, span.slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
+            vs = flat[1].index_select(0, span.slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask(sliding_window),
                                                scale=scale, enable_gqa=gqa)
         out[span.q_start:span.q_end] = o.squeeze(0).transpose(0, 1)
@@ -59,6 +61,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMet
     """Reference decode: q [nd, heads, head_dim], one query token per request -> [nd, heads, head_dim]."""
     block_size = kv_cache.shape[2]
     keys, values = _gather_blocks(kv_cache, meta)  # [nd, kv_heads, max_blocks * block_size, head_dim]
+    keys, values = keys.to(q.dtype), values.to(q.dtype)  # no-op unless the cache is narrower
     mask = meta.decode_mask(sliding_window, block_size, q.dtype)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
                                        enable_gqa=q.shape[1] != keys.shape[1])

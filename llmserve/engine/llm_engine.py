@@ -47,14 +47,15 @@ class LLMEngine:
         self.session_len = min(config.session_len or loaded.max_model_len, loaded.max_model_len)
         draft = self._load_draft(loaded, config)
         num_blocks = config.num_blocks or num_blocks_for(loaded, config.block_size, config.cache_max_bytes,
-                                                         config.cache_max_entry_count, draft)
-        self.runner = ModelRunner(loaded, num_blocks, config.block_size, config.num_threads)
+                                                         config.cache_max_entry_count, draft, config.kv_cache_dtype)
+        self.runner = ModelRunner(loaded, num_blocks, config.block_size, config.num_threads, config.kv_cache_dtype)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.proposer: Proposer | None = None
         if config.speculative_method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         elif draft is not None:
-            self.proposer = DraftModelProposer(ModelRunner(draft, num_blocks, config.block_size, config.num_threads))
+            self.proposer = DraftModelProposer(ModelRunner(draft, num_blocks, config.block_size, config.num_threads,
+                                                           config.kv_cache_dtype))
         self.spec_stats = SpecStats()
         lookahead = config.num_speculative_tokens if self.proposer else 0
         self.scheduler = Scheduler(self.kv, config.max_prefill_token_num, config.max_batch_size, lookahead)

@@ -36,7 +36,7 @@ class CacheSpec:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, kv_cache_dtype: str = "auto") -> None:
         if loaded.device.type == "cpu":
             configure_cpu(num_threads)
             if use_onednn(loaded):
@@ -48,7 +48,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.sampler = Sampler()
         self.workspace = Workspace()  # decode gather buffers, reused across steps
-        spec = cache_spec(loaded)
+        spec = cache_spec(loaded, kv_cache_dtype)
         # Zero-filled, not empty: padded decode rows read slot 0, and masked keys must still be
         # finite (NaN * 0 is NaN inside softmax).
         for layer in self.model.attention_layers():
@@ -130,16 +130,20 @@ def _sequence_state(r: Request, drafts: tuple[int, ...] = ()) -> SequenceState:
                          output_token_ids=output, generator=r.generator)
 
 
-def cache_spec(loaded: LoadedModel) -> CacheSpec:
+def cache_spec(loaded: LoadedModel, kv_cache_dtype: str = "auto") -> CacheSpec:
+    """kv_cache_dtype: "auto" (the model's dtype) or a torch dtype name (EngineConfig.kv_cache_dtype)."""
     layers = loaded.model.attention_layers()
-    return CacheSpec(len(layers), layers[0].num_kv_heads, layers[0].head_dim, loaded.dtype)
+    dtype = loaded.dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+    return CacheSpec(len(layers), layers[0].num_kv_heads, layers[0].head_dim, dtype)
 
 
 def num_blocks_for(loaded: LoadedModel, block_size: int, cache_max_bytes: int | None,
-                   cache_max_entry_count: float, draft: LoadedModel | None = None) -> int:
+                   cache_max_entry_count: float, draft: LoadedModel | None = None,
+                   kv_cache_dtype: str = "auto") -> int:
     """KV blocks that fit the budget: a byte budget on CPU, a fraction of free memory on GPU. A draft
     model keeps a cache of the same blocks, so it shares the budget."""
-    per_token = cache_spec(loaded).bytes_per_token + (cache_spec(draft).bytes_per_token if draft else 0)
+    per_token = cache_spec(loaded, kv_cache_dtype).bytes_per_token
+    per_token += cache_spec(draft, kv_cache_dtype).bytes_per_token if draft else 0
     per_block = per_token * block_size
     if loaded.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(loaded.device)

@@ -74,3 +74,26 @@ def test_native_other_head_dims(head_dim: int) -> None:
     got = native.paged_decode(q, kv_cache, meta.decode_tables, meta.decode_lens, 0.1, 100)
     want = decode_attention(q, kv_cache, meta, 0.1, 100)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_native_fp32_query_over_a_narrower_cache(cache_dtype: torch.dtype, head_dim: int) -> None:
+    """kv_cache_dtype under a float32 model: the kernel widens the cache in registers; the result is the
+    fp32 attention over the same (rounded) K/V, to fp32 accuracy, in q's dtype."""
+    q, kv_cache, meta = _case(LENS, 9, 3, 16, seed=3, head_dim=head_dim)
+    narrow = kv_cache.to(cache_dtype)
+    assert meta.decode_tables is not None and meta.decode_lens is not None
+    got = native.paged_decode(q, narrow, meta.decode_tables, meta.decode_lens, 0.125, 40)
+    want = decode_attention(q, narrow.float(), meta, 0.125, 40)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # the torch reference accepts the narrow cache itself too (it widens what it gathers)
+    torch.testing.assert_close(decode_attention(q, narrow, meta, 0.125, 40), want, rtol=1e-5, atol=1e-6)
+
+
+def test_native_refuses_other_dtypes() -> None:
+    q, kv_cache, meta = _case([10], 9, 3, 16)
+    assert meta.decode_tables is not None and meta.decode_lens is not None
+    with pytest.raises(RuntimeError, match="float32, bfloat16 and float16"):
+        native.paged_decode(q.double(), kv_cache, meta.decode_tables, meta.decode_lens, 0.125, None)

@@ -4,6 +4,8 @@
 // Layouts (all contiguous):
 //   q            [nd, H, D]            query of each decode request (scaled here, not by the caller)
 //   k/v cache    [NB, BS, KVH, D]      one layer's paged cache; token t of block b at [b, t]
+//                                      (fp32, bf16 or fp16, independent of q's dtype: a bf16 cache
+//                                      under an fp32 model halves the bytes this memory-bound kernel reads)
 //   block_tables [nd, MB] int64        block ids in context order (padding past len is never read)
 //   lens         [nd] int64            context length including this step's token
 //   out          [nd, H, D]
@@ -22,7 +24,6 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 namespace {
@@ -67,6 +68,16 @@ inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// Eight cache elements widened to fp32. bf16 -> fp32 is a 16-bit shift; fp16 uses F16C.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // s[t] = exp(s[t] - m) for t in [t0, t1); returns their sum.
 inline float exp_sub_sum(float* s, int64_t t0, int64_t t1, float m) {
   const __m256 mv = _mm256_set1_ps(m);
@@ -82,37 +93,47 @@ inline float exp_sub_sum(float* s, int64_t t0, int64_t t1, float m) {
   return sum;
 }
 
-// Scores of one head against keys [t0, t1) of a block, 64 dims at a time: the query chunk stays in
-// 8 registers while keys stream past. Requires D % 64 == 0.
-inline void qk_block(const float* q, const float* kb, int64_t tok_stride, int64_t t0, int64_t t1, int64_t D,
+// Eight horizontal sums at once: lane j of the result is the sum of a[j]'s lanes.
+inline __m256 hsum8x8(const __m256* a) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 lo = _mm256_hadd_ps(s01, s23), hi = _mm256_hadd_ps(s45, s67);  // per 128-bit half
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+// Scores of one head against keys [t0, t1) of a block. Eight keys at a time, one accumulator each,
+// reduced together by hsum8x8: a horizontal sum per key was most of this loop's time. Needs D % 8 == 0.
+template <typename T>
+inline void qk_block(const float* q, const T* kb, int64_t tok_stride, int64_t t0, int64_t t1, int64_t D,
                      float* s) {
-  for (int64_t t = t0; t < t1; ++t) s[t] = 0.f;
-  for (int64_t c = 0; c < D; c += 64) {
-    __m256 qv[8];
-    for (int i = 0; i < 8; ++i) qv[i] = _mm256_loadu_ps(q + c + 8 * i);
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* k = kb + t * tok_stride + c;
-      __m256 a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
-      __m256 a1 = _mm256_mul_ps(qv[1], _mm256_loadu_ps(k + 8));
-      for (int i = 2; i < 8; i += 2) {
-        a0 = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k + 8 * i), a0);
-        a1 = _mm256_fmadd_ps(qv[i + 1], _mm256_loadu_ps(k + 8 * i + 8), a1);
-      }
-      s[t] += hsum256(_mm256_add_ps(a0, a1));
+  int64_t t = t0;
+  for (; t + 8 <= t1; t += 8) {
+    __m256 a[8];
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < D; c += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + c);
+      for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, load8(kb + (t + j) * tok_stride + c), a[j]);
     }
+    _mm256_storeu_ps(s + t, hsum8x8(a));
+  }
+  for (; t < t1; ++t) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t c = 0; c < D; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), load8(kb + t * tok_stride + c), a);
+    s[t] = hsum256(a);
   }
 }
 
 // acc[0:D] += sum_t p[t] * v[t, 0:D] over [t0, t1), the accumulator chunk held in 8 registers.
-inline void pv_block(const float* p, const float* vb, int64_t tok_stride, int64_t t0, int64_t t1, int64_t D,
+template <typename T>
+inline void pv_block(const float* p, const T* vb, int64_t tok_stride, int64_t t0, int64_t t1, int64_t D,
                      float* acc) {
   for (int64_t c = 0; c < D; c += 64) {
     __m256 a[8];
     for (int i = 0; i < 8; ++i) a[i] = _mm256_loadu_ps(acc + c + 8 * i);
     for (int64_t t = t0; t < t1; ++t) {
       const __m256 pt = _mm256_set1_ps(p[t]);
-      const float* v = vb + t * tok_stride + c;
-      for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * i), a[i]);
+      const T* v = vb + t * tok_stride + c;
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(pt, load8(v + 8 * i), a[i]);
     }
     for (int i = 0; i < 8; ++i) _mm256_storeu_ps(acc + c + 8 * i, a[i]);
   }
@@ -142,13 +163,8 @@ void attend_one(const float* qs, const T* k_cache, const T* v_cache, const int64
     const T* kb = k_cache + table[b] * blk_stride + kvh * D;
     const T* vb = v_cache + table[b] * blk_stride + kvh * D;
 #ifdef LLMSERVE_AVX2
-    if constexpr (std::is_same<T, float>::value) {  // fp32 cache: vector kernels read it directly
-      if (D % 64 == 0) {
-        for (int64_t g = 0; g < G; ++g) qk_block(qs + g * D, kb, tok_stride, t0, t1, D, scores + g * BS);
-      } else {
-        for (int64_t t = t0; t < t1; ++t)
-          for (int64_t g = 0; g < G; ++g) scores[g * BS + t] = dot(qs + g * D, kb + t * tok_stride, D);
-      }
+    if (D % 8 == 0) {  // vector kernels read the cache in place, widening bf16/fp16 in registers
+      for (int64_t g = 0; g < G; ++g) qk_block(qs + g * D, kb, tok_stride, t0, t1, D, scores + g * BS);
     } else
 #endif
     {
@@ -172,11 +188,9 @@ void attend_one(const float* qs, const T* k_cache, const T* v_cache, const int64
         for (int64_t i = 0; i < D; ++i) acc[g * D + i] *= alpha;
     }
 #ifdef LLMSERVE_AVX2
-    if constexpr (std::is_same<T, float>::value) {
-      if (D % 64 == 0) {
-        for (int64_t g = 0; g < G; ++g) pv_block(scores + g * BS, vb, tok_stride, t0, t1, D, acc + g * D);
-        continue;
-      }
+    if (D % 64 == 0) {
+      for (int64_t g = 0; g < G; ++g) pv_block(scores + g * BS, vb, tok_stride, t0, t1, D, acc + g * D);
+      continue;
     }
 #endif
     for (int64_t t = t0; t < t1; ++t)
@@ -188,10 +202,10 @@ void attend_one(const float* qs, const T* k_cache, const T* v_cache, const int64
   }
 }
 
-template <typename T>
-void paged_decode_impl(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
+template <typename TQ, typename T>
+void paged_decode_impl(const TQ* q, const T* k_cache, const T* v_cache, const int64_t* tables,
                        const int64_t* lens, double scale, int64_t window, int64_t nd, const Dims& dm,
-                       T* out) {
+                       TQ* out) {
   const int64_t G = dm.group, D = dm.head_dim;
   at::parallel_for(0, nd * dm.kv_heads, 1, [&](int64_t begin, int64_t end) {
     // Per-thread scratch, reused across this thread's (request, kv_head) items.
@@ -201,12 +215,12 @@ void paged_decode_impl(const T* q, const T* k_cache, const T* v_cache, const int
       const int64_t len = lens[r];
       const int64_t start = window > 0 ? std::max(len - window, int64_t(0)) : 0;
       const int64_t head0 = kvh * G;  // first query head of this KV head's group
-      const T* qr = q + (r * dm.heads + head0) * D;
+      const TQ* qr = q + (r * dm.heads + head0) * D;
       for (int64_t i = 0; i < G * D; ++i) qs[i] = static_cast<float>(qr[i]) * static_cast<float>(scale);
       attend_one(qs.data(), k_cache, v_cache, tables + r * dm.max_blocks, start, len, kvh, dm, acc.data(),
                  scores.data(), m.data(), l.data());
-      T* o = out + (r * dm.heads + head0) * D;
-      for (int64_t i = 0; i < G * D; ++i) o[i] = static_cast<T>(acc[i]);
+      TQ* o = out + (r * dm.heads + head0) * D;
+      for (int64_t i = 0; i < G * D; ++i) o[i] = static_cast<TQ>(acc[i]);
     }
   });
 }
@@ -218,8 +232,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                            torch::Tensor block_tables, torch::Tensor lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad ranks/shapes");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode is CPU only");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "q and cache dtypes differ");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "k and v cache dtypes differ");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cache must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "int64 indices");
   q = q.contiguous();
@@ -233,10 +246,23 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   for (int64_t r = 0; r < nd; ++r)
     TORCH_CHECK(lp[r] >= 0 && lp[r] <= dm.block_size * dm.max_blocks, "context length outside the block table");
   auto out = torch::empty_like(q);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_decode", [&] {
-    paged_decode_impl<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                                block_tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), scale, window, nd, dm,
-                                out.data_ptr<scalar_t>());
+  // The query (and output) dtype and the cache dtype are dispatched separately: fp32, bf16, fp16.
+  auto with_type = [](at::ScalarType t, auto&& f) {
+    switch (t) {
+      case at::kFloat: return f(float{});
+      case at::kBFloat16: return f(c10::BFloat16{});
+      case at::kHalf: return f(c10::Half{});
+      default: TORCH_CHECK(false, "paged_decode supports float32, bfloat16 and float16, not ", t);
+    }
+  };
+  with_type(q.scalar_type(), [&](auto q_tag) {
+    using q_t = decltype(q_tag);
+    with_type(k_cache.scalar_type(), [&](auto kv_tag) {
+      using kv_t = decltype(kv_tag);
+      paged_decode_impl<q_t, kv_t>(q.data_ptr<q_t>(), k_cache.data_ptr<kv_t>(), v_cache.data_ptr<kv_t>(),
+                                   block_tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), scale, window, nd,
+                                   dm, out.data_ptr<q_t>());
+    });
   });
   return out;
 }
