@@ -182,6 +182,11 @@ class EngineConfig:
                                            "Default: a quarter of available RAM, at most 2 GiB.")
     num_blocks: int | None = _f(None, "Exact number of KV-cache blocks (overrides the sizing rules; for tests).")
     enable_prefix_caching: bool = _f(False, "Reuse the KV cache of prompt prefixes shared between requests.")
+    max_sessions: int = _f(64, "Sessions (requests sent with a session_id) whose KV is kept between turns, so the "
+                               "next turn prefills only its new tokens; the least recently used idle one is "
+                               "evicted past this count, and idle ones are evicted before any request is "
+                               "preempted when the KV pool is full. 0 disables sessions.")
+    session_ttl: float = _f(600.0, "Seconds an idle session keeps its KV before it is evicted.")
     num_threads: int | None = _f(None, "CPU threads for torch. Default: the cores this process may run on.")
     revision: str | None = _f(None, "Hub revision (branch, tag or commit) of the model.")
     download_dir: str | None = _f(None, "Where hub downloads go. Default: the Hugging Face cache.")
@@ -209,6 +214,10 @@ class EngineConfig:
             value = getattr(self, name)
             _check_type(value, (int,), name, optional=True)
             _check(value is None or value >= 1, name, f"must be >= 1, got {value}")
+        _check_type(self.max_sessions, (int,), "max_sessions")
+        _check(self.max_sessions >= 0, "max_sessions", f"must be >= 0, got {self.max_sessions}")
+        _check_type(self.session_ttl, (int, float), "session_ttl")
+        _check(self.session_ttl > 0, "session_ttl", f"must be > 0, got {self.session_ttl}")
         # Refused rather than ignored: a user asking for tp=2 must not silently get one device.
         _check(self.tp == 1, "tp", f"tensor parallelism is not implemented yet (got tp={self.tp}); use tp=1")
         if self.speculative_model is not None and self.speculative_method is None:

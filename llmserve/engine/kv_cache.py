@@ -6,7 +6,7 @@ Each block is in exactly one of three states:
 
     free    ref_count == 0, no hash          in the free queue
     cached  ref_count == 0, hash set         in the free queue AND in the hash map (reusable until evicted)
-    in use  ref_count >= 1                   held by one or more requests' block tables
+    in use  ref_count >= 1                   held by one or more requests' block tables (or a session's)
 
 The free queue is an LRU in O(1): blocks are appended when their last owner lets go and taken
 from the front, so the least recently used cached block is evicted first. A cache hit takes a
@@ -19,6 +19,11 @@ so a hash collision can never serve another prompt's KV.
 Parallel sampling (n > 1) shares a prompt without the prefix cache: `fork` hands a sibling the
 first sequence's computed full prompt blocks, which `allocate` takes by reference (ref_count + 1,
 no copy), exactly as it takes cached-prefix blocks.
+
+Sessions (engine/sessions.py) keep a finished request's table under the session's id instead of freeing
+it (`hold`): the ref counts stay, only the owner changes. The next turn takes those blocks by reference
+through `allocate`, then the session lets go of its own references (`release_held`), so the blocks move
+without ever being free. A held table counts as an owner in `check_invariants`.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ class KVCacheManager:
         self._cached: dict[BlockHash, int] = {}  # block hash -> block id
         self._tables: dict[str, list[int]] = {}  # request id -> block ids in order
         self._hashes: dict[str, list[BlockHash]] = {}  # request id -> hashes of its full blocks
+        self._held: dict[str, list[int]] = {}  # session id -> block ids a session holds between turns
         self.prefix_stats = PrefixStats()
 
     # --- queries -------------------------------------------------------------------------
@@ -165,17 +171,57 @@ class KVCacheManager:
         self._tables[child.request_id].append(copy)
         return table[num_full], copy
 
+    # --- sessions ------------------------------------------------------------------------
+
+    def hold(self, request: Request, session_id: str) -> None:
+        """Keep a finished request's blocks under `session_id` instead of freeing them (ref counts
+        unchanged). Only the blocks holding computed tokens are kept; the rest (a block allocated for
+        the last sampled token or for draft tokens) is released."""
+        assert session_id not in self._held, "release the session's old blocks first"
+        table = self._tables.pop(request.request_id, [])
+        self._hashes.pop(request.request_id, None)
+        keep = self.blocks_needed(request.num_computed_tokens)
+        self._release(table[keep:])
+        self._held[session_id] = table[:keep]
+
+    def held_table(self, session_id: str) -> list[int]:
+        return self._held.get(session_id, [])
+
+    @property
+    def num_held_blocks(self) -> int:
+        return sum(len(t) for t in self._held.values())
+
+    def trim_held(self, session_id: str, num_blocks: int) -> None:
+        """Release a held table's blocks past the first num_blocks."""
+        table = self._held.get(session_id, [])
+        self._release(table[num_blocks:])
+        del table[num_blocks:]
+
+    def release_held(self, session_id: str) -> None:
+        """The session lets go of its blocks (through the normal path: hashed ones stay cached)."""
+        self._release(self._held.pop(session_id, []))
+
+    def writable_in_place(self, block_id: int) -> bool:
+        """True when new K/V may overwrite the block's later slots: nobody else holds it and the prefix
+        cache does not promise its content (a hashed block must keep the tokens of its hash)."""
+        block = self.blocks[block_id]
+        return block.ref_count == 1 and block.block_hash is None
+
     # --- allocation ----------------------------------------------------------------------
 
-    def allocate(self, request: Request, num_new_tokens: int, cached_prefix: list[int] | None = None) -> bool:
+    def allocate(self, request: Request, num_new_tokens: int, cached_prefix: list[int] | None = None,
+                 num_prefix_tokens: int | None = None) -> bool:
         """Make room for request.num_computed_tokens + num_new_tokens tokens; False (and no change) if
-        the pool cannot. `cached_prefix` (from find_cached_prefix or fork) is taken first, by reference,
-        on a fresh request."""
+        the pool cannot. `cached_prefix` (from find_cached_prefix, fork or a session) is taken first, by
+        reference, on a fresh request; it holds `num_prefix_tokens` computed tokens (default: every
+        block full; a session's prefix may end inside its last block)."""
         table = self._tables.setdefault(request.request_id, [])
         cached_prefix = cached_prefix or []
         assert not (cached_prefix and table), "a cached prefix is only taken by a request without blocks"
         have = len(table) + len(cached_prefix)
-        num_computed = request.num_computed_tokens + len(cached_prefix) * self.block_size
+        if num_prefix_tokens is None:
+            num_prefix_tokens = len(cached_prefix) * self.block_size
+        num_computed = request.num_computed_tokens + num_prefix_tokens
         need = self.blocks_needed(num_computed + num_new_tokens) - have
         # Cached blocks sitting in the free queue stop being free when we take them.
         reclaimed = sum(1 for b in cached_prefix if self.blocks[b].ref_count == 0)
@@ -194,6 +240,9 @@ class KVCacheManager:
         """Release the request's blocks. Called on finish, abort and preemption; idempotent."""
         table = self._tables.pop(request.request_id, [])
         self._hashes.pop(request.request_id, None)
+        self._release(table)
+
+    def _release(self, table: list[int]) -> None:
         # Release the tail first so that, among equally old blocks, a prefix's later blocks are
         # evicted before its earlier ones (an earlier block is useful without the later ones).
         for block_id in reversed(table):
@@ -226,9 +275,10 @@ class KVCacheManager:
     # --- integrity -----------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """free + cached + in use == total; ref counts equal the number of tables holding a block."""
+        """free + cached + in use == total; ref counts equal the number of tables (requests' and
+        sessions') holding a block."""
         refs = [0] * self.num_blocks
-        for table in self._tables.values():
+        for table in [*self._tables.values(), *self._held.values()]:
             for b in table:
                 refs[b] += 1
         for block in self.blocks:

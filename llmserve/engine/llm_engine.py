@@ -23,6 +23,7 @@ from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.output import IncrementalDetokenizer, RequestTimes, SequenceOutput
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from llmserve.engine.sessions import SessionStore
 from llmserve.engine.speculative import DraftModelProposer, NgramProposer, Proposer, SpecStats
 from llmserve.errors import InvalidRequestError, PromptTooLongError
 from llmserve.models.loader import LoadedModel, load_model
@@ -58,7 +59,9 @@ class LLMEngine:
                                                            config.kv_cache_dtype))
         self.spec_stats = SpecStats()
         lookahead = config.num_speculative_tokens if self.proposer else 0
-        self.scheduler = Scheduler(self.kv, config.max_prefill_token_num, config.max_batch_size, lookahead)
+        self.sessions = SessionStore(self.kv, config.max_sessions, config.session_ttl)
+        self.scheduler = Scheduler(self.kv, config.max_prefill_token_num, config.max_batch_size, lookahead,
+                                   self.sessions)
         self._tracked: dict[str, _Tracked] = {}  # sequence id -> state
         self._children: dict[str, list[str]] = {}  # caller's request id -> its sequence ids
         self._beams: dict[str, BeamSearch] = {}  # caller's request id -> its beam search
@@ -69,11 +72,18 @@ class LLMEngine:
 
     # --- requests ------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], gen: GenerationConfig) -> None:
-        """Queue a request (n sequences). Raises InvalidRequestError before queueing anything."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], gen: GenerationConfig,
+                    session_id: str | None = None) -> None:
+        """Queue a request (n sequences). Raises InvalidRequestError before queueing anything.
+
+        With a session id, the request starts from the KV the session kept of its last turn (as far
+        as the prompt extends that turn's tokens), and its own KV is kept for the next one (see
+        engine/sessions.py). The prompt is always the whole conversation: a missing or evicted
+        session only costs a longer prefill."""
         if request_id in self._children:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         self._validate_prompt(prompt_token_ids, gen)
+        self._validate_session(session_id, gen)
         params = self._sampling_params(gen)
         if gen.use_beam_search:
             return self._add_beam_search(request_id, prompt_token_ids, gen, params)
@@ -92,7 +102,8 @@ class LLMEngine:
                 num_prompt_tokens=len(prompt_token_ids), sampling=seq_params,
                 max_new_tokens=gen.max_new_tokens, max_total_tokens=self.session_len,
                 parent_id=request_id, index=i, generator=self._generator(seq_params),
-                prompt_source=seqs[0] if seqs else None))  # the prompt is computed once, then shared
+                prompt_source=seqs[0] if seqs else None,  # the prompt is computed once, then shared
+                session_id=session_id))
         for r in seqs:
             self.scheduler.add_request(r)  # first one may refuse (too big for the pool): nothing queued yet
             self._tracked[r.request_id] = _Tracked(r, IncrementalDetokenizer(
@@ -137,6 +148,10 @@ class LLMEngine:
             outputs.append(self._output(t, [], t.detok.flush(final=True), [], "abort"))
         return outputs
 
+    def end_session(self, session_id: str) -> bool:
+        """Free a session's KV now; False if no such session is kept (never stored, ended, or evicted)."""
+        return self.sessions.close(session_id)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -146,6 +161,7 @@ class LLMEngine:
     # --- the loop ------------------------------------------------------------------------
 
     def step(self) -> list[SequenceOutput]:
+        self.sessions.expire()
         plan = self.scheduler.schedule()
         if self.proposer is not None:
             for r in plan.preempted:
@@ -348,6 +364,17 @@ class LLMEngine:
                 f"the prompt has {len(ids)} tokens and max_new_tokens is {gen.max_new_tokens}: together "
                 f"{len(ids) + gen.max_new_tokens}, over the session length of {self.session_len} tokens; "
                 "shorten the prompt or lower max_new_tokens", param="max_new_tokens")
+
+    @staticmethod
+    def _validate_session(session_id: str | None, gen: GenerationConfig) -> None:
+        if session_id is None:
+            return
+        if not isinstance(session_id, str) or not session_id:
+            raise InvalidRequestError(f"session_id: expected a non-empty string, got {session_id!r}",
+                                      param="session_id")
+        if gen.n > 1 or gen.use_beam_search or (gen.best_of or 1) > 1:
+            raise InvalidRequestError("session_id: a session continues one sequence; it cannot be combined with "
+                                      "n > 1, best_of or beam search", param="session_id")
 
     def _sampling_params(self, gen: GenerationConfig) -> SamplingParams:
         stop_ids = set(gen.stop_token_ids or [])

@@ -46,6 +46,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    # Its finished KV is kept for the next request with this id (engine/sessions.py); n == 1 only.
+    session_id: str | None = None
     generator: torch.Generator | None = None  # per-request sampling stream when seeded
     first_token_time: float | None = None
     first_scheduled_time: float | None = None

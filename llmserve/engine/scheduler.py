@@ -11,7 +11,12 @@ num_computed_tokens (already in the KV cache); each step hands out at most
 2. then waiting requests, first come first served, get chunks of the remaining budget. A prompt
    longer than the budget is prefilled over several steps. A prefix-cache hit starts a request
    with num_computed_tokens = hit blocks * block_size. The siblings of an n > 1 request wait for
-   the first one's prompt and share its blocks (see _start_of).
+   the first one's prompt and share its blocks (see _start_of). A request with a session id starts
+   with the session's KV where its tokens extend the session's (engine/sessions.py).
+
+Under memory pressure, idle sessions are evicted (least recently used first) before any running
+request is preempted or the head of the queue is refused: their KV is only a saving, a running
+request's is work.
 
 Admission guarantees progress: a request that could not run even alone in the pool is refused
 when added, so the oldest running request always fits once everything newer is preempted.
@@ -26,6 +31,7 @@ from typing import NamedTuple
 
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.request import Request, RequestStatus
+from llmserve.engine.sessions import SessionStore
 from llmserve.errors import PromptTooLongError
 
 
@@ -62,14 +68,16 @@ class SchedulerOutput:
 
 
 class _Start(NamedTuple):
-    blocks: list[int]  # computed blocks the request takes by reference: a prefix-cache hit or a fork
-    forked: bool  # shared from a sibling (not counted in the prefix-cache hit rate)
+    blocks: list[int]  # computed blocks the request takes by reference: a prefix-cache hit, a fork or a session
+    num_tokens: int  # computed tokens in them: whole blocks, except a session's, which may end mid-block
+    source: str  # "cache" (counted in the prefix-cache hit rate), "fork" or "session"
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_batch_size: int,
-                 num_lookahead_tokens: int = 0) -> None:
+                 num_lookahead_tokens: int = 0, sessions: SessionStore | None = None) -> None:
         self.kv = kv
+        self.sessions = sessions
         self.num_lookahead_tokens = num_lookahead_tokens  # speculative decoding: drafts per decode step
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_batch_size = max_batch_size
@@ -121,13 +129,15 @@ class Scheduler:
             start = self._start_of(request)
             if start is None:
                 break  # waits for its sibling's prompt; first come, first served, so do the ones behind it
-            num_cached = len(start.blocks) * self.kv.block_size
+            num_cached = start.num_tokens
             n = min(request.num_tokens - num_cached, budget)
-            if not self._admit(request, n, start.blocks, may_park=not scheduled):
+            if not self._admit(request, n, start, may_park=not scheduled):
                 break  # first come, first served: nobody overtakes the head of the queue
-            if not start.forked:
+            if start.source == "cache":
                 self.kv.prefix_stats.queried_tokens += request.num_tokens
                 self.kv.prefix_stats.hit_tokens += num_cached
+            if self.sessions is not None and request.session_id is not None:
+                self.sessions.claim(request, num_cached if start.source == "session" else 0)
             request.prompt_source = None
             self.waiting.popleft()
             request.num_computed_tokens = num_cached
@@ -160,19 +170,28 @@ class Scheduler:
         most block_size prompt tokens per sibling. If the first sibling is no longer running
         (finished or aborted; a preempted one is back ahead of it in the queue), it prefills normally.
         """
+        if self.sessions is not None and request.session_id is not None:
+            reuse = self.sessions.reuse_for(request)
+            if reuse is not None:
+                return _Start(reuse.block_ids, reuse.num_tokens, "session")
         source = request.prompt_source
         num_shared = self.kv.num_shareable_blocks(request)
+        bs = self.kv.block_size
         if source is None or num_shared == 0 or source.status != RequestStatus.RUNNING:
-            return _Start(self.kv.find_cached_prefix(request), forked=False)
-        if source.num_computed_tokens < num_shared * self.kv.block_size:
+            hits = self.kv.find_cached_prefix(request)
+            return _Start(hits, len(hits) * bs, "cache")
+        if source.num_computed_tokens < num_shared * bs:
             return None  # the source is running, so it gets budget before any waiting request: the wait ends
-        return _Start(self.kv.fork(source, num_shared), forked=True)
+        return _Start(self.kv.fork(source, num_shared), num_shared * bs, "fork")
 
-    def _admit(self, request: Request, n: int, blocks: list[int], may_park: bool) -> bool:
-        """Allocate for the head of the queue. When nothing else runs this step, the running
-        requests can only be beams waiting for their group, holding blocks without computing: park
-        them (newest first) to make room, or nothing would ever move."""
-        while not self.kv.allocate(request, n, blocks):
+    def _admit(self, request: Request, n: int, start: _Start, may_park: bool) -> bool:
+        """Allocate for the head of the queue, evicting idle sessions (never its own) if need be. When
+        nothing else runs this step, the running requests can only be beams waiting for their group,
+        holding blocks without computing: park them (newest first) to make room, or nothing would
+        ever move."""
+        while not self.kv.allocate(request, n, start.blocks, start.num_tokens):
+            if self._evict_session(keep=request.session_id):
+                continue
             idle = [r for r in self.running if r.num_computed_tokens == r.num_tokens]
             if not may_park or not idle:
                 return False
@@ -182,12 +201,17 @@ class Scheduler:
 
     def _allocate_or_preempt(self, request: Request, n: int, preempted: list[Request]) -> bool:
         while not self.kv.allocate(request, n):
+            if self._evict_session(keep=request.session_id):
+                continue
             victim = self.running.pop()
             self._preempt(victim)
             preempted.append(victim)
             if victim is request:
                 return False
         return True
+
+    def _evict_session(self, keep: str | None) -> bool:
+        return self.sessions is not None and self.sessions.evict_lru(keep)
 
     def _preempt(self, request: Request) -> None:
         """Free a request the caller took out of `running`; requeue it first, or park an idle beam."""
@@ -224,7 +248,8 @@ class Scheduler:
         self.running.append(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """Remove a request wherever it is and free its blocks at once (finish or abort)."""
+        """Remove a request wherever it is and free its blocks at once (finish or abort), unless its
+        session keeps them for the next turn."""
         assert status.finished
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
@@ -233,4 +258,5 @@ class Scheduler:
         elif request in self.parked:
             self.parked.remove(request)
         request.status = status
-        self.kv.free(request)
+        if self.sessions is None or request.session_id is None or not self.sessions.keep(request):
+            self.kv.free(request)
