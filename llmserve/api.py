@@ -48,10 +48,13 @@ class Session:
 
     `token_ids` is the conversation as the engine saw it (every prompt, then every answer's ids) and
     `text` the rendered chat those ids stand for. The next turn appends only the tokens of the text
-    rendered after `text`, so its prompt starts with exactly these ids and, with prefix caching on,
-    hits the KV of every full block of the earlier turns. A session holds no KV blocks itself: reuse
-    goes through the LRU prefix cache, so sessions are bounded by the pool like any prefix, and a
-    turn whose blocks were evicted is recomputed from the same ids, with the same output.
+    rendered after `text`, so its prompt starts with exactly these ids.
+
+    Each turn runs under the engine session `chat-<session_id>` (engine/sessions.py): the engine keeps
+    the conversation's KV between turns, so the next turn prefills only its new tokens, prefix caching
+    on or off. The engine bounds its sessions (EngineConfig.max_sessions, session_ttl, and eviction
+    under memory pressure); a turn whose session was evicted is recomputed from the same ids, with the
+    same output. `Pipeline.end_session` (or closing the pipeline) frees the KV.
     """
 
     session_id: int
@@ -84,14 +87,18 @@ class Pipeline:
                  do_preprocess: bool = True, **gen_kwargs: Any) -> Response | list[Response]:
         batch, single = _as_batch(prompts)
         gen = self._gen_config(gen_config, gen_kwargs)
+        responses = self._collect(batch, gen, do_preprocess)
+        return responses[0] if single and gen.n == 1 else responses
+
+    def _collect(self, batch: list[Prompt], gen: GenerationConfig, do_preprocess: bool,
+                 session_id: str | None = None) -> list[Response]:
         results: dict[tuple[int, int], Response] = {}
-        for r, out in self._generate(batch, gen, do_preprocess):
+        for r, out in self._generate(batch, gen, do_preprocess, session_id):
             key = (r.index, out.index)
             acc = results.setdefault(key, dataclasses.replace(r, text="", token_ids=[],
                                                               logprobs=[] if gen.logprobs is not None else None))
             _accumulate(acc, r)
-        responses = [results[k] for k in sorted(results)]
-        return responses[0] if single and gen.n == 1 else responses
+        return [results[k] for k in sorted(results)]
 
     def stream_infer(self, prompts: Prompt | list[Prompt], gen_config: GenerationConfig | None = None,
                      do_preprocess: bool = True, **gen_kwargs: Any) -> Iterator[Response]:
@@ -109,7 +116,11 @@ class Pipeline:
         messages = [*session.history, {"role": "user", "content": prompt}]
         text = self.chat_template.messages_to_prompt(messages)
         prompt_ids = self._session_prompt_ids(session, text)
-        response = self([{"input_ids": prompt_ids}], gen_config, **gen_kwargs)[0]
+        gen = self._gen_config(gen_config, gen_kwargs)
+        # An engine session continues one sequence: n > 1, best_of and beam search run without one.
+        single = gen.n == 1 and not gen.use_beam_search and (gen.best_of or 1) == 1
+        response = self._collect([{"input_ids": prompt_ids}], gen, True,
+                                 _engine_session_id(session) if single else None)[0]
         session.history = [*messages, {"role": "assistant", "content": response.text}]
         session.response = response
         # The answer's ids stand for its text only if they decode to exactly it: a stop string cut
@@ -119,6 +130,11 @@ class Pipeline:
         session.token_ids = prompt_ids + response.token_ids if in_sync else []
         session.text = text + response.text if in_sync else ""
         return session
+
+    def end_session(self, session: Session) -> bool:
+        """Free the KV the engine keeps for this chat session; False if it kept none (never stored,
+        already ended, or evicted). The Session object stays usable: its next turn recomputes."""
+        return self._engine().end_session(_engine_session_id(session))
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -172,15 +188,15 @@ class Pipeline:
             return self.tokenizer.encode(text, add_special_tokens=False)
         return self.tokenizer.encode(prompt)
 
-    def _generate(self, batch: list[Prompt], gen: GenerationConfig,
-                  do_preprocess: bool) -> Iterator[tuple[Response, SequenceOutput]]:
+    def _generate(self, batch: list[Prompt], gen: GenerationConfig, do_preprocess: bool,
+                  session_id: str | None = None) -> Iterator[tuple[Response, SequenceOutput]]:
         engine = self._engine()
         token_ids = [self._tokenize(p, do_preprocess) for p in batch]
         ids = [str(next(self._ids)) for _ in batch]
         added: list[str] = []
         try:
             for rid, toks in zip(ids, token_ids):
-                engine.add_request(rid, toks, gen)
+                engine.add_request(rid, toks, gen, session_id)
                 added.append(rid)
             position = {rid: i for i, rid in enumerate(ids)}
             unfinished = len(ids) * gen.n
@@ -220,6 +236,10 @@ def _as_batch(prompts: Any) -> tuple[list[Prompt], bool]:
         raise InvalidRequestError("prompts must be a non-empty string, list of prompts, list of messages or "
                                   "{'input_ids': [...]}", param="prompts")
     return list(prompts), False
+
+
+def _engine_session_id(session: Session) -> str:
+    return f"chat-{session.session_id}"
 
 
 def _response(out: SequenceOutput, index: int, session_id: int) -> Response:

@@ -1,5 +1,6 @@
-"""Pipeline.chat sessions reuse their KV through the prefix cache: turn 2 prefills only what is new,
-answers exactly as a session that re-tokenizes the whole chat, and survives eviction by recomputing."""
+"""Pipeline.chat sessions keep their KV in the engine (an engine session per chat): turn 2 prefills only
+what is new, with prefix caching off, answers exactly as a session that re-tokenizes the whole chat, and
+survives eviction by recomputing (then the prefix cache, when on, still serves what it kept)."""
 
 from __future__ import annotations
 
@@ -12,37 +13,48 @@ GREEDY = GenerationConfig(temperature=0.0, max_new_tokens=6)
 TURN1, TURN2 = "Hello world", "What is the capital of France?"
 
 
-def chat_pipe(tiny_model_dir, num_blocks: int) -> Pipeline:
+def chat_pipe(tiny_model_dir, num_blocks: int, caching: bool = True) -> Pipeline:
     return pipeline(tiny_model_dir("llama"), backend_config=EngineConfig(
-        dtype="float32", block_size=4, num_blocks=num_blocks, enable_prefix_caching=True))
+        dtype="float32", block_size=4, num_blocks=num_blocks, enable_prefix_caching=caching))
 
 
 def hit_tokens_of(pipe: Pipeline, prompt: str, session: Session) -> tuple[Session, int]:
+    """The next turn, and how many of its prompt tokens came from the prefix cache."""
     before = pipe.engine.kv.prefix_stats.hit_tokens
     session = pipe.chat(prompt, session, gen_config=GREEDY)
     return session, pipe.engine.kv.prefix_stats.hit_tokens - before
 
 
 @pytest.fixture(scope="module")
-def two_turns(tiny_model_dir) -> tuple[Session, Session, int]:
-    with chat_pipe(tiny_model_dir, num_blocks=64) as pipe:
+def two_turns(tiny_model_dir) -> tuple[Session, Session, int, int]:
+    """Two turns with prefix caching off: the reuse is the engine session's alone."""
+    with chat_pipe(tiny_model_dir, num_blocks=64, caching=False) as pipe:
         first = pipe.chat(TURN1, gen_config=GREEDY)
         turn1 = Session(first.session_id, list(first.history), first.response, list(first.token_ids), first.text)
-        second, hits = hit_tokens_of(pipe, TURN2, first)
-    return turn1, second, hits
+        computed = pipe.engine.scheduler.num_prefill_tokens
+        second = pipe.chat(TURN2, first, gen_config=GREEDY)
+        computed = pipe.engine.scheduler.num_prefill_tokens - computed
+        reused = pipe.engine.sessions.hit_tokens
+        # The session now holds turn 2's computed tokens (all but the last sampled one), 4 per block.
+        assert pipe.engine.kv.usage().in_use == -(-(len(second.token_ids) - 1) // 4) == 15
+        assert pipe.end_session(second) and not pipe.end_session(second)
+        assert pipe.engine.kv.usage().in_use == 0
+    return turn1, second, reused, computed
 
 
-def test_turn2_hits_every_full_block_of_turn1_prompt_and_answer(two_turns):
-    turn1, _, hits = two_turns
+def test_turn2_reuses_every_computed_token_of_turn1_without_the_prefix_cache(two_turns):
+    turn1, second, reused, computed = two_turns
     answer = turn1.response.token_ids
     assert len(turn1.token_ids) == 23 + 6 and turn1.token_ids[23:] == answer
     assert turn1.response.finish_reason == "length"
-    # 29 tokens; the last answer token was sampled, never computed: 28 computed = 7 full blocks.
-    assert hits == 28
+    # 29 tokens; the last answer token was sampled, never computed: 28 computed, reused as they are.
+    assert reused == 28
+    num_prompt = len(second.token_ids) - len(second.response.token_ids)
+    assert computed == num_prompt - 28  # the last answer token and the template text of turn 2
 
 
 def test_turn2_prompt_extends_turn1_ids_with_the_template_text_after_the_answer(two_turns, tiny_model_dir):
-    turn1, second, _ = two_turns
+    turn1, second, _, _ = two_turns
     with chat_pipe(tiny_model_dir, num_blocks=64) as pipe:
         suffix = pipe.tokenizer.encode(f"<|im_end|>\n<|im_start|>user\n{TURN2}<|im_end|>\n<|im_start|>assistant\n",
                                        add_special_tokens=False)
@@ -52,7 +64,7 @@ def test_turn2_prompt_extends_turn1_ids_with_the_template_text_after_the_answer(
 
 
 def test_turn2_answer_equals_the_full_retokenization_fallback(two_turns, tiny_model_dir):
-    turn1, second, _ = two_turns
+    turn1, second, _, _ = two_turns
     with chat_pipe(tiny_model_dir, num_blocks=64) as pipe:
         fallback = Session(session_id=7, history=list(turn1.history))  # no token ids: re-tokenizes the chat
         fallback, hits = hit_tokens_of(pipe, TURN2, fallback)
@@ -63,15 +75,20 @@ def test_turn2_answer_equals_the_full_retokenization_fallback(two_turns, tiny_mo
 
 @pytest.mark.parametrize("filler, hits_left", [(50, 8), (58, 0)])
 def test_evicted_session_recomputes_with_the_same_answer(two_turns, tiny_model_dir, filler, hits_left):
-    _, second, _ = two_turns
+    _, second, _, _ = two_turns
     with chat_pipe(tiny_model_dir, num_blocks=16) as pipe:
-        session = pipe.chat(TURN1, gen_config=GREEDY)  # 29 tokens: 8 blocks, 7 of them cached when it ends
-        # 50 + 6 tokens take 14 blocks: the 8 never used, then 6 of the session's, tails evicted first,
-        # so its first 2 blocks survive. 58 + 6 tokens take all 16.
+        session = pipe.chat(TURN1, gen_config=GREEDY)  # 28 computed tokens: the session holds 7 blocks
+        assert pipe.engine.kv.usage().in_use == 7
+        # The filler needs 13 or 15 blocks, 9 are free: the session is evicted (no preemption), its
+        # blocks freed through the normal path, tails first, so they stay in the prefix cache. 50 + 6
+        # tokens take 14 blocks: the 9 never used, then 5 of the session's, so its first 2 survive.
+        # 58 + 6 tokens take all 16.
         pipe({"input_ids": list(range(3, 3 + filler))}, gen_config=GREEDY)
+        assert len(pipe.engine.sessions) == 0 and pipe.engine.scheduler.num_preemptions == 0
         session, hits = hit_tokens_of(pipe, TURN2, session)
-        assert pipe.engine.kv.usage().in_use == 0
-    assert hits == hits_left  # the session holds no blocks: eviction is the cache's
+        assert pipe.engine.sessions.hit_tokens == 0
+        assert pipe.end_session(session) and pipe.engine.kv.usage().in_use == 0
+    assert hits == hits_left
     assert session.response.token_ids == second.response.token_ids
 
 
