@@ -1,4 +1,5 @@
-"""The C++ paged decode kernel (csrc/paged_decode.cpp), compiled lazily on first use.
+"""The C++ CPU kernels, compiled lazily on first use: the paged decode kernel (csrc/paged_decode.cpp)
+and the fused rotary / add+RMSNorm ops of the decoder layer (csrc/fused_ops.cpp), one extension.
 
 Compiling takes tens of seconds, so it never happens at import: `load()` builds on first call
 (torch caches the build under ~/.cache/torch_extensions, so later processes only link it) and is
@@ -9,6 +10,7 @@ callers fall back to the torch reference.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -17,7 +19,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "fused_ops.cpp")]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed = False
@@ -26,7 +28,9 @@ _failed = False
 def _cflags() -> list[str]:
     # Not -march=native: the cache may be shared by machines of different generations. AVX2+FMA
     # only where torch itself found them on this CPU (AVX512 machines have both too).
-    flags = ["-O3", "-fopenmp"]
+    # -ffp-contract=off: no implicit a*b+c -> fma, so the fused elementwise ops round exactly as the torch
+    # ops they replace (explicit _mm256_fmadd_ps in the attention kernel is unaffected).
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off"]
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         flags += ["-mavx2", "-mfma", "-mf16c"]  # F16C: fp16 caches (every AVX2 CPU has it)
     return flags
@@ -42,11 +46,11 @@ def load() -> ModuleType | None:
             try:
                 from torch.utils.cpp_extension import load as cpp_load
 
-                _module = cpp_load(name="llmserve_paged_decode", sources=[str(_SOURCE)],
+                _module = cpp_load(name="llmserve_cpu_kernels", sources=[str(p) for p in _SOURCES],
                                    extra_cflags=_cflags(), extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as e:  # noqa: BLE001 - any build or link failure means "use the fallback"
                 _failed = True
-                log.warning("native paged decode attention unavailable, using torch: %s", e)
+                log.warning("native CPU kernels unavailable, using torch: %s", e)
     return _module
 
 
@@ -57,3 +61,20 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     assert _module is not None, "call load() first"
     return _module.paged_decode(q, kv_cache[0], kv_cache[1], block_tables, lens, scale,
                                 -1 if sliding_window is None else sliding_window)
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """x: [T, heads, D] (rows may be strided), rotated in place; cos/sin: [T, D/2] in x's dtype. Needs load()."""
+    assert _module is not None, "call load() first"
+    _module.rotary_(x, cos, sin)
+
+
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: residual += x, then x = weight * rms_norm(residual). [T, E] contiguous. Needs load()."""
+    assert _module is not None, "call load() first"
+    _module.add_rms_norm_(x, residual, weight, eps)
+
+
+def fused_ops_enabled() -> bool:
+    """LLMSERVE_FUSED_OPS=0 keeps the torch layers (for A/B measurements and as the reference)."""
+    return os.environ.get("LLMSERVE_FUSED_OPS", "1") != "0"

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve.attention import native
 from llmserve.layers.linear import default_weight_loader
 
 
@@ -28,5 +29,15 @@ class RMSNorm(nn.Module):
         """x: [..., hidden]. With `residual`: returns (norm(x + residual), x + residual)."""
         if residual is None:
             return self._norm(x)
+        if _fused_ok(x, residual):
+            # In place: x and residual are this step's own activations (a projection's output and the
+            # running residual stream), never read again under their old values.
+            native.add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
         x = x + residual
         return self._norm(x), x
+
+
+def _fused_ok(x: torch.Tensor, residual: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.is_contiguous() and residual.is_contiguous() and x.dim() == 2
+            and native.fused_ops_enabled() and native.load() is not None)

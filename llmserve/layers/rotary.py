@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmserve.attention import native
 from llmserve.errors import ModelLoadError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -170,6 +171,15 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos.index_select(0, positions).to(dtype)
         sin = self.sin.index_select(0, positions).to(dtype)
         return cos.unsqueeze(1), sin.unsqueeze(1)
+
+
+def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rotary in place where the native CPU op can (one pass over q and k together; x may be a
+    strided view of the qkv projection's output), else out of place. Returns the rotated tensor."""
+    if x.device.type == "cpu" and x.stride(-1) == 1 and native.fused_ops_enabled() and native.load() is not None:
+        native.rotary_(x, cos.squeeze(1), sin.squeeze(1))
+        return x
+    return apply_rotary(x, cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

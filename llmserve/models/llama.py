@@ -24,7 +24,7 @@ from llmserve.layers.activation import SiluAndMul
 from llmserve.layers.embedding import VocabEmbedding
 from llmserve.layers.linear import Linear, MergedLinear, ShapeMismatch
 from llmserve.layers.norm import RMSNorm
-from llmserve.layers.rotary import RotaryEmbedding, apply_rotary, rope_config
+from llmserve.layers.rotary import RotaryEmbedding, rope_config, rotate_
 
 
 @dataclass(frozen=True)
@@ -87,13 +87,17 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
                 ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D]
+        if self.q_norm is None:
+            # q and k are adjacent in qkv: rotate both heads at once, [T, H + KVH, D]
+            qk = rotate_(qkv[:, :(h + kvh) * d].view(t, h + kvh, d), cos, sin)
+            q, k = qk[:, :h], qk[:, h:]
+            v = qkv[:, (h + kvh) * d:]
+        else:
+            q, k, v = self.qkv_proj.split(qkv)
+            q, k = self.q_norm(q.view(t, h, d)), self.k_norm(k.view(t, kvh, d))  # per head, before rotary
+            q, k = rotate_(q, cos, sin), rotate_(k, cos, sin)
         o = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, meta)  # [T, H*D]
         return self.o_proj(o)
 

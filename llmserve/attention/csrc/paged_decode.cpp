@@ -267,6 +267,12 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   return out;
 }
 
+// fused_ops.cpp, linked into the same extension (one build).
+void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention reading K/V in place (CPU)");
+  m.def("rotary_", &rotary_, "Rotary embedding in place on [T, heads, D] (CPU)");
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = weight * rms_norm(residual), in place (CPU)");
 }

@@ -1,0 +1,59 @@
+"""The native fused rotary and add+RMSNorm ops against the torch layers they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve.attention import native
+from llmserve.layers.norm import RMSNorm
+from llmserve.layers.rotary import apply_rotary, rotate_
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built() -> None:
+    if native.load() is None:
+        pytest.skip("native CPU kernels did not build on this machine (see the warning log)")
+
+
+def _cos_sin(t: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    ang = torch.arange(t, dtype=torch.float32)[:, None] * (0.5 ** torch.arange(d // 2, dtype=torch.float32))
+    return ang.cos().to(dtype).unsqueeze(1), ang.sin().to(dtype).unsqueeze(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rotary_in_place_on_a_strided_qkv_view_equals_apply_rotary(dtype: torch.dtype) -> None:
+    t, h, kvh, d = 37, 9, 3, 64
+    qkv = torch.randn(t, (h + 2 * kvh) * d, generator=torch.Generator().manual_seed(0)).to(dtype)
+    cos, sin = _cos_sin(t, d, dtype)
+    qk = qkv[:, :(h + kvh) * d].view(t, h + kvh, d)
+    want = apply_rotary(qk.clone(), cos, sin)
+    v_before = qkv[:, (h + kvh) * d:].clone()
+    got = rotate_(qk, cos, sin)
+    assert got.data_ptr() == qkv.data_ptr()  # in place
+    torch.testing.assert_close(got, want, rtol=0, atol=0)  # op-by-op rounding as torch: identical
+    assert torch.equal(qkv[:, (h + kvh) * d:], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_in_place_equals_the_torch_layer(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(1)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.randn(576, generator=g).to(dtype)
+    norm.weight.data = norm.weight.data.to(dtype)
+    x, residual = (torch.randn(21, 576, generator=g).to(dtype) for _ in range(2))
+    monkeypatch.setenv("LLMSERVE_FUSED_OPS", "0")
+    want_x, want_res = norm(x.clone(), residual.clone())
+    monkeypatch.setenv("LLMSERVE_FUSED_OPS", "1")
+    got_x, got_res = norm(x, residual)
+    assert got_x.data_ptr() == x.data_ptr() and got_res.data_ptr() == residual.data_ptr()  # in place
+    assert torch.equal(got_res, want_res)
+    # fp32 sums in another order: within an ulp or two of the reference (one bf16 ulp at worst)
+    tol = {torch.float32: (1e-6, 1e-5), torch.bfloat16: (8e-3, 1e-2)}[dtype]
+    torch.testing.assert_close(got_x, want_x, rtol=tol[0], atol=tol[1])
+
+
+def test_fused_ops_refuse_other_dtypes() -> None:
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 and float16"):
+        native.rotary_(x, torch.zeros(2, 4, dtype=torch.float64), torch.zeros(2, 4, dtype=torch.float64))
