@@ -33,6 +33,7 @@ class _Add:
     prompt_token_ids: list[int]
     gen: GenerationConfig
     stream: _Stream
+    session_id: str | None = None
 
 
 @dataclass
@@ -88,6 +89,10 @@ class EngineStats:
     spec_accepted_tokens: int = 0  # of those, accepted
     spec_verify_steps: int = 0  # request-steps that verified drafts
     spec_emitted_tokens: int = 0  # tokens those steps emitted (accepted + 1 each)
+    prefill_tokens: int = 0  # prompt tokens computed since start (cache, session and shared-prompt hits excluded)
+    num_sessions: int = 0  # sessions keeping KV between turns
+    session_blocks: int = 0  # KV blocks they hold (idle sessions; a running turn's are its own)
+    session_hit_tokens: int = 0  # prompt tokens served from sessions, since start
 
 
 class AsyncEngine:
@@ -121,15 +126,16 @@ class AsyncEngine:
         self._commands.put(call)
         return await call.future
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       gen: GenerationConfig) -> AsyncIterator[SequenceOutput]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], gen: GenerationConfig,
+                       session_id: str | None = None) -> AsyncIterator[SequenceOutput]:
         """Outputs of every sequence of the request as they come; ends when all n have finished.
         Raises the engine's InvalidRequestError if the request is refused. Leaving the iteration
-        early (client gone, task cancelled) aborts the request and frees its blocks."""
+        early (client gone, task cancelled) aborts the request and frees its blocks (an aborted
+        turn stores nothing in its session). `session_id`: see LLMEngine.add_request."""
         if self._stopping:
             raise RuntimeError("the engine is shutting down")
         stream = _Stream(asyncio.get_running_loop())
-        self._commands.put(_Add(request_id, prompt_token_ids, gen, stream))
+        self._commands.put(_Add(request_id, prompt_token_ids, gen, stream, session_id))
         unfinished = gen.n
         try:
             while unfinished:
@@ -160,6 +166,8 @@ class AsyncEngine:
                 break
             if self.engine.has_unfinished_requests():
                 self._step()
+            else:  # step() expires idle sessions itself; an idle engine wakes twice a second for it
+                self.engine.sessions.expire()
             self._stats = self._read_stats()
         for rid in list(self._streams):
             self._dispatch(self.engine.abort(rid))
@@ -178,13 +186,11 @@ class AsyncEngine:
                 cmd.stream.put(RuntimeError("the engine is shutting down"))
 
     def _drain_commands(self, block: bool) -> bool:
-        """Apply queued commands; wait for one if `block`. False when asked to stop."""
+        """Apply queued commands; wait for one (at most 0.5 s) if `block`. False when asked to stop."""
         while True:
             try:
                 cmd = self._commands.get(block=block, timeout=0.5 if block else None)
             except queue.Empty:
-                if block:
-                    continue
                 return True
             if cmd is None:
                 return False
@@ -200,7 +206,7 @@ class AsyncEngine:
             self._streams.pop(cmd.request_id, None)
             return
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.gen)
+            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.gen, cmd.session_id)
         except Exception as e:  # refused: tell that caller only
             cmd.stream.put(e)
             return
@@ -232,7 +238,10 @@ class AsyncEngine:
 
     def _read_stats(self) -> EngineStats:
         sched, kv, spec = self.engine.scheduler, self.engine.kv, self.engine.spec_stats
+        sessions = self.engine.sessions.stats()
         return EngineStats(len(sched.running), len(sched.waiting), kv.num_blocks,
                            kv.num_blocks - kv.num_free_blocks, kv.prefix_stats.hit_rate, self._num_steps,
                            kv.prefix_stats.queried_tokens, kv.prefix_stats.hit_tokens, spec.num_draft_tokens,
-                           spec.num_accepted_tokens, spec.num_drafts, spec.num_emitted_tokens)
+                           spec.num_accepted_tokens, spec.num_drafts, spec.num_emitted_tokens,
+                           sched.num_prefill_tokens, sessions.num_sessions, sessions.num_blocks,
+                           sessions.hit_tokens)

@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import llmserve
 from llmserve.engine.async_engine import AsyncEngine
-from llmserve.serve import openai_routes, tgi_routes
+from llmserve.serve import openai_routes, session_routes, tgi_routes
 from llmserve.serve.config import ServerConfig
 from llmserve.serve.errors import error_response, install_error_handlers
 from llmserve.serve.state import ServedModel, ServerState
@@ -42,6 +42,7 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None, model: S
     app.state.llm = state
     install_error_handlers(app)
     app.include_router(openai_routes.router)
+    app.include_router(session_routes.router)
     app.include_router(tgi_routes.router)
     _add_service_routes(app, state)
     if config.api_keys:

@@ -33,6 +33,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     gen: GenerationConfig
     param_names: dict[str, str] = field(default_factory=dict)  # our field name -> the API's, for errors
+    session_id: str | None = None  # keep/reuse this conversation's KV (engine/sessions.py)
 
 
 async def open_request(state: ServerState, engine: AsyncEngine, req: EngineRequest) -> Primed:
@@ -74,7 +75,7 @@ async def _tracked(state: ServerState, engine: AsyncEngine, req: EngineRequest) 
     open_seqs, started = set(range(req.gen.n)), False
     state.in_flight.add(req.request_id)
     try:
-        async with aclosing(engine.generate(req.request_id, req.prompt_token_ids, req.gen)) as outputs:
+        async with aclosing(engine.generate(req.request_id, req.prompt_token_ids, req.gen, req.session_id)) as outputs:
             async for out in outputs:
                 if not started:
                     started = True

@@ -108,6 +108,9 @@ class _EngineGauges(Collector):
             "llmserve:kv_cache_blocks_total": ("KV-cache blocks in the pool.", s.kv_blocks_total),
             "llmserve:prefix_cache_hit_rate": ("Fraction of looked-up prompt tokens found in the prefix cache.",
                                                s.prefix_hit_rate),
+            "llmserve:num_sessions": ("Sessions keeping their KV between turns.", s.num_sessions),
+            "llmserve:session_kv_blocks": ("KV-cache blocks held by idle sessions (evicted before any request "
+                                           "is preempted).", s.session_blocks),
         }
         for name, (doc, value) in values.items():
             yield GaugeMetricFamily(name, doc, value=float(value))
@@ -117,6 +120,13 @@ class _EngineGauges(Collector):
                                   value=float(s.prefix_queried_tokens))
         yield CounterMetricFamily("llmserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                   value=float(s.prefix_hit_tokens))
+        # Prompt tokens whose K/V the engine computed, against llmserve:prompt_tokens (every prompt
+        # token): the difference is what prefix-cache, session and shared-prompt hits saved.
+        yield CounterMetricFamily("llmserve:prompt_tokens_computed", "Prompt tokens whose K/V was computed "
+                                  "(hits excluded; recomputation after preemption included).",
+                                  value=float(s.prefill_tokens))
+        yield CounterMetricFamily("llmserve:session_hit_tokens", "Prompt tokens served from a session's kept KV.",
+                                  value=float(s.session_hit_tokens))
         # Speculative decoding (vLLM's spec_decode_* names): acceptance rate = accepted / draft tokens,
         # mean tokens per verify step = emitted / drafts.
         for name, doc, value in (

@@ -1,4 +1,5 @@
 """OpenAI-compatible routes: GET /v1/models, POST /v1/chat/completions, POST /v1/completions.
+Both generation routes take `session_id` as an extra body field (see session_routes.py).
 
 Each generation route: check the model name, take a concurrency slot (429), build the prompt and
 the GenerationConfig (400), open the engine request(s) (first output received, so a refusal is
@@ -37,6 +38,7 @@ from llmserve.serve.openai_params import (
     check_prompt_length,
     completion_generation_config,
     completion_prompts,
+    session_id_of,
 )
 from llmserve.serve.protocol import ChatCompletionRequest, CompletionRequest
 from llmserve.serve.state import ServedModel, ServerState
@@ -68,7 +70,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = check_prompt_length(model, len(prompt_ids), requested, "messages")
         gen = chat_generation_config(model, body, max_tokens)
-        req = EngineRequest(new_request_id("chatcmpl"), prompt_ids, gen, {**PARAM_NAMES, "logprobs": "top_logprobs"})
+        req = EngineRequest(new_request_id("chatcmpl"), prompt_ids, gen, {**PARAM_NAMES, "logprobs": "top_logprobs"},
+                            session_id=session_id_of(body))
         outputs = await until_disconnected(request, open_request(state, engine, req))
         reply = _ChatReply(model, req, body)
         if body.stream:
@@ -139,8 +142,10 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         for prompt in prompts:
             check_prompt_length(model, len(prompt.token_ids), max_tokens, "prompt")
         gen = completion_generation_config(model, body, max_tokens)
+        session_id = session_id_of(body, len(prompts))
         rid = new_request_id("cmpl")
-        reqs = [EngineRequest(f"{rid}-{i}" if len(prompts) > 1 else rid, p.token_ids, gen, PARAM_NAMES)
+        reqs = [EngineRequest(f"{rid}-{i}" if len(prompts) > 1 else rid, p.token_ids, gen, PARAM_NAMES,
+                              session_id=session_id)
                 for i, p in enumerate(prompts)]
         streams = await until_disconnected(request, _open_all(state, reqs))
         echoes = [p.echo(model.tokenizer) if body.echo else "" for p in prompts]

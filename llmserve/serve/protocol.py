@@ -52,6 +52,9 @@ class SamplingRequest(_Body):
     stop_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
+    # ours: keep this conversation's KV for its next request (LMDeploy's session_id). The client still
+    # sends the whole history; the session only saves the prefill of what was already computed.
+    session_id: str | int | None = None
 
 
 class ContentPart(_Body):

@@ -1,0 +1,28 @@
+"""DELETE /v1/sessions/{session_id}: free a session's KV now.
+
+A session is opened implicitly: the first chat or text completion carrying `session_id` (an extra
+body field, LMDeploy's name) that finishes keeps its KV, and the next request with that id prefills
+only what it adds. The client still sends the whole history, so an unknown, evicted or closed
+session only costs prefill, never correctness. Ids are compared as text: 5 and "5" are one session.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from llmserve.serve.errors import ApiError
+from llmserve.serve.state import ServerState
+
+router = APIRouter()
+
+
+@router.delete("/v1/sessions/{session_id}")
+async def close_session(session_id: str, request: Request) -> JSONResponse:
+    state: ServerState = request.app.state.llm
+    engine, _ = state.ready()
+    if not await engine.call(lambda e: e.end_session(session_id)):
+        raise ApiError(404, f"session {session_id!r} does not exist: never used, already closed, or evicted "
+                            "(requests with its id still work; they prefill the whole history)",
+                       param="session_id", code="session_not_found")
+    return JSONResponse({"id": session_id, "object": "session", "deleted": True})
