@@ -201,7 +201,8 @@ class Scheduler:
 
     def _allocate_or_preempt(self, request: Request, n: int, preempted: list[Request]) -> bool:
         while not self.kv.allocate(request, n):
-            if self._evict_session(keep=request.session_id):
+            # A running request never needs its own session's blocks (it holds them, or runs without it).
+            if self._evict_session(keep=None):
                 continue
             victim = self.running.pop()
             self._preempt(victim)

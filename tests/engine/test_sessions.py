@@ -275,3 +275,22 @@ def test_zero_max_sessions_keeps_nothing():
     kv, s, store, _ = setup(max_sessions=0)
     turn1(s)
     assert len(store) == 0 and kv.usage().in_use == 0
+
+
+def test_a_turn_running_without_its_session_may_evict_it_rather_than_be_preempted():
+    kv, s, store, _ = setup(num_blocks=8)
+    turn1(s)
+    b = sreq("s-2", PROMPT + [7, 7, 20], max_new=1)
+    c = sreq("s-3", PROMPT + [7, 7, 30], max_new=8)
+    s.add_request(b)
+    s.add_request(c)
+    run_step(s, s.schedule())
+    s.finish(b, RequestStatus.FINISHED_LENGTH)  # b took the session; now it keeps b's 13 computed tokens
+    assert kv.held_table("s") == [0, 1, 2, 3] and kv.block_table("s-3") == [4, 5, 6, 7]
+    for _ in range(3):
+        run_step(s, s.schedule())
+    assert c.num_computed_tokens == 16 and kv.num_free_blocks == 0
+    out = s.schedule()  # c's 17th token needs a fifth block: its own session's idle blocks go first
+    assert plan(out) == [("s-3", 1)] and s.num_preemptions == 0 and "s" not in store
+    assert kv.block_table("s-3") == [4, 5, 6, 7, 3]
+    kv.check_invariants()
