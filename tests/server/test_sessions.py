@@ -68,8 +68,9 @@ def test_turn2_computes_only_what_the_session_lacks_and_answers_as_without_a_ses
     kept = handle.call(lambda e: e.sessions.token_ids("conv-1"))
     p1 = prompt_ids(handle, TURN1)
     assert len(kept) == len(p1) + 8 - 1 and kept[:len(p1)] == p1  # the last sampled token has no K/V
-    assert server.metric("llmserve:num_sessions") == 1
-    assert server.metric("llmserve:session_kv_blocks") == -(-len(kept) // 16)
+    # /metrics reads the engine's stats snapshot, taken just after the step that answered us.
+    wait_until(lambda: (server.metric("llmserve:num_sessions"), server.metric("llmserve:session_kv_blocks"))
+               == (1, -(-len(kept) // 16)), what="/metrics to show the session")
 
     turn2 = [*TURN1, {"role": "assistant", "content": answer1}, {"role": "user", "content": "And three more?"}]
     p2 = prompt_ids(handle, turn2)
@@ -83,7 +84,7 @@ def test_turn2_computes_only_what_the_session_lacks_and_answers_as_without_a_ses
     assert (computed2 - computed, hits2 - hits) == (len(p2) - reused, reused)
     wait_until(lambda: server.metric("llmserve:prompt_tokens_computed_total") == metric_computed + len(p2) - reused,
                what="/metrics to show the step")
-    assert server.metric("llmserve:session_hit_tokens_total") == hits2
+    assert server.metric("llmserve:session_hit_tokens_total") == hits2  # same snapshot as the wait above
 
     without = chat(client, turn2)
     assert without == with_session
@@ -148,8 +149,9 @@ def test_two_concurrent_turns_of_one_session_are_both_correct(client: openai.Ope
 def test_an_aborted_turn_leaves_no_blocks_held(server: RunningServer, handle: EngineHandle) -> None:
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     chat(client, TURN1, session="conv-3")
-    held_before = httpx.get(server.url + "/debug/kv").json()["in_use"]
-    assert held_before == server.metric("llmserve:session_kv_blocks") > 0
+    held = httpx.get(server.url + "/debug/kv").json()["in_use"]
+    assert held > 0
+    wait_until(lambda: server.metric("llmserve:session_kv_blocks") == held, what="/metrics to show the session")
     parked, release = threading.Event(), threading.Event()
 
     def park_mid_answer(outputs: list) -> None:  # engine thread, right after a step
