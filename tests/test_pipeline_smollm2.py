@@ -71,6 +71,9 @@ def test_chat_session_second_turn_sees_the_first(pipe):
     prompt = pipe.chat_template.messages_to_prompt(s.history[:3])
     assert "My name is Ada" in prompt and first_answer in prompt
     assert s.response.input_token_len == len(pipe.tokenizer.encode(prompt))
+    # The engine kept the conversation's KV (its session) for a third turn; ending it frees it.
+    assert pipe.engine.kv.usage().in_use > 0
+    assert pipe.end_session(s) and pipe.engine.kv.usage().in_use == 0
 
 
 def test_stop_words_cut_the_text(pipe):
