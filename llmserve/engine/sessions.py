@@ -136,7 +136,7 @@ class SessionStore:
         if s is not None and s.holder is not None:
             return False
         if s is None:
-            if len(self._sessions) >= self.max_sessions and not self._evict_lru(keep=sid):
+            if len(self._sessions) >= self.max_sessions and not self._evict_oldest_idle(keep=sid):
                 return False
             s = self._sessions[sid] = Session(sid, self.clock())
         self.kv.release_held(sid)  # an earlier turn's content, when this turn ran without claiming it
@@ -173,7 +173,8 @@ class SessionStore:
         for s in [s for s in self._sessions.values() if s.holder is None and now - s.last_used > self.ttl]:
             self._evict(s)
 
-    def _evict_lru(self, keep: str) -> bool:
+    def _evict_oldest_idle(self, keep: str) -> bool:
+        """Count bound: evict the least recently used idle session, with or without blocks."""
         s = next((s for s in self._sessions.values() if s.holder is None and s.session_id != keep), None)
         if s is not None:
             self._evict(s)
