@@ -1,5 +1,6 @@
-"""The C++ CPU kernels, compiled lazily on first use: the paged decode kernel (csrc/paged_decode.cpp)
-and the fused rotary / add+RMSNorm ops of the decoder layer (csrc/fused_ops.cpp), one extension.
+"""The C++ CPU kernels, compiled lazily on first use: the paged decode kernel (csrc/paged_decode.cpp),
+the fused rotary / add+RMSNorm ops of the decoder layer (csrc/fused_ops.cpp) and the int8 weight-only
+linear for decode batches (csrc/int8_linear.cpp), one extension.
 
 Compiling takes tens of seconds, so it never happens at import: `load()` builds on first call
 (torch caches the build under ~/.cache/torch_extensions, so later processes only link it) and is
@@ -19,7 +20,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "fused_ops.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name
+            for name in ("paged_decode.cpp", "fused_ops.cpp", "int8_linear.cpp")]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed = False
@@ -78,3 +80,12 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 def fused_ops_enabled() -> bool:
     """LLMSERVE_FUSED_OPS=0 keeps the torch layers (for A/B measurements and as the reference)."""
     return os.environ.get("LLMSERVE_FUSED_OPS", "1") != "0"
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor | None:
+    """(x [M, K] @ qweight[N, K]^T) * scale[N] (+ bias) in x's dtype, or None where the native kernel
+    cannot run (not built, or a CPU without AVX-512)."""
+    if load() is None or not _module.int8_linear_supported():
+        return None
+    return _module.int8_linear(x, qweight, scale, bias)

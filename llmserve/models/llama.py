@@ -204,6 +204,12 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head.pack_for_cpu(keep_plain=False)
 
+    def quantize_int8(self) -> None:
+        """Weight-only int8 for every linear layer (after load_weights; see layers.linear)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.quantize_int8()
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fill every parameter from HF-named tensors; each must arrive exactly once with its shape."""
         params = dict(self.named_parameters())

@@ -73,6 +73,8 @@ def load_model(model: str | None, config: EngineConfig) -> LoadedModel:
     dtype = resolve_dtype(config.dtype, getattr(hf_config, "dtype", None), device)
     net = cls(hf_config, dtype, device)
     net.load_weights(iter_safetensors(safetensors_files(loc.model_dir)))
+    if config.quantization == "int8":
+        net.quantize_int8()
     net.eval()
     tokenizer = load_tokenizer(loc.model_dir, config.trust_remote_code)
     generation = read_generation_config(loc.model_dir)

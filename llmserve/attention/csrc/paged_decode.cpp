@@ -270,9 +270,16 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 // fused_ops.cpp, linked into the same extension (one build).
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+// int8_linear.cpp
+bool int8_linear_supported();
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale,
+                          c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention reading K/V in place (CPU)");
   m.def("rotary_", &rotary_, "Rotary embedding in place on [T, heads, D] (CPU)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = weight * rms_norm(residual), in place (CPU)");
+  m.def("int8_linear_supported", &int8_linear_supported, "whether this CPU runs int8_linear (AVX-512 F, BW, VL)");
+  m.def("int8_linear", &int8_linear, "(x @ Wq^T) * scale (+ bias), int8 weights, small M (CPU, AVX-512)",
+        py::arg("x"), py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none());
 }
