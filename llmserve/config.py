@@ -184,7 +184,8 @@ class EngineConfig:
     cache_max_bytes: int | None = _f(None, "CPU: bytes given to the KV cache (zero-filled, so resident). "
                                            "Default: a quarter of available RAM, at most 2 GiB.")
     num_blocks: int | None = _f(None, "Exact number of KV-cache blocks (overrides the sizing rules; for tests).")
-    enable_prefix_caching: bool = _f(False, "Reuse the KV cache of prompt prefixes shared between requests.")
+    enable_prefix_caching: bool = _f(True, "Reuse the KV cache of prompt prefixes shared between requests (on by "
+                                                 "default: measured at no cost on a workload with nothing to share).")
     max_sessions: int = _f(64, "Sessions (requests sent with a session_id) whose KV is kept between turns, so the "
                                "next turn prefills only its new tokens; the least recently used idle one is "
                                "evicted past this count, and idle ones are evicted before any request is "

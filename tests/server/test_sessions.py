@@ -24,7 +24,9 @@ GREEDY = {"model": "tiny-llama", "max_tokens": 8, "temperature": 0}
 
 @pytest.fixture(scope="module")
 def handle(tiny_model_dir: Callable[[str], str]) -> Iterator[EngineHandle]:
-    with engine_for(tiny_model_dir("llama"), name="tiny-llama", num_blocks=64, block_size=16) as h:
+    # Prefix caching off: the counts below are what sessions alone save (caching is on by default).
+    with engine_for(tiny_model_dir("llama"), name="tiny-llama", num_blocks=64, block_size=16,
+                    enable_prefix_caching=False) as h:
         yield h
 
 
