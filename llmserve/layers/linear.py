@@ -101,7 +101,7 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 # the native kernel up to 4 rows (M = 1: 10 ms per step vs 13-15 for oneDNN bf16; about even at 4);
 # for bf16 activations torch's int8 matmul up to 64 rows (M = 16 and 36: 2-5x faster than
 # dequantizing); beyond, and for fp32/fp16, the weight dequantized into an ordinary matmul.
-INT8_KERNEL_MAX_ROWS = 4
+INT8_KERNEL_MAX_ROWS = 32
 INT8PACK_MAX_ROWS = 64
 
 

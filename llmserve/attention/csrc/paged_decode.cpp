@@ -273,7 +273,7 @@ void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight
 // int8_linear.cpp
 bool int8_linear_supported();
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale,
-                          c10::optional<torch::Tensor> bias);
+                          c10::optional<torch::Tensor> bias, bool allow_vnni);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention reading K/V in place (CPU)");
@@ -281,5 +281,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = weight * rms_norm(residual), in place (CPU)");
   m.def("int8_linear_supported", &int8_linear_supported, "whether this CPU runs int8_linear (AVX-512 F, BW, VL)");
   m.def("int8_linear", &int8_linear, "(x @ Wq^T) * scale (+ bias), int8 weights, small M (CPU, AVX-512)",
-        py::arg("x"), py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none());
+        py::arg("x"), py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none(),
+        py::arg("allow_vnni") = true);
 }
