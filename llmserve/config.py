@@ -169,9 +169,9 @@ class EngineConfig:
     kv_cache_dtype: str = _f("auto", "KV-cache dtype: auto (the model's dtype), float32, bfloat16 or float16. A "
                                      "16-bit cache under a float32 model holds twice the tokens and halves what "
                                      "decode attention reads (vLLM's kv_cache_dtype).")
-    quantization: str | None = _f(None, "Weight-only quantization of the linear layers at load: int8 (one fp32 scale "
-                                        "per output channel). Quarter of fp32's weight bytes, half of bf16's: decode "
-                                        "at small batch is memory-bound on them. The embedding / LM head stay as they are.")
+    quantization: str | None = _f(None, "Weight-only quantization at load: int8 (one fp32 scale per output channel) "
+                                        "for the linear layers, the embedding and the LM head. A quarter of fp32's "
+                                        "weight bytes, half of bf16's: decode at small batch is memory-bound on them.")
     device: str = _f("auto", "cpu, cuda, cuda:N, or auto (cuda when available).")
     tp: int = _f(1, "Tensor-parallel degree.")
     session_len: int | None = _f(None, "Maximum tokens in one sequence (prompt + output). "

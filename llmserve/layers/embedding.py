@@ -6,7 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.layers.linear import default_weight_loader, onednn_linear, pack_weight
+from llmserve.layers.linear import (
+    default_weight_loader,
+    int8_linear,
+    onednn_linear,
+    pack_weight,
+    quantize_rows,
+)
 
 
 class VocabEmbedding(nn.Module):
@@ -16,20 +22,35 @@ class VocabEmbedding(nn.Module):
         self.weight.weight_loader = default_weight_loader
         self.weight.shards = {None: (0, vocab_size)}
         self.packed: torch.Tensor | None = None  # oneDNN-blocked copy for logits(), see pack_for_cpu
+        self.qweight: torch.Tensor | None = None  # int8 [vocab, hidden] replacing the weight, see quantize_int8
+        self.scale: torch.Tensor | None = None  # fp32 [vocab]
+        self.dtype = torch.get_default_dtype()  # the model dtype (lookups of an int8 table come back in it)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] int64 -> [T, hidden]."""
+        if self.qweight is not None:
+            return (self.qweight[input_ids].float() * self.scale[input_ids, None]).to(self.dtype)
         return F.embedding(input_ids, self.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (the matmul runs in the model dtype, as HF's lm_head does)."""
+        if self.qweight is not None:
+            return int8_linear(hidden, self.qweight, self.scale, None).float()
         if self.packed is not None:
             return onednn_linear(hidden, self.packed, None).float()
         return F.linear(hidden, self.weight).float()
 
     def pack_for_cpu(self, keep_plain: bool) -> None:
         """A oneDNN-blocked copy for the LM-head matmul; the plain weight stays if the lookup needs it
-        (tied embeddings): then the vocab matrix is held twice."""
+        (tied embeddings): then the vocab matrix is held twice. An int8 table stays as it is."""
+        if self.qweight is not None:
+            return
         self.packed = pack_weight(self.weight)
         if not keep_plain:
             self.weight = None
+
+    def quantize_int8(self) -> None:
+        """int8 rows with one fp32 scale each, for the lookup and the LM head alike (the plain one is freed)."""
+        self.dtype = self.weight.dtype
+        self.qweight, self.scale = quantize_rows(self.weight)
+        self.weight = None

@@ -73,17 +73,14 @@ class Linear(nn.Module):
 
     def quantize_int8(self) -> None:
         """Replace the weight by int8 with one symmetric fp32 scale per output row (the plain one is freed)."""
-        w = self.weight.detach().float()
-        self.scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-        self.qweight = torch.round(w / self.scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        self.qweight, self.scale = quantize_rows(self.weight)
         self.weight = None
 
 
-def onednn_available(weight: torch.Tensor) -> bool:
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16
-                                              and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -95,6 +92,13 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, cols] -> (int8 [rows, cols], fp32 [rows]): symmetric, each row's max |w| -> 127."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
 
 
 # Which int8 path runs, by rows, from measurements on a 2-core AVX512-BF16 CPU (whole-decoder shapes):

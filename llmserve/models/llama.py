@@ -205,9 +205,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.pack_for_cpu(keep_plain=False)
 
     def quantize_int8(self) -> None:
-        """Weight-only int8 for every linear layer (after load_weights; see layers.linear)."""
+        """Weight-only int8 for every linear layer and the embedding / LM head (after load_weights)."""
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, VocabEmbedding)):
                 module.quantize_int8()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

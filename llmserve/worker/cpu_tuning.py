@@ -50,4 +50,4 @@ def use_onednn(loaded: object) -> bool:
     """oneDNN-blocked weights for CPU matmuls, unless LLMSERVE_NO_ONEDNN=1 (for A/B measurements)."""
     if os.environ.get("LLMSERVE_NO_ONEDNN") == "1" or not hasattr(loaded.model, "pack_for_cpu"):
         return False
-    return onednn_available(loaded.model.model.embed_tokens.weight)
+    return onednn_available(loaded.device, loaded.dtype)
