@@ -181,8 +181,8 @@ class EngineConfig:
                                           "longer prompts are prefilled in chunks.")
     block_size: int = _f(64, "Tokens per KV-cache block.", cli="--cache-block-seq-len")
     cache_max_entry_count: float = _f(0.8, "GPU: fraction of free memory after weights given to the KV cache.")
-    cache_max_bytes: int | None = _f(None, "CPU: bytes given to the KV cache (zero-filled, so resident). "
-                                           "Default: a quarter of available RAM, at most 2 GiB.")
+    cache_max_bytes: int | None = _f(None, "CPU: bytes given to the KV cache (mapped at start, resident as it "
+                                           "is used). Default: a quarter of available RAM, at most 2 GiB.")
     num_blocks: int | None = _f(None, "Exact number of KV-cache blocks (overrides the sizing rules; for tests).")
     enable_prefix_caching: bool = _f(True, "Reuse the KV cache of prompt prefixes shared between requests (on by "
                                                  "default: measured at no cost on a workload with nothing to share).")

@@ -15,19 +15,21 @@ LLMSERVE_CACHE_DIR=$cold .venv/bin/python -m llmserve.models.loader > "$out/load
 LLMSERVE_CACHE_DIR=$cold .venv/bin/python -m llmserve.models.loader > "$out/load_warm.txt" 2>&1
 rm -rf "$cold"
 
-# Offline throughput, 64 chat prompts of 36-390 tokens x 128 output tokens, greedy, ignore_eos.
-for bs in 64 32; do
-  $ls bench throughput --num-prompts 64 --input-len 36:390 --output-len 128 --ignore-eos --dtype float32 \
-     --baseline transformers --baseline-batch-size $bs --json > "$out/throughput_fp32_bs$bs.json"
-done
-# bf16 has no fast path on CPUs without AVX512-BF16/AMX: a smaller workload shows the ratio.
-$ls bench throughput --num-prompts 16 --input-len 36:390 --output-len 32 --ignore-eos --dtype bfloat16 \
-   --baseline transformers --baseline-batch-size 16 --json > "$out/throughput_bf16_small.json"
-# Same-run A/B of engine settings (no baseline).
-$ls bench throughput --num-prompts 64 --input-len 36:390 --output-len 128 --ignore-eos --dtype float32 \
-   --enable-prefix-caching --json > "$out/throughput_fp32_prefix.json"
-LLMSERVE_NO_MALLOC_TUNING=1 $ls bench throughput --num-prompts 64 --input-len 36:390 --output-len 128 \
-   --ignore-eos --dtype float32 --json > "$out/throughput_fp32_no_malloc_tuning.json"
+# Offline throughput, 64 chat prompts of 36-390 tokens x 128 output tokens, greedy, ignore_eos, each
+# next to transformers in the same run; then same-run A/Bs of engine settings (no baseline).
+W="--num-prompts 64 --input-len 36:390 --output-len 128 --ignore-eos --json"
+$ls bench throughput $W --dtype float32 --kv-cache-dtype bfloat16 --baseline transformers --baseline-batch-size 64 \
+   > "$out/throughput_fp32_kvbf16_tf.json"
+$ls bench throughput $W --dtype bfloat16 --baseline transformers --baseline-batch-size 32 > "$out/throughput_bf16_tf.json"
+$ls bench throughput $W --dtype float32 > "$out/throughput_fp32.json"
+$ls bench throughput $W --dtype float32 --no-enable-prefix-caching > "$out/throughput_fp32_no_prefix.json"
+LLMSERVE_FUSED_OPS=0 $ls bench throughput $W --dtype float32 > "$out/throughput_fp32_unfused.json"
+$ls bench throughput $W --dtype bfloat16 --quantization int8 > "$out/throughput_bf16_int8.json"
 # Single request.
-$ls bench latency --input-len 36 --output-len 128 --num-iters 5 --dtype float32 --json > "$out/latency_fp32.json"
+for args in "--dtype bfloat16 --quantization int8" "--dtype float32 --quantization int8" "--dtype bfloat16" \
+            "--dtype float32"; do
+  $ls bench latency --input-len 36 --output-len 128 --num-iters 5 $args --json > "$out/latency ${args}.json"
+done
+# KV reuse: a shared 1k-token system prompt (caching off/on) and an 8-turn chat (no reuse / sessions / caching).
+.venv/bin/python scripts/bench_kv_reuse.py --dtype float32 > "$out/kv_reuse.txt" 2>&1
 echo "done: $out"

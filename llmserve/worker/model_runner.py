@@ -171,7 +171,7 @@ def num_blocks_for(loaded: LoadedModel, block_size: int, cache_max_bytes: int | 
 
 
 def default_cpu_cache_bytes() -> int:
-    """A quarter of available RAM, at most 2 GiB (the pool is zero-filled, so it is resident)."""
+    """A quarter of available RAM, at most 2 GiB (the whole pool becomes resident once it is used)."""
     try:
         with open("/proc/meminfo") as f:
             info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
