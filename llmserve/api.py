@@ -101,12 +101,21 @@ class Pipeline:
         return [results[k] for k in sorted(results)]
 
     def stream_infer(self, prompts: Prompt | list[Prompt], gen_config: GenerationConfig | None = None,
-                     do_preprocess: bool = True, **gen_kwargs: Any) -> Iterator[Response]:
+                     do_preprocess: bool = True, session_id: str | None = None,
+                     **gen_kwargs: Any) -> Iterator[Response]:
         """Yield a Response per step and sequence carrying the new text and token ids (deltas);
-        `generate_token_len` is cumulative; the last one of each sequence has finish_reason set."""
+        `generate_token_len` is cumulative; the last one of each sequence has finish_reason set.
+
+        `session_id` (one prompt, one sequence): the engine keeps this conversation's KV after the
+        answer, and a later call with the same id prefills only what its prompt adds (engine/sessions.py;
+        `end_session_id` frees it)."""
         batch, _ = _as_batch(prompts)
         gen = self._gen_config(gen_config, gen_kwargs)
-        for r, _ in self._generate(batch, gen, do_preprocess):
+        if session_id is not None and (len(batch) != 1 or gen.n != 1 or gen.use_beam_search
+                                       or (gen.best_of or 1) != 1):
+            raise InvalidRequestError("session_id continues one sequence: give one prompt, with n=1 and no "
+                                      "best_of or beam search", param="session_id")
+        for r, _ in self._generate(batch, gen, do_preprocess, session_id):
             yield r
 
     def chat(self, prompt: str, session: Session | None = None, gen_config: GenerationConfig | None = None,
@@ -134,7 +143,11 @@ class Pipeline:
     def end_session(self, session: Session) -> bool:
         """Free the KV the engine keeps for this chat session; False if it kept none (never stored,
         already ended, or evicted). The Session object stays usable: its next turn recomputes."""
-        return self._engine().end_session(_engine_session_id(session))
+        return self.end_session_id(_engine_session_id(session))
+
+    def end_session_id(self, session_id: str) -> bool:
+        """end_session for a `stream_infer(..., session_id=...)` conversation."""
+        return self._engine().end_session(session_id)
 
     # --- lifecycle -----------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import uuid
 from contextlib import closing
 from dataclasses import dataclass, field
 from typing import TextIO
@@ -52,8 +53,13 @@ class ChatSession:
     gen: GenerationConfig
     out: TextIO
     history: Messages = field(default_factory=list)
+    # The engine session the turns run under: it keeps the conversation's KV, so a turn prefills only
+    # what it adds (where the re-tokenized history matches the kept tokens). /reset starts a new one.
+    session_id: str = field(default_factory=lambda: f"cli-{uuid.uuid4().hex}")
 
     def reset(self) -> None:
+        self.pipe.end_session_id(self.session_id)
+        self.session_id = f"cli-{uuid.uuid4().hex}"
         self.history = []
 
     def ask(self, text: str) -> TurnStats:
@@ -68,7 +74,8 @@ class ChatSession:
         clock = _Clock()
         output_tokens, finish = 0, "interrupted"
         try:
-            with closing(self.pipe.stream_infer({"input_ids": prompt_ids}, gen_config=gen)) as stream:
+            with closing(self.pipe.stream_infer({"input_ids": prompt_ids}, gen_config=gen,
+                                                session_id=self.session_id)) as stream:
                 for r in stream:
                     if r.token_ids:
                         clock.token()

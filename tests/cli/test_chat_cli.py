@@ -94,3 +94,28 @@ def test_terminal_gets_a_prompt_marker_and_banner_and_ctrl_d_quits(tiny_model_di
     assert lines[-3:] == [f"llmserve chat · {os.path.basename(model)} · /help for commands, /exit to quit",
                           "[new conversation]",
                           ""]  # Ctrl-D leaves the cursor on a fresh line
+
+
+def test_chat_turns_run_under_an_engine_session_and_reset_ends_it(tiny_model_dir: Callable[[str], str]) -> None:
+    import io
+
+    from llmserve import EngineConfig
+    from llmserve.chat_cli import ChatSession
+    from llmserve.errors import InvalidRequestError
+
+    config = EngineConfig(dtype="float32", enable_prefix_caching=False, num_blocks=64, block_size=4)
+    with pipeline(tiny_model_dir("llama"), backend_config=config) as pipe:
+        gen = pipe.default_gen_config.replace(temperature=0.0, max_new_tokens=MAX_NEW)
+        chat = ChatSession(pipe, gen, io.StringIO())
+        first = chat.ask(Q1)
+        kept = pipe.engine.sessions.token_ids(chat.session_id)
+        assert len(kept) == first.prompt_tokens + first.output_tokens - 1  # the last token has no K/V yet
+        before = pipe.engine.scheduler.num_prefill_tokens
+        second = chat.ask(Q2)
+        reused = second.prompt_tokens - (pipe.engine.scheduler.num_prefill_tokens - before)
+        assert reused >= first.prompt_tokens  # at least turn 1's prompt came from the session, caching off
+        old = chat.session_id
+        chat.reset()
+        assert chat.session_id != old and old not in pipe.engine.sessions and len(pipe.engine.sessions) == 0
+        with pytest.raises(InvalidRequestError, match="session_id continues one sequence"):
+            next(pipe.stream_infer(["a", "b"], session_id="x"))
