@@ -101,10 +101,10 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
 
 
-# Which int8 path runs, by rows, from measurements on a 2-core AVX512-BF16 CPU (whole-decoder shapes):
-# the native kernel up to 4 rows (M = 1: 10 ms per step vs 13-15 for oneDNN bf16; about even at 4);
-# for bf16 activations torch's int8 matmul up to 64 rows (M = 16 and 36: 2-5x faster than
-# dequantizing); beyond, and for fp32/fp16, the weight dequantized into an ordinary matmul.
+# Which int8 path runs, by rows, from measurements on a 2-core AVX512-BF16 CPU (a whole decoder's
+# linears per step): the native VNNI kernel up to 32 rows (M = 1: 7.8 ms vs 13-15 for oneDNN bf16;
+# M = 16: 27 vs ~33); then, for bf16 activations, torch's int8 matmul up to 64 rows (at 16-36 rows
+# 2-5x faster than dequantizing); beyond, and for fp32/fp16, the weight dequantized into a matmul.
 INT8_KERNEL_MAX_ROWS = 32
 INT8PACK_MAX_ROWS = 64
 
