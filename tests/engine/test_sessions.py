@@ -220,14 +220,20 @@ def test_a_session_in_use_is_not_evictable_and_a_second_request_runs_without_it(
     kv.check_invariants()
 
 
-def test_last_finished_turn_wins():
-    kv, s, store, _ = setup(num_blocks=16)
+def two_concurrent_turns(s: Scheduler, max_new_second: int) -> tuple[Request, Request]:
+    """Turn 1, then two turns on the same session admitted in one step: the first takes the session."""
     turn1(s)
     b = sreq("s-2", PROMPT + [7, 7, 20], max_new=1)
-    c = sreq("s-3", PROMPT + [7, 7, 30], max_new=2)
+    c = sreq("s-3", PROMPT + [7, 7, 30], max_new=max_new_second)
     s.add_request(b)
     s.add_request(c)
     run_step(s, s.schedule())
+    return b, c
+
+
+def test_last_finished_turn_wins():
+    kv, s, store, _ = setup(num_blocks=16)
+    b, c = two_concurrent_turns(s, max_new_second=2)
     s.finish(b, RequestStatus.FINISHED_LENGTH)  # the holder ends first: its KV is the session's
     assert kv.held_table("s") == [0, 1, 2, 3]
     run_step(s, s.schedule())
@@ -279,12 +285,7 @@ def test_zero_max_sessions_keeps_nothing():
 
 def test_a_turn_running_without_its_session_may_evict_it_rather_than_be_preempted():
     kv, s, store, _ = setup(num_blocks=8)
-    turn1(s)
-    b = sreq("s-2", PROMPT + [7, 7, 20], max_new=1)
-    c = sreq("s-3", PROMPT + [7, 7, 30], max_new=8)
-    s.add_request(b)
-    s.add_request(c)
-    run_step(s, s.schedule())
+    b, c = two_concurrent_turns(s, max_new_second=8)
     s.finish(b, RequestStatus.FINISHED_LENGTH)  # b took the session; now it keeps b's 13 computed tokens
     assert kv.held_table("s") == [0, 1, 2, 3] and kv.block_table("s-3") == [4, 5, 6, 7]
     for _ in range(3):

@@ -120,3 +120,41 @@ def wait_until(predicate: Any, timeout: float = 30.0, what: str = "condition") -
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}; last value {value!r}")
         time.sleep(0.02)
+
+
+@contextmanager
+def parked_after_tokens(handle: EngineHandle, num_tokens: int = 3) -> Iterator[threading.Event]:
+    """Park the engine thread right after the first step in which a sequence has `num_tokens` outputs,
+    until the block exits. Yields the event set once it is parked."""
+    parked, release = threading.Event(), threading.Event()
+
+    def park(outputs: list) -> None:  # engine thread, right after a step
+        if not parked.is_set() and any(o.num_output_tokens >= num_tokens for o in outputs):
+            parked.set()
+            release.wait(60)
+
+    handle.engine.on_step = park
+    try:
+        yield parked
+    finally:
+        release.set()
+        handle.engine.on_step = None
+
+
+@contextmanager
+def parked_engine(handle: EngineHandle) -> Iterator[None]:
+    """The engine thread blocked between two steps for the duration of the block."""
+    parked, release = threading.Event(), threading.Event()
+
+    def park(engine: object) -> None:
+        parked.set()
+        release.wait(60)
+
+    thread = threading.Thread(target=handle.call, args=(park,))
+    thread.start()
+    assert parked.wait(30), "the engine thread never picked up the call"
+    try:
+        yield
+    finally:
+        release.set()
+        thread.join()

@@ -8,35 +8,14 @@ ahead of any further step.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import httpx
 
-from tests.server.harness import EngineHandle, RunningServer, wait_until
+from tests.server.harness import EngineHandle, RunningServer, parked_after_tokens, parked_engine, wait_until
 
 LONG = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Count to a thousand."}], "max_tokens": 200,
         "temperature": 0, "ignore_eos": True}
 
 
-@contextmanager
-def parked_engine(tiny: EngineHandle) -> Iterator[None]:
-    """The engine thread blocked between two steps for the duration of the block."""
-    parked, release = threading.Event(), threading.Event()
-
-    def park(engine: object) -> None:
-        parked.set()
-        release.wait(60)
-
-    thread = threading.Thread(target=tiny.call, args=(park,))
-    thread.start()
-    assert parked.wait(30), "the engine thread never picked up the call"
-    try:
-        yield
-    finally:
-        release.set()
-        thread.join()
 
 
 def _kv(server: RunningServer) -> dict:
@@ -45,16 +24,8 @@ def _kv(server: RunningServer) -> dict:
 
 def test_stream_disconnect_frees_blocks_before_the_next_step(server: RunningServer, tiny: EngineHandle) -> None:
     aborts = server.metric("llmserve:request_success_total", finished_reason="abort")
-    parked, release = threading.Event(), threading.Event()
-
-    def park_mid_answer(outputs: list) -> None:  # engine thread, right after a step
-        if not parked.is_set() and any(o.num_output_tokens >= 3 for o in outputs):
-            parked.set()
-            release.wait(60)
-
-    tiny.engine.on_step = park_mid_answer
     client = httpx.Client(timeout=60)
-    try:
+    with parked_after_tokens(tiny) as parked:
         response = client.send(client.build_request("POST", server.url + "/v1/chat/completions",
                                                     json={**LONG, "stream": True}), stream=True)
         assert response.status_code == 200
@@ -67,9 +38,6 @@ def test_stream_disconnect_frees_blocks_before_the_next_step(server: RunningServ
         client.close()
         # The server notices the disconnect on its own (the engine is parked) and queues the abort.
         wait_until(lambda: not server.state.in_flight, what="the server to notice the disconnect")
-    finally:
-        release.set()
-        tiny.engine.on_step = None
     report = _kv(server)  # runs on the engine thread, after the queued abort
     assert (report["in_use"], report["invariants_ok"], report["unfinished_requests"]) == (0, True, False)
     assert tiny.engine.stats.num_steps == steps  # the parked step ended; no other ran before the free

@@ -15,8 +15,15 @@ import httpx
 import openai
 import pytest
 
-from llmserve.engine.llm_engine import LLMEngine
-from tests.server.harness import EngineHandle, RunningServer, engine_for, running_server, wait_until
+from tests.server.harness import (
+    EngineHandle,
+    RunningServer,
+    engine_for,
+    parked_after_tokens,
+    parked_engine,
+    running_server,
+    wait_until,
+)
 
 TURN1 = [{"role": "user", "content": "Name three colours."}]
 GREEDY = {"model": "tiny-llama", "max_tokens": 8, "temperature": 0}
@@ -120,24 +127,14 @@ def test_two_concurrent_turns_of_one_session_are_both_correct(client: openai.Ope
     assert reused > 0
     computed, hits = counters(handle)
     answers: list[str] = []
-    parked, release = threading.Event(), threading.Event()
-
-    def park(engine: LLMEngine) -> None:
-        parked.set()
-        release.wait(60)
-
-    holder = threading.Thread(target=handle.call, args=(park,))
-    holder.start()
-    assert parked.wait(30)
     # Both requests are queued while the engine is parked, so they are admitted in the same step: the
     # first takes the session, the second runs without it (a held session is never shared).
     threads = [threading.Thread(target=lambda: answers.append(chat(client, turn2, session="conv-2")))
                for _ in range(2)]
-    for t in threads:
-        t.start()
-    wait_until(lambda: len(server.state.in_flight) == 2, what="both requests to reach the engine")
-    release.set()
-    holder.join()
+    with parked_engine(handle):
+        for t in threads:
+            t.start()
+        wait_until(lambda: len(server.state.in_flight) == 2, what="both requests to reach the engine")
     for t in threads:
         t.join()
     assert answers == [expected, expected]
@@ -154,26 +151,15 @@ def test_an_aborted_turn_leaves_no_blocks_held(server: RunningServer, handle: En
     held = httpx.get(server.url + "/debug/kv").json()["in_use"]
     assert held > 0
     wait_until(lambda: server.metric("llmserve:session_kv_blocks") == held, what="/metrics to show the session")
-    parked, release = threading.Event(), threading.Event()
-
-    def park_mid_answer(outputs: list) -> None:  # engine thread, right after a step
-        if not parked.is_set() and any(o.num_output_tokens >= 3 for o in outputs):
-            parked.set()
-            release.wait(60)
-
-    handle.engine.on_step = park_mid_answer
     http = httpx.Client(timeout=60)
     body = {**GREEDY, "messages": TURN1, "max_tokens": 100, "ignore_eos": True, "stream": True, "session_id": "conv-3"}
-    try:
+    with parked_after_tokens(handle) as parked:
         response = http.send(http.build_request("POST", server.url + "/v1/chat/completions", json=body), stream=True)
         assert response.status_code == 200
         assert parked.wait(30), "the request never reached its third token"
         response.close()
         http.close()
         wait_until(lambda: not server.state.in_flight, what="the server to notice the disconnect")
-    finally:
-        release.set()
-        handle.engine.on_step = None
     report = httpx.get(server.url + "/debug/kv").json()
     # The turn had taken the session's blocks; aborted, it stores nothing and frees them all.
     assert (report["in_use"], report["invariants_ok"], report["unfinished_requests"]) == (0, True, False)
