@@ -30,6 +30,9 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_engine_flags) -> None:
     tp.add_argument("--baseline", choices=["transformers"], help="run the same workload through this, same run")
     tp.add_argument("--baseline-batch-size", type=int, default=32)
     tp.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    tp.add_argument("--profile-steps", action="store_true",
+                    help="time each part of the engine's steps (schedule, inputs, linear, attention, LM head, "
+                         "sampling, outputs) and print the split")
     add_engine_flags(tp)
     tp.set_defaults(func=_cmd_throughput)
     _add_latency_parser(kinds, add_engine_flags)
@@ -94,7 +97,16 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
         requests = _workload(args, pipe)
         run_engine_throughput(engine, [BenchRequest(r.prompt_token_ids[:16], 4) for r in requests[:4]],
                               ignore_eos=True)  # warm-up: first-call allocations and lazy init
-        results = [run_engine_throughput(engine, requests, args.ignore_eos)]
+        profile = None
+        if args.profile_steps:
+            from llmserve.bench.step_profile import instrument
+
+            profile = instrument(engine)
+        try:
+            results = [run_engine_throughput(engine, requests, args.ignore_eos)]
+        finally:
+            if profile is not None:
+                profile.restore()
         peak = matmul_peak_gflops(engine.loaded.dtype, engine.loaded.device)
         model_dir, dtype, device = engine.loaded.model_dir, engine.loaded.dtype, engine.loaded.device
         pad = pipe.tokenizer.pad_token_id if pipe.tokenizer.pad_token_id is not None else 0
@@ -103,7 +115,7 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
 
         results.append(run_transformers_throughput(model_dir, dtype, device, requests, args.baseline_batch_size,
                                                    pad))
-    _report(results, peak, str(dtype).removeprefix("torch."), args.json)
+    _report(results, peak, str(dtype).removeprefix("torch."), args.json, profile)
     return 0
 
 
@@ -115,10 +127,13 @@ def _workload(args: argparse.Namespace, pipe) -> list[BenchRequest]:
                           args.output_len or 128)
 
 
-def _report(results: list[ThroughputResult], peak_gflops: float, dtype: str, as_json: bool) -> None:
+def _report(results: list[ThroughputResult], peak_gflops: float, dtype: str, as_json: bool, profile=None) -> None:
     if as_json:
-        json.dump({"dtype": dtype, "matmul_peak_gflops": peak_gflops, "results": [r.as_dict() for r in results],
-                   "ratio_vs_baseline": _ratio(results)}, sys.stdout, indent=2)
+        out = {"dtype": dtype, "matmul_peak_gflops": peak_gflops, "results": [r.as_dict() for r in results],
+               "ratio_vs_baseline": _ratio(results)}
+        if profile is not None:
+            out["step_profile"] = profile.as_dict()
+        json.dump(out, sys.stdout, indent=2)
         print()
         return
     r0 = results[0]
@@ -135,6 +150,10 @@ def _report(results: list[ThroughputResult], peak_gflops: float, dtype: str, as_
               f"{r0.spec_tokens_per_step:.2f} tokens per verify step")
     if _ratio(results):
         print(f"llmserve / {results[1].engine}: {_ratio(results):.2f}x output tokens/s")
+    if profile is not None:
+        from llmserve.bench.step_profile import format_profile
+
+        print(format_profile(profile))
 
 
 def _ratio(results: list[ThroughputResult]) -> float | None:

@@ -28,18 +28,27 @@ class BenchRequest:
 
 def synthetic_chat(tokenizer: PreTrainedTokenizerBase, template: ChatTemplate, num_prompts: int,
                    input_len: tuple[int, int], output_len: int, seed: int = 0) -> list[BenchRequest]:
-    """Chat prompts whose templated length is drawn uniformly from [input_len[0], input_len[1]] tokens."""
+    """Chat prompts whose templated length is drawn uniformly from [input_len[0], input_len[1]] tokens: at
+    most the drawn length, and short of it by less than one word (unless one word is already longer)."""
     rng = random.Random(seed)
     out = []
     for _ in range(num_prompts):
         target = rng.randint(*input_len)
         words: list[str] = []
         ids: list[int] = []
+
+        def encode(words: list[str]) -> tuple[str, list[int]]:
+            text = "Please write about: " + " ".join(words)
+            return text, tokenizer.encode(template.messages_to_prompt([{"role": "user", "content": text}]),
+                                          add_special_tokens=False)
+
         while len(ids) < target:
             words.extend(rng.choice(_WORDS) for _ in range(max(1, (target - len(ids)) // 2)))
-            text = "Please write about: " + " ".join(words)
-            ids = tokenizer.encode(template.messages_to_prompt([{"role": "user", "content": text}]),
-                                   add_special_tokens=False)
+            text, ids = encode(words)
+        # A tokenizer that splits words into several tokens overshoots: take words back off the end.
+        while len(ids) > target and len(words) > 1:
+            words.pop()
+            text, ids = encode(words)
         out.append(BenchRequest(ids, output_len, text))
     return out
 

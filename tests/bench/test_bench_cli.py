@@ -67,3 +67,72 @@ def test_concurrency_and_request_rate_exclude_each_other(capsys: pytest.CaptureF
         main(["bench", "serving", "--base-url", "http://127.0.0.1:1", "--concurrency", "2", "--request-rate", "3"])
     assert exit_.value.code == 2
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_throughput_json_counts_the_workload_and_profiles_every_step(tiny_model_dir: Callable[[str], str],
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", "throughput", tiny_model_dir("llama"), "--num-prompts", "6", "--input-len", "20:60",
+               "--output-len", "5", "--ignore-eos", "--num-blocks", "64", "--dtype", "float32", "--profile-steps",
+               "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    [r] = out["results"]
+    assert (r["engine"], r["num_requests"], r["output_tokens"]) == ("llmserve", 6, 30)  # ignore_eos: 6 x 5
+    assert 6 * 20 <= r["prompt_tokens"] <= 6 * 60 and r["gflop"] > 0 and r["elapsed_s"] > 0
+    assert r["output_tokens_per_s"] == pytest.approx(30 / r["elapsed_s"], rel=1e-6)
+    prof = out["step_profile"]
+    assert prof["steps"] >= 5  # at least one step per output token
+    phases = prof["phases"]
+    assert set(phases) == {"schedule", "prepare inputs", "linear", "decode attention", "attention", "other model ops",
+                           "LM head", "sampling", "outputs", "rest of step"}
+    for name in ("schedule", "prepare inputs", "linear", "decode attention", "attention", "LM head", "sampling",
+                 "outputs"):
+        assert phases[name]["seconds"] > 0, name
+    assert sum(p["share"] for p in phases.values()) == pytest.approx(1.0, abs=1e-5)
+    # exclusive timing: the phases add up to the steps' wall time, which the run's elapsed time contains
+    assert sum(p["seconds"] for p in phases.values()) <= r["elapsed_s"] + 1e-5
+
+
+def test_throughput_reads_sharegpt_and_runs_the_transformers_baseline(
+        tiny_model_dir: Callable[[str], str], tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = [{"conversations": [{"from": "human", "value": f"question {i} about rivers and towns"},
+                               {"from": "gpt", "value": "an answer " * (i + 1)}]} for i in range(5)]
+    data.append({"conversations": [{"from": "gpt", "value": "no human turn: skipped"}]})
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    rc = main(["bench", "throughput", tiny_model_dir("llama"), "--dataset", str(path), "--num-blocks", "64",
+               "--dtype", "float32", "--ignore-eos", "--baseline", "transformers", "--baseline-batch-size", "2",
+               "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    ours, theirs = out["results"]
+    assert (ours["engine"], theirs["engine"]) == ("llmserve", "transformers (batch 2)")
+    for key in ("num_requests", "prompt_tokens", "output_tokens", "gflop"):
+        assert ours[key] == theirs[key], key  # the same workload through both
+    assert ours["num_requests"] == 5  # the conversation without a human turn is skipped
+    # ignore_eos: each reply's token count is its output length (5 replies of 1..5 x "an answer ")
+    assert ours["output_tokens"] >= 15
+    assert out["ratio_vs_baseline"] == pytest.approx(ours["output_tokens_per_s"] / theirs["output_tokens_per_s"])
+
+
+def test_throughput_table_and_profile_text(tiny_model_dir: Callable[[str], str],
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", "throughput", tiny_model_dir("llama"), "--num-prompts", "3", "--input-len", "30",
+               "--output-len", "3", "--ignore-eos", "--num-blocks", "32", "--profile-steps"])
+    lines = capsys.readouterr().out.splitlines()
+    assert rc == 0
+    assert lines[0].startswith("workload: 3 requests, ") and lines[2].split()[0] == "llmserve"
+    split = lines.index(next(line for line in lines if line.startswith("step time split (")))
+    assert [line.split()[0] for line in lines[split + 1:]] == ["schedule", "prepare", "linear", "decode", "attention",
+                                                               "other", "LM", "sampling", "outputs", "rest"]
+    from llmserve.attention import native
+
+    assert native.paged_decode.__name__ == "paged_decode" and not hasattr(native.paged_decode, "__wrapped__")
+
+
+def test_throughput_refuses_an_unreadable_dataset(tiny_model_dir: Callable[[str], str], tmp_path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert main(["bench", "throughput", tiny_model_dir("llama"), "--dataset", str(bad), "--num-blocks", "16"]) == 2
+    assert "cannot read the dataset" in capsys.readouterr().err
