@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from llmserve.attention import registry
 from llmserve.attention.metadata import AttentionMetadata
+from llmserve.cpu_features import fp32_compute_for_bf16
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -39,17 +40,19 @@ def paged_attention(
     if nd:
         decode = registry.native_decode(q, kv_cache) or decode_attention
         out[:nd] = decode(q[:nd], kv_cache, meta, scale, sliding_window)
+    # bf16 prefill attention runs in fp32 on CPUs where that is faster (torch's bf16 SDPA: half the speed)
+    wide = torch.float32 if q.dtype == torch.bfloat16 and q.is_cpu and fp32_compute_for_bf16() else q.dtype
     for span in meta.prefills:
-        qs = q[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
+        qs = q[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0).to(wide)  # [1, heads, q_len, head_dim]
         if span.num_cached == 0 and (sliding_window is None or span.q_len <= sliding_window):
             # Fresh prompt: its keys are exactly this step's keys; plain causal attention.
-            ks = k[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0)
-            vs = v[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0)
+            ks = k[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0).to(wide)
+            vs = v[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0).to(wide)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            # [1, kv_heads, ctx, head_dim], widened to q's dtype when the cache is narrower
-            ks = flat[0].index_select(0, span.slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
-            vs = flat[1].index_select(0, span.slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
+            # [1, kv_heads, ctx, head_dim], widened to the compute dtype when the cache is narrower
+            ks = flat[0].index_select(0, span.slots).to(wide).transpose(0, 1).unsqueeze(0)
+            vs = flat[1].index_select(0, span.slots).to(wide).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask(sliding_window),
                                                scale=scale, enable_gqa=gqa)
         out[span.q_start:span.q_end] = o.squeeze(0).transpose(0, 1)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.attention import native
+from llmserve.cpu_features import fp32_compute_for_bf16
 
 
 class ShapeMismatch(ValueError):
@@ -54,7 +55,9 @@ class Linear(nn.Module):
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
 
-        self.packed: torch.Tensor | None = None  # oneDNN-blocked copy of the weight (CPU), see pack_for_cpu
+        # oneDNN-blocked copy of the weight (CPU), see pack_for_cpu; the plain weight is then freed, unless
+        # large matmuls take it to fp32 (bf16 on a CPU without AMX, see fp32_compute_for_bf16)
+        self.packed: torch.Tensor | None = None
         self.qweight: torch.Tensor | None = None  # int8 [out, in] replacing the weight, see quantize_int8
         self.scale: torch.Tensor | None = None  # fp32 [out]: weight ~= qweight * scale[:, None]
 
@@ -62,14 +65,19 @@ class Linear(nn.Module):
         if self.qweight is not None:
             return int8_linear(x, self.qweight, self.scale, self.bias)
         if self.packed is not None:
+            if self.weight is not None and x.dim() == 2 and x.shape[0] >= FP32_COMPUTE_MIN_ROWS:
+                return fp32_linear(x, self.weight, self.bias)
             return onednn_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def pack_for_cpu(self) -> None:
-        """Replace the weight by a oneDNN-blocked copy (the plain one is freed). Int8 layers stay as they are."""
+        """Add a oneDNN-blocked copy of the weight. The plain one is freed, except for bf16 weights on a CPU
+        whose bf16 matmuls are slower than fp32 (no AMX): large matmuls widen it to fp32 (+50% of weight
+        memory: bf16 held twice). Int8 layers stay as they are."""
         if self.qweight is None:
             self.packed = pack_weight(self.weight)
-            self.weight = None
+            if not (self.weight.dtype == torch.bfloat16 and fp32_compute_for_bf16()):
+                self.weight = None
 
     def quantize_int8(self) -> None:
         """Replace the weight by int8 with one symmetric fp32 scale per output row (the plain one is freed)."""
@@ -94,6 +102,20 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
+# A bf16 matmul of at least this many rows runs in fp32 on CPUs without AMX (fp32_compute_for_bf16);
+# widening the weight costs about one read of it. Measured over a SmolLM2-135M decoder's linears, 2 cores,
+# AVX512-BF16 Xeon: bf16 (blocked) vs fp32 widened, ms per forward: M = 64: 91 vs 88-107 (a wash);
+# M = 96: 177 vs 127; M = 128: 172-177 vs 125-139; M = 512: 653 vs 414; M = 2048: 2,580 vs 1,570.
+FP32_COMPUTE_MIN_ROWS = 96
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T (+ bias) with both widened to fp32, the result in x's dtype. Products of bf16 values
+    are exact in fp32 and the sums accumulate in fp32, as in a bf16 GEMM: only the summation order differs."""
+    y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[rows, cols] -> (int8 [rows, cols], fp32 [rows]): symmetric, each row's max |w| -> 127."""
     w = weight.detach().float()
@@ -104,7 +126,8 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # Which int8 path runs, by rows, from measurements on a 2-core AVX512-BF16 CPU (a whole decoder's
 # linears per step): the native VNNI kernel up to 32 rows (M = 1: 7.8 ms vs 13-15 for oneDNN bf16;
 # M = 16: 27 vs ~33); then, for bf16 activations, torch's int8 matmul up to 64 rows (at 16-36 rows
-# 2-5x faster than dequantizing); beyond, and for fp32/fp16, the weight dequantized into a matmul.
+# 2-5x faster than dequantizing); beyond, and for fp32/fp16, the weight dequantized into a matmul,
+# in fp32 for bf16 activations where that is faster (see FP32_COMPUTE_MIN_ROWS).
 INT8_KERNEL_MAX_ROWS = 32
 INT8PACK_MAX_ROWS = 64
 
@@ -121,6 +144,8 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         if x.dtype == torch.bfloat16 and rows <= INT8PACK_MAX_ROWS and hasattr(torch, "_weight_int8pack_mm"):
             y = torch._weight_int8pack_mm(x.contiguous(), qweight, scale.to(x.dtype))
             return y if bias is None else y + bias
+        if x.dtype == torch.bfloat16 and rows >= FP32_COMPUTE_MIN_ROWS and fp32_compute_for_bf16():
+            return fp32_linear(x, qweight.float() * scale[:, None], bias)
     return F.linear(x, qweight.to(x.dtype) * scale.to(x.dtype)[:, None], bias)
 
 
