@@ -16,6 +16,18 @@ def _built() -> None:
         pytest.skip("native paged decode extension did not build on this machine (see the warning log)")
 
 
+@pytest.fixture(params=["avx512", "avx2"], autouse=True)
+def kernel_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs on both of the kernel's paths: the AVX-512 one (where the CPU has it) and AVX2."""
+    if request.param == "avx512":
+        if not torch.cpu._is_avx512_supported():
+            pytest.skip("this CPU has no AVX-512")
+        monkeypatch.delenv("LLMSERVE_DECODE_AVX512", raising=False)
+    else:
+        monkeypatch.setenv("LLMSERVE_DECODE_AVX512", "0")
+    return request.param
+
+
 def _case(lens: list[int], heads: int, kv_heads: int, block_size: int, dtype: torch.dtype = torch.float32,
           seed: int = 0, head_dim: int = 64) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Random q and cache; each request gets distinct blocks drawn in random (non-contiguous) order."""
@@ -36,8 +48,10 @@ def _case(lens: list[int], heads: int, kv_heads: int, block_size: int, dtype: to
 LENS = [1, 5, 63, 64, 65, 128, 300, 517]  # single token, partial and exactly-full last blocks
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3)])
-@pytest.mark.parametrize("block_size", [16, 64])
+# GQA groups of 1, 3, 4 and 5 query heads (5: a pass of 4 heads then 1); block size 8: a block
+# shorter than the AVX-512 path's 16 keys of scores
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 2), (10, 2)])
+@pytest.mark.parametrize("block_size", [8, 16, 64])
 @pytest.mark.parametrize("window", [None, 1, 40, 200])
 def test_native_matches_torch_fp32(heads: int, kv_heads: int, block_size: int, window: int | None) -> None:
     q, kv_cache, meta = _case(LENS, heads, kv_heads, block_size)
@@ -67,7 +81,9 @@ def test_paged_attention_uses_native_unless_forced_to_torch(monkeypatch: pytest.
     assert registry.native_decode(q, kv_cache) is None
 
 
-@pytest.mark.parametrize("head_dim", [32, 128])  # 32: the generic (non-64-multiple) inner loops
+# 32, 48: multiples of 16, not 64 (the AVX-512 path's one-vector passes); 40: not a multiple of 16
+# (the AVX2 path even when AVX-512 is there); 128: two 64-wide passes
+@pytest.mark.parametrize("head_dim", [32, 40, 48, 128])
 def test_native_other_head_dims(head_dim: int) -> None:
     q, kv_cache, meta = _case(LENS, 9, 3, 16, seed=2, head_dim=head_dim)
     assert meta.decode_tables is not None and meta.decode_lens is not None
