@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -48,12 +49,39 @@ def load() -> ModuleType | None:
             try:
                 from torch.utils.cpp_extension import load as cpp_load
 
-                _module = cpp_load(name="llmserve_cpu_kernels", sources=[str(p) for p in _SOURCES],
-                                   extra_cflags=_cflags(), extra_ldflags=["-fopenmp"], verbose=False)
+                done = threading.Event()
+                threading.Thread(target=_watch_build_lock, args=(done,), daemon=True).start()
+                try:
+                    _module = cpp_load(name="llmserve_cpu_kernels", sources=[str(p) for p in _SOURCES],
+                                       extra_cflags=_cflags(), extra_ldflags=["-fopenmp"], verbose=False)
+                finally:
+                    done.set()
             except Exception as e:  # noqa: BLE001 - any build or link failure means "use the fallback"
                 _failed = True
                 log.warning("native CPU kernels unavailable, using torch: %s", e)
     return _module
+
+
+# A build that was killed (Ctrl-C, a test timeout) leaves torch's build lock behind, and torch waits on
+# it forever. No build takes anywhere near this long (~30-60 s), so a lock older than this is stale.
+STALE_LOCK_S = 300
+
+
+def _watch_build_lock(done: threading.Event, period_s: float = 5.0) -> None:
+    """While load() builds or waits for another process's build, remove the lock once it is stale."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory("llmserve_cpu_kernels", verbose=False)) / "lock"
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except OSError:
+            age = 0.0  # no lock: nobody is building
+        if age > STALE_LOCK_S:
+            log.warning("removing a stale build lock (%.0f s old) left by an interrupted build: %s", age, lock)
+            lock.unlink(missing_ok=True)
+        if done.wait(period_s):
+            return
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor,
