@@ -10,6 +10,7 @@ callers fall back to the torch reference.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -114,6 +115,12 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor | None:
     """(x [M, K] @ qweight[N, K]^T) * scale[N] (+ bias) in x's dtype, or None where the native kernel
     cannot run (not built, or a CPU without AVX-512)."""
-    if load() is None or not _module.int8_linear_supported():
+    if not _int8_kernel_usable():
         return None
     return _module.int8_linear(x, qweight, scale, bias)
+
+
+@functools.cache
+def _int8_kernel_usable() -> bool:
+    # Asked once: int8_linear runs per linear layer per step, and the answer cannot change.
+    return load() is not None and _module.int8_linear_supported()

@@ -7,6 +7,7 @@ attention layers) and the sampler. It never decides what to run; the scheduler d
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -140,10 +141,7 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     default 2 GiB); the pool becomes resident as it is used."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 

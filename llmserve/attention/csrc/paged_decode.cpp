@@ -145,6 +145,9 @@ struct Dims {
   int64_t heads, kv_heads, group, head_dim, block_size, max_blocks;
 };
 
+// Keys of a block rounded up to whole 16-key score vectors: the AVX-512 path's scratch row count.
+inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
+
 #ifdef LLMSERVE_AVX2  // (AVX-512 CPUs have AVX2, so the extension is built with -mavx2 there)
 // ---------------------------------------------------------------------------------------------
 // AVX-512 path (CPUs with AVX-512 F/BW/DQ, checked at run time; compiled through target attributes,
@@ -215,12 +218,6 @@ LLMSERVE_AVX512 inline __m512 hsum16x16(__m512* a) {
 // score in lane p.
 constexpr int kHsumOrder[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
 
-struct Scratch512 {
-  std::vector<float> k;       // [bs16, D] widened keys of the current block
-  std::vector<float> scores;  // [G, bs16]
-  std::vector<float> m, l;    // [G] running max and sum
-};
-
 // Scores of one head against the n16 keys of the scratch (rows of D floats): s[0:n16].
 LLMSERVE_AVX512 inline void qk16(const float* q, const float* k, int64_t n16, int64_t D, float* s) {
   for (int64_t t = 0; t < n16; t += 16) {
@@ -275,23 +272,20 @@ LLMSERVE_AVX512 inline void pv_heads(const float* p, int64_t p_stride, const T* 
 
 template <typename T>
 LLMSERVE_AVX512 void attend_one_512(const float* qs, const T* k_cache, const T* v_cache, const int64_t* table,
-                                   int64_t start, int64_t len, int64_t kvh, const Dims& dm, Scratch512& sc,
-                                   float* acc) {
+                                   int64_t start, int64_t len, int64_t kvh, const Dims& dm, float* acc,
+                                   float* kf, float* scores, float* m, float* l) {
+  // kf: [round16(BS), D] widened keys of the current block; scores: [G, round16(BS)]; m, l: [G].
   const int64_t G = dm.group, D = dm.head_dim, BS = dm.block_size;
-  const int64_t bs16 = (BS + 15) / 16 * 16;
+  const int64_t bs16 = round16(BS);
   const int64_t tok_stride = dm.kv_heads * D;
   const int64_t blk_stride = BS * tok_stride;
-  float* kf = sc.k.data();
-  float* scores = sc.scores.data();
-  float* m = sc.m.data();
-  float* l = sc.l.data();
   std::fill(m, m + G, -std::numeric_limits<float>::infinity());
   std::fill(l, l + G, 0.f);
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t b = start / BS; b * BS < len; ++b) {
     const int64_t t0 = std::max(start - b * BS, int64_t(0));
     const int64_t t1 = std::min(len - b * BS, BS);
-    const int64_t n = t1 - t0, n16 = (n + 15) / 16 * 16;
+    const int64_t n = t1 - t0, n16 = round16(n);
     const T* kb = k_cache + table[b] * blk_stride + kvh * D + t0 * tok_stride;
     const T* vb = v_cache + table[b] * blk_stride + kvh * D + t0 * tok_stride;
     for (int64_t t = 0; t < n; ++t)
@@ -345,12 +339,9 @@ bool avx512_decode_supported() {
 }
 #else
 bool avx512_decode_supported() { return false; }
-struct Scratch512 {
-  std::vector<float> k, scores, m, l;
-};
 template <typename T>
 void attend_one_512(const float*, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, const Dims&,
-                    Scratch512&, float*) {}
+                    float*, float*, float*, float*, float*) {}
 #endif
 
 // Attention of the `group` query heads sharing KV head `kvh` of one request over keys
@@ -419,15 +410,10 @@ void paged_decode_impl(const TQ* q, const T* k_cache, const T* v_cache, const in
   const bool wide = D % 16 == 0 && avx512_decode_supported();
   at::parallel_for(0, nd * dm.kv_heads, 1, [&](int64_t begin, int64_t end) {
     // Per-thread scratch, reused across this thread's (request, kv_head) items.
-    std::vector<float> qs(G * D), acc(G * D), scores(G * dm.block_size), m(G), l(G);
-    Scratch512 sc;
-    if (wide) {
-      const int64_t bs16 = (dm.block_size + 15) / 16 * 16;
-      sc.k.resize(bs16 * D);
-      sc.scores.resize(G * bs16);
-      sc.m.resize(G);
-      sc.l.resize(G);
-    }
+    // The AVX-512 path scores whole 16-key vectors and widens a block's keys into kf first.
+    const int64_t score_cols = wide ? round16(dm.block_size) : dm.block_size;
+    std::vector<float> qs(G * D), acc(G * D), scores(G * score_cols), m(G), l(G);
+    std::vector<float> kf(wide ? score_cols * D : 0);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t r = w / dm.kv_heads, kvh = w % dm.kv_heads;
       const int64_t len = lens[r];
@@ -436,7 +422,8 @@ void paged_decode_impl(const TQ* q, const T* k_cache, const T* v_cache, const in
       const TQ* qr = q + (r * dm.heads + head0) * D;
       for (int64_t i = 0; i < G * D; ++i) qs[i] = static_cast<float>(qr[i]) * static_cast<float>(scale);
       if (wide)
-        attend_one_512(qs.data(), k_cache, v_cache, tables + r * dm.max_blocks, start, len, kvh, dm, sc, acc.data());
+        attend_one_512(qs.data(), k_cache, v_cache, tables + r * dm.max_blocks, start, len, kvh, dm, acc.data(),
+                       kf.data(), scores.data(), m.data(), l.data());
       else
         attend_one(qs.data(), k_cache, v_cache, tables + r * dm.max_blocks, start, len, kvh, dm, acc.data(),
                    scores.data(), m.data(), l.data());
