@@ -111,8 +111,7 @@ class Pipeline:
         `end_session_id` frees it)."""
         batch, _ = _as_batch(prompts)
         gen = self._gen_config(gen_config, gen_kwargs)
-        if session_id is not None and (len(batch) != 1 or gen.n != 1 or gen.use_beam_search
-                                       or (gen.best_of or 1) != 1):
+        if session_id is not None and (len(batch) != 1 or not gen.single_sequence):
             raise InvalidRequestError("session_id continues one sequence: give one prompt, with n=1 and no "
                                       "best_of or beam search", param="session_id")
         for r, _ in self._generate(batch, gen, do_preprocess, session_id):
@@ -121,29 +120,35 @@ class Pipeline:
     def chat(self, prompt: str, session: Session | None = None, gen_config: GenerationConfig | None = None,
              **gen_kwargs: Any) -> Session:
         """One turn of a conversation: the prompt sees every earlier turn of `session`."""
-        session = session or Session(session_id=next(self._ids))
+        session = session or self.new_session()
         messages = [*session.history, {"role": "user", "content": prompt}]
         text = self.chat_template.messages_to_prompt(messages)
-        prompt_ids = self._session_prompt_ids(session, text)
+        prompt_ids = self.session_prompt_ids(session, text)
         gen = self._gen_config(gen_config, gen_kwargs)
-        # An engine session continues one sequence: n > 1, best_of and beam search run without one.
-        single = gen.n == 1 and not gen.use_beam_search and (gen.best_of or 1) == 1
-        response = self._collect([{"input_ids": prompt_ids}], gen, True,
-                                 _engine_session_id(session) if single else None)[0]
-        session.history = [*messages, {"role": "assistant", "content": response.text}]
+        response = self._collect([{"input_ids": prompt_ids}], gen, True, engine_session_id(session, gen))[0]
+        self.record_turn(session, messages, text, prompt_ids, response.text, response.token_ids)
         session.response = response
-        # The answer's ids stand for its text only if they decode to exactly it: a stop string cut
-        # from the text (its ids stay) or skipped special tokens break that; the next turn then
-        # tokenizes the whole chat again.
-        in_sync = self.tokenizer.decode(response.token_ids, skip_special_tokens=False) == response.text
-        session.token_ids = prompt_ids + response.token_ids if in_sync else []
-        session.text = text + response.text if in_sync else ""
         return session
+
+    def new_session(self) -> Session:
+        """A fresh conversation for `chat` (or for a caller that streams its own turns, see record_turn)."""
+        return Session(session_id=next(self._ids))
+
+    def record_turn(self, session: Session, messages: Messages, text: str, prompt_ids: list[int], answer: str,
+                    answer_ids: list[int]) -> None:
+        """After a turn: `messages` (ending with the user's) rendered as `text` and sent as `prompt_ids`
+        (from session_prompt_ids) got `answer` with `answer_ids`. The answer's ids stand for its text only
+        if they decode to exactly it: a stop string cut from the text (its ids stay) or skipped special
+        tokens break that, and the next turn then tokenizes the whole chat again."""
+        session.history = [*messages, {"role": "assistant", "content": answer}]
+        in_sync = self.tokenizer.decode(answer_ids, skip_special_tokens=False) == answer
+        session.token_ids = prompt_ids + answer_ids if in_sync else []
+        session.text = text + answer if in_sync else ""
 
     def end_session(self, session: Session) -> bool:
         """Free the KV the engine keeps for this chat session; False if it kept none (never stored,
         already ended, or evicted). The Session object stays usable: its next turn recomputes."""
-        return self.end_session_id(_engine_session_id(session))
+        return self.end_session_id(engine_session_id(session))
 
     def end_session_id(self, session_id: str) -> bool:
         """end_session for a `stream_infer(..., session_id=...)` conversation."""
@@ -171,7 +176,7 @@ class Pipeline:
             changes["temperature"] = 0.0
         return (gen_config or self.default_gen_config).replace(**changes)
 
-    def _session_prompt_ids(self, session: Session, text: str) -> list[int]:
+    def session_prompt_ids(self, session: Session, text: str) -> list[int]:
         """The session's ids followed by the tokens of what the template rendered after them.
 
         Only the new text is tokenized, so earlier answers keep the ids they were generated as (a
@@ -251,8 +256,10 @@ def _as_batch(prompts: Any) -> tuple[list[Prompt], bool]:
     return list(prompts), False
 
 
-def _engine_session_id(session: Session) -> str:
-    return f"chat-{session.session_id}"
+def engine_session_id(session: Session, gen: GenerationConfig | None = None) -> str | None:
+    """The engine session a chat session's turns run under; None for a turn that samples several
+    sequences (n > 1, best_of, beam search), which runs without one."""
+    return f"chat-{session.session_id}" if gen is None or gen.single_sequence else None
 
 
 def _response(out: SequenceOutput, index: int, session_id: int) -> Response:

@@ -11,13 +11,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import uuid
 from contextlib import closing
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from llmserve.api import Pipeline, pipeline
-from llmserve.chat_template import Messages
+from llmserve.api import Pipeline, Session, engine_session_id, pipeline
 from llmserve.config import EngineConfig, GenerationConfig
 from llmserve.errors import LLMServeError, PromptTooLongError
 
@@ -52,36 +50,40 @@ class ChatSession:
     pipe: Pipeline
     gen: GenerationConfig
     out: TextIO
-    history: Messages = field(default_factory=list)
-    # The engine session the turns run under: it keeps the conversation's KV, so a turn prefills only
-    # what it adds (where the re-tokenized history matches the kept tokens). /reset starts a new one.
-    session_id: str = field(default_factory=lambda: f"cli-{uuid.uuid4().hex}")
+    # The conversation, kept as Pipeline.chat keeps it: its turns run under an engine session that holds
+    # their KV, and each prompt is the ids the engine already has plus the new turn's tokens, so a
+    # turn prefills only what it adds. /reset frees it and starts a new one.
+    session: Session = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.session = self.pipe.new_session()
 
     def reset(self) -> None:
-        self.pipe.end_session_id(self.session_id)
-        self.session_id = f"cli-{uuid.uuid4().hex}"
-        self.history = []
+        self.pipe.end_session(self.session)
+        self.session = self.pipe.new_session()
 
     def ask(self, text: str) -> TurnStats:
         """Stream the answer to `text` given every earlier turn. The turn joins the history only
         when the engine accepted it; an interrupted answer is kept as far as it got (the user saw it).
         Raises LLMServeError (history unchanged) for a turn the engine refuses."""
-        messages = [*self.history, {"role": "user", "content": text}]
-        prompt_ids = self.pipe.tokenizer.encode(self.pipe.chat_template.messages_to_prompt(messages),
-                                                add_special_tokens=False)
+        messages = [*self.session.history, {"role": "user", "content": text}]
+        rendered = self.pipe.chat_template.messages_to_prompt(messages)
+        prompt_ids = self.pipe.session_prompt_ids(self.session, rendered)
         gen = self._fit_to_context(len(prompt_ids))
         answer: list[str] = []
+        answer_ids: list[int] = []
         clock = _Clock()
         output_tokens, finish = 0, "interrupted"
         try:
             with closing(self.pipe.stream_infer({"input_ids": prompt_ids}, gen_config=gen,
-                                                session_id=self.session_id)) as stream:
+                                                session_id=engine_session_id(self.session, gen))) as stream:
                 for r in stream:
                     if r.token_ids:
                         clock.token()
                     self.out.write(r.text)
                     self.out.flush()
                     answer.append(r.text)
+                    answer_ids.extend(r.token_ids)
                     output_tokens = r.generate_token_len
                     finish = r.finish_reason or finish
         except KeyboardInterrupt:
@@ -91,7 +93,7 @@ class ChatSession:
                 self.out.write("\n")
                 self.out.flush()
         if finish != "interrupted" or any(answer):  # a turn stopped before its first word is forgotten
-            self.history = [*messages, {"role": "assistant", "content": "".join(answer)}]
+            self.pipe.record_turn(self.session, messages, rendered, prompt_ids, "".join(answer), answer_ids)
         return TurnStats(len(prompt_ids), output_tokens, finish, clock.ttft(), clock.rate(output_tokens))
 
     def _fit_to_context(self, prompt_len: int) -> GenerationConfig:

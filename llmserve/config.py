@@ -137,6 +137,11 @@ class GenerationConfig:
         return self.beam_width or self.best_of or self.n
 
     @property
+    def single_sequence(self) -> bool:
+        """One sequence per prompt: no n > 1, best_of or beam search (what an engine session continues)."""
+        return self.n == 1 and not self.use_beam_search and (self.best_of or 1) == 1
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 

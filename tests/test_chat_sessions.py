@@ -96,9 +96,9 @@ def test_a_rendering_that_rewrites_earlier_turns_falls_back_to_full_tokenization
     with chat_pipe(tiny_model_dir, num_blocks=64) as pipe:
         stale = Session(session_id=1, token_ids=[5, 6, 7], text="<|im_start|>system\nold")
         text = pipe.chat_template.messages_to_prompt([{"role": "user", "content": TURN1}])
-        assert pipe._session_prompt_ids(stale, text) == pipe.tokenizer.encode(text, add_special_tokens=False)
+        assert pipe.session_prompt_ids(stale, text) == pipe.tokenizer.encode(text, add_special_tokens=False)
         matching = Session(session_id=2, token_ids=[5, 6, 7], text=text[:10])
-        assert pipe._session_prompt_ids(matching, text) == [5, 6, 7] + pipe.tokenizer.encode(
+        assert pipe.session_prompt_ids(matching, text) == [5, 6, 7] + pipe.tokenizer.encode(
             text[10:], add_special_tokens=False)
 
 
@@ -113,6 +113,17 @@ def test_answer_ids_are_kept_even_where_a_re_tokenization_would_merge_them(tiny_
                           text=text1 + "Hello")
         text2 = pipe.chat_template.messages_to_prompt(
             [*turn1, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": TURN2}])
-        ids = pipe._session_prompt_ids(session, text2)
+        ids = pipe.session_prompt_ids(session, text2)
     assert ids[:len(session.token_ids)] == session.token_ids  # every block of turn 1 can be hit
     assert ids != encode(text2, add_special_tokens=False)
+
+
+def test_stream_infer_refuses_a_session_over_several_sequences(tiny_model_dir):
+    from llmserve.errors import InvalidRequestError
+
+    with chat_pipe(tiny_model_dir, num_blocks=64) as pipe:
+        for prompts, gen in ((["a", "b"], GREEDY), ("a", GREEDY.replace(n=2)),
+                             ("a", GREEDY.replace(use_beam_search=True, beam_width=2))):
+            with pytest.raises(InvalidRequestError, match="session_id continues one sequence"):
+                next(pipe.stream_infer(prompts, gen_config=gen, session_id="x"))
+        assert len(pipe.engine.sessions) == 0 and pipe.engine.kv.usage().in_use == 0

@@ -372,7 +372,7 @@ class LLMEngine:
         if not isinstance(session_id, str) or not session_id:
             raise InvalidRequestError(f"session_id: expected a non-empty string, got {session_id!r}",
                                       param="session_id")
-        if gen.n > 1 or gen.use_beam_search or (gen.best_of or 1) > 1:
+        if not gen.single_sequence:
             raise InvalidRequestError("session_id: a session continues one sequence; it cannot be combined with "
                                       "n > 1, best_of or beam search", param="session_id")
 
