@@ -93,6 +93,7 @@ class EngineStats:
     num_sessions: int = 0  # sessions keeping KV between turns
     session_blocks: int = 0  # KV blocks they hold (idle sessions; a running turn's are its own)
     session_hit_tokens: int = 0  # prompt tokens served from sessions, since start
+    sessions_evicted: int = 0  # sessions evicted (count bound, TTL or memory), since start
 
 
 class AsyncEngine:
@@ -244,4 +245,4 @@ class AsyncEngine:
                            kv.prefix_stats.queried_tokens, kv.prefix_stats.hit_tokens, spec.num_draft_tokens,
                            spec.num_accepted_tokens, spec.num_drafts, spec.num_emitted_tokens,
                            sched.num_prefill_tokens, sessions.num_sessions, sessions.num_blocks,
-                           sessions.hit_tokens)
+                           sessions.hit_tokens, sessions.num_evicted)

@@ -168,9 +168,16 @@ class SessionStore:
         return False
 
     def expire(self) -> None:
-        """Evict idle sessions unused for longer than the TTL."""
+        """Evict idle sessions unused for longer than the TTL. Runs every step: the store is in last-used
+        order, so the walk stops at the first session still within it."""
         now = self.clock()
-        for s in [s for s in self._sessions.values() if s.holder is None and now - s.last_used > self.ttl]:
+        expired = []
+        for s in self._sessions.values():
+            if now - s.last_used <= self.ttl:
+                break
+            if s.holder is None:  # a running turn's session does not expire under it
+                expired.append(s)
+        for s in expired:
             self._evict(s)
 
     def _evict_oldest_idle(self, keep: str) -> bool:
@@ -191,9 +198,8 @@ class SessionStore:
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    n = 0
-    for x, y in zip(a[:limit], b[:limit]):
-        if x != y:
-            break
-        n += 1
+    n = min(limit, len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
     return n

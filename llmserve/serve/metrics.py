@@ -120,13 +120,16 @@ class _EngineGauges(Collector):
                                   value=float(s.prefix_queried_tokens))
         yield CounterMetricFamily("llmserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                   value=float(s.prefix_hit_tokens))
-        # Prompt tokens whose K/V the engine computed, against llmserve:prompt_tokens (every prompt
-        # token): the difference is what prefix-cache, session and shared-prompt hits saved.
+        # Prompt tokens whose K/V the engine computed, engine-wide; set against the prompt tokens served
+        # it shows what hits save, but it also counts recomputation after preemption.
         yield CounterMetricFamily("llmserve:prompt_tokens_computed", "Prompt tokens whose K/V was computed "
                                   "(hits excluded; recomputation after preemption included).",
                                   value=float(s.prefill_tokens))
         yield CounterMetricFamily("llmserve:session_hit_tokens", "Prompt tokens served from a session's kept KV.",
                                   value=float(s.session_hit_tokens))
+        yield CounterMetricFamily("llmserve:sessions_evicted", "Sessions evicted before they were closed (count "
+                                  "bound, TTL or memory pressure); their next turn recomputes.",
+                                  value=float(s.sessions_evicted))
         # Speculative decoding (vLLM's spec_decode_* names): acceptance rate = accepted / draft tokens,
         # mean tokens per verify step = emitted / drafts.
         for name, doc, value in (

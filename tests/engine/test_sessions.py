@@ -15,6 +15,7 @@ from llmserve.sampling.params import SamplingParams
 from tests.engine.test_scheduler import plan, run_step
 
 PROMPT = list(range(1, 11))  # 10 tokens: blocks of 4 -> 2 full + 2 in the third
+TURN2 = PROMPT + [7, 7, 20]  # turn 1's prompt, its answer token 7, then the new user tokens
 
 
 class Clock:
@@ -130,7 +131,7 @@ def test_session_works_alongside_the_prefix_cache():
     assert other.num_computed_tokens == 8 and kv.block_table("other")[:2] == [0, 1]
     assert [kv.blocks[i].ref_count for i in range(3)] == [2, 2, 1]
     run_step(s, out)
-    b = sreq("s-2", PROMPT + [7, 7, 20])
+    b = sreq("s-2", TURN2)
     s.add_request(b)
     out = s.schedule()
     assert plan(out) == [("other", 1), ("s-2", 2)]  # block 2 (unhashed, the session's alone) written in place
@@ -164,6 +165,23 @@ def test_idle_sessions_expire_after_the_ttl():
     clock.now = 15.5
     store.expire()
     assert len(store) == 0 and kv.usage().in_use == 0
+    kv.check_invariants()
+
+
+def test_expiry_walks_past_a_running_turns_session_and_stops_at_a_fresh_one():
+    kv, s, store, clock = setup(num_blocks=32, ttl=10.0)
+    turn1(s, "y")
+    clock.now = 1.0
+    turn1(s, "x")
+    clock.now = 2.0
+    running = sreq("x-2", TURN2, session="x")
+    s.add_request(running)
+    run_step(s, s.schedule())  # x's next turn holds it (last used at 2)
+    clock.now = 12.5
+    turn1(s, "z")
+    clock.now = 13.0  # y and x are past the TTL, z is not
+    store.expire()
+    assert "y" not in store and "x" in store and "z" in store  # a held session never expires under its turn
     kv.check_invariants()
 
 
@@ -204,7 +222,7 @@ def test_running_requests_evict_idle_sessions_before_anyone_is_preempted():
 def test_a_session_in_use_is_not_evictable_and_a_second_request_runs_without_it():
     kv, s, store, _ = setup(num_blocks=16)
     turn1(s)
-    b = sreq("s-2", PROMPT + [7, 7, 20])
+    b = sreq("s-2", TURN2)
     c = sreq("s-3", PROMPT + [7, 7, 30])  # the same session, concurrently
     s.add_request(b)
     s.add_request(c)
@@ -216,14 +234,14 @@ def test_a_session_in_use_is_not_evictable_and_a_second_request_runs_without_it(
     s.finish(c, RequestStatus.FINISHED_LENGTH)  # finishes while b holds the session: not kept
     assert kv.usage().in_use == 4 and store.token_ids("s") == []
     s.finish(b, RequestStatus.FINISHED_LENGTH)
-    assert store.token_ids("s") == PROMPT + [7, 7, 20] and kv.held_table("s") == [0, 1, 2, 3]
+    assert store.token_ids("s") == TURN2 and kv.held_table("s") == [0, 1, 2, 3]
     kv.check_invariants()
 
 
 def two_concurrent_turns(s: Scheduler, max_new_second: int) -> tuple[Request, Request]:
     """Turn 1, then two turns on the same session admitted in one step: the first takes the session."""
     turn1(s)
-    b = sreq("s-2", PROMPT + [7, 7, 20], max_new=1)
+    b = sreq("s-2", TURN2, max_new=1)
     c = sreq("s-3", PROMPT + [7, 7, 30], max_new=max_new_second)
     s.add_request(b)
     s.add_request(c)
@@ -243,12 +261,18 @@ def test_last_finished_turn_wins():
     kv.check_invariants()
 
 
-def test_abort_frees_the_turn_and_the_session_it_took():
-    kv, s, store, _ = setup()
+def running_turn2(s: Scheduler) -> Request:
+    """Turn 1 finished, then turn 2 admitted and run one step: it holds the session."""
     turn1(s)
-    b = sreq("s-2", PROMPT + [7, 7, 20], max_new=4)
+    b = sreq("s-2", TURN2)
     s.add_request(b)
     run_step(s, s.schedule())
+    return b
+
+
+def test_abort_frees_the_turn_and_the_session_it_took():
+    kv, s, store, _ = setup()
+    b = running_turn2(s)
     assert kv.usage().in_use == 4
     s.finish(b, RequestStatus.FINISHED_ABORTED)
     assert "s" not in store and kv.usage().in_use == 0
@@ -258,7 +282,7 @@ def test_abort_frees_the_turn_and_the_session_it_took():
 def test_abort_of_a_queued_turn_leaves_the_session_as_it_was():
     kv, s, store, _ = setup()
     turn1(s)
-    b = sreq("s-2", PROMPT + [7, 7, 20])
+    b = sreq("s-2", TURN2)
     s.add_request(b)
     s.finish(b, RequestStatus.FINISHED_ABORTED)
     assert kv.held_table("s") == [0, 1, 2] and store.token_ids("s") == PROMPT + [7]
@@ -267,10 +291,7 @@ def test_abort_of_a_queued_turn_leaves_the_session_as_it_was():
 
 def test_close_while_a_turn_runs_frees_that_turn_when_it_ends():
     kv, s, store, _ = setup()
-    turn1(s)
-    b = sreq("s-2", PROMPT + [7, 7, 20])
-    s.add_request(b)
-    run_step(s, s.schedule())
+    b = running_turn2(s)
     assert store.close("s") and not store.close("s")
     s.finish(b, RequestStatus.FINISHED_LENGTH)
     assert "s" not in store and kv.usage().in_use == 0

@@ -24,6 +24,9 @@ METRIC_FAMILIES = {
     "llmserve:prefix_cache_queries_total": "counter", "llmserve:prefix_cache_hits_total": "counter",
     "llmserve:spec_decode_num_draft_tokens_total": "counter", "llmserve:spec_decode_num_accepted_tokens_total": "counter",
     "llmserve:spec_decode_num_drafts_total": "counter", "llmserve:spec_decode_num_emitted_tokens_total": "counter",
+    "llmserve:num_sessions": "gauge", "llmserve:session_kv_blocks": "gauge",
+    "llmserve:prompt_tokens_computed_total": "counter", "llmserve:session_hit_tokens_total": "counter",
+    "llmserve:sessions_evicted_total": "counter",
 }
 
 
@@ -107,6 +110,23 @@ def test_prefix_cache_counters_expose_the_engine_token_counts() -> None:
     assert "llmserve:prefix_cache_queries_total 100.0" in lines
     assert "llmserve:prefix_cache_hits_total 50.0" in lines
     assert "llmserve:prefix_cache_hit_rate 0.5" in lines
+
+
+def test_session_metrics_expose_the_engine_counts() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from llmserve.engine.async_engine import EngineStats
+    from llmserve.serve.metrics import _EngineGauges
+
+    registry = CollectorRegistry()
+    registry.register(_EngineGauges(lambda: EngineStats(1, 0, 8, 2, 0.5, 3, prefill_tokens=70, num_sessions=4,
+                                                        session_blocks=6, session_hit_tokens=30,
+                                                        sessions_evicted=2)))
+    lines = generate_latest(registry).decode().splitlines()
+    for line in ("llmserve:num_sessions 4.0", "llmserve:session_kv_blocks 6.0",
+                 "llmserve:prompt_tokens_computed_total 70.0", "llmserve:session_hit_tokens_total 30.0",
+                 "llmserve:sessions_evicted_total 2.0"):
+        assert line in lines
 
 
 def test_speculative_server_same_answers_and_acceptance_metrics(server: RunningServer, tiny_model_dir) -> None:
