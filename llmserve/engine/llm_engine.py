@@ -40,6 +40,10 @@ class _Tracked:
     detok: IncrementalDetokenizer
 
 
+# Session ids are keys the engine keeps while the session lives: bounded, like any client-chosen key.
+MAX_SESSION_ID_CHARS = 256
+
+
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.loaded = loaded
@@ -369,9 +373,11 @@ class LLMEngine:
     def _validate_session(session_id: str | None, gen: GenerationConfig) -> None:
         if session_id is None:
             return
-        if not isinstance(session_id, str) or not session_id:
-            raise InvalidRequestError(f"session_id: expected a non-empty string, got {session_id!r}",
-                                      param="session_id")
+        if not isinstance(session_id, str) or not 0 < len(session_id) <= MAX_SESSION_ID_CHARS:
+            got = (f"a {len(session_id)}-character string" if isinstance(session_id, str) and session_id
+                   else repr(session_id))
+            raise InvalidRequestError(f"session_id: expected a non-empty string of at most {MAX_SESSION_ID_CHARS} "
+                                      f"characters, got {got}", param="session_id")
         if not gen.single_sequence:
             raise InvalidRequestError("session_id: a session continues one sequence; it cannot be combined with "
                                       "n > 1, best_of or beam search", param="session_id")

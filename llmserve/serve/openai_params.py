@@ -74,17 +74,12 @@ def completion_prompts(model: ServedModel, prompt: str | list[str] | list[int] |
             for p in prompt]
 
 
-MAX_SESSION_ID_CHARS = 256
-
-
 def session_id_of(req: SamplingRequest, num_prompts: int = 1) -> str | None:
-    """The body's session_id as the engine's key (its text: 5 and "5" are one session)."""
+    """The body's session_id as the engine's key (its text: 5 and "5" are one session). The engine checks
+    the key itself (non-empty, bounded length) and the sampling settings a session allows."""
     if req.session_id is None:
         return None
     key = str(req.session_id)
-    if not 0 < len(key) <= MAX_SESSION_ID_CHARS:
-        raise ApiError(400, f"session_id: must be a non-empty string (at most {MAX_SESSION_ID_CHARS} characters) "
-                            "or an integer", param="session_id")
     if num_prompts > 1:
         raise ApiError(400, f"session_id: a session continues one conversation; send one prompt, not {num_prompts}",
                        param="session_id")

@@ -11,18 +11,25 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from llmserve.serve.errors import ApiError
+from llmserve.serve.errors import error_response
 from llmserve.serve.state import ServerState
 
 router = APIRouter()
 
 
-@router.delete("/v1/sessions/{session_id}")
+# :path, so an id containing "/" (accepted in a request body) can be closed too.
+@router.delete("/v1/sessions/{session_id:path}")
 async def close_session(session_id: str, request: Request) -> JSONResponse:
     state: ServerState = request.app.state.llm
     engine, _ = state.ready()
-    if not await engine.call(lambda e: e.end_session(session_id)):
-        raise ApiError(404, f"session {session_id!r} does not exist: never used, already closed, or evicted "
-                            "(requests with its id still work; they prefill the whole history)",
-                       param="session_id", code="session_not_found")
-    return JSONResponse({"id": session_id, "object": "session", "deleted": True})
+    closed, enabled = await engine.call(lambda e: (e.end_session(session_id), e.sessions.max_sessions > 0))
+    if closed:
+        return JSONResponse({"id": session_id, "object": "session", "deleted": True})
+    # Returned, not raised: this is not a refused generation request, so it is not counted as one.
+    if not enabled:
+        message = ("sessions are off on this server (llmserve serve --max-sessions 0): no KV is kept between "
+                   "turns, so there is nothing to close")
+    else:
+        message = (f"session {session_id!r} does not exist: never used, already closed, or evicted (requests "
+                   "with its id still work; they prefill the whole history)")
+    return error_response(request.url.path, 404, message, "session_id", "session_not_found")

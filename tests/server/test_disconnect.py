@@ -16,8 +16,6 @@ LONG = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Count t
         "temperature": 0, "ignore_eos": True}
 
 
-
-
 def _kv(server: RunningServer) -> dict:
     return httpx.get(server.url + "/debug/kv").json()
 

@@ -167,19 +167,42 @@ def test_an_aborted_turn_leaves_no_blocks_held(server: RunningServer, handle: En
 
 
 def test_closing_an_unknown_session_is_a_404_in_openai_format(server: RunningServer) -> None:
+    rejected = server.metric("llmserve:requests_rejected_total", status="404")
     r = close(server, "nope")
     assert r.status_code == 404
+    # not a refused generation request: the rejection counter is left alone
+    assert server.metric("llmserve:requests_rejected_total", status="404") == rejected
     assert r.json() == {"error": {
         "message": "session 'nope' does not exist: never used, already closed, or evicted (requests with its id "
                    "still work; they prefill the whole history)",
         "type": "invalid_request_error", "param": "session_id", "code": "session_not_found"}}
 
 
+def test_a_session_id_with_a_slash_can_be_closed(client: openai.OpenAI, server: RunningServer,
+                                                 handle: EngineHandle) -> None:
+    chat(client, TURN1, session="user/42")
+    assert handle.call(lambda e: "user/42" in e.sessions)
+    assert close(server, "user%2F42").json() == {"id": "user/42", "object": "session", "deleted": True}
+    assert close(server, "user/42").status_code == 404  # gone; the plain path reaches the route too
+    assert httpx.get(server.url + "/debug/kv").json()["in_use"] == 0
+
+
+def test_closing_a_session_where_sessions_are_off_says_so(tiny_model_dir: Callable[[str], str]) -> None:
+    with engine_for(tiny_model_dir("llama"), name="tiny-llama", num_blocks=16, block_size=16,
+                    max_sessions=0) as h, running_server(h) as off:
+        r = close(off, "conv")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+        assert r.json()["error"]["message"].startswith("sessions are off on this server (llmserve serve "
+                                                       "--max-sessions 0)")
+
+
 @pytest.mark.parametrize("extra, message", [
     ({"session_id": 1.5}, "session_id"),
     ({"session_id": ["a"]}, "session_id"),
     ({"session_id": True}, "session_id"),
-    ({"session_id": ""}, "session_id: must be a non-empty string (at most 256 characters) or an integer"),
+    ({"session_id": ""}, "session_id: expected a non-empty string of at most 256 characters, got ''"),
+    ({"session_id": "x" * 257}, "session_id: expected a non-empty string of at most 256 characters, got a "
+                                "257-character string"),
     ({"session_id": "s", "n": 2}, "session_id: a session continues one sequence; it cannot be combined with "
                                   "n > 1, best_of or beam search"),
 ])
@@ -197,8 +220,10 @@ def test_several_prompts_with_one_session_are_refused(server: RunningServer) -> 
     assert r.json()["error"]["message"] == "session_id: a session continues one conversation; send one prompt, not 2"
 
 
-def test_serve_cli_has_the_session_flags() -> None:
-    from llmserve.cli import build_parser
+def test_serve_cli_session_flags_reach_the_engine_config() -> None:
+    from llmserve.cli import build_parser, dataclass_from_args
+    from llmserve.config import EngineConfig
 
     args = build_parser().parse_args(["serve", "--max-sessions", "3", "--session-ttl", "2.5"])
-    assert (args.max_sessions, args.session_ttl) == (3, 2.5)
+    config = dataclass_from_args(EngineConfig, args)
+    assert (config.max_sessions, config.session_ttl) == (3, 2.5)
