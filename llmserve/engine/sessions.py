@@ -136,7 +136,7 @@ class SessionStore:
         if s is not None and s.holder is not None:
             return False
         if s is None:
-            if len(self._sessions) >= self.max_sessions and not self._evict_oldest_idle(keep=sid):
+            if len(self._sessions) >= self.max_sessions and not self._evict_first_idle(sid, need_blocks=False):
                 return False
             s = self._sessions[sid] = Session(sid, self.clock())
         self.kv.release_held(sid)  # an earlier turn's content, when this turn ran without claiming it
@@ -161,11 +161,7 @@ class SessionStore:
     def evict_lru(self, keep: str | None = None) -> bool:
         """Memory pressure: evict the least recently used idle session that holds blocks (never
         `keep`, the session of the request being placed). False when there is none."""
-        for s in self._sessions.values():
-            if s.holder is None and s.session_id != keep and self.kv.held_table(s.session_id):
-                self._evict(s)
-                return True
-        return False
+        return self._evict_first_idle(keep, need_blocks=True)
 
     def expire(self) -> None:
         """Evict idle sessions unused for longer than the TTL. Runs every step: the store is in last-used
@@ -180,12 +176,13 @@ class SessionStore:
         for s in expired:
             self._evict(s)
 
-    def _evict_oldest_idle(self, keep: str) -> bool:
-        """Count bound: evict the least recently used idle session, with or without blocks."""
-        s = next((s for s in self._sessions.values() if s.holder is None and s.session_id != keep), None)
-        if s is not None:
-            self._evict(s)
-        return s is not None
+    def _evict_first_idle(self, keep: str | None, need_blocks: bool) -> bool:
+        """Evict the least recently used idle session other than `keep` (with blocks, if need_blocks)."""
+        for s in self._sessions.values():
+            if s.holder is None and s.session_id != keep and (not need_blocks or self.kv.held_table(s.session_id)):
+                self._evict(s)
+                return True
+        return False
 
     def _evict(self, s: Session) -> None:
         del self._sessions[s.session_id]

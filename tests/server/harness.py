@@ -49,6 +49,10 @@ class RunningServer:
                 return float(line.rsplit(" ", 1)[1])
         return 0.0
 
+    def kv(self) -> dict:
+        """The engine's KV report (GET /debug/kv: in_use, invariants_ok, unfinished_requests, ...)."""
+        return httpx.get(self.url + "/debug/kv", headers=self.headers).json()
+
     @property
     def headers(self) -> dict[str, str]:
         keys = self.state.config.api_keys

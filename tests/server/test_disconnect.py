@@ -16,10 +16,6 @@ LONG = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Count t
         "temperature": 0, "ignore_eos": True}
 
 
-def _kv(server: RunningServer) -> dict:
-    return httpx.get(server.url + "/debug/kv").json()
-
-
 def test_stream_disconnect_frees_blocks_before_the_next_step(server: RunningServer, tiny: EngineHandle) -> None:
     aborts = server.metric("llmserve:request_success_total", finished_reason="abort")
     client = httpx.Client(timeout=60)
@@ -36,7 +32,7 @@ def test_stream_disconnect_frees_blocks_before_the_next_step(server: RunningServ
         client.close()
         # The server notices the disconnect on its own (the engine is parked) and queues the abort.
         wait_until(lambda: not server.state.in_flight, what="the server to notice the disconnect")
-    report = _kv(server)  # runs on the engine thread, after the queued abort
+    report = server.kv()  # runs on the engine thread, after the queued abort
     assert (report["in_use"], report["invariants_ok"], report["unfinished_requests"]) == (0, True, False)
     assert tiny.engine.stats.num_steps == steps  # the parked step ended; no other ran before the free
     assert server.metric("llmserve:request_success_total", finished_reason="abort") == aborts + 1
@@ -52,7 +48,7 @@ def test_non_streamed_request_is_aborted_when_its_client_leaves(server: RunningS
         except httpx.ReadTimeout:
             pass
         wait_until(lambda: not server.state.in_flight, what="the server to notice the disconnect")
-    report = _kv(server)
+    report = server.kv()
     assert (report["in_use"], report["invariants_ok"], report["unfinished_requests"]) == (0, True, False)
     assert tiny.engine.stats.num_steps == steps  # added and aborted without ever running
     assert server.metric("llmserve:request_success_total", finished_reason="abort") == aborts + 1

@@ -84,7 +84,7 @@ def test_one_refused_prompt_of_several_aborts_the_others(server: RunningServer) 
     _openai_error(httpx.post(server.url + "/v1/completions", json=body), 400, "prompt",
                   "token id 999999 is not in the vocabulary")
     assert not server.state.in_flight
-    wait_until(lambda: httpx.get(server.url + "/debug/kv").json()["in_use"] == 0, what="blocks freed")
+    wait_until(lambda: server.kv()["in_use"] == 0, what="blocks freed")
     _assert_serving(server)
 
 

@@ -71,7 +71,7 @@ def test_64_streams_with_16_leavers(server: RunningServer, tiny: EngineHandle) -
     assert together == alone  # same text, finish reason and usage as when sent alone
     assert all(leaver["left_after"] >= 3 for leaver in leavers)
     report = wait_until(lambda: (lambda r: r if r["in_use"] == 0 and not r["unfinished_requests"] else None)(
-        httpx.get(server.url + "/debug/kv").json()), what="every KV block to be released")
+        server.kv()), what="every KV block to be released")
     assert report["invariants_ok"] and report["free"] + report["cached"] == report["total"] == 512
     assert server.state.num_active == 0 and not server.state.in_flight
 

@@ -100,7 +100,7 @@ def test_turn2_computes_only_what_the_session_lacks_and_answers_as_without_a_ses
     assert counters(handle)[0] - computed2 == len(p2)  # no session, no prefix cache: all of it
 
     assert close(server, "conv-1").json() == {"id": "conv-1", "object": "session", "deleted": True}
-    assert httpx.get(server.url + "/debug/kv").json()["in_use"] == 0
+    assert server.kv()["in_use"] == 0
 
 
 def test_text_completions_with_an_integer_session_id(client: openai.OpenAI, server: RunningServer,
@@ -141,14 +141,14 @@ def test_two_concurrent_turns_of_one_session_are_both_correct(client: openai.Ope
     computed2, hits2 = counters(handle)
     assert (hits2 - hits, computed2 - computed) == (reused, 2 * len(prompt_ids(handle, turn2)) - reused)
     assert close(server, "conv-2").status_code == 200
-    report = httpx.get(server.url + "/debug/kv").json()
+    report = server.kv()
     assert (report["in_use"], report["invariants_ok"]) == (0, True)
 
 
 def test_an_aborted_turn_leaves_no_blocks_held(server: RunningServer, handle: EngineHandle) -> None:
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     chat(client, TURN1, session="conv-3")
-    held = httpx.get(server.url + "/debug/kv").json()["in_use"]
+    held = server.kv()["in_use"]
     assert held > 0
     wait_until(lambda: server.metric("llmserve:session_kv_blocks") == held, what="/metrics to show the session")
     http = httpx.Client(timeout=60)
@@ -160,7 +160,7 @@ def test_an_aborted_turn_leaves_no_blocks_held(server: RunningServer, handle: En
         response.close()
         http.close()
         wait_until(lambda: not server.state.in_flight, what="the server to notice the disconnect")
-    report = httpx.get(server.url + "/debug/kv").json()
+    report = server.kv()
     # The turn had taken the session's blocks; aborted, it stores nothing and frees them all.
     assert (report["in_use"], report["invariants_ok"], report["unfinished_requests"]) == (0, True, False)
     assert close(server, "conv-3").status_code == 404
@@ -184,7 +184,7 @@ def test_a_session_id_with_a_slash_can_be_closed(client: openai.OpenAI, server: 
     assert handle.call(lambda e: "user/42" in e.sessions)
     assert close(server, "user%2F42").json() == {"id": "user/42", "object": "session", "deleted": True}
     assert close(server, "user/42").status_code == 404  # gone; the plain path reaches the route too
-    assert httpx.get(server.url + "/debug/kv").json()["in_use"] == 0
+    assert server.kv()["in_use"] == 0
 
 
 def test_closing_a_session_where_sessions_are_off_says_so(tiny_model_dir: Callable[[str], str]) -> None:
