@@ -28,6 +28,7 @@ from torch import nn
 from llmserve.config import EngineConfig
 from llmserve.errors import InvalidRequestError, ModelLoadError
 from llmserve.layers.rotary import rope_config, rope_max_positions
+from llmserve.models import model_config
 from llmserve.models.gguf_loader import gguf_to_hf_dir
 from llmserve.models.registry import MODEL_TYPES, get_model_class
 
@@ -76,7 +77,7 @@ def load_model(model: str | None, config: EngineConfig) -> LoadedModel:
     if config.quantization == "int8":
         net.quantize_int8()
     net.eval()
-    tokenizer = load_tokenizer(loc.model_dir, config.trust_remote_code)
+    tokenizer = load_tokenizer(loc.model_dir, config.trust_remote_code, hf_config)
     generation = read_generation_config(loc.model_dir)
     loaded = LoadedModel(
         model=net, hf_config=hf_config, tokenizer=tokenizer, model_dir=loc.model_dir, dtype=dtype, device=device,
@@ -140,9 +141,8 @@ def embedded_model_path() -> str:
 
 
 def read_hf_config(model_dir: str, trust_remote_code: bool = False) -> Any:
-    """AutoConfig, after checking (from the raw JSON) that we implement the architecture."""
-    from transformers import AutoConfig
-
+    """The model's config, after checking (from the raw JSON) that we implement the architecture: our own
+    reader (model_config.py) for the model types it knows, else transformers' AutoConfig."""
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise ModelLoadError(f"{model_dir}: no config.json; a model directory needs config.json, *.safetensors "
@@ -150,6 +150,12 @@ def read_hf_config(model_dir: str, trust_remote_code: bool = False) -> Any:
     raw = _read_json(path)
     archs = raw.get("architectures") or [MODEL_TYPES.get(raw.get("model_type"))]
     get_model_class(archs[0])
+    if model_config.handles(raw, trust_remote_code):
+        cfg = model_config.from_dict(raw, model_dir)
+        cfg.architectures = list(archs)
+        return cfg
+    from transformers import AutoConfig
+
     try:
         cfg = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except (ValueError, OSError, KeyError, TypeError) as e:
@@ -190,11 +196,20 @@ def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, f.get_tensor(name)
 
 
-def load_tokenizer(model_dir: str, trust_remote_code: bool = False) -> Any:
-    from transformers import AutoTokenizer
-
+def load_tokenizer(model_dir: str, trust_remote_code: bool = False, hf_config: Any = None) -> Any:
+    """The tokenizer AutoTokenizer loads; given our ModelConfig, without loading AutoConfig again, and for a
+    declared `TokenizersBackend` (GGUF-converted checkpoints) without importing the `transformers.models`
+    package either, which scans ~550 model folders (0.3 s). model_config.tokenizer_class says when."""
+    declared = model_config.tokenizer_class(model_dir, hf_config)
     try:
-        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        if declared == "TokenizersBackend":
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+            return TokenizersBackend.from_pretrained(model_dir)
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code,
+                                             config=hf_config if declared else None)
     except (ValueError, OSError, KeyError, TypeError) as e:
         raise ModelLoadError(f"{model_dir}: cannot load the tokenizer ({e}); tokenizer.json or the files of a "
                              "slow tokenizer are needed") from None
