@@ -26,15 +26,15 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, names: tuple
     for f in dataclasses.fields(cls):
         if names is not None and f.name not in names:
             continue
-        flag = f.metadata.get("cli", "--" + f.name.replace("_", "-"))
+        flags = [f.metadata.get("cli", "--" + f.name.replace("_", "-")), *f.metadata.get("aliases", ())]
         base, nargs = _element_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else None
         help_text = f.metadata.get("help", "")
         if base is bool:
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+            group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                                help=f"{help_text} (default: {default})")
         else:
-            group.add_argument(flag, dest=f.name, type=base, nargs=nargs, default=None,
+            group.add_argument(*flags, dest=f.name, type=base, nargs=nargs, default=None,
                                help=f"{help_text} (default: {default})")
 
 

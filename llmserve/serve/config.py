@@ -1,6 +1,6 @@
 """Settings of the HTTP server (not of the engine). Each field's help text feeds `llmserve serve --help`;
 flag names follow LMDeploy's `api_server` (`--server-name`, `--server-port`, `--api-keys`, CORS) and
-TGI's launcher (`--max-concurrent-requests`)."""
+TGI's launcher (`--max-concurrent-requests`); vLLM's `--host` and `--port` are aliases."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from llmserve.config import _check, _f
 @dataclass
 class ServerConfig:
     server_name: str = _f("127.0.0.1", "Address to listen on. The default only accepts connections from this "
-                                       "machine (LMDeploy's default is 0.0.0.0); give 0.0.0.0 to serve the network.")
-    server_port: int = _f(23333, "Port to listen on.")
+                                       "machine (LMDeploy's default is 0.0.0.0); give 0.0.0.0 to serve the network.",
+                          aliases=("--host",))
+    server_port: int = _f(23333, "Port to listen on.", aliases=("--port",))
     model_name: str | None = _f(None, "Name the model is served under (the `model` field of requests and "
                                       "/v1/models). Default: the hub id, directory name or GGUF file stem.")
     api_keys: list[str] | None = _f(None, "Accepted API keys: requests must send `Authorization: Bearer KEY` "

@@ -125,3 +125,12 @@ def test_serve_flags_carry_lmdeploy_names_and_defaults() -> None:
     assert (config.server_name, config.server_port, config.api_keys, config.allow_origins) == \
         ("127.0.0.1", 23333, None, None)
     assert defaults.log_level == "INFO"
+
+
+def test_vllm_host_and_port_are_aliases() -> None:
+    from llmserve.cli import dataclass_from_args
+    from llmserve.serve.config import ServerConfig
+
+    for argv in (["--host", "0.0.0.0", "--port", "8000"], ["--server-name", "0.0.0.0", "--server-port", "8000"]):
+        config = dataclass_from_args(ServerConfig, build_parser().parse_args(["serve", *argv]))
+        assert (config.server_name, config.server_port) == ("0.0.0.0", 8000)
