@@ -1,6 +1,7 @@
 """The C++ CPU kernels, compiled lazily on first use: the paged decode kernel (csrc/paged_decode.cpp),
 the fused rotary / add+RMSNorm ops of the decoder layer (csrc/fused_ops.cpp) and the int8 weight-only
-linear for decode batches (csrc/int8_linear.cpp), one extension.
+linear for decode batches (csrc/int8_linear.cpp) and the int8-activation linear (csrc/w8a8_linear.cpp),
+one extension.
 
 Compiling takes tens of seconds, so it never happens at import: `load()` builds on first call
 (torch caches the build under ~/.cache/torch_extensions, so later processes only link it) and is
@@ -23,7 +24,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("paged_decode.cpp", "fused_ops.cpp", "int8_linear.cpp")]
+            for name in ("paged_decode.cpp", "fused_ops.cpp", "int8_linear.cpp", "w8a8_linear.cpp")]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed = False
@@ -124,3 +125,16 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
 def _int8_kernel_usable() -> bool:
     # Asked once: int8_linear runs per linear layer per step, and the answer cannot change.
     return load() is not None and _module.int8_linear_supported()
+
+
+def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, wsum: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] (fp32/bf16) quantized per row to int8 (asymmetric), times qweight [N, K] int8 through
+    torch._int_mm, rescaled by scale [N] (+ bias): [M, N] in x's dtype. Needs w8a8_usable()."""
+    return _module.w8a8_linear(x, qweight, scale, wsum, bias)
+
+
+@functools.cache
+def w8a8_usable() -> bool:
+    """Whether the W8A8 kernel runs here: the extension builds and the CPU has AVX-512 with VNNI."""
+    return load() is not None and _module.w8a8_linear_supported()

@@ -94,15 +94,26 @@ def peak_rss_mb() -> float:
 
 
 def matmul_peak_gflops(dtype: torch.dtype, device: torch.device, m: int = 256, k: int = 576, n: int = 1536,
-                       seconds: float = 1.0) -> float:
-    """What this device does on a model-shaped matmul: the 'peak' the achieved figure is read against."""
-    a = torch.randn(m, k, dtype=dtype, device=device)
-    w = torch.randn(n, k, dtype=dtype, device=device)
+                       seconds: float = 1.0, int8: bool = False) -> float:
+    """What this device does on a model-shaped matmul: the 'peak' the achieved figure is read against.
+    int8: the s8 x s8 -> s32 matmul that w8a8 linear layers run (GOP/s)."""
+    if int8:
+        a = torch.randint(-128, 128, (m, k), dtype=torch.int8, device=device)
+        w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device)
+
+        def matmul() -> None:
+            torch._int_mm(a, w.t())
+    else:
+        a = torch.randn(m, k, dtype=dtype, device=device)
+        w = torch.randn(n, k, dtype=dtype, device=device)
+
+        def matmul() -> None:
+            torch.nn.functional.linear(a, w)
     for _ in range(3):
-        torch.nn.functional.linear(a, w)
+        matmul()
     iters, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
-        torch.nn.functional.linear(a, w)
+        matmul()
         iters += 1
     if device.type == "cuda":
         torch.cuda.synchronize(device)

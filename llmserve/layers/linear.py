@@ -60,8 +60,12 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.qweight: torch.Tensor | None = None  # int8 [out, in] replacing the weight, see quantize_int8
         self.scale: torch.Tensor | None = None  # fp32 [out]: weight ~= qweight * scale[:, None]
+        self.wsum: torch.Tensor | None = None  # int32 [out]: row sums of qweight, for int8 activations (w8a8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.wsum is not None:
+            y = native.w8a8_linear(x.reshape(-1, self.in_features), self.qweight, self.scale, self.wsum, self.bias)
+            return y.reshape(*x.shape[:-1], self.out_features)
         if self.qweight is not None:
             return int8_linear(x, self.qweight, self.scale, self.bias)
         if self.packed is not None:
@@ -83,6 +87,12 @@ class Linear(nn.Module):
         """Replace the weight by int8 with one symmetric fp32 scale per output row (the plain one is freed)."""
         self.qweight, self.scale = quantize_rows(self.weight)
         self.weight = None
+
+    def quantize_w8a8(self) -> None:
+        """int8 weights as quantize_int8, and int8 activations: every call quantizes its input per row and
+        multiplies in int8 (csrc/w8a8_linear.cpp; needs native.w8a8_usable())."""
+        self.quantize_int8()
+        self.wsum = self.qweight.sum(dim=1, dtype=torch.int32)
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -72,10 +72,12 @@ def load_model(model: str | None, config: EngineConfig) -> LoadedModel:
     cls = get_model_class(hf_config.architectures[0])
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, getattr(hf_config, "dtype", None), device)
+    if config.quantization == "w8a8":
+        check_w8a8(device, dtype)
     net = cls(hf_config, dtype, device)
     net.load_weights(iter_safetensors(safetensors_files(loc.model_dir)))
-    if config.quantization == "int8":
-        net.quantize_int8()
+    if config.quantization is not None:
+        net.quantize(config.quantization)
     net.eval()
     tokenizer = load_tokenizer(loc.model_dir, config.trust_remote_code, hf_config)
     generation = read_generation_config(loc.model_dir)
@@ -249,6 +251,21 @@ def resolve_dtype(requested: str, checkpoint_dtype: Any, device: torch.device) -
             return torch.bfloat16
         return torch.float32 if _as_dtype(checkpoint_dtype) == torch.float32 else torch.float16
     return torch.bfloat16 if device.type == "cpu" and cpu_has_fast_bf16() else torch.float32
+
+
+def check_w8a8(device: torch.device, dtype: torch.dtype) -> None:
+    """w8a8 runs on the native CPU kernel only (int8 activations: AVX-512 with VNNI)."""
+    from llmserve.attention import native
+
+    if device.type != "cpu":
+        raise InvalidRequestError(f"quantization: w8a8 runs on the CPU only (this model is on {device}); use int8 "
+                                  "(weight-only) there", param="quantization")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise InvalidRequestError(f"quantization: w8a8 needs dtype float32 or bfloat16, got {dtype}",
+                                  param="quantization")
+    if not native.w8a8_usable():
+        raise InvalidRequestError("quantization: w8a8 needs a CPU with AVX-512 and VNNI and the native kernels "
+                                  "(this one has not both); use int8 (weight-only)", param="quantization")
 
 
 def cpu_has_fast_bf16() -> bool:

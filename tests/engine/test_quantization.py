@@ -1,12 +1,19 @@
-"""quantization="int8": weight-only int8 linear layers, through the whole engine."""
+"""quantization="int8" (weight-only int8) and "w8a8" (int8 weights and per-token int8 activations in the
+decoder's linear layers), through the whole engine."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from llmserve import EngineConfig, GenerationConfig, pipeline
+from llmserve.attention import native
 from llmserve.errors import InvalidRequestError
+from llmserve.layers.embedding import VocabEmbedding
 from llmserve.layers.linear import Linear
+from llmserve.models.loader import check_w8a8
+
+needs_w8a8 = pytest.mark.skipif(not native.w8a8_usable(), reason="w8a8 needs a CPU with AVX-512 and VNNI")
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 77, 12, 3, 8, 100, 4, 61], [7, 7, 19], list(range(3, 40))]
 FIRST = GenerationConfig(temperature=0.0, max_new_tokens=1, ignore_eos=True, logprobs=20)
@@ -15,9 +22,11 @@ FIRST = GenerationConfig(temperature=0.0, max_new_tokens=1, ignore_eos=True, log
 def _first_logprobs(model_dir: str, **engine) -> list[dict[int, float]]:
     with pipeline(model_dir, backend_config=EngineConfig(dtype="float32", num_blocks=64, block_size=4,
                                                          **engine)) as pipe:
-        linears = [m for m in pipe.engine.runner.model.modules() if isinstance(m, Linear)]
-        quantized = {m.qweight is not None for m in linears}
-        assert quantized == {engine.get("quantization") == "int8"}
+        modules = list(pipe.engine.runner.model.modules())
+        method = engine.get("quantization")
+        assert {m.qweight is not None for m in modules if isinstance(m, Linear)} == {method is not None}
+        assert {m.wsum is not None for m in modules if isinstance(m, Linear)} == {method == "w8a8"}
+        assert {m.qweight is not None for m in modules if isinstance(m, VocabEmbedding)} == {method == "int8"}
         out = pipe([{"input_ids": p} for p in PROMPTS], gen_config=FIRST, do_preprocess=False)
     return [o.logprobs[0] for o in out]
 
@@ -32,10 +41,22 @@ def test_int8_first_token_distribution_stays_close(tiny_model_dir, arch: str) ->
         assert max(abs(a[t] - b[t]) for t in common) < 0.1  # per-channel int8 on random weights
 
 
-def test_int8_batched_equals_one_at_a_time(tiny_model_dir) -> None:
-    """Prefill chunks take the dequantized path and decodes the native kernel; a request's tokens do not
-    depend on what else is in the batch."""
-    config = EngineConfig(dtype="float32", quantization="int8", num_blocks=64, block_size=4)
+@needs_w8a8
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_w8a8_first_token_distribution_stays_close(tiny_model_dir, arch: str) -> None:
+    path = tiny_model_dir(arch)
+    plain, w8a8 = _first_logprobs(path), _first_logprobs(path, quantization="w8a8")
+    for a, b in zip(plain, w8a8):
+        common = set(a) & set(b)
+        assert len(common) >= 14
+        assert max(abs(a[t] - b[t]) for t in common) < 0.25  # int8 activations too: looser than int8
+
+
+@pytest.mark.parametrize("quantization", ["int8", pytest.param("w8a8", marks=needs_w8a8)])
+def test_quantized_batched_equals_one_at_a_time(tiny_model_dir, quantization: str) -> None:
+    """int8: prefill chunks take the dequantized path and decodes the native kernel; w8a8: every row of x has
+    its own scale. Either way a request's tokens do not depend on what else is in the batch."""
+    config = EngineConfig(dtype="float32", quantization=quantization, num_blocks=64, block_size=4)
     gen = GenerationConfig(temperature=0.0, max_new_tokens=8, ignore_eos=True)
     with pipeline(tiny_model_dir("llama"), backend_config=config) as pipe:
         together = [o.token_ids for o in pipe([{"input_ids": p} for p in PROMPTS], gen_config=gen,
@@ -45,12 +66,27 @@ def test_int8_batched_equals_one_at_a_time(tiny_model_dir) -> None:
 
 
 @pytest.mark.slow
-def test_int8_smollm2_still_answers_paris() -> None:
-    with pipeline(backend_config=EngineConfig(dtype="bfloat16", quantization="int8")) as pipe:
+@pytest.mark.parametrize("quantization", ["int8", pytest.param("w8a8", marks=needs_w8a8)])
+def test_quantized_smollm2_still_answers_paris(quantization: str) -> None:
+    with pipeline(backend_config=EngineConfig(dtype="bfloat16", quantization=quantization)) as pipe:
         out = pipe("What is the capital of France?", gen_config=GenerationConfig(max_new_tokens=12, temperature=0))
     assert out.text == "The capital of France is Paris."
 
 
 def test_unknown_quantization_is_refused() -> None:
-    with pytest.raises(InvalidRequestError, match="quantization: must be int8 or unset, got 'int4'"):
+    with pytest.raises(InvalidRequestError, match="quantization: must be int8, w8a8 or unset, got 'int4'"):
         EngineConfig(quantization="int4")
+
+
+def test_w8a8_refuses_what_it_cannot_run() -> None:
+    with pytest.raises(InvalidRequestError, match="w8a8 runs on the CPU only .*cuda.*use int8"):
+        check_w8a8(torch.device("cuda"), torch.bfloat16)
+    with pytest.raises(InvalidRequestError, match="w8a8 needs dtype float32 or bfloat16, got torch.float16"):
+        check_w8a8(torch.device("cpu"), torch.float16)
+
+
+def test_w8a8_without_vnni_says_so(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "w8a8_usable", lambda: False)
+    with pytest.raises(InvalidRequestError, match="w8a8 needs a CPU with AVX-512 and VNNI"):
+        with pipeline(tiny_model_dir("llama"), backend_config=EngineConfig(dtype="float32", quantization="w8a8")):
+            pass

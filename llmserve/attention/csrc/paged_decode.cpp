@@ -479,6 +479,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 // int8_linear.cpp
+bool w8a8_linear_supported();
+torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor w_scale, torch::Tensor wsum,
+                          c10::optional<torch::Tensor> bias);
 bool int8_linear_supported();
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale,
                           c10::optional<torch::Tensor> bias, bool allow_vnni);
@@ -491,4 +494,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "(x @ Wq^T) * scale (+ bias), int8 weights, small M (CPU, AVX-512)",
         py::arg("x"), py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none(),
         py::arg("allow_vnni") = true);
+  m.def("w8a8_linear_supported", &w8a8_linear_supported, "whether this CPU runs w8a8_linear (AVX-512 with VNNI)");
+  m.def("w8a8_linear", &w8a8_linear, "int8 weights x int8 per-row activations through torch._int_mm (CPU)",
+        py::arg("x"), py::arg("qweight"), py::arg("w_scale"), py::arg("wsum"), py::arg("bias") = py::none());
 }

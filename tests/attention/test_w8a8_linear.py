@@ -1,0 +1,95 @@
+"""W8A8 linear (csrc/w8a8_linear.cpp): bit for bit what the same arithmetic gives in torch ops, and close to
+the float matmul it approximates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve.attention import native
+from llmserve.layers.linear import Linear
+
+pytestmark = pytest.mark.skipif(not native.w8a8_usable(),
+                                reason="the w8a8 kernel needs the extension and a CPU with AVX-512 and VNNI")
+
+
+def reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, wsum: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernel's arithmetic in torch ops, in its order: per-row asymmetric int8 x (range through 0,
+    round half to even on x * (1 / s)), the exact int32 product, then (acc - zp * wsum) * (s * w_scale) + bias."""
+    xf = x.float()
+    lo, hi = xf.amin(dim=1).clamp(max=0), xf.amax(dim=1).clamp(min=0)
+    s = (hi - lo) / 255
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    inv = 1 / s
+    zp = torch.round(-lo * inv).int() - 128
+    xq = (torch.round(xf * inv[:, None]).int() + zp[:, None]).clamp(-128, 127).to(torch.int8)
+    acc = torch._int_mm(xq, qweight.t())
+    y = (acc - zp[:, None] * wsum[None, :]).float() * (s[:, None] * scale[None, :])
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def _layer(out_f: int, in_f: int, bias: bool, seed: int = 0) -> Linear:
+    g = torch.Generator().manual_seed(seed)
+    layer = Linear(in_f, out_f, bias=bias)
+    layer.weight.data = torch.randn(out_f, in_f, generator=g)
+    if bias:
+        layer.bias.data = torch.randn(out_f, generator=g)
+    layer.quantize_w8a8()
+    return layer
+
+
+def test_quantize_w8a8_keeps_int8_weights_and_their_row_sums() -> None:
+    layer = _layer(6, 40, bias=True)
+    assert layer.weight is None and layer.qweight.dtype == torch.int8
+    assert layer.wsum.dtype == torch.int32 and torch.equal(layer.wsum, layer.qweight.sum(dim=1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,in_f,out_f", [(1, 576, 960), (3, 13, 7), (64, 576, 1030), (17, 1536, 40),
+                                             (130, 40, 33)])  # tails of 16 in K and N; > one column block
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_is_bit_exact_with_its_torch_arithmetic(dtype: torch.dtype, rows: int, in_f: int, out_f: int,
+                                                       bias: bool) -> None:
+    layer = _layer(out_f, in_f, bias, seed=rows)
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(rows, in_f, generator=g) * 3 + 0.5).to(dtype)  # off-centre: zero points not -0
+    got = native.w8a8_linear(x, layer.qweight, layer.scale, layer.wsum, layer.bias)
+    assert got.dtype == dtype and got.shape == (rows, out_f)
+    assert torch.equal(got, reference(x, layer.qweight, layer.scale, layer.wsum, layer.bias))
+
+
+def test_edge_rows_zero_positive_negative_and_huge() -> None:
+    layer = _layer(48, 64, bias=True)
+    x = torch.stack([torch.zeros(64), torch.rand(64) + 1, -torch.rand(64) - 1, torch.full((64,), 3.0),
+                     torch.randn(64) * 1e30])
+    got = native.w8a8_linear(x, layer.qweight, layer.scale, layer.wsum, layer.bias)
+    assert torch.equal(got, reference(x, layer.qweight, layer.scale, layer.wsum, layer.bias))
+    torch.testing.assert_close(got[0], layer.bias)  # an all-zero row is exactly zero before the bias
+    assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_close_to_the_float_matmul_and_through_the_layer(dtype: torch.dtype) -> None:
+    layer = _layer(96, 256, bias=True, seed=3)
+    x = torch.randn(2, 5, 256, generator=torch.Generator().manual_seed(4)).to(dtype)  # 3-d through forward
+    got = layer(x)
+    assert got.shape == (2, 5, 96) and got.dtype == dtype
+    want = x.float() @ (layer.qweight.float() * layer.scale[:, None]).T + layer.bias
+    # x rounds to half a step of its row's range / 255 per element: |error| <= step / 2 * sum |w|
+    step = (x.float().amax(-1, keepdim=True).clamp(min=0) - x.float().amin(-1, keepdim=True).clamp(max=0)) / 255
+    bound = step / 2 * (layer.qweight.float() * layer.scale[:, None]).abs().sum(dim=1) + 0.05
+    assert ((got.float() - want).abs() <= bound).all()
+    assert (got.float() - want).abs().mean() < 0.1 * want.abs().mean()
+
+
+def test_rows_do_not_depend_on_each_other() -> None:
+    """Each row has its own scale and zero point: a request's result does not depend on its batch."""
+    layer = _layer(64, 128, bias=False)
+    x = torch.randn(9, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
+    together = native.w8a8_linear(x, layer.qweight, layer.scale, layer.wsum, None)
+    alone = torch.cat([native.w8a8_linear(x[i:i + 1], layer.qweight, layer.scale, layer.wsum, None)
+                       for i in range(9)])
+    assert torch.equal(together, alone)
