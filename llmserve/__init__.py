@@ -9,9 +9,18 @@ an attribute of the package once imported.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Any
 
 __version__ = "0.1.0"
+
+# Transparent huge pages for torch's CPU tensors of 2 MiB and more (PyTorch's own switch, read once at its
+# first allocation, so only when llmserve comes before torch, as in the CLI; THP_MEM_ALLOC_ENABLE=0 keeps
+# 4 KiB pages). Large temporaries are fresh mappings each step, and their page faults cost: measured on
+# the 64-request throughput workload (bf16 + w8a8, 2 cores) 333-353 output tok/s with it, 314 without.
+if "torch" not in sys.modules:
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 _EXPORTS = {
     "ChatTemplateConfig": "llmserve.config", "EngineConfig": "llmserve.config",

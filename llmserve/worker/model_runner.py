@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from llmserve.attention import SeqSpec, build_attention_metadata
@@ -136,13 +136,23 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     """Zero-filled memory for the KV pool. Zeros, not garbage: the torch decode path reads padded
     slots under a -inf mask, and those must be finite (NaN * 0 is NaN inside softmax).
 
-    On CPU it comes from calloc (through numpy): a block this large is fresh pages that the OS maps,
-    already zero, on first touch, so start-up no longer writes the whole pool (measured: ~1 s for the
-    default 2 GiB); the pool becomes resident as it is used."""
+    On CPU it is an anonymous mapping: pages the OS maps, already zero, on first touch, so start-up does
+    not write the whole pool (measured: ~1 s for the default 2 GiB) and the pool becomes resident as it is
+    used. It asks for transparent huge pages (where the kernel offers them on request, as with the common
+    `madvise` setting): first touch measured 1.1 s per GiB with them against 2.2-2.7 s with 4 KiB pages,
+    and paged attention's scattered block reads miss the TLB less."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without THP: 4 KiB pages then
+            pass
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def cache_spec(loaded: LoadedModel, kv_cache_dtype: str = "auto") -> CacheSpec:
