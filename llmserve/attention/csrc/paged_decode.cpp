@@ -160,7 +160,7 @@ inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 //      heads x 64 dims of accumulators in registers).
 // Why: the AVX2 path widened every cache element once per query head and reduced each score on its
 // own; it was compute-bound at ~40 GFLOP/s (1.5 ms per layer at batch 64, contexts 300-520, GQA 3).
-#define LLMSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+#include "avx512_math.h"  // LLMSERVE_AVX512, exp512
 
 LLMSERVE_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 LLMSERVE_AVX512 inline __m512 load16(const c10::BFloat16* p) {
@@ -169,24 +169,6 @@ LLMSERVE_AVX512 inline __m512 load16(const c10::BFloat16* p) {
 }
 LLMSERVE_AVX512 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// exp(x) for x <= 0, the same Cephes polynomial as exp256, 16 lanes.
-LLMSERVE_AVX512 inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
 // r[j] = sum of a[j]'s 16 lanes, j = 0..15 (a is clobbered). Each level adds pairs of vectors after

@@ -19,7 +19,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <immintrin.h>
+#include "avx512_math.h"  // LLMSERVE_AVX512, masked loads and stores
 
 #include <algorithm>
 #include <cmath>
@@ -27,36 +27,13 @@
 
 namespace {
 
-#define W8A8_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
-
-W8A8_TARGET inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-
-W8A8_TARGET inline __m512 load16(const at::BFloat16* p, __mmask16 m) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-W8A8_TARGET inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-
-// fp32 -> bf16 rounding to nearest even, NaN kept quiet: what torch's .to(torch.bfloat16) does.
-W8A8_TARGET inline void store16(at::BFloat16* p, __m512 v, __mmask16 m) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(rounded));
-}
-
-inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
-
 // One row of x -> xq (int8), its scale and zero point. The range always includes 0, so 0 is exact.
 template <typename T>
-W8A8_TARGET void quantize_row(const T* x, int64_t K, int8_t* q, float* scale, int32_t* zero_point) {
+LLMSERVE_AVX512 void quantize_row(const T* x, int64_t K, int8_t* q, float* scale, int32_t* zero_point) {
   __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) {
-    const __mmask16 m = tail_mask(K - k);
-    const __m512 v = load16(x + k, m);  // masked-off lanes read as 0, inside the range already
+    const __mmask16 m = tail_mask16(K - k);
+    const __m512 v = loadu16(x + k, m);  // masked-off lanes read as 0, inside the range already
     lo = _mm512_min_ps(lo, v);
     hi = _mm512_max_ps(hi, v);
   }
@@ -68,9 +45,9 @@ W8A8_TARGET void quantize_row(const T* x, int64_t K, int8_t* q, float* scale, in
   const __m512 vinv = _mm512_set1_ps(inv);
   const __m512i vzp = _mm512_set1_epi32(zp);
   for (int64_t k = 0; k < K; k += 16) {
-    const __mmask16 m = tail_mask(K - k);
+    const __mmask16 m = tail_mask16(K - k);
     // cvtps rounds half to even (the default MXCSR mode); cvtsepi32 saturates to [-128, 127].
-    const __m512i r = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(load16(x + k, m), vinv)), vzp);
+    const __m512i r = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(loadu16(x + k, m), vinv)), vzp);
     _mm_mask_storeu_epi8(q + k, m, _mm512_cvtsepi32_epi8(r));
   }
   *scale = s;
@@ -79,17 +56,17 @@ W8A8_TARGET void quantize_row(const T* x, int64_t K, int8_t* q, float* scale, in
 
 // y[i, n0:n1] from acc[i, n0:n1].
 template <typename T>
-W8A8_TARGET void rescale_row(const int32_t* acc, int64_t n0, int64_t n1, float s, int32_t zp, const int32_t* wsum,
+LLMSERVE_AVX512 void rescale_row(const int32_t* acc, int64_t n0, int64_t n1, float s, int32_t zp, const int32_t* wsum,
                              const float* w_scale, const float* bias, T* y) {
   const __m512 vs = _mm512_set1_ps(s);
   const __m512i vzp = _mm512_set1_epi32(zp);
   for (int64_t n = n0; n < n1; n += 16) {
-    const __mmask16 m = tail_mask(n1 - n);
+    const __mmask16 m = tail_mask16(n1 - n);
     const __m512i a = _mm512_maskz_loadu_epi32(m, acc + n);
     const __m512i c = _mm512_sub_epi32(a, _mm512_mullo_epi32(vzp, _mm512_maskz_loadu_epi32(m, wsum + n)));
     __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_mul_ps(vs, _mm512_maskz_loadu_ps(m, w_scale + n)));
     if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias + n));
-    store16(y + n, v, m);
+    storeu16(y + n, v, m);
   }
 }
 
