@@ -8,6 +8,7 @@ import torch
 
 from llmserve.attention import native
 from llmserve.layers.linear import Linear
+from tests.attention.test_int8_linear import _layer as float_layer
 
 pytestmark = pytest.mark.skipif(not native.w8a8_usable(),
                                 reason="the w8a8 kernel needs the extension and a CPU with AVX-512 and VNNI")
@@ -32,11 +33,7 @@ def reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, wsum:
 
 
 def _layer(out_f: int, in_f: int, bias: bool, seed: int = 0) -> Linear:
-    g = torch.Generator().manual_seed(seed)
-    layer = Linear(in_f, out_f, bias=bias)
-    layer.weight.data = torch.randn(out_f, in_f, generator=g)
-    if bias:
-        layer.bias.data = torch.randn(out_f, generator=g)
+    layer = float_layer(out_f, in_f, bias, seed)
     layer.quantize_w8a8()
     return layer
 
