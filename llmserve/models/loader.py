@@ -150,7 +150,12 @@ def read_hf_config(model_dir: str, trust_remote_code: bool = False) -> Any:
         raise ModelLoadError(f"{model_dir}: no config.json; a model directory needs config.json, *.safetensors "
                              "weights and tokenizer files")
     raw = _read_json(path)
-    archs = raw.get("architectures") or [MODEL_TYPES.get(raw.get("model_type"))]
+    model_type, archs = raw.get("model_type"), raw.get("architectures")
+    if model_type is not None and not isinstance(model_type, str):
+        raise ModelLoadError(f"{path}: 'model_type' must be a string, got {model_type!r}")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise ModelLoadError(f"{path}: 'architectures' must be a list of class names, got {archs!r}")
+    archs = archs or [MODEL_TYPES.get(model_type)]
     get_model_class(archs[0])
     if model_config.handles(raw, trust_remote_code):
         cfg = model_config.from_dict(raw, model_dir)

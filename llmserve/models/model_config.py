@@ -130,6 +130,12 @@ def _check_fields(values: dict[str, Any], path: str) -> None:
         raise ModelLoadError(f"{path}: 'rms_norm_eps' must be a positive number, got {eps!r}")
     if not isinstance(values["hidden_act"], str):
         raise ModelLoadError(f"{path}: 'hidden_act' must be a string, got {values['hidden_act']!r}")
+    first = values.get("max_window_layers", 0)
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        raise ModelLoadError(f"{path}: 'max_window_layers' must be a non-negative integer, got {first!r}")
+    theta = values.get("rope_theta", 1.0)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise ModelLoadError(f"{path}: 'rope_theta' must be a positive number, got {theta!r}")
     window = values.get("sliding_window")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
         raise ModelLoadError(f"{path}: 'sliding_window' must be a positive integer or null, got {window!r}")

@@ -106,11 +106,17 @@ def test_matches_autoconfig(tmp_path, name: str, raw: dict[str, Any]) -> None:
     ({"hidden_size": 66}, r"hidden_size \(66\) is not a multiple of num_attention_heads \(4\)"),
     ({"eos_token_id": "</s>"}, "'eos_token_id' must be a token id"),
     ({"rope_scaling": "linear"}, "'rope_scaling' / 'rope_parameters' must be an object"),
+    ({"rope_theta": "1e4"}, "'rope_theta' must be a positive number, got '1e4'"),
+    ({"max_window_layers": "2"}, "'max_window_layers' must be a non-negative integer"),
+    ({"model_type": ["llama"]}, "'model_type' must be a string, got \\['llama'\\]"),
+    ({"architectures": "LlamaForCausalLM"}, "'architectures' must be a list of class names"),
 ])
 def test_malformed_fields_name_the_field(tmp_path, edit: dict[str, Any], message: str) -> None:
-    directory = _write(tmp_path, {"model_type": "llama", **SMALL, **edit})
+    raw = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **SMALL, **edit}
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(raw, f)
     with pytest.raises(ModelLoadError, match=f"config.json: {message}"):
-        read_hf_config(directory)
+        read_hf_config(str(tmp_path))
 
 
 def test_other_model_types_and_remote_code_use_autoconfig(tmp_path) -> None:
