@@ -133,8 +133,8 @@ def _report(results: list[ThroughputResult], peak_gflops: float, dtype: str, as_
             peak_kind: str = "matmul") -> None:
     """`peak_kind`: what the peak was measured on (the int8 matmul for w8a8, whose figure is in GOP/s)."""
     if as_json:
-        out = {"dtype": dtype, "matmul_peak_gflops": peak_gflops, "matmul_peak_kind": peak_kind, "results": [r.as_dict() for r in results],
-               "ratio_vs_baseline": _ratio(results)}
+        out = {"dtype": dtype, "matmul_peak_gflops": peak_gflops, "matmul_peak_kind": peak_kind,
+               "results": [r.as_dict() for r in results], "ratio_vs_baseline": _ratio(results)}
         if profile is not None:
             out["step_profile"] = profile.as_dict()
         json.dump(out, sys.stdout, indent=2)

@@ -270,7 +270,7 @@ def check_w8a8(device: torch.device, dtype: torch.dtype) -> None:
                                   param="quantization")
     if not native.w8a8_usable():
         raise InvalidRequestError("quantization: w8a8 needs a CPU with AVX-512 and VNNI and the native kernels "
-                                  "(this one has not both); use int8 (weight-only)", param="quantization")
+                                  "(this CPU or build lacks them); use int8 (weight-only)", param="quantization")
 
 
 def cpu_has_fast_bf16() -> bool:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
+from llmserve.attention import native
 from llmserve.cli import main
 
 
@@ -76,6 +77,7 @@ def test_throughput_json_counts_the_workload_and_profiles_every_step(tiny_model_
                "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0
+    assert (out["dtype"], out["matmul_peak_kind"]) == ("float32", "matmul") and out["matmul_peak_gflops"] > 0
     [r] = out["results"]
     assert (r["engine"], r["num_requests"], r["output_tokens"]) == ("llmserve", 6, 30)  # ignore_eos: 6 x 5
     assert 6 * 20 <= r["prompt_tokens"] <= 6 * 60 and r["gflop"] > 0 and r["elapsed_s"] > 0
@@ -91,6 +93,18 @@ def test_throughput_json_counts_the_workload_and_profiles_every_step(tiny_model_
     assert sum(p["share"] for p in phases.values()) == pytest.approx(1.0, abs=1e-5)
     # exclusive timing: the phases add up to the steps' wall time, which the run's elapsed time contains
     assert sum(p["seconds"] for p in phases.values()) <= r["elapsed_s"] + 1e-5
+
+
+@pytest.mark.skipif(not native.w8a8_usable(), reason="w8a8 needs a CPU with AVX-512 and VNNI")
+def test_throughput_of_w8a8_is_read_against_the_int8_matmul(tiny_model_dir: Callable[[str], str],
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", "throughput", tiny_model_dir("llama"), "--num-prompts", "2", "--input-len", "20:30",
+               "--output-len", "3", "--ignore-eos", "--num-blocks", "32", "--dtype", "float32", "--quantization",
+               "w8a8", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert (out["dtype"], out["matmul_peak_kind"]) == ("float32, w8a8", "int8 matmul") and out["matmul_peak_gflops"] > 0
+    assert out["results"][0]["output_tokens"] == 6
 
 
 def test_throughput_reads_sharegpt_and_runs_the_transformers_baseline(
