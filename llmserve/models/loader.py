@@ -209,7 +209,7 @@ def load_tokenizer(model_dir: str, trust_remote_code: bool = False, hf_config: A
     package either, which scans ~550 model folders (0.3 s). model_config.tokenizer_class says when."""
     declared = model_config.tokenizer_class(model_dir, hf_config)
     try:
-        if declared == "TokenizersBackend":
+        if declared == "TokenizersBackend" and hf_config.model_type not in model_config.HUB_TOKENIZER_CLASS_OVERRIDDEN:
             from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
             return TokenizersBackend.from_pretrained(model_dir)

@@ -49,6 +49,9 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 _POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "head_dim", "max_position_embeddings")
 _SCALED_ROPE_TYPES = ("llama3", "yarn", "longrope")
+# Model types whose declared tokenizer class AutoTokenizer replaces by the one it registers for the type
+# (transformers 5.23's MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS, among our types: qwen2 -> Qwen2Tokenizer).
+HUB_TOKENIZER_CLASS_OVERRIDDEN = frozenset({"qwen2"})
 
 
 class ModelConfig:

@@ -128,7 +128,7 @@ def test_other_model_types_and_remote_code_use_autoconfig(tmp_path) -> None:
     assert type(read_hf_config(directory)).__name__ == "ModelConfig"
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])  # qwen2: AutoTokenizer overrides the class
 @pytest.mark.parametrize("declared", ["TokenizersBackend", "PreTrainedTokenizerFast", None])
 def test_tokenizer_as_autotokenizer_loads_it(tiny_model_dir, tmp_path, arch: str, declared: str | None) -> None:
     directory = shutil.copytree(tiny_model_dir(arch), tmp_path / arch)
