@@ -111,9 +111,9 @@ class Pipeline:
         `end_session_id` frees it)."""
         batch, _ = _as_batch(prompts)
         gen = self._gen_config(gen_config, gen_kwargs)
-        if session_id is not None and (len(batch) != 1 or not gen.single_sequence):
-            raise InvalidRequestError("session_id continues one sequence: give one prompt, with n=1 and no "
-                                      "best_of or beam search", param="session_id")
+        if session_id is not None and len(batch) != 1:  # (n, best_of and beam search: the engine refuses them)
+            raise InvalidRequestError(f"session_id: a session continues one sequence; give one prompt, not "
+                                      f"{len(batch)}", param="session_id")
         for r, _ in self._generate(batch, gen, do_preprocess, session_id):
             yield r
 

@@ -124,6 +124,6 @@ def test_stream_infer_refuses_a_session_over_several_sequences(tiny_model_dir):
     with chat_pipe(tiny_model_dir, num_blocks=64) as pipe:
         for prompts, gen in ((["a", "b"], GREEDY), ("a", GREEDY.replace(n=2)),
                              ("a", GREEDY.replace(use_beam_search=True, beam_width=2))):
-            with pytest.raises(InvalidRequestError, match="session_id continues one sequence"):
+            with pytest.raises(InvalidRequestError, match="session_id: a session continues one sequence"):
                 next(pipe.stream_infer(prompts, gen_config=gen, session_id="x"))
         assert len(pipe.engine.sessions) == 0 and pipe.engine.kv.usage().in_use == 0
