@@ -7,9 +7,10 @@ a config, so `load_tokenizer` gives it this one where that is safe (`tokenizer_c
 
 What this reproduces (transformers 5.23, `models/*/configuration_*.py` and `modeling_rope_utils.py`):
 - each model type's defaults for absent keys (`_DEFAULTS`): Llama and Mistral default bos 1 / eos 2,
-  Qwen3 a head_dim of 128, Mistral a 4096 sliding window, Qwen a window only with `use_sliding_window`;
-- derived fields: head_dim = hidden_size // heads when absent, num_key_value_heads = heads when null,
-  Qwen's `layer_types` from `max_window_layers`;
+  Qwen3 a head_dim of 128, Mistral a 4096 sliding window;
+- num_key_value_heads = heads when null, and Qwen's sliding window only with `use_sliding_window`
+  (head_dim and Qwen's per-layer windows, when absent, are derived by the model code as for older
+  transformers configs: llama.head_dim_of, llama.layer_sliding_windows);
 - the RoPE normalisation into `rope_parameters` (legacy `rope_scaling` + `rope_theta`, `type` ->
   `rope_type`, `original_max_position_embeddings` for llama3 / yarn / longrope);
 - every other key kept as an attribute, as `PreTrainedConfig` keeps unknown keys.
@@ -60,9 +61,6 @@ class ModelConfig:
     def __init__(self, values: dict[str, Any]) -> None:
         self.__dict__.update(values)
 
-    def to_dict(self) -> dict[str, Any]:
-        return copy.deepcopy(self.__dict__)
-
     def __repr__(self) -> str:
         return f"ModelConfig({self.__dict__.get('model_type')!r}, {self.__dict__.get('architectures')!r})"
 
@@ -78,23 +76,15 @@ def from_dict(raw: dict[str, Any], model_dir: str) -> ModelConfig:
     path = os.path.join(model_dir, "config.json")
     model_type = raw["model_type"]
     values = {**_COMMON, **_DEFAULTS[model_type], **copy.deepcopy(raw)}
-    if "torch_dtype" in values:
-        values.setdefault("dtype", values.pop("torch_dtype"))
-    values.setdefault("dtype", None)
+    torch_dtype = values.pop("torch_dtype", None)  # the older name: used where dtype is absent or null
+    if values.get("dtype") is None:
+        values["dtype"] = torch_dtype
     values["_name_or_path"] = model_dir
-    values.setdefault("tokenizer_class", None)
     _check_fields(values, path)
     if values["num_key_value_heads"] is None:
         values["num_key_value_heads"] = values["num_attention_heads"]
-    if values["head_dim"] is None and model_type in ("llama", "mistral"):
-        values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
-    if model_type in ("qwen2", "qwen3"):
-        if not values["use_sliding_window"]:
-            values["sliding_window"] = None
-        if values["layer_types"] is None:
-            window, first = values["sliding_window"], values["max_window_layers"]
-            values["layer_types"] = ["sliding_attention" if window is not None and i >= first else "full_attention"
-                                     for i in range(values["num_hidden_layers"])]
+    if model_type in ("qwen2", "qwen3") and not values["use_sliding_window"]:
+        values["sliding_window"] = None
     values["rope_parameters"] = _rope_parameters(values, path)
     values.pop("rope_scaling", None)
     values.pop("rope_theta", None)

@@ -27,7 +27,7 @@ from tests.tiny_models import _BASE, TINY_CONFIGS
 FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
           "num_attention_heads", "num_key_value_heads", "hidden_act", "rms_norm_eps", "tie_word_embeddings",
           "max_position_embeddings", "bos_token_id", "eos_token_id", "attention_bias", "mlp_bias",
-          "sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "rope_parameters",
+          "sliding_window", "use_sliding_window", "max_window_layers", "rope_parameters",
           "original_max_position_embeddings", "partial_rotary_factor", "extra_key")
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
 SMALL = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3}
@@ -51,7 +51,7 @@ def _cases() -> list[tuple[str, dict[str, Any]]]:
             (f"{model_type}-nulls", {"model_type": model_type, **SMALL,
                                      "num_key_value_heads": 4 if model_type == "mistral" else None,
                                      "sliding_window": None, "eos_token_id": [7, 2], "bos_token_id": None,
-                                     "torch_dtype": "bfloat16", "tie_word_embeddings": True,
+                                     "torch_dtype": "bfloat16", "dtype": None, "tie_word_embeddings": True,
                                      "extra_key": {"kept": True}}),
             (f"{model_type}-windows", {"model_type": model_type, **SMALL, "use_sliding_window": True,
                                        "sliding_window": 16, "max_window_layers": 1, "dtype": "float32"}),
@@ -124,8 +124,11 @@ def test_other_model_types_and_remote_code_use_autoconfig(tmp_path) -> None:
     remote = {"model_type": "llama", "auto_map": {"AutoConfig": "configuration_x.XConfig"}}
     assert model_config.handles(remote, False)  # auto_map is ignored without trust_remote_code
     assert not model_config.handles(remote, True)
-    directory = _write(tmp_path, {"model_type": "llama", **SMALL})
-    assert type(read_hf_config(directory)).__name__ == "ModelConfig"
+    # a model type this reader does not know, served by one of our classes: transformers reads it
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({"model_type": "mixtral", "architectures": ["MistralForCausalLM"], **SMALL}, f)
+    cfg = read_hf_config(str(tmp_path))
+    assert type(cfg).__name__ == "MixtralConfig" and cfg.architectures == ["MistralForCausalLM"]
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])  # qwen2: AutoTokenizer overrides the class
