@@ -168,7 +168,7 @@ def test_idle_sessions_expire_after_the_ttl():
     kv.check_invariants()
 
 
-def test_expiry_walks_past_a_running_turns_session_and_stops_at_a_fresh_one():
+def test_expiry_walks_past_a_running_turns_session():
     kv, s, store, clock = setup(num_blocks=32, ttl=10.0)
     turn1(s, "y")
     clock.now = 1.0
@@ -177,11 +177,14 @@ def test_expiry_walks_past_a_running_turns_session_and_stops_at_a_fresh_one():
     running = sreq("x-2", TURN2, session="x")
     s.add_request(running)
     run_step(s, s.schedule())  # x's next turn holds it (last used at 2)
+    clock.now = 3.0
+    turn1(s, "w")  # idle, and behind x in last-used order
     clock.now = 12.5
     turn1(s, "z")
-    clock.now = 13.0  # y and x are past the TTL, z is not
+    clock.now = 13.5  # y, x and w are past the TTL, z is not
     store.expire()
-    assert "y" not in store and "x" in store and "z" in store  # a held session never expires under its turn
+    assert "x" in store and "z" in store  # a held session never expires under its turn
+    assert "y" not in store and "w" not in store  # and the walk goes on past it
     kv.check_invariants()
 
 
