@@ -28,7 +28,7 @@ async def close_session(session_id: str, request: Request) -> JSONResponse:
     # Returned, not raised: this is not a refused generation request, so it is not counted as one.
     if not enabled:
         message = ("sessions are off on this server (llmserve serve --max-sessions 0): no KV is kept between "
-                   "turns, so there is nothing to close")
+                   "turns, so there is nothing to close; start it with --max-sessions N (N > 0) to keep them")
     else:
         message = (f"session {session_id!r} does not exist: never used, already closed, or evicted (requests "
                    "with its id still work; they prefill the whole history)")

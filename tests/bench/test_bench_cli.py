@@ -139,9 +139,7 @@ def test_throughput_table_and_profile_text(tiny_model_dir: Callable[[str], str],
     split = lines.index(next(line for line in lines if line.startswith("step time split (")))
     assert [line.split()[0] for line in lines[split + 1:]] == ["schedule", "prepare", "linear", "decode", "attention",
                                                                "other", "LM", "sampling", "outputs", "rest"]
-    from llmserve.attention import native
-
-    assert native.paged_decode.__name__ == "paged_decode" and not hasattr(native.paged_decode, "__wrapped__")
+    assert not hasattr(native.paged_decode, "__wrapped__")  # the profiler's wrapper was taken off again
 
 
 def test_throughput_refuses_an_unreadable_dataset(tiny_model_dir: Callable[[str], str], tmp_path,
