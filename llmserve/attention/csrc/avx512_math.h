@@ -3,6 +3,7 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <immintrin.h>
 
@@ -28,12 +29,23 @@ LLMSERVE_AVX512 inline __m512 exp512(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
-// Masked 16-lane loads (as fp32) and stores (rounding fp32 to nearest even, as torch's casts do).
-LLMSERVE_AVX512 inline __m512 loadu16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-LLMSERVE_AVX512 inline __m512 loadu16(const c10::BFloat16* p, __mmask16 m) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+// 16 lanes loaded as fp32: load16 whole, loadu16 masked (masked-off lanes read as 0).
+LLMSERVE_AVX512 inline __m512 widen_bf16(__m256i raw) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+LLMSERVE_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+LLMSERVE_AVX512 inline __m512 load16(const c10::BFloat16* p) {
+  return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+LLMSERVE_AVX512 inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+LLMSERVE_AVX512 inline __m512 loadu16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+LLMSERVE_AVX512 inline __m512 loadu16(const c10::BFloat16* p, __mmask16 m) {
+  return widen_bf16(_mm256_maskz_loadu_epi16(m, p));
+}
+
+// fp32 stores, rounding to nearest even for bf16 as torch's casts do.
 
 // fp32 -> bf16 bits (in the low half of each lane), nearest even, NaN kept quiet.
 LLMSERVE_AVX512 inline __m512i bf16_bits(__m512 v) {

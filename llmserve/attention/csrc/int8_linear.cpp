@@ -16,7 +16,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <immintrin.h>
+#include "avx512_math.h"  // tail_mask16
 
 #include <algorithm>
 #include <cmath>
@@ -76,7 +76,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void block_fp32(const float
   for (int i = 0; i < kMaxM; ++i)
     for (int r = 0; r < kRows; ++r) acc[i][r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) {
-    const __mmask16 mask = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
+    const __mmask16 mask = tail_mask16(K - k);
     __m512 xv[kMaxM];
     for (int i = 0; i < m; ++i) xv[i] = _mm512_maskz_loadu_ps(mask, x + i * K + k);
     for (int r = 0; r < n_rows; ++r) {

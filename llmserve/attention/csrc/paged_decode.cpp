@@ -145,6 +145,21 @@ struct Dims {
   int64_t heads, kv_heads, group, head_dim, block_size, max_blocks;
 };
 
+// Online softmax over a context, shared by both paths: running max m and sum l per head of the group,
+// and the unnormalised output acc [G, D]; normalised once at the end.
+inline void reset_state(float* m, float* l, float* acc, int64_t G, int64_t D) {
+  std::fill(m, m + G, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + G, 0.f);
+  std::fill(acc, acc + G * D, 0.f);
+}
+
+inline void normalize(float* acc, const float* l, int64_t G, int64_t D) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;  // empty context (len 0) -> zeros
+    for (int64_t i = 0; i < D; ++i) acc[g * D + i] *= inv;
+  }
+}
+
 // Keys of a block rounded up to whole 16-key score vectors: the AVX-512 path's scratch row count.
 inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 
@@ -160,16 +175,7 @@ inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 //      heads x 64 dims of accumulators in registers).
 // Why: the AVX2 path widened every cache element once per query head and reduced each score on its
 // own; it was compute-bound at ~40 GFLOP/s (1.5 ms per layer at batch 64, contexts 300-520, GQA 3).
-#include "avx512_math.h"  // LLMSERVE_AVX512, exp512
-
-LLMSERVE_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-LLMSERVE_AVX512 inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-LLMSERVE_AVX512 inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+#include "avx512_math.h"  // LLMSERVE_AVX512, load16, tail_mask16, exp512
 
 // r[j] = sum of a[j]'s 16 lanes, j = 0..15 (a is clobbered). Each level adds pairs of vectors after
 // interleaving their halves, so after four levels lane j holds all of a[j].
@@ -261,9 +267,7 @@ LLMSERVE_AVX512 void attend_one_512(const float* qs, const T* k_cache, const T* 
   const int64_t bs16 = round16(BS);
   const int64_t tok_stride = dm.kv_heads * D;
   const int64_t blk_stride = BS * tok_stride;
-  std::fill(m, m + G, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + G, 0.f);
-  std::fill(acc, acc + G * D, 0.f);
+  reset_state(m, l, acc, G, D);
   for (int64_t b = start / BS; b * BS < len; ++b) {
     const int64_t t0 = std::max(start - b * BS, int64_t(0));
     const int64_t t1 = std::min(len - b * BS, BS);
@@ -274,14 +278,13 @@ LLMSERVE_AVX512 void attend_one_512(const float* qs, const T* k_cache, const T* 
       for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(kf + t * D + c, load16(kb + t * tok_stride + c));
     for (int64_t t = n; t < n16; ++t)
       for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(kf + t * D + c, _mm512_setzero_ps());
-    const __mmask16 tail = n % 16 ? static_cast<__mmask16>((1u << (n % 16)) - 1) : static_cast<__mmask16>(0xFFFF);
     for (int64_t g = 0; g < G; ++g) {
       float* s = scores + g * bs16;
       qk16(qs + g * D, kf, n16, D, s);
       // running max over the n real scores
       __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
       for (int64_t t = 0; t < n16; t += 16) {
-        const __mmask16 k = t + 16 <= n ? static_cast<__mmask16>(0xFFFF) : tail;
+        const __mmask16 k = tail_mask16(n - t);
         mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, k, s + t));
       }
       const float m_new = std::max(m[g], _mm512_reduce_max_ps(mx));
@@ -289,7 +292,7 @@ LLMSERVE_AVX512 void attend_one_512(const float* qs, const T* k_cache, const T* 
       const __m512 mv = _mm512_set1_ps(m_new);
       __m512 sum = _mm512_setzero_ps();
       for (int64_t t = 0; t < n16; t += 16) {
-        const __mmask16 k = t + 16 <= n ? static_cast<__mmask16>(0xFFFF) : tail;
+        const __mmask16 k = tail_mask16(n - t);
         const __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), mv)));
         _mm512_storeu_ps(s + t, e);  // padded keys get probability 0
         sum = _mm512_add_ps(sum, e);
@@ -307,10 +310,7 @@ LLMSERVE_AVX512 void attend_one_512(const float* qs, const T* k_cache, const T* 
     else
       pv_heads<1>(scores, bs16, vb, tok_stride, n, D, G, acc);
   }
-  for (int64_t g = 0; g < G; ++g) {
-    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;  // empty context (len 0) -> zeros
-    for (int64_t i = 0; i < D; ++i) acc[g * D + i] *= inv;
-  }
+  normalize(acc, l, G, D);
 }
 
 bool avx512_decode_supported() {
@@ -336,9 +336,7 @@ void attend_one(const float* qs, const T* k_cache, const T* v_cache, const int64
   const int64_t G = dm.group, D = dm.head_dim, BS = dm.block_size;
   const int64_t tok_stride = dm.kv_heads * D;  // elements between consecutive tokens of a block
   const int64_t blk_stride = BS * tok_stride;
-  std::fill(m, m + G, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + G, 0.f);
-  std::fill(acc, acc + G * D, 0.f);
+  reset_state(m, l, acc, G, D);
   for (int64_t b = start / BS; b * BS < len; ++b) {
     const int64_t t0 = std::max(start - b * BS, int64_t(0));
     const int64_t t1 = std::min(len - b * BS, BS);
@@ -378,10 +376,7 @@ void attend_one(const float* qs, const T* k_cache, const T* v_cache, const int64
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t g = 0; g < G; ++g) axpy(scores[g * BS + t], vb + t * tok_stride, acc + g * D, D);
   }
-  for (int64_t g = 0; g < G; ++g) {
-    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;  // empty context (len 0) -> zeros
-    for (int64_t i = 0; i < D; ++i) acc[g * D + i] *= inv;
-  }
+  normalize(acc, l, G, D);
 }
 
 template <typename TQ, typename T>
