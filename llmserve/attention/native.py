@@ -69,17 +69,21 @@ def load() -> ModuleType | None:
 STALE_LOCK_S = 300
 
 
-def _watch_build_lock(done: threading.Event, period_s: float = 5.0) -> None:
-    """While load() builds or waits for another process's build, remove the lock once it is stale."""
+def _watch_build_lock(done: threading.Event, period_s: float = 5.0, started: float | None = None) -> None:
+    """While load() builds or waits for another process's build, remove the lock once it is stale. Only a
+    lock that was there before this process started loading: its own build's lock (made after) is never
+    taken away from it, however slow the build."""
     from torch.utils.cpp_extension import _get_build_directory
 
+    started = time.time() if started is None else started
     lock = Path(_get_build_directory("llmserve_cpu_kernels", verbose=False)) / "lock"
     while True:
         try:
-            age = time.time() - lock.stat().st_mtime
+            made = lock.stat().st_mtime
         except OSError:
-            age = 0.0  # no lock: nobody is building
-        if age > STALE_LOCK_S:
+            made = started  # no lock: nobody is building
+        age = time.time() - made
+        if made < started and age > STALE_LOCK_S:
             log.warning("removing a stale build lock (%.0f s old) left by an interrupted build: %s", age, lock)
             lock.unlink(missing_ok=True)
         if done.wait(period_s):
