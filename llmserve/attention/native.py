@@ -120,14 +120,15 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor | None:
     """(x [M, K] @ qweight[N, K]^T) * scale[N] (+ bias) in x's dtype, or None where the native kernel
     cannot run (not built, or a CPU without AVX-512)."""
-    if not _int8_kernel_usable():
+    if not int8_usable():
         return None
     return _module.int8_linear(x, qweight, scale, bias)
 
 
 @functools.cache
-def _int8_kernel_usable() -> bool:
-    # Asked once: int8_linear runs per linear layer per step, and the answer cannot change.
+def int8_usable() -> bool:
+    """Whether the int8 weight-only kernel runs here (the extension builds, the CPU has AVX-512). Asked
+    once: int8_linear runs per linear layer per step, and the answer cannot change."""
     return load() is not None and _module.int8_linear_supported()
 
 

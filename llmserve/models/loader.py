@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmserve.attention import native
 from llmserve.config import EngineConfig
 from llmserve.errors import InvalidRequestError, ModelLoadError
 from llmserve.layers.rotary import rope_config, rope_max_positions
@@ -78,6 +79,9 @@ def load_model(model: str | None, config: EngineConfig) -> LoadedModel:
     net.load_weights(iter_safetensors(safetensors_files(loc.model_dir)))
     if config.quantization is not None:
         net.quantize(config.quantization)
+    if config.quantization == "int8" and not (device.type == "cpu" and native.int8_usable()):
+        log.warning("quantization=int8 has no int8 kernel on %s here: the weights are dequantized at every step, "
+                    "which saves memory but runs slower than unquantized weights", device)
     net.eval()
     tokenizer = load_tokenizer(loc.model_dir, config.trust_remote_code, hf_config)
     generation = read_generation_config(loc.model_dir)
@@ -260,17 +264,19 @@ def resolve_dtype(requested: str, checkpoint_dtype: Any, device: torch.device) -
 
 def check_w8a8(device: torch.device, dtype: torch.dtype) -> None:
     """w8a8 runs on the native CPU kernel only (int8 activations: AVX-512 with VNNI)."""
-    from llmserve.attention import native
-
     if device.type != "cpu":
         raise InvalidRequestError(f"quantization: w8a8 runs on the CPU only (this model is on {device}); use int8 "
                                   "(weight-only) there", param="quantization")
     if dtype not in (torch.float32, torch.bfloat16):
         raise InvalidRequestError(f"quantization: w8a8 needs dtype float32 or bfloat16, got {dtype}",
                                   param="quantization")
+    if native.load() is None:
+        raise InvalidRequestError("quantization: w8a8 runs on llmserve's native CPU kernels, which did not build "
+                                  "here (see the 'native CPU kernels unavailable' warning: a C++ compiler is "
+                                  "needed); use int8 (weight-only)", param="quantization")
     if not native.w8a8_usable():
-        raise InvalidRequestError("quantization: w8a8 needs a CPU with AVX-512 and VNNI and the native kernels "
-                                  "(this CPU or build lacks them); use int8 (weight-only)", param="quantization")
+        raise InvalidRequestError("quantization: w8a8 needs a CPU with AVX-512 and VNNI, which this one lacks; use "
+                                  "int8 (weight-only)", param="quantization")
 
 
 def cpu_has_fast_bf16() -> bool:

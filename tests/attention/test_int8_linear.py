@@ -53,10 +53,10 @@ def test_native_kernel_equals_the_dequantized_matmul(rows: int, in_f: int, bias:
     torch.testing.assert_close(got_bf16.float(), want_bf16, rtol=1e-2, atol=5e-2)
 
 
-@pytest.mark.parametrize("rows", [1, 32, 33, 64, 65, 96])  # each side of the row thresholds (96: fp32 compute)
+@pytest.mark.parametrize("rows", [1, lin.INT8_KERNEL_MAX_ROWS, lin.INT8_KERNEL_MAX_ROWS + 1, lin.INT8PACK_MAX_ROWS,
+                                  lin.INT8PACK_MAX_ROWS + 1, lin.FP32_COMPUTE_MIN_ROWS])  # each side of the thresholds
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_path_agrees_with_the_dequantized_matmul(rows: int, dtype: torch.dtype) -> None:
-    assert (lin.INT8_KERNEL_MAX_ROWS, lin.INT8PACK_MAX_ROWS, lin.FP32_COMPUTE_MIN_ROWS) == (32, 64, 96)
     layer = _layer(96, 64, bias=True, seed=2)
     layer.quantize_int8()
     layer.bias.data = layer.bias.data.to(dtype)  # a bf16 model's bias is bf16

@@ -85,8 +85,13 @@ def test_w8a8_refuses_what_it_cannot_run() -> None:
         check_w8a8(torch.device("cpu"), torch.float16)
 
 
-def test_w8a8_without_vnni_says_so(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("missing,message", [("cpu", "w8a8 needs a CPU with AVX-512 and VNNI, which this one lacks"),
+                                             ("build", "native CPU kernels, which did not build here")])
+def test_w8a8_without_vnni_or_kernels_says_which(tiny_model_dir, monkeypatch: pytest.MonkeyPatch, missing: str,
+                                                 message: str) -> None:
     monkeypatch.setattr(native, "w8a8_usable", lambda: False)
-    with pytest.raises(InvalidRequestError, match="w8a8 needs a CPU with AVX-512 and VNNI"):
+    if missing == "build":
+        monkeypatch.setattr(native, "load", lambda: None)
+    with pytest.raises(InvalidRequestError, match=message):
         with pipeline(tiny_model_dir("llama"), backend_config=EngineConfig(dtype="float32", quantization="w8a8")):
             pass
