@@ -34,7 +34,7 @@ class VocabEmbedding(nn.Module):
         self.packed32: torch.Tensor | None = None  # fp32 blocked copy of a bf16 table, for many rows
         self.qweight: torch.Tensor | None = None  # int8 [vocab, hidden] replacing the weight, see quantize_int8
         self.scale: torch.Tensor | None = None  # fp32 [vocab]
-        self.dtype = torch.get_default_dtype()  # the model dtype (lookups of an int8 table come back in it)
+        self.dtype: torch.dtype | None = None  # set by quantize_int8: lookups of the int8 table come back in it
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] int64 -> [T, hidden]."""
