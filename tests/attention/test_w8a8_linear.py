@@ -45,8 +45,9 @@ def test_quantize_w8a8_keeps_int8_weights_and_their_row_sums() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,in_f,out_f", [(1, 576, 960), (3, 13, 7), (64, 576, 1030), (17, 1536, 40),
-                                             (130, 40, 33)])  # tails of 16 in K and N; > one column block
+@pytest.mark.parametrize("rows,in_f,out_f", [(1, 576, 960), (3, 13, 7), (2, 100, 33), (8, 1000, 17), (9, 64, 16),
+                                             (64, 576, 1030), (17, 1536, 40), (130, 40, 33)])
+# few rows (the VNNI matrix-vector kernel, up to 8) and many (_int_mm); tails of 16 and 64 in K and N
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_is_bit_exact_with_its_torch_arithmetic(dtype: torch.dtype, rows: int, in_f: int, out_f: int,
                                                        bias: bool) -> None:
@@ -58,6 +59,16 @@ def test_kernel_is_bit_exact_with_its_torch_arithmetic(dtype: torch.dtype, rows:
     assert torch.equal(got, reference(x, layer.qweight, layer.scale, layer.wsum, layer.bias))
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+def test_few_rows_kernel_equals_int_mm(rows: int) -> None:
+    # The same rows through the matrix-vector kernel and through _int_mm (gemv_max_rows=0): the int32
+    # products are exact either way, so a request's output cannot depend on the batch it decodes in.
+    layer = _layer(70, 600, bias=True, seed=rows)
+    x = torch.randn(rows, 600, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    args = (x, layer.qweight, layer.scale, layer.wsum, layer.bias)
+    assert torch.equal(native._module.w8a8_linear(*args), native._module.w8a8_linear(*args, gemv_max_rows=0))
+
+
 def test_edge_rows_zero_positive_negative_and_huge() -> None:
     layer = _layer(48, 64, bias=True)
     x = torch.stack([torch.zeros(64), torch.rand(64) + 1, -torch.rand(64) - 1, torch.full((64,), 3.0),
@@ -66,6 +77,24 @@ def test_edge_rows_zero_positive_negative_and_huge() -> None:
     assert torch.equal(got, reference(x, layer.qweight, layer.scale, layer.wsum, layer.bias))
     torch.testing.assert_close(got[0], layer.bias)  # an all-zero row is exactly zero before the bias
     assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("rows", [1, 9])  # the matrix-vector kernel and _int_mm
+def test_exact_up_to_the_longest_rows_int32_holds(rows: int) -> None:
+    # A constant positive row quantizes to 127 everywhere with zero point -128: every (xq - zp) * w is
+    # 255 * 127, and over 66,000 columns their sum, 2,137,410,000, is just inside int32. One column more
+    # than the kernel allows is refused rather than wrapped.
+    k = 66_000
+    qweight = torch.full((16, k), 127, dtype=torch.int8)
+    qweight[1::2] = -127
+    scale, wsum = torch.full((16,), 1e-9), qweight.sum(dim=1, dtype=torch.int32)
+    x = torch.full((rows, k), 2.0)
+    got = native.w8a8_linear(x, qweight, scale, wsum, None)
+    assert torch.equal(got, reference(x, qweight, scale, wsum, None))
+    want = 2.0 * 127 * k * 1e-9  # x . w * scale, exactly representable after quantization here
+    torch.testing.assert_close(got, torch.tensor([want, -want] * 8).expand(rows, 16))
+    with pytest.raises(RuntimeError, match="at most 66311"):
+        native.w8a8_linear(torch.ones(1, 66_312), torch.ones(2, 66_312, dtype=torch.int8), scale[:2], wsum[:2], None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

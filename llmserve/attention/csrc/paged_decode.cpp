@@ -455,10 +455,11 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 // fused_ops.cpp, linked into the same extension (one build).
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
-// int8_linear.cpp
+// w8a8_linear.cpp
 bool w8a8_linear_supported();
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor w_scale, torch::Tensor wsum,
-                          c10::optional<torch::Tensor> bias);
+                          c10::optional<torch::Tensor> bias, int64_t gemv_max_rows);
+// int8_linear.cpp
 bool int8_linear_supported();
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale,
                           c10::optional<torch::Tensor> bias, bool allow_vnni);
@@ -472,6 +473,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none(),
         py::arg("allow_vnni") = true);
   m.def("w8a8_linear_supported", &w8a8_linear_supported, "whether this CPU runs w8a8_linear (AVX-512 with VNNI)");
-  m.def("w8a8_linear", &w8a8_linear, "int8 weights x int8 per-row activations through torch._int_mm (CPU)",
-        py::arg("x"), py::arg("qweight"), py::arg("w_scale"), py::arg("wsum"), py::arg("bias") = py::none());
+  m.def("w8a8_linear", &w8a8_linear, "int8 weights x int8 per-row activations: a VNNI matrix-vector kernel for few rows, else torch._int_mm (CPU)",
+        py::arg("x"), py::arg("qweight"), py::arg("w_scale"), py::arg("wsum"), py::arg("bias") = py::none(),
+        py::arg("gemv_max_rows") = -1);
 }
