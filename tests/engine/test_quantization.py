@@ -68,8 +68,12 @@ def test_quantized_batched_equals_one_at_a_time(tiny_model_dir, quantization: st
 @pytest.mark.slow
 @pytest.mark.parametrize("quantization", ["int8", pytest.param("w8a8", marks=needs_w8a8)])
 def test_quantized_smollm2_still_answers_paris(quantization: str) -> None:
+    # "Answer in one sentence": the bare question's first token is a near tie ("The" vs "L'", 0.25 nats apart
+    # in bf16, an exact tie of the bf16 logits under w8a8), which any 1-ulp change in a norm can flip; with
+    # it, "The" leads by 1.5 nats in bf16, int8 and w8a8 alike.
     with pipeline(backend_config=EngineConfig(dtype="bfloat16", quantization=quantization)) as pipe:
-        out = pipe("What is the capital of France?", gen_config=GenerationConfig(max_new_tokens=12, temperature=0))
+        out = pipe("What is the capital of France? Answer in one sentence.",
+                   gen_config=GenerationConfig(max_new_tokens=12, temperature=0))
     assert out.text == "The capital of France is Paris."
 
 

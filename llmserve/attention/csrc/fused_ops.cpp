@@ -6,17 +6,77 @@
 // Numerics follow the torch path op by op: math in fp32, and for bf16/fp16 tensors every
 // intermediate that torch would store in the tensor dtype is rounded to it here too (R below), so
 // results are the ones the reference layers give, not merely close to them.
+//
+// fp32 and bf16 run 16 lanes at a time on AVX-512 CPUs (the same roundings, vectorised: the scalar loops
+// below convert bf16 one element at a time and measured ~2 ns per element, so at 256 tokens one
+// add+RMSNorm took 465 us and one rotary 604 us, ~3.3 s of a 64-request throughput run); fp16, and CPUs
+// without AVX-512, take the scalar loops.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "avx512_math.h"  // LLMSERVE_AVX512, loadu16 / storeu16, bf16_bits, tail_mask16
+
 #include <cmath>
+#include <type_traits>
 
 namespace {
 
 template <typename T>
 inline float R(float x) {  // round to T's precision, as storing a torch intermediate in T would
   return static_cast<float>(static_cast<T>(x));
+}
+
+// R on 16 lanes, for fp32 (nothing to do) and bf16 (nearest even, as torch's cast).
+template <typename T>
+LLMSERVE_AVX512 inline __m512 R16(__m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
+  }
+}
+
+template <typename T>
+constexpr bool kVectorised = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+
+bool has_avx512() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return ok;
+}
+
+// One token's heads, as rotary_impl's scalar loop.
+template <typename T>
+LLMSERVE_AVX512 void rotary_token16(T* x, int64_t heads, int64_t half, int64_t head_stride, const T* c, const T* s) {
+  for (int64_t h = 0; h < heads; ++h) {
+    T* x1 = x + h * head_stride;
+    T* x2 = x1 + half;
+    for (int64_t i = 0; i < half; i += 16) {
+      const __mmask16 m = tail_mask16(half - i);
+      const __m512 a = loadu16(x1 + i, m), b = loadu16(x2 + i, m), ci = loadu16(c + i, m), si = loadu16(s + i, m);
+      storeu16(x1 + i, _mm512_sub_ps(R16<T>(_mm512_mul_ps(a, ci)), R16<T>(_mm512_mul_ps(b, si))), m);
+      storeu16(x2 + i, _mm512_add_ps(R16<T>(_mm512_mul_ps(b, ci)), R16<T>(_mm512_mul_ps(a, si))), m);
+    }
+  }
+}
+
+// One row, as add_rms_norm_impl's scalar loop (the sum of squares in 16 lanes: another order).
+template <typename T>
+LLMSERVE_AVX512 void add_rms_norm_row16(T* xr, T* rr, const T* weight, int64_t E, float eps) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t i = 0; i < E; i += 16) {
+    const __mmask16 m = tail_mask16(E - i);
+    const __m512 v = R16<T>(_mm512_add_ps(loadu16(xr + i, m), loadu16(rr + i, m)));
+    storeu16(rr + i, v, m);
+    ss = _mm512_add_ps(ss, _mm512_mul_ps(v, v));  // masked-off lanes are 0
+  }
+  const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(E) + eps);
+  const __m512 vinv = _mm512_set1_ps(inv);
+  for (int64_t i = 0; i < E; i += 16) {
+    const __mmask16 m = tail_mask16(E - i);
+    storeu16(xr + i, _mm512_mul_ps(loadu16(weight + i, m), R16<T>(_mm512_mul_ps(loadu16(rr + i, m), vinv))), m);
+  }
 }
 
 // x: [T, heads, D] (rows may be strided: q and k are views of the fused qkv output), rotated in place
@@ -26,6 +86,13 @@ void rotary_impl(T* x, int64_t n_tok, int64_t heads, int64_t D, int64_t tok_stri
                  const T* cos, const T* sin) {
   const int64_t half = D / 2;
   at::parallel_for(0, n_tok, 16, [&](int64_t begin, int64_t end) {
+    if constexpr (kVectorised<T>) {
+      if (has_avx512()) {
+        for (int64_t t = begin; t < end; ++t)
+          rotary_token16<T>(x + t * tok_stride, heads, half, head_stride, cos + t * half, sin + t * half);
+        return;
+      }
+    }
     for (int64_t t = begin; t < end; ++t) {
       const T* c = cos + t * half;
       const T* s = sin + t * half;
@@ -48,6 +115,13 @@ void rotary_impl(T* x, int64_t n_tok, int64_t heads, int64_t D, int64_t tok_stri
 template <typename T>
 void add_rms_norm_impl(T* x, T* residual, const T* weight, int64_t n_tok, int64_t E, double eps) {
   at::parallel_for(0, n_tok, 16, [&](int64_t begin, int64_t end) {
+    if constexpr (kVectorised<T>) {
+      if (has_avx512()) {
+        for (int64_t t = begin; t < end; ++t)
+          add_rms_norm_row16<T>(x + t * E, residual + t * E, weight, E, static_cast<float>(eps));
+        return;
+      }
+    }
     for (int64_t t = begin; t < end; ++t) {
       T* xr = x + t * E;
       T* rr = residual + t * E;
