@@ -1,7 +1,7 @@
 """The C++ CPU kernels, compiled lazily on first use: the paged decode kernel (csrc/paged_decode.cpp),
-the fused rotary / add+RMSNorm ops of the decoder layer (csrc/fused_ops.cpp) and the int8 weight-only
-linear for decode batches (csrc/int8_linear.cpp) and the int8-activation linear (csrc/w8a8_linear.cpp),
-one extension.
+the fused rotary / add+RMSNorm ops of the decoder layer (csrc/fused_ops.cpp), the int8 weight-only
+linear for decode batches (csrc/int8_linear.cpp), the int8-activation linear (csrc/w8a8_linear.cpp) and
+the bf16 linear for decode batches (csrc/bf16_linear.cpp), one extension.
 
 Compiling takes tens of seconds, so it never happens at import: `load()` builds on first call
 (torch caches the build under ~/.cache/torch_extensions, so later processes only link it) and is
@@ -24,7 +24,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("paged_decode.cpp", "fused_ops.cpp", "int8_linear.cpp", "w8a8_linear.cpp")]
+            for name in ("paged_decode.cpp", "fused_ops.cpp", "int8_linear.cpp", "w8a8_linear.cpp",
+                         "bf16_linear.cpp")]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed = False
@@ -143,3 +144,15 @@ def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, wsu
 def w8a8_usable() -> bool:
     """Whether the W8A8 kernel runs here: the extension builds and the CPU has AVX-512 with VNNI."""
     return load() is not None and _module.w8a8_linear_supported()
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] bf16 @ weight [N, K] bf16 (contiguous) ^T (+ bias) -> [M, N] bf16, fp32 sums; for few rows.
+    Needs bf16_linear_usable()."""
+    return _module.bf16_linear(x, weight, bias)
+
+
+@functools.cache
+def bf16_linear_usable() -> bool:
+    """Whether the bf16 matrix-vector kernel runs here: the extension builds and the CPU has AVX512-BF16."""
+    return load() is not None and _module.bf16_linear_supported()

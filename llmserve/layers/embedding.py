@@ -6,8 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve.attention import native
 from llmserve.cpu_features import fp32_compute_for_bf16
 from llmserve.layers.linear import (
+    bf16_gemv_ok,
     default_weight_loader,
     int8_linear,
     onednn_linear,
@@ -50,6 +52,8 @@ class VocabEmbedding(nn.Module):
             # fp32 products of bf16 values are exact and the sums fp32 as in the bf16 GEMM; rounding once to
             # bf16 keeps the logits the bf16 path would give (but for summation order) at any batch size.
             return onednn_linear(hidden.float(), self.packed32, None).to(hidden.dtype).float()
+        if self.weight is not None and self.packed is not None and bf16_gemv_ok(hidden, self.weight):
+            return native.bf16_linear(hidden, self.weight, None).float()  # a tied table keeps its plain weight
         if self.packed is not None:
             return onednn_linear(hidden, self.packed, None).float()
         return F.linear(hidden, self.weight).float()

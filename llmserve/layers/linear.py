@@ -69,8 +69,11 @@ class Linear(nn.Module):
         if self.qweight is not None:
             return int8_linear(x, self.qweight, self.scale, self.bias)
         if self.packed is not None:
-            if self.weight is not None and x.dim() == 2 and x.shape[0] >= FP32_COMPUTE_MIN_ROWS:
-                return fp32_linear(x, self.weight, self.bias)
+            if self.weight is not None and x.dim() == 2:
+                if x.shape[0] >= FP32_COMPUTE_MIN_ROWS:
+                    return fp32_linear(x, self.weight, self.bias)
+                if bf16_gemv_ok(x, self.weight):
+                    return native.bf16_linear(x, self.weight, self.bias)
             return onednn_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -110,6 +113,19 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+# A bf16 matmul of at most this many rows runs in csrc/bf16_linear.cpp on the plain weight, where the CPU has
+# AVX512-BF16 and the plain weight is kept (see pack_for_cpu). Measured over SmolLM2-135M's decoder linears and
+# LM head (2-core AVX512-BF16 Xeon, interleaved, ms per token): M = 1: 10.9-14.1 vs oneDNN 15.1-23.0; M = 2:
+# 12.8-16.7 vs 16.7-19.6; M = 4: 18.0-22.3 vs 22.9-24.2.
+BF16_GEMV_MAX_ROWS = 4
+
+
+def bf16_gemv_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x @ weight.T runs in the bf16 matrix-vector kernel (x 2-d)."""
+    return (x.shape[0] <= BF16_GEMV_MAX_ROWS and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+            and x.device.type == "cpu" and native.bf16_linear_usable())
 
 
 # A bf16 matmul of at least this many rows runs in fp32 on CPUs without AMX (fp32_compute_for_bf16);

@@ -459,6 +459,9 @@ void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight
 bool w8a8_linear_supported();
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor w_scale, torch::Tensor wsum,
                           c10::optional<torch::Tensor> bias, int64_t gemv_max_rows);
+// bf16_linear.cpp
+bool bf16_linear_supported();
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 // int8_linear.cpp
 bool int8_linear_supported();
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale,
@@ -472,6 +475,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "(x @ Wq^T) * scale (+ bias), int8 weights, small M (CPU, AVX-512)",
         py::arg("x"), py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none(),
         py::arg("allow_vnni") = true);
+  m.def("bf16_linear_supported", &bf16_linear_supported, "whether this CPU runs bf16_linear (AVX-512 with BF16)");
+  m.def("bf16_linear", &bf16_linear, "x @ W^T (+ bias) in bf16 for few rows, fp32 sums (CPU, AVX512-BF16)",
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("w8a8_linear_supported", &w8a8_linear_supported, "whether this CPU runs w8a8_linear (AVX-512 with VNNI)");
   m.def("w8a8_linear", &w8a8_linear, "int8 weights x int8 per-row activations: a VNNI matrix-vector kernel for few rows, else torch._int_mm (CPU)",
         py::arg("x"), py::arg("qweight"), py::arg("w_scale"), py::arg("wsum"), py::arg("bias") = py::none(),

@@ -24,7 +24,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include "avx512_math.h"  // LLMSERVE_AVX512, masked loads and stores
+#include "avx512_math.h"  // LLMSERVE_AVX512, masked loads and stores, sum_lanes16
 
 #include <algorithm>
 #include <cmath>
@@ -81,23 +81,6 @@ LLMSERVE_AVX512 void rescale_row(const int32_t* acc, int64_t n0, int64_t n1, flo
 // AVX512-VNNI Xeon, ms, gemv vs _int_mm, back to back): M = 1: 2.7 vs 5.6-9.4; 2: 2.9 vs 6.2-10.8;
 // 4: 4.7-7.0 vs 6.9-10.5; 6: 7.0-8.8 vs 7.7-11.5; 8: 8.3-10.5 vs 8.3-11.4; 12: 11.3 vs 9.2.
 constexpr int64_t kGemvMaxRows = 8;
-// Software prefetch distance in the weight rows: the rows are short (hidden sizes of a few KB), so the
-// hardware streamers stop at every row end; fetching 8 KB ahead measured 1.3-1.7x over none at one row.
-constexpr int64_t kPrefetchBytes = 8192;
-
-// Lane r of the result = the sum of the 16 lanes of a[r].
-LLMSERVE_VNNI inline __m512i reduce16(const __m512i a[16]) {
-  __m512i b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i)  // per 128-bit block: [a0+a2, a'0+a'2, a1+a3, a'1+a'3]
-    b[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // per 128-bit block: one partial sum for each of 4 rows
-    c[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(b[2 * i], b[2 * i + 1]), _mm512_unpackhi_epi64(b[2 * i], b[2 * i + 1]));
-  for (int i = 0; i < 2; ++i)
-    d[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                            _mm512_shuffle_i32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_epi32(_mm512_shuffle_i32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                          _mm512_shuffle_i32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
 
 // acc[i, 0:rows] = xq[i, :] . w[r, :] for M (1 or 2) rows of xq and rows <= 16 rows of w (exact int32).
 // vpdpbusd multiplies unsigned by signed bytes, 64 pairs per instruction: xq is made unsigned by adding 128
@@ -118,7 +101,7 @@ LLMSERVE_VNNI void gemv_block(const int8_t* xq, int64_t K, const int8_t* w, int6
     __m512i xv[M];  // masked-off lanes become 128, but meet zero weights
     for (int i = 0; i < M; ++i) xv[i] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, xq + i * K + k), flip);
     for (int r = 0; r < 16; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(row[r] + k) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(row[r] + k) + kGemvPrefetchBytes, _MM_HINT_T0);
       const __m512i wv = _mm512_maskz_loadu_epi8(m, row[r] + k);
       for (int i = 0; i < M; ++i) sums[i][r] = _mm512_dpbusd_epi32(sums[i][r], xv[i], wv);
     }
@@ -126,7 +109,7 @@ LLMSERVE_VNNI void gemv_block(const int8_t* xq, int64_t K, const int8_t* w, int6
   const __mmask16 keep = tail_mask16(rows);
   const __m512i offset = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(keep, wsum), 7);  // 128 * wsum
   for (int i = 0; i < M; ++i)
-    _mm512_mask_storeu_epi32(acc + i * ld_acc, keep, _mm512_sub_epi32(reduce16(sums[i]), offset));
+    _mm512_mask_storeu_epi32(acc + i * ld_acc, keep, _mm512_sub_epi32(sum_lanes16(sums[i], AddEpi32{}), offset));
 }
 
 // acc [M, N] = xq [M, K] @ qweight[N, K]^T, for M <= kGemvMaxRows. Threads split the output rows, each
