@@ -9,14 +9,16 @@
 // - VNNI (preferred): each row of x is scaled to int16 (its largest |value| -> 32767: a relative error
 //   of 1.5e-5 of that value, far below the int8 weights' own rounding), and vpdpwssd multiplies 32
 //   int16 pairs into 16 int32 sums per instruction, so 32 weights cost one widening and one vpdpwssd.
-//   int32 sums are flushed to fp32 every kChunk columns, so they cannot overflow.
+//   int32 sums are flushed to fp32 every kChunk columns, so they cannot overflow. The weight rows are
+//   prefetched kGemvPrefetchBytes ahead (SmolLM2's decoder and LM head at one row: 6.3-6.7 ms against
+//   7.6-7.8 without; at four rows 9.2-9.6 against 11.6-12.0).
 // - fp32: 16 weights widened to fp32 (two conversions) and one FMA per row of x: compute-bound at
 //   about half the memory bandwidth, kept for AVX-512 CPUs without VNNI.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include "avx512_math.h"  // tail_mask16
+#include "avx512_math.h"  // tail_mask16, kGemvPrefetchBytes
 
 #include <algorithm>
 #include <cmath>
@@ -46,6 +48,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void block_vnni(
       __m512i xv[M];
       for (int i = 0; i < M; ++i) xv[i] = _mm512_maskz_loadu_epi16(mask, x + i * K + k);
       for (int r = 0; r < R; ++r) {
+        if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k) + kGemvPrefetchBytes, _MM_HINT_T0);
         const __m512i wv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, w + r * K + k));
         for (int i = 0; i < M; ++i) acc[i][r] = _mm512_dpwssd_epi32(acc[i][r], xv[i], wv);
       }
