@@ -258,6 +258,25 @@ LLMSERVE_AVX512 inline void pv_heads(const float* p, int64_t p_stride, const T* 
   }
 }
 
+// Ask for the next block's keys and values of one KV head while this one is computed: blocks lie anywhere in
+// the pool, so the hardware prefetchers cannot guess the next one. Measured on 30 layers of 64 requests x 284
+// tokens (bf16, 2-core Xeon, separate processes alternated): 32.4-34.9 ms per step against 36.3-38.0 without;
+// two blocks ahead or into L2 (T1/T2) measured the same, one line per 128-byte row slower (40 ms). Where the
+// cache is already hot (8 requests, one layer's cache reused) it costs ~0.6 ms per 30 layers.
+template <typename T>
+inline void prefetch_block(const T* k_cache, const T* v_cache, int64_t offset, int64_t BS, int64_t tok_stride,
+                           int64_t D) {
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+  for (int64_t t = 0; t < BS; ++t) {
+    const char* k = reinterpret_cast<const char*>(k_cache + offset + t * tok_stride);
+    const char* v = reinterpret_cast<const char*>(v_cache + offset + t * tok_stride);
+    for (int64_t c = 0; c < row_bytes; c += 64) {
+      _mm_prefetch(k + c, _MM_HINT_T0);
+      _mm_prefetch(v + c, _MM_HINT_T0);
+    }
+  }
+}
+
 template <typename T>
 LLMSERVE_AVX512 void attend_one_512(const float* qs, const T* k_cache, const T* v_cache, const int64_t* table,
                                    int64_t start, int64_t len, int64_t kvh, const Dims& dm, float* acc,
@@ -274,6 +293,7 @@ LLMSERVE_AVX512 void attend_one_512(const float* qs, const T* k_cache, const T* 
     const int64_t n = t1 - t0, n16 = round16(n);
     const T* kb = k_cache + table[b] * blk_stride + kvh * D + t0 * tok_stride;
     const T* vb = v_cache + table[b] * blk_stride + kvh * D + t0 * tok_stride;
+    if ((b + 1) * BS < len) prefetch_block(k_cache, v_cache, table[b + 1] * blk_stride + kvh * D, BS, tok_stride, D);
     for (int64_t t = 0; t < n; ++t)
       for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(kf + t * D + c, load16(kb + t * tok_stride + c));
     for (int64_t t = n; t < n16; ++t)
