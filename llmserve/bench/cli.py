@@ -10,10 +10,14 @@ import json
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from llmserve.bench.datasets import BenchRequest, sharegpt, synthetic_chat
 from llmserve.bench.throughput import ThroughputResult, matmul_peak_gflops, run_engine_throughput
 from llmserve.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def add_bench_parser(sub: argparse._SubParsersAction, add_engine_flags) -> None:
@@ -108,7 +112,8 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
             if profile is not None:
                 profile.restore()
         int8 = engine.config.quantization == "w8a8"
-        peak = matmul_peak_gflops(engine.loaded.dtype, engine.loaded.device, int8=int8)
+        peak_dtype, peak_kind = peak_matmul_kind(engine.loaded.dtype, engine.loaded.device, int8)
+        peak = matmul_peak_gflops(peak_dtype, engine.loaded.device, int8=int8)
         model_dir, dtype, device = engine.loaded.model_dir, engine.loaded.dtype, engine.loaded.device
         pad = pipe.tokenizer.pad_token_id if pipe.tokenizer.pad_token_id is not None else 0
     if args.baseline == "transformers":
@@ -117,8 +122,23 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
         results.append(run_transformers_throughput(model_dir, dtype, device, requests, args.baseline_batch_size,
                                                    pad))
     precision = str(dtype).removeprefix("torch.") + (", w8a8" if int8 else "")
-    _report(results, peak, precision, args.json, profile, "int8 matmul" if int8 else "matmul")
+    _report(results, peak, precision, args.json, profile, peak_kind)
     return 0
+
+
+def peak_matmul_kind(dtype: torch.dtype, device: torch.device, int8: bool) -> tuple[torch.dtype, str]:
+    """Which matmul the run's FLOPs are read against: the one its large matmuls run. w8a8: the int8 matmul;
+    bf16 on a CPU where large bf16 matmuls run in fp32 (no AMX, see fp32_compute_for_bf16): fp32, the faster
+    one (read against the bf16 peak the fraction passed 100%)."""
+    import torch
+
+    from llmserve.cpu_features import fp32_compute_for_bf16
+
+    if int8:
+        return dtype, "int8 matmul"
+    if dtype == torch.bfloat16 and device.type == "cpu" and fp32_compute_for_bf16():
+        return torch.float32, "fp32 matmul"
+    return dtype, "matmul"
 
 
 def _workload(args: argparse.Namespace, pipe) -> list[BenchRequest]:

@@ -6,6 +6,7 @@ import json
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from llmserve.attention import native
 from llmserve.cli import main
@@ -105,6 +106,20 @@ def test_throughput_of_w8a8_is_read_against_the_int8_matmul(tiny_model_dir: Call
     assert rc == 0
     assert (out["dtype"], out["matmul_peak_kind"]) == ("float32, w8a8", "int8 matmul") and out["matmul_peak_gflops"] > 0
     assert out["results"][0]["output_tokens"] == 6
+
+
+@pytest.mark.parametrize("fp32_faster", [True, False])
+def test_bf16_is_read_against_the_matmul_its_large_matmuls_run(fp32_faster: bool,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from llmserve import cpu_features
+    from llmserve.bench.cli import peak_matmul_kind
+
+    monkeypatch.setattr(cpu_features, "fp32_compute_for_bf16", lambda: fp32_faster)
+    cpu = torch.device("cpu")
+    want = (torch.float32, "fp32 matmul") if fp32_faster else (torch.bfloat16, "matmul")
+    assert peak_matmul_kind(torch.bfloat16, cpu, int8=False) == want
+    assert peak_matmul_kind(torch.float32, cpu, int8=False) == (torch.float32, "matmul")
+    assert peak_matmul_kind(torch.bfloat16, cpu, int8=True) == (torch.bfloat16, "int8 matmul")
 
 
 def test_throughput_reads_sharegpt_and_runs_the_transformers_baseline(
