@@ -2,14 +2,23 @@
 // for generic x86-64 or AVX2, and callers check the CPU at run time).
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #define LLMSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+
+// Whether this CPU runs LLMSERVE_AVX512 code (F, BW, DQ and VL); asked once.
+inline bool cpu_has_avx512() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return ok;
+}
 
 // exp(x) for x <= 0 (paged_decode.cpp's exp256 polynomial, Cephes, ~2 ulp), 16 lanes.
 LLMSERVE_AVX512 inline __m512 exp512(__m512 x) {
@@ -67,6 +76,22 @@ inline __mmask16 tail_mask16(int64_t left) { return left >= 16 ? __mmask16(0xFFF
 // are short (hidden sizes of a few KB), so the hardware streamers stop at every row end; 8 KB ahead measured
 // 1.3-1.7x over none at one row.
 constexpr int64_t kGemvPrefetchBytes = 8192;
+
+// The matrix-vector kernels' work split: threads take blocks of 16 output rows, each thread streaming its own
+// contiguous slice of the weights once, and each block takes x's rows in pairs, then a last single row (the
+// second pass over the same 16 weight rows hits L1). block(pair, i, n0, rows): x's row i (and i + 1 if pair)
+// against output rows n0 .. n0 + rows.
+template <typename Block>
+inline void for_each_gemv_block(int64_t M, int64_t N, const Block& block) {
+  at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n0 = blk * 16, rows = std::min<int64_t>(16, N - n0);
+      int64_t i = 0;
+      for (; i + 2 <= M; i += 2) block(true, i, n0, rows);
+      if (i < M) block(false, i, n0, rows);
+    }
+  });
+}
 
 // Transpose-and-add: lane r of the result is the sum of the 16 lanes of a[r] (matrix-vector kernels keep one
 // accumulator per output row and reduce 16 of them at once). Add: the lane-wise sum, a functor (a lambda

@@ -6,12 +6,13 @@
 //
 // vdpbf16ps multiplies 32 bf16 pairs into 16 fp32 sums per instruction (products exact, sums in fp32, as a
 // bf16 GEMM; only the summation order differs from oneDNN's). Threads split the output rows, each streaming
-// its own contiguous slice of the weights, 16 rows at a time with a software prefetch (kGemvPrefetchBytes).
+// its own contiguous slice of the weights, 16 rows at a time with a software prefetch (kGemvPrefetchBytes,
+// for_each_gemv_block).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include "avx512_math.h"  // storeu16, tail_mask16, sum_lanes16, kGemvPrefetchBytes
+#include "avx512_math.h"  // storeu16, tail_mask16, sum_lanes16, for_each_gemv_block, kGemvPrefetchBytes
 
 #include <algorithm>
 #include <cstdint>
@@ -52,9 +53,7 @@ LLMSERVE_AVX512_BF16 void gemv_block(const uint16_t* x, int64_t K, const uint16_
 }  // namespace
 
 bool bf16_linear_supported() {
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-                         __builtin_cpu_supports("avx512bf16");
+  static const bool ok = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
   return ok;
 }
 
@@ -76,14 +75,12 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight, c10::optional<t
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   const float* bp = bias.has_value() ? b.data_ptr<float>() : nullptr;
   auto* yp = y.data_ptr<at::BFloat16>();
-  at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t n0 = blk * 16, rows = std::min<int64_t>(16, N - n0);
-      const float* bb = bp ? bp + n0 : nullptr;
-      int64_t i = 0;
-      for (; i + 2 <= M; i += 2) gemv_block<2>(xp + i * K, K, wp + n0 * K, rows, bb, yp + i * N + n0, N);
-      if (i < M) gemv_block<1>(xp + i * K, K, wp + n0 * K, rows, bb, yp + i * N + n0, N);
-    }
+  for_each_gemv_block(M, N, [&](bool pair, int64_t i, int64_t n0, int64_t rows) {
+    const float* bb = bp ? bp + n0 : nullptr;
+    if (pair)
+      gemv_block<2>(xp + i * K, K, wp + n0 * K, rows, bb, yp + i * N + n0, N);
+    else
+      gemv_block<1>(xp + i * K, K, wp + n0 * K, rows, bb, yp + i * N + n0, N);
   });
   return y;
 }

@@ -15,7 +15,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include "avx512_math.h"  // LLMSERVE_AVX512, loadu16 / storeu16, bf16_bits, tail_mask16
+#include "avx512_math.h"  // LLMSERVE_AVX512, cpu_has_avx512, loadu16 / storeu16, bf16_bits, tail_mask16
 
 #include <cmath>
 #include <type_traits>
@@ -39,12 +39,6 @@ LLMSERVE_AVX512 inline __m512 R16(__m512 v) {
 
 template <typename T>
 constexpr bool kVectorised = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
-
-bool has_avx512() {
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  return ok;
-}
 
 // One token's heads, as rotary_impl's scalar loop.
 template <typename T>
@@ -87,7 +81,7 @@ void rotary_impl(T* x, int64_t n_tok, int64_t heads, int64_t D, int64_t tok_stri
   const int64_t half = D / 2;
   at::parallel_for(0, n_tok, 16, [&](int64_t begin, int64_t end) {
     if constexpr (kVectorised<T>) {
-      if (has_avx512()) {
+      if (cpu_has_avx512()) {
         for (int64_t t = begin; t < end; ++t)
           rotary_token16<T>(x + t * tok_stride, heads, half, head_stride, cos + t * half, sin + t * half);
         return;
@@ -116,7 +110,7 @@ template <typename T>
 void add_rms_norm_impl(T* x, T* residual, const T* weight, int64_t n_tok, int64_t E, double eps) {
   at::parallel_for(0, n_tok, 16, [&](int64_t begin, int64_t end) {
     if constexpr (kVectorised<T>) {
-      if (has_avx512()) {
+      if (cpu_has_avx512()) {
         for (int64_t t = begin; t < end; ++t)
           add_rms_norm_row16<T>(x + t * E, residual + t * E, weight, E, static_cast<float>(eps));
         return;

@@ -334,10 +334,8 @@ LLMSERVE_AVX512 void attend_one_512(const float* qs, const T* k_cache, const T* 
 }
 
 bool avx512_decode_supported() {
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
   const char* off = std::getenv("LLMSERVE_DECODE_AVX512");  // "0": the AVX2 path (tests, A/B)
-  return ok && !(off != nullptr && off[0] == '0' && off[1] == '\0');
+  return cpu_has_avx512() && !(off != nullptr && off[0] == '0' && off[1] == '\0');
 }
 #else
 bool avx512_decode_supported() { return false; }

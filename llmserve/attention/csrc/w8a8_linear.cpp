@@ -85,8 +85,8 @@ constexpr int64_t kGemvMaxRows = 8;
 // acc[i, 0:rows] = xq[i, :] . w[r, :] for M (1 or 2) rows of xq and rows <= 16 rows of w (exact int32).
 // vpdpbusd multiplies unsigned by signed bytes, 64 pairs per instruction: xq is made unsigned by adding 128
 // (xor 0x80), and 128 * wsum[r] is taken off the sums again. The int32 lanes wrap on overflow (the
-// instruction does not saturate), so the difference is exact whenever the true sum fits in int32, the
-// same condition as _int_mm's.
+// instruction does not saturate), so the difference is exact whenever the true sum fits in int32; it
+// does for K <= kMaxColumns.
 template <int M>
 LLMSERVE_VNNI void gemv_block(const int8_t* xq, int64_t K, const int8_t* w, int64_t rows, const int32_t* wsum,
                               int32_t* acc, int64_t ld_acc) {
@@ -112,17 +112,13 @@ LLMSERVE_VNNI void gemv_block(const int8_t* xq, int64_t K, const int8_t* w, int6
     _mm512_mask_storeu_epi32(acc + i * ld_acc, keep, _mm512_sub_epi32(sum_lanes16(sums[i], AddEpi32{}), offset));
 }
 
-// acc [M, N] = xq [M, K] @ qweight[N, K]^T, for M <= kGemvMaxRows. Threads split the output rows, each
-// streaming its own contiguous slice of the weights once (a pair of x rows per pass; a second pass over
-// the same 16 weight rows hits L1).
+// acc [M, N] = xq [M, K] @ qweight[N, K]^T, for M <= kGemvMaxRows (work split: for_each_gemv_block).
 void gemv(const int8_t* xq, int64_t M, int64_t K, const int8_t* w, int64_t N, const int32_t* wsum, int32_t* acc) {
-  at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t n0 = blk * 16, rows = std::min<int64_t>(16, N - n0);
-      int64_t i = 0;
-      for (; i + 2 <= M; i += 2) gemv_block<2>(xq + i * K, K, w + n0 * K, rows, wsum + n0, acc + i * N + n0, N);
-      if (i < M) gemv_block<1>(xq + i * K, K, w + n0 * K, rows, wsum + n0, acc + i * N + n0, N);
-    }
+  for_each_gemv_block(M, N, [&](bool pair, int64_t i, int64_t n0, int64_t rows) {
+    if (pair)
+      gemv_block<2>(xq + i * K, K, w + n0 * K, rows, wsum + n0, acc + i * N + n0, N);
+    else
+      gemv_block<1>(xq + i * K, K, w + n0 * K, rows, wsum + n0, acc + i * N + n0, N);
   });
 }
 
@@ -170,9 +166,7 @@ torch::Tensor w8a8_impl(const torch::Tensor& x, const torch::Tensor& qweight, co
 }  // namespace
 
 bool w8a8_linear_supported() {
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                         __builtin_cpu_supports("avx512vnni");
+  static const bool ok = cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
   return ok;
 }
 
@@ -189,7 +183,7 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   const int64_t N = qweight.size(0);
   // acc - zp * wsum = sum_k (xq - zp) * w with 0 <= xq - zp <= 255, |w| <= 127: int32 holds it for K <= 66311.
   TORCH_CHECK(x.size(1) <= kMaxColumns, "w8a8_linear: rows of at most ", kMaxColumns, " columns (int32 sums); got ",
-              x.size(1));
+              x.size(1), ": quantize this model with int8 (weight-only) instead of w8a8");
   TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.numel() == N && w_scale.is_contiguous(),
               "w8a8_linear: w_scale must be contiguous fp32 [N]");
   TORCH_CHECK(wsum.scalar_type() == at::kInt && wsum.numel() == N && wsum.is_contiguous(),
