@@ -20,6 +20,8 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the model runner.
         self.kv_cache: torch.Tensor | None = None
+        # int8 caches only: one fp32 scale per token and KV head, [2, num_blocks, block_size, num_kv_heads].
+        self.kv_scales: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, heads * head_dim], k/v: [T, kv_heads * head_dim] -> [T, heads * head_dim]."""
@@ -28,6 +30,6 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        write_kv(self.kv_cache, k, v, meta.slot_mapping)
-        o = paged_attention(q, k, v, self.kv_cache, meta, self.scale, self.sliding_window)
+        write_kv(self.kv_cache, k, v, meta.slot_mapping, self.kv_scales)
+        o = paged_attention(q, k, v, self.kv_cache, meta, self.scale, self.sliding_window, self.kv_scales)
         return o.reshape(t, self.num_heads * self.head_dim)

@@ -1,7 +1,8 @@
 """The C++ CPU kernels, compiled lazily on first use: the paged decode kernel (csrc/paged_decode.cpp),
 the fused rotary / add+RMSNorm ops of the decoder layer (csrc/fused_ops.cpp), the int8 weight-only
-linear for decode batches (csrc/int8_linear.cpp), the int8-activation linear (csrc/w8a8_linear.cpp) and
-the bf16 linear for decode batches (csrc/bf16_linear.cpp), one extension.
+linear for decode batches (csrc/int8_linear.cpp), the int8-activation linear (csrc/w8a8_linear.cpp),
+the bf16 linear for decode batches (csrc/bf16_linear.cpp) and the int8 KV-cache writer (csrc/kv_int8.cpp), one
+extension.
 
 Compiling takes tens of seconds, so it never happens at import: `load()` builds on first call
 (torch caches the build under ~/.cache/torch_extensions, so later processes only link it) and is
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_decode.cpp", "fused_ops.cpp", "int8_linear.cpp", "w8a8_linear.cpp",
-                         "bf16_linear.cpp")]
+                         "bf16_linear.cpp", "kv_int8.cpp")]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed = False
@@ -92,12 +93,28 @@ def _watch_build_lock(done: threading.Event, period_s: float = 5.0, started: flo
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor,
-                 scale: float, sliding_window: int | None) -> torch.Tensor:
+                 scale: float, sliding_window: int | None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """q: [nd, heads, head_dim]; kv_cache: [2, num_blocks, block_size, kv_heads, head_dim];
-    block_tables: [nd, max_blocks] int64; lens: [nd] int64 -> [nd, heads, head_dim]. Needs load()."""
+    block_tables: [nd, max_blocks] int64; lens: [nd] int64 -> [nd, heads, head_dim]. An int8 cache comes with
+    kv_scales [2, num_blocks, block_size, kv_heads] fp32 (and needs int8_kv_decode_usable()). Needs load()."""
     assert _module is not None, "call load() first"
+    k_scales, v_scales = (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
     return _module.paged_decode(q, kv_cache[0], kv_cache[1], block_tables, lens, scale,
-                                -1 if sliding_window is None else sliding_window)
+                                -1 if sliding_window is None else sliding_window, k_scales, v_scales)
+
+
+def int8_kv_decode_usable() -> bool:
+    """Whether paged_decode reads an int8 cache here: the AVX-512 path (asked each time: tests turn it off
+    with LLMSERVE_DECODE_AVX512=0)."""
+    return load() is not None and _module.int8_kv_decode_supported()
+
+
+def write_kv_int8(kv_cache: torch.Tensor, kv_scales: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """Quantize k, v [T, kv_heads, head_dim] into the int8 cache and its scales at slot_mapping [T], exactly as
+    torch_backend.quantize_int8 does. Needs load()."""
+    assert _module is not None, "call load() first"
+    _module.write_kv_int8(k, v, kv_cache[0], kv_cache[1], kv_scales[0], kv_scales[1], slot_mapping)
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

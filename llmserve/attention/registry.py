@@ -1,7 +1,7 @@
 """Which kernel runs decode attention. The torch backend is the reference and the fallback.
 
-`LLMSERVE_ATTENTION=torch` forces the reference; otherwise CPU decodes use the native kernel
-once it has built (the first decode step pays the compile, or its cached link).
+`LLMSERVE_ATTENTION=torch` forces the reference (decode attention and the int8 KV writer); otherwise CPU
+decodes use the native kernel once it has built (the first decode step pays the compile, or its cached link).
 """
 
 from __future__ import annotations
@@ -16,19 +16,27 @@ from llmserve.attention.metadata import AttentionMetadata
 
 _NATIVE_DTYPES = {torch.float32, torch.bfloat16, torch.float16}  # any mix of q and cache dtypes
 
-# (q [nd, heads, head_dim], kv_cache, meta, scale, sliding_window) -> [nd, heads, head_dim]
-DecodeFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float, "int | None"], torch.Tensor]
+# (q [nd, heads, head_dim], kv_cache, kv_scales (int8 caches) or None, meta, scale, sliding_window)
+#   -> [nd, heads, head_dim]
+DecodeFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", AttentionMetadata, float, "int | None"],
+                    torch.Tensor]
 
 
-def _native_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                   sliding_window: int | None) -> torch.Tensor:
+def _native_decode(q: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, meta: AttentionMetadata,
+                   scale: float, sliding_window: int | None) -> torch.Tensor:
     assert meta.decode_tables is not None and meta.decode_lens is not None
-    return native.paged_decode(q, kv_cache, meta.decode_tables, meta.decode_lens, scale, sliding_window)
+    return native.paged_decode(q, kv_cache, meta.decode_tables, meta.decode_lens, scale, sliding_window, kv_scales)
+
+
+def native_enabled(x: torch.Tensor) -> bool:
+    """Whether native kernels may run on x: a CPU tensor, the extension built, the reference not forced."""
+    return x.device.type == "cpu" and os.environ.get("LLMSERVE_ATTENTION") != "torch" and native.load() is not None
 
 
 def native_decode(q: torch.Tensor, kv_cache: torch.Tensor) -> DecodeFn | None:
     """The native decode kernel for these tensors, or None where the torch reference should run."""
-    if (q.device.type != "cpu" or not {q.dtype, kv_cache.dtype} <= _NATIVE_DTYPES or not kv_cache.is_contiguous()
-            or os.environ.get("LLMSERVE_ATTENTION") == "torch"):
+    if not kv_cache.is_contiguous() or q.dtype not in _NATIVE_DTYPES or not native_enabled(q):
         return None
-    return _native_decode if native.load() is not None else None
+    if kv_cache.dtype == torch.int8:
+        return _native_decode if q.shape[-1] % 16 == 0 and native.int8_kv_decode_usable() else None
+    return _native_decode if kv_cache.dtype in _NATIVE_DTYPES else None

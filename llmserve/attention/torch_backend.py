@@ -10,17 +10,45 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmserve.attention import registry
+from llmserve.attention import native, registry
 from llmserve.attention.metadata import AttentionMetadata
 from llmserve.cpu_features import fp32_compute_for_bf16
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             kv_scales: torch.Tensor | None = None) -> None:
     """kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]; k, v: [T, kv_heads, head_dim]. The cache
-    may be narrower than the model (kv_cache_dtype): K/V are rounded to it here."""
+    may be narrower than the model (kv_cache_dtype): K/V are rounded to it here, or quantized to int8 with
+    one scale per token and head into kv_scales [2, num_blocks, block_size, kv_heads] (fp32)."""
     flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
-    flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
+    if kv_scales is None:
+        flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))
+        flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
+        return
+    if registry.native_enabled(k):  # one call for K and V (same bytes as below)
+        native.write_kv_int8(kv_cache, kv_scales, k, v, slot_mapping)
+        return
+    flat_scales = kv_scales.view(2, -1, kv_scales.shape[-1])
+    for i, x in enumerate((k, v)):
+        q, s = quantize_int8(x)
+        flat[i].index_copy_(0, slot_mapping, q)
+        flat_scales[i].index_copy_(0, slot_mapping, s)
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (int8 [..., D], fp32 scales [...]): symmetric per row, scale = max|x| / 127, rounded half
+    to even (an all-zero row: scale 0, zeros). csrc/kv_int8.cpp does exactly this."""
+    xf = x.float()
+    scale = xf.abs().amax(-1) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(xf / safe.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8), scale
+
+
+def dequantize(x: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows x [..., D] in dtype: widened, or int8 times scales [...] (in fp32, then rounded to dtype)."""
+    if scales is None:
+        return x.to(dtype)
+    return (x.float() * scales.unsqueeze(-1)).to(dtype)
 
 
 def paged_attention(
@@ -31,56 +59,66 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
+    kv_scales: torch.Tensor | None = None,  # [2, num_blocks, block_size, kv_heads] fp32 for an int8 cache
 ) -> torch.Tensor:  # [T, heads, head_dim]
     out = torch.empty_like(q)
     block_size, kv_heads, head_dim = kv_cache.shape[2:]
     flat = kv_cache.view(2, -1, kv_heads, head_dim)
+    flat_scales = None if kv_scales is None else kv_scales.view(2, -1, kv_heads)
     gqa = q.shape[1] != k.shape[1]
     nd = meta.num_decodes
     if nd:
         decode = registry.native_decode(q, kv_cache) or decode_attention
-        out[:nd] = decode(q[:nd], kv_cache, meta, scale, sliding_window)
+        out[:nd] = decode(q[:nd], kv_cache, kv_scales, meta, scale, sliding_window)
     # bf16 prefill attention runs in fp32 on CPUs where that is faster (torch's bf16 SDPA: half the speed)
     wide = torch.float32 if q.dtype == torch.bfloat16 and q.is_cpu and fp32_compute_for_bf16() else q.dtype
     for span in meta.prefills:
         qs = q[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0).to(wide)  # [1, heads, q_len, head_dim]
         if span.num_cached == 0 and (sliding_window is None or span.q_len <= sliding_window):
-            # Fresh prompt: its keys are exactly this step's keys; plain causal attention.
+            # Fresh prompt: its keys are exactly this step's keys (unrounded, as a narrow or int8 cache's
+            # later readers see them rounded); plain causal attention.
             ks = k[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0).to(wide)
             vs = v[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0).to(wide)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             # [1, kv_heads, ctx, head_dim], widened to the compute dtype when the cache is narrower
-            ks = flat[0].index_select(0, span.slots).to(wide).transpose(0, 1).unsqueeze(0)
-            vs = flat[1].index_select(0, span.slots).to(wide).transpose(0, 1).unsqueeze(0)
+            ks, vs = (dequantize(flat[i].index_select(0, span.slots),
+                                 None if flat_scales is None else flat_scales[i].index_select(0, span.slots),
+                                 wide).transpose(0, 1).unsqueeze(0) for i in (0, 1))
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask(sliding_window),
                                                scale=scale, enable_gqa=gqa)
         out[span.q_start:span.q_end] = o.squeeze(0).transpose(0, 1)
     return out
 
 
-def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                     sliding_window: int | None) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None,
+                     meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
     """Reference decode: q [nd, heads, head_dim], one query token per request -> [nd, heads, head_dim]."""
     block_size = kv_cache.shape[2]
     keys, values = _gather_blocks(kv_cache, meta)  # [nd, kv_heads, max_blocks * block_size, head_dim]
-    keys, values = keys.to(q.dtype), values.to(q.dtype)  # no-op unless the cache is narrower
+    if kv_scales is None:
+        keys, values = keys.to(q.dtype), values.to(q.dtype)  # no-op unless the cache is narrower
+    else:
+        k_scales, v_scales = _gather_blocks(kv_scales.unsqueeze(-1), meta, "_scale")  # [..., 1]
+        keys = (keys.float() * k_scales).to(q.dtype)
+        values = (values.float() * v_scales).to(q.dtype)
     mask = meta.decode_mask(sliding_window, block_size, q.dtype)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
                                        enable_gqa=q.shape[1] != keys.shape[1])
     return o.squeeze(2)
 
 
-def _gather_blocks(kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_blocks(kv_cache: torch.Tensor, meta: AttentionMetadata,
+                   suffix: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """Copy the decode requests' blocks (whole blocks: long contiguous rows copy fastest) into
-    workspace buffers shared by all layers of the step."""
+    workspace buffers shared by all layers of the step (named by suffix: the int8 scales have their own)."""
     assert meta.decode_tables is not None
     nd, max_blocks = meta.decode_tables.shape
     block_size, kv_heads, head_dim = kv_cache.shape[2:]
     idx = meta.decode_tables.reshape(-1)
     shape = (nd * max_blocks, block_size, kv_heads, head_dim)
     out = []
-    for i, name in enumerate(("decode_k", "decode_v")):
+    for i, name in enumerate(("decode_k" + suffix, "decode_v" + suffix)):
         buf = meta.workspace.get(name, shape, kv_cache.dtype, kv_cache.device)
         torch.index_select(kv_cache[i], 0, idx, out=buf)
         out.append(buf.view(nd, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2))

@@ -29,11 +29,19 @@ class CacheSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # int8: quantized, with one fp32 scale per token, head and K/V
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype == torch.int8
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+        row = self.head_dim * self.dtype.itemsize + (SCALE_DTYPE.itemsize if self.quantized else 0)
+        return 2 * self.num_layers * self.num_kv_heads * row
+
+
+SCALE_DTYPE = torch.float32  # of int8 caches
 
 
 class ModelRunner:
@@ -52,10 +60,12 @@ class ModelRunner:
         self.workspace = Workspace()  # decode gather buffers, reused across steps
         spec = cache_spec(loaded, kv_cache_dtype)
         layers = self.model.attention_layers()
-        pool = zeroed((len(layers), 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim), spec.dtype,
-                      self.device)
-        for layer, cache in zip(layers, pool):
+        shape = (len(layers), 2, num_blocks, block_size, spec.num_kv_heads)
+        pool = zeroed((*shape, spec.head_dim), spec.dtype, self.device)
+        scales = zeroed(shape, SCALE_DTYPE, self.device) if spec.quantized else [None] * len(layers)
+        for layer, cache, scale in zip(layers, pool, scales):
             layer.kv_cache = cache  # [2, num_blocks, block_size, kv_heads, head_dim], contiguous
+            layer.kv_scales = scale  # [2, num_blocks, block_size, kv_heads] or None
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]) -> SamplerOutput:
@@ -91,6 +101,8 @@ class ModelRunner:
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
         for layer in self.model.attention_layers():
             layer.kv_cache[:, dst] = layer.kv_cache[:, src]
+            if layer.kv_scales is not None:
+                layer.kv_scales[:, dst] = layer.kv_scales[:, src]
 
     @torch.inference_mode()
     def forward(self, spans: list[Span]) -> torch.Tensor | None:
@@ -156,7 +168,8 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 def cache_spec(loaded: LoadedModel, kv_cache_dtype: str = "auto") -> CacheSpec:
-    """kv_cache_dtype: "auto" (the model's dtype) or a torch dtype name (EngineConfig.kv_cache_dtype)."""
+    """kv_cache_dtype: "auto" (the model's dtype) or a torch dtype name, int8 included
+    (EngineConfig.kv_cache_dtype)."""
     layers = loaded.model.attention_layers()
     dtype = loaded.dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
     return CacheSpec(len(layers), layers[0].num_kv_heads, layers[0].head_dim, dtype)

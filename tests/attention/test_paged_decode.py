@@ -7,7 +7,7 @@ import torch
 
 from llmserve.attention import native
 from llmserve.attention.metadata import AttentionMetadata, SeqSpec, build_attention_metadata
-from llmserve.attention.torch_backend import decode_attention
+from llmserve.attention.torch_backend import decode_attention, quantize_int8
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -57,7 +57,7 @@ def test_native_matches_torch_fp32(heads: int, kv_heads: int, block_size: int, w
     q, kv_cache, meta = _case(LENS, heads, kv_heads, block_size)
     assert meta.decode_tables is not None and meta.decode_lens is not None
     got = native.paged_decode(q, kv_cache, meta.decode_tables, meta.decode_lens, 0.125, window)
-    want = decode_attention(q, kv_cache, meta, 0.125, window)
+    want = decode_attention(q, kv_cache, None, meta, 0.125, window)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
@@ -67,7 +67,7 @@ def test_native_half_caches_accumulate_in_fp32(dtype: torch.dtype) -> None:
     assert meta.decode_tables is not None and meta.decode_lens is not None
     got = native.paged_decode(q, kv_cache, meta.decode_tables, meta.decode_lens, 0.125, None)
     # Reference in fp32 on the same (rounded) inputs; the only extra error is the output rounding.
-    want = decode_attention(q.float(), kv_cache.float(), meta, 0.125, None)
+    want = decode_attention(q.float(), kv_cache.float(), None, meta, 0.125, None)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-3)
 
@@ -88,7 +88,7 @@ def test_native_other_head_dims(head_dim: int) -> None:
     q, kv_cache, meta = _case(LENS, 9, 3, 16, seed=2, head_dim=head_dim)
     assert meta.decode_tables is not None and meta.decode_lens is not None
     got = native.paged_decode(q, kv_cache, meta.decode_tables, meta.decode_lens, 0.1, 100)
-    want = decode_attention(q, kv_cache, meta, 0.1, 100)
+    want = decode_attention(q, kv_cache, None, meta, 0.1, 100)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
@@ -101,11 +101,11 @@ def test_native_fp32_query_over_a_narrower_cache(cache_dtype: torch.dtype, head_
     narrow = kv_cache.to(cache_dtype)
     assert meta.decode_tables is not None and meta.decode_lens is not None
     got = native.paged_decode(q, narrow, meta.decode_tables, meta.decode_lens, 0.125, 40)
-    want = decode_attention(q, narrow.float(), meta, 0.125, 40)
+    want = decode_attention(q, narrow.float(), None, meta, 0.125, 40)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # the torch reference accepts the narrow cache itself too (it widens what it gathers)
-    torch.testing.assert_close(decode_attention(q, narrow, meta, 0.125, 40), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(decode_attention(q, narrow, None, meta, 0.125, 40), want, rtol=1e-5, atol=1e-6)
 
 
 def test_native_refuses_other_dtypes() -> None:
@@ -113,3 +113,54 @@ def test_native_refuses_other_dtypes() -> None:
     assert meta.decode_tables is not None and meta.decode_lens is not None
     with pytest.raises(RuntimeError, match="float32, bfloat16 and float16"):
         native.paged_decode(q.double(), kv_cache, meta.decode_tables, meta.decode_lens, 0.125, None)
+
+
+def _quantized(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(float cache, its int8 cache, scales [2, NB, BS, KVH]): rows of very different magnitudes (and one all
+    zero) so that per-row scales matter."""
+    g = torch.Generator().manual_seed(7)
+    kv_cache = kv_cache.float() * (0.01 + 4 * torch.rand(kv_cache.shape[:-1], generator=g)).unsqueeze(-1)
+    kv_cache[0, 0, 0, 0] = 0
+    return (kv_cache, *quantize_int8(kv_cache))
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (10, 2, 32), (4, 4, 128), (8, 2, 80)])
+@pytest.mark.parametrize("window", [None, 40])
+def test_native_int8_cache_matches_torch_dequantized(kernel_path: str, q_dtype: torch.dtype, heads: int,
+                                                      kv_heads: int, head_dim: int, window: int | None) -> None:
+    """An int8 cache (kv_cache_dtype=int8): the kernel dequantizes in registers; the result is fp32 attention over
+    q8 * scale, as the torch reference computes it from the same bytes."""
+    q, kv_cache, meta = _case(LENS, heads, kv_heads, 16, seed=4, head_dim=head_dim)
+    q = q.to(q_dtype)
+    kv_cache, cache8, scales = _quantized(kv_cache)
+    assert meta.decode_tables is not None and meta.decode_lens is not None
+    want = decode_attention(q.float(), cache8, scales, meta, 0.125, window)
+    from llmserve.attention import registry
+
+    if kernel_path == "avx2":  # the int8 cache is read by the AVX-512 path only; the engine falls back to torch
+        assert registry.native_decode(q, cache8) is None
+        with pytest.raises(RuntimeError, match="int8 KV cache needs the AVX-512 decode path"):
+            native.paged_decode(q, cache8, meta.decode_tables, meta.decode_lens, 0.125, window, scales)
+        return
+    assert registry.native_decode(q, cache8) is not None
+    got = native.paged_decode(q, cache8, meta.decode_tables, meta.decode_lens, 0.125, window, scales)
+    assert got.dtype == q_dtype
+    tol = {"rtol": 1e-4, "atol": 1e-4} if q_dtype == torch.float32 else {"rtol": 1e-2, "atol": 2e-2}
+    torch.testing.assert_close(got.float(), want, **tol)
+    # and it stays near attention over the unquantized cache (each row keeps its max to 1/254 relative; peaked
+    # softmaxes amplify that in a few elements, so the bound is on the whole output)
+    exact = decode_attention(q.float(), kv_cache, None, meta, 0.125, window)
+    assert (want - exact).norm() < 0.02 * exact.norm()
+
+
+def test_native_int8_cache_needs_its_scales() -> None:
+    q, kv_cache, meta = _case([10], 9, 3, 16)
+    _, cache8, scales = _quantized(kv_cache)
+    assert meta.decode_tables is not None and meta.decode_lens is not None
+    with pytest.raises(RuntimeError, match="exactly when the cache is int8"):
+        native.paged_decode(q, cache8, meta.decode_tables, meta.decode_lens, 0.125, None)
+    with pytest.raises(RuntimeError, match="exactly when the cache is int8"):
+        native.paged_decode(q, kv_cache, meta.decode_tables, meta.decode_lens, 0.125, None, scales)
+    with pytest.raises(RuntimeError, match="scales must be contiguous float32"):
+        native.paged_decode(q, cache8, meta.decode_tables, meta.decode_lens, 0.125, None, scales.double())

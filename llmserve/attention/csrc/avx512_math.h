@@ -49,6 +49,9 @@ LLMSERVE_AVX512 inline __m512 load16(const c10::BFloat16* p) {
 LLMSERVE_AVX512 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+LLMSERVE_AVX512 inline __m512 load16(const int8_t* p) {  // int8 KV caches: the caller applies the scale
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 LLMSERVE_AVX512 inline __m512 loadu16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 LLMSERVE_AVX512 inline __m512 loadu16(const c10::BFloat16* p, __mmask16 m) {
   return widen_bf16(_mm256_maskz_loadu_epi16(m, p));

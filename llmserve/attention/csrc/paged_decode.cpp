@@ -5,7 +5,10 @@
 //   q            [nd, H, D]            query of each decode request (scaled here, not by the caller)
 //   k/v cache    [NB, BS, KVH, D]      one layer's paged cache; token t of block b at [b, t]
 //                                      (fp32, bf16 or fp16, independent of q's dtype: a bf16 cache
-//                                      under an fp32 model halves the bytes this memory-bound kernel reads)
+//                                      under an fp32 model halves the bytes this memory-bound kernel reads;
+//                                      or int8, AVX-512 path only, with:)
+//   k/v scales   [NB, BS, KVH] fp32    int8 caches only: element = int8 value * the scale of its token and
+//                                      head (symmetric, one per row of D; see write_kv_int8 in kv_int8.cpp)
 //   block_tables [nd, MB] int64        block ids in context order (padding past len is never read)
 //   lens         [nd] int64            context length including this step's token
 //   out          [nd, H, D]
@@ -25,9 +28,22 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
+
+// One layer's cache as the kernels read it. The scales are set for int8 caches only.
+template <typename T>
+struct CacheView {
+  const T* k;
+  const T* v;
+  const float* k_scale = nullptr;  // [NB, BS, KVH]
+  const float* v_scale = nullptr;
+};
+
+template <typename T>
+constexpr bool kQuantized = std::is_same_v<T, int8_t>;
 
 template <typename T>
 inline float dot(const float* __restrict q, const T* __restrict k, int64_t d) {
@@ -263,39 +279,58 @@ LLMSERVE_AVX512 inline void pv_heads(const float* p, int64_t p_stride, const T* 
 // tokens (bf16, 2-core Xeon, separate processes alternated): 32.4-34.9 ms per step against 36.3-38.0 without;
 // two blocks ahead or into L2 (T1/T2) measured the same, one line per 128-byte row slower (40 ms). Where the
 // cache is already hot (8 requests, one layer's cache reused) it costs ~0.6 ms per 30 layers.
+// An int8 cache's block also has its scales: BS x KVH floats, all heads' together (a few lines).
 template <typename T>
-inline void prefetch_block(const T* k_cache, const T* v_cache, int64_t offset, int64_t BS, int64_t tok_stride,
-                           int64_t D) {
+inline void prefetch_block(const CacheView<T>& kv, int64_t block, int64_t kvh, const Dims& dm) {
+  const int64_t D = dm.head_dim, BS = dm.block_size, tok_stride = dm.kv_heads * D;
+  const int64_t offset = block * BS * tok_stride + kvh * D;
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
   for (int64_t t = 0; t < BS; ++t) {
-    const char* k = reinterpret_cast<const char*>(k_cache + offset + t * tok_stride);
-    const char* v = reinterpret_cast<const char*>(v_cache + offset + t * tok_stride);
+    const char* k = reinterpret_cast<const char*>(kv.k + offset + t * tok_stride);
+    const char* v = reinterpret_cast<const char*>(kv.v + offset + t * tok_stride);
     for (int64_t c = 0; c < row_bytes; c += 64) {
       _mm_prefetch(k + c, _MM_HINT_T0);
       _mm_prefetch(v + c, _MM_HINT_T0);
     }
   }
+  if constexpr (kQuantized<T>) {
+    const int64_t scale_bytes = BS * dm.kv_heads * static_cast<int64_t>(sizeof(float));
+    const char* ks = reinterpret_cast<const char*>(kv.k_scale + block * BS * dm.kv_heads);
+    const char* vs = reinterpret_cast<const char*>(kv.v_scale + block * BS * dm.kv_heads);
+    for (int64_t c = 0; c < scale_bytes; c += 64) {
+      _mm_prefetch(ks + c, _MM_HINT_T0);
+      _mm_prefetch(vs + c, _MM_HINT_T0);
+    }
+  }
 }
 
 template <typename T>
-LLMSERVE_AVX512 void attend_one_512(const float* qs, const T* k_cache, const T* v_cache, const int64_t* table,
+LLMSERVE_AVX512 void attend_one_512(const float* qs, const CacheView<T>& kv, const int64_t* table,
                                    int64_t start, int64_t len, int64_t kvh, const Dims& dm, float* acc,
                                    float* kf, float* scores, float* m, float* l) {
   // kf: [round16(BS), D] widened keys of the current block; scores: [G, round16(BS)]; m, l: [G].
-  const int64_t G = dm.group, D = dm.head_dim, BS = dm.block_size;
+  const int64_t G = dm.group, D = dm.head_dim, BS = dm.block_size, KVH = dm.kv_heads;
   const int64_t bs16 = round16(BS);
-  const int64_t tok_stride = dm.kv_heads * D;
+  const int64_t tok_stride = KVH * D;
   const int64_t blk_stride = BS * tok_stride;
   reset_state(m, l, acc, G, D);
   for (int64_t b = start / BS; b * BS < len; ++b) {
     const int64_t t0 = std::max(start - b * BS, int64_t(0));
     const int64_t t1 = std::min(len - b * BS, BS);
     const int64_t n = t1 - t0, n16 = round16(n);
-    const T* kb = k_cache + table[b] * blk_stride + kvh * D + t0 * tok_stride;
-    const T* vb = v_cache + table[b] * blk_stride + kvh * D + t0 * tok_stride;
-    if ((b + 1) * BS < len) prefetch_block(k_cache, v_cache, table[b + 1] * blk_stride + kvh * D, BS, tok_stride, D);
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(kf + t * D + c, load16(kb + t * tok_stride + c));
+    const T* kb = kv.k + table[b] * blk_stride + kvh * D + t0 * tok_stride;
+    const T* vb = kv.v + table[b] * blk_stride + kvh * D + t0 * tok_stride;
+    const int64_t scale0 = (table[b] * BS + t0) * KVH + kvh;  // int8: token t's scale at scale0 + t * KVH
+    if ((b + 1) * BS < len) prefetch_block(kv, table[b + 1], kvh, dm);
+    for (int64_t t = 0; t < n; ++t) {
+      if constexpr (kQuantized<T>) {  // dequantized once here, then read by every head of the group
+        const __m512 sc = _mm512_set1_ps(kv.k_scale[scale0 + t * KVH]);
+        for (int64_t c = 0; c < D; c += 16)
+          _mm512_storeu_ps(kf + t * D + c, _mm512_mul_ps(sc, load16(kb + t * tok_stride + c)));
+      } else {
+        for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(kf + t * D + c, load16(kb + t * tok_stride + c));
+      }
+    }
     for (int64_t t = n; t < n16; ++t)
       for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(kf + t * D + c, _mm512_setzero_ps());
     for (int64_t g = 0; g < G; ++g) {
@@ -325,6 +360,12 @@ LLMSERVE_AVX512 void attend_one_512(const float* qs, const T* k_cache, const T* 
           _mm512_storeu_ps(acc + g * D + c, _mm512_mul_ps(av, _mm512_loadu_ps(acc + g * D + c)));
       }
     }
+    if constexpr (kQuantized<T>) {  // p * (v8 * scale) = (p * scale) * v8: fold V's scale into p
+      for (int64_t t = 0; t < n; ++t) {
+        const float sc = kv.v_scale[scale0 + t * KVH];
+        for (int64_t g = 0; g < G; ++g) scores[g * bs16 + t] *= sc;
+      }
+    }
     if (D % 64 == 0)
       pv_heads<4>(scores, bs16, vb, tok_stride, n, D, G, acc);
     else
@@ -340,14 +381,14 @@ bool avx512_decode_supported() {
 #else
 bool avx512_decode_supported() { return false; }
 template <typename T>
-void attend_one_512(const float*, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, const Dims&,
+void attend_one_512(const float*, const CacheView<T>&, const int64_t*, int64_t, int64_t, int64_t, const Dims&,
                     float*, float*, float*, float*, float*) {}
 #endif
 
 // Attention of the `group` query heads sharing KV head `kvh` of one request over keys
 // [start, len). qs: [group, D] pre-scaled query; acc: [group, D] output (normalised on return).
 template <typename T>
-void attend_one(const float* qs, const T* k_cache, const T* v_cache, const int64_t* table,
+void attend_one(const float* qs, const CacheView<T>& kv, const int64_t* table,
                 int64_t start, int64_t len, int64_t kvh, const Dims& dm, float* acc, float* scores,
                 float* m, float* l) {
   // scores: [G, BS] logits, then probabilities, of the current block; m, l: [G] running max / sum.
@@ -358,8 +399,8 @@ void attend_one(const float* qs, const T* k_cache, const T* v_cache, const int64
   for (int64_t b = start / BS; b * BS < len; ++b) {
     const int64_t t0 = std::max(start - b * BS, int64_t(0));
     const int64_t t1 = std::min(len - b * BS, BS);
-    const T* kb = k_cache + table[b] * blk_stride + kvh * D;
-    const T* vb = v_cache + table[b] * blk_stride + kvh * D;
+    const T* kb = kv.k + table[b] * blk_stride + kvh * D;
+    const T* vb = kv.v + table[b] * blk_stride + kvh * D;
 #ifdef LLMSERVE_AVX2
     if (D % 8 == 0) {  // vector kernels read the cache in place, widening bf16/fp16 in registers
       for (int64_t g = 0; g < G; ++g) qk_block(qs + g * D, kb, tok_stride, t0, t1, D, scores + g * BS);
@@ -398,11 +439,12 @@ void attend_one(const float* qs, const T* k_cache, const T* v_cache, const int64
 }
 
 template <typename TQ, typename T>
-void paged_decode_impl(const TQ* q, const T* k_cache, const T* v_cache, const int64_t* tables,
+void paged_decode_impl(const TQ* q, const CacheView<T>& kv, const int64_t* tables,
                        const int64_t* lens, double scale, int64_t window, int64_t nd, const Dims& dm,
                        TQ* out) {
   const int64_t G = dm.group, D = dm.head_dim;
   const bool wide = D % 16 == 0 && avx512_decode_supported();
+  TORCH_CHECK(wide || !kQuantized<T>, "an int8 KV cache needs the AVX-512 decode path (head_dim % 16 == 0)");
   at::parallel_for(0, nd * dm.kv_heads, 1, [&](int64_t begin, int64_t end) {
     // Per-thread scratch, reused across this thread's (request, kv_head) items.
     // The AVX-512 path scores whole 16-key vectors and widens a block's keys into kf first.
@@ -417,11 +459,11 @@ void paged_decode_impl(const TQ* q, const T* k_cache, const T* v_cache, const in
       const TQ* qr = q + (r * dm.heads + head0) * D;
       for (int64_t i = 0; i < G * D; ++i) qs[i] = static_cast<float>(qr[i]) * static_cast<float>(scale);
       if (wide)
-        attend_one_512(qs.data(), k_cache, v_cache, tables + r * dm.max_blocks, start, len, kvh, dm, acc.data(),
-                       kf.data(), scores.data(), m.data(), l.data());
-      else
-        attend_one(qs.data(), k_cache, v_cache, tables + r * dm.max_blocks, start, len, kvh, dm, acc.data(),
-                   scores.data(), m.data(), l.data());
+        attend_one_512(qs.data(), kv, tables + r * dm.max_blocks, start, len, kvh, dm, acc.data(), kf.data(),
+                       scores.data(), m.data(), l.data());
+      else if constexpr (!kQuantized<T>)
+        attend_one(qs.data(), kv, tables + r * dm.max_blocks, start, len, kvh, dm, acc.data(), scores.data(),
+                   m.data(), l.data());
       TQ* o = out + (r * dm.heads + head0) * D;
       for (int64_t i = 0; i < G * D; ++i) o[i] = static_cast<TQ>(acc[i]);
     }
@@ -431,8 +473,10 @@ void paged_decode_impl(const TQ* q, const T* k_cache, const T* v_cache, const in
 }  // namespace
 
 // window <= 0 means no sliding window; otherwise keys j with j >= len - window are visible.
+// k_scales / v_scales: given exactly when the cache is int8.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor lens, double scale, int64_t window) {
+                           torch::Tensor block_tables, torch::Tensor lens, double scale, int64_t window,
+                           c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad ranks/shapes");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode is CPU only");
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "k and v cache dtypes differ");
@@ -448,8 +492,18 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const int64_t* lp = lens.data_ptr<int64_t>();
   for (int64_t r = 0; r < nd; ++r)
     TORCH_CHECK(lp[r] >= 0 && lp[r] <= dm.block_size * dm.max_blocks, "context length outside the block table");
+  const bool quantized = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(quantized == (k_scales.has_value() && v_scales.has_value()),
+              "k_scales and v_scales are given exactly when the cache is int8");
+  if (quantized) {
+    for (const auto& sc : {*k_scales, *v_scales})
+      TORCH_CHECK(sc.scalar_type() == at::kFloat && sc.is_contiguous() && sc.dim() == 3 &&
+                      sc.size(0) == k_cache.size(0) && sc.size(1) == k_cache.size(1) && sc.size(2) == KVH,
+                  "scales must be contiguous float32 [num_blocks, block_size, kv_heads]");
+  }
   auto out = torch::empty_like(q);
-  // The query (and output) dtype and the cache dtype are dispatched separately: fp32, bf16, fp16.
+  // The query (and output) dtype and the cache dtype are dispatched separately: fp32, bf16, fp16 (and int8
+  // for the cache).
   auto with_type = [](at::ScalarType t, auto&& f) {
     switch (t) {
       case at::kFloat: return f(float{});
@@ -460,17 +514,31 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   };
   with_type(q.scalar_type(), [&](auto q_tag) {
     using q_t = decltype(q_tag);
-    with_type(k_cache.scalar_type(), [&](auto kv_tag) {
+    auto run = [&](auto kv_tag) {
       using kv_t = decltype(kv_tag);
-      paged_decode_impl<q_t, kv_t>(q.data_ptr<q_t>(), k_cache.data_ptr<kv_t>(), v_cache.data_ptr<kv_t>(),
-                                   block_tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), scale, window, nd,
-                                   dm, out.data_ptr<q_t>());
-    });
+      CacheView<kv_t> kv{k_cache.data_ptr<kv_t>(), v_cache.data_ptr<kv_t>()};
+      if (quantized) {
+        kv.k_scale = k_scales->data_ptr<float>();
+        kv.v_scale = v_scales->data_ptr<float>();
+      }
+      paged_decode_impl<q_t, kv_t>(q.data_ptr<q_t>(), kv, block_tables.data_ptr<int64_t>(),
+                                   lens.data_ptr<int64_t>(), scale, window, nd, dm, out.data_ptr<q_t>());
+    };
+    if (quantized)
+      run(int8_t{});
+    else
+      with_type(k_cache.scalar_type(), run);
   });
   return out;
 }
 
-// fused_ops.cpp, linked into the same extension (one build).
+// Whether an int8 cache can be read here (the AVX-512 path; LLMSERVE_DECODE_AVX512=0 turns it off).
+bool int8_kv_decode_supported() { return avx512_decode_supported(); }
+
+// kv_int8.cpp, linked into the same extension (one build).
+void write_kv_int8(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                   torch::Tensor k_scales, torch::Tensor v_scales, torch::Tensor slots);
+// fused_ops.cpp
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 // w8a8_linear.cpp
@@ -486,7 +554,11 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
                           c10::optional<torch::Tensor> bias, bool allow_vnni);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "Paged decode attention reading K/V in place (CPU)");
+  m.def("paged_decode", &paged_decode, "Paged decode attention reading K/V in place (CPU)", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("lens"), py::arg("scale"),
+        py::arg("window"), py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none());
+  m.def("int8_kv_decode_supported", &int8_kv_decode_supported, "whether paged_decode reads int8 caches here");
+  m.def("write_kv_int8", &write_kv_int8, "quantize K/V rows to int8 (one scale per token and head) into the cache");
   m.def("rotary_", &rotary_, "Rotary embedding in place on [T, heads, D] (CPU)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = weight * rms_norm(residual), in place (CPU)");
   m.def("int8_linear_supported", &int8_linear_supported, "whether this CPU runs int8_linear (AVX-512 F, BW, VL)");

@@ -1,0 +1,124 @@
+// Writing K/V into an int8 KV cache (EngineConfig.kv_cache_dtype="int8", LMDeploy's quant_policy=8):
+// each row of head_dim values of one token and KV head is quantized symmetrically,
+//   scale = max|x| / 127,  q = round_half_even(x / scale) clamped to [-127, 127]  (all zero: scale 0, q 0)
+// and dequantized as q * scale. The arithmetic is exactly torch's (torch_backend.quantize_int8: fp32 amax, an
+// IEEE division, round half to even), so both writers store the same bytes.
+//
+// Layouts:
+//   k, v              [T, KVH, D]       fp32, bf16 or fp16; rows of a token may be strided (a view of QKV)
+//   k/v cache         [NB, BS, KVH, D]  int8, contiguous; slot s = block * BS + offset is row s of [NB * BS]
+//   k/v scales        [NB, BS, KVH]     fp32, contiguous
+//   slots             [T] int64
+// One call writes both K and V: a decode step would otherwise spend ~10 torch ops per layer on it.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#if defined(__AVX2__)
+#include "avx512_math.h"
+#define LLMSERVE_KV_INT8_AVX512 1
+#endif
+
+namespace {
+
+template <typename T>
+void quantize_row(const T* x, int64_t D, int8_t* q, float* scale) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[i])));
+  const float s = amax / 127.f;
+  *scale = s;
+  for (int64_t i = 0; i < D; ++i) {
+    const float r = s > 0.f ? std::nearbyint(static_cast<float>(x[i]) / s) : 0.f;
+    q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, r)));
+  }
+}
+
+#ifdef LLMSERVE_KV_INT8_AVX512
+// D % 16 == 0. cvtps_epi32 rounds half to even (the default MXCSR mode), as nearbyint does.
+template <typename T>
+LLMSERVE_AVX512 void quantize_row_512(const T* x, int64_t D, int8_t* q, float* scale) {
+  __m512 mx = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(x + i)));
+  const float s = _mm512_reduce_max_ps(mx) / 127.f;
+  *scale = s;
+  if (!(s > 0.f)) {
+    std::fill(q, q + D, int8_t(0));
+    return;
+  }
+  const __m512 sv = _mm512_set1_ps(s);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  for (int64_t i = 0; i < D; i += 16) {
+    const __m512i r = _mm512_cvtps_epi32(_mm512_div_ps(load16(x + i), sv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(_mm512_min_epi32(hi, _mm512_max_epi32(lo, r))));
+  }
+}
+#endif
+
+template <typename T>
+void write_impl(const torch::Tensor& x, torch::Tensor& cache, torch::Tensor& scales, const int64_t* slots) {
+  const int64_t T_ = x.size(0), KVH = x.size(1), D = x.size(2);
+  const int64_t tok_stride = x.stride(0), head_stride = x.stride(1);
+  const T* xp = x.data_ptr<T>();
+  int8_t* cp = cache.data_ptr<int8_t>();
+  float* sp = scales.data_ptr<float>();
+#ifdef LLMSERVE_KV_INT8_AVX512
+  const bool wide = D % 16 == 0 && cpu_has_avx512();
+#endif
+  at::parallel_for(0, T_ * KVH, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t t = w / KVH, h = w % KVH;
+      const T* row = xp + t * tok_stride + h * head_stride;
+      int8_t* q = cp + (slots[t] * KVH + h) * D;
+      float* s = sp + slots[t] * KVH + h;
+#ifdef LLMSERVE_KV_INT8_AVX512
+      if (wide) {
+        quantize_row_512(row, D, q, s);
+        continue;
+      }
+#endif
+      quantize_row(row, D, q, s);
+    }
+  });
+}
+
+void check_side(const torch::Tensor& x, const torch::Tensor& cache, const torch::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "K/V must be [T, kv_heads, head_dim] with unit stride in head_dim");
+  TORCH_CHECK(cache.scalar_type() == at::kChar && cache.is_contiguous() && cache.dim() == 4 &&
+                  cache.size(2) == x.size(1) && cache.size(3) == x.size(2),
+              "cache must be contiguous int8 [num_blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 3 &&
+                  scales.size(0) == cache.size(0) && scales.size(1) == cache.size(1) && scales.size(2) == x.size(1),
+              "scales must be contiguous float32 [num_blocks, block_size, kv_heads]");
+  TORCH_CHECK(x.device().is_cpu() && cache.device().is_cpu() && scales.device().is_cpu(), "write_kv_int8 is CPU only");
+}
+
+}  // namespace
+
+void write_kv_int8(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                   torch::Tensor k_scales, torch::Tensor v_scales, torch::Tensor slots) {
+  check_side(k, k_cache, k_scales);
+  check_side(v, v_cache, v_scales);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(), "K and V differ in shape or dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == k.size(0),
+              "one int64 slot per token");
+  slots = slots.contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < slots.size(0); ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " outside the cache (", num_slots, " slots)");
+  auto both = [&](auto tag) {
+    using T = decltype(tag);
+    write_impl<T>(k, k_cache, k_scales, sp);
+    write_impl<T>(v, v_cache, v_scales, sp);
+  };
+  switch (k.scalar_type()) {
+    case at::kFloat: both(float{}); break;
+    case at::kBFloat16: both(c10::BFloat16{}); break;
+    case at::kHalf: both(c10::Half{}); break;
+    default: TORCH_CHECK(false, "write_kv_int8 supports float32, bfloat16 and float16 K/V, not ", k.scalar_type());
+  }
+}
