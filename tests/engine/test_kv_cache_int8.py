@@ -4,6 +4,8 @@ prefix-cached prefills, preemption, beam forks, the block budget and the config.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -187,3 +189,21 @@ def test_smollm2_on_an_int8_cache_still_answers_paris() -> None:
         out = pipe("What is the capital of France? Answer in one sentence.",
                    gen_config=GenerationConfig(max_new_tokens=12, temperature=0))
     assert out.text == "The capital of France is Paris."
+
+
+def test_perplexity_script_compares_cache_dtypes(tiny_model_dir) -> None:
+    """scripts/perplexity.py (the int8 cache's quality figure in BENCHMARKS.md) runs and reads the cache."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, str(root / "scripts" / "perplexity.py"), "--model", tiny_model_dir("llama"),
+                          "--file", str(root / "README.md"), "--tokens", "96", "--chunk", "8",
+                          "--config", "dtype=float32,num_blocks=64", "--config",
+                          "dtype=float32,num_blocks=64,kv_cache_dtype=int8"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    ppl = [float(x) for x in re.findall(r"perplexity ([0-9.]+) over 95 tokens", out)]
+    assert len(ppl) == 2 and all(math.isfinite(p) and p > 1 for p in ppl)
+    assert ppl[0] != ppl[1] and ppl[1] == pytest.approx(ppl[0], rel=0.02)  # chunks read the (quantized) cache
