@@ -33,3 +33,24 @@ def test_cuda_greedy_matches_transformers_on_cuda(arch, dtype, tiny_model_dir):
                 assert first == int(ref.argmax())
         pipe.engine.kv.check_invariants()
         assert pipe.engine.kv.usage().in_use == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_cuda_int8_kv_cache_agrees_with_the_cpu_engine(arch, tiny_model_dir, monkeypatch):
+    """An int8 cache on CUDA runs the torch reference (quantize on write, dequantize on read); the CPU engine's
+    reference path reads the same bytes: same tokens, near-equal logprobs."""
+    monkeypatch.setenv("LLMSERVE_ATTENTION", "torch")
+    gen = GenerationConfig(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+    runs = {}
+    for device in ("cuda", "cpu"):
+        config = EngineConfig(dtype="float32", device=device, kv_cache_dtype="int8", block_size=4, num_blocks=64,
+                              max_prefill_token_num=16)
+        with pipeline(tiny_model_dir(arch), backend_config=config) as pipe:
+            assert {layer.kv_cache.dtype for layer in pipe.engine.runner.model.attention_layers()} == {torch.int8}
+            runs[device] = pipe([{"input_ids": p} for p in prompts()], gen_config=gen)
+            assert pipe.engine.kv.usage().in_use == 0
+    for a, b in zip(runs["cuda"], runs["cpu"]):
+        assert a.token_ids == b.token_ids
+        got = [next(iter(s.values())) for s in a.logprobs]
+        want = [next(iter(s.values())) for s in b.logprobs]
+        assert got == pytest.approx(want, abs=1e-3)
