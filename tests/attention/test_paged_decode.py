@@ -164,3 +164,49 @@ def test_native_int8_cache_needs_its_scales() -> None:
         native.paged_decode(q, kv_cache, meta.decode_tables, meta.decode_lens, 0.125, None, scales)
     with pytest.raises(RuntimeError, match="scales must be contiguous float32"):
         native.paged_decode(q, cache8, meta.decode_tables, meta.decode_lens, 0.125, None, scales.double())
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 7])
+@pytest.mark.parametrize("window", [None, 1, 100, 700])
+@pytest.mark.parametrize("cache", ["fp32", "bf16", "int8"])
+def test_split_contexts_merge_to_the_same_attention(kernel_path: str, splits: int, window: int | None,
+                                                    cache: str) -> None:
+    """Flash-decoding: a context split into parts across threads (any count, parts empty or not, under a
+    sliding window), merged by their softmax max and sum, equals the unsplit attention."""
+    lens = [1, 40, 130, 1000]  # 1 and 40: more parts than blocks (empty parts)
+    q, kv_cache, meta = _case(lens, 9, 3, 16, seed=5)
+    scales = None
+    if cache == "bf16":
+        kv_cache = kv_cache.bfloat16()
+    if cache == "int8":
+        _, kv_cache, scales = _quantized(kv_cache)
+    assert meta.decode_tables is not None and meta.decode_lens is not None
+    if cache == "int8" and kernel_path == "avx2":  # int8 caches are read by the AVX-512 path only
+        with pytest.raises(RuntimeError, match="int8 KV cache needs the AVX-512 decode path"):
+            native.paged_decode(q, kv_cache, meta.decode_tables, meta.decode_lens, 0.125, window, scales, splits)
+        return
+    want = decode_attention(q, kv_cache.float() if scales is None else kv_cache, scales, meta, 0.125, window)
+    got = native.paged_decode(q, kv_cache, meta.decode_tables, meta.decode_lens, 0.125, window, scales, splits)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_splits_fill_every_thread_evenly() -> None:
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert native._module.decode_splits(3, 2000) == 2  # one request, 3 KV heads: 6 parts, 3 per thread
+        assert native._module.decode_splits(1, 2000) == 4  # one KV head: 4 parts
+        assert native._module.decode_splits(3, 300) == 1  # a part would hold fewer than 256 keys
+        assert native._module.decode_splits(4, 5000) == 1  # already two items per thread
+        assert native._module.decode_splits(192, 5000) == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_one_long_request_is_split_by_default() -> None:
+    """One request of 3 KV heads on 2 threads: the automatic split gives the same result as no split."""
+    q, kv_cache, meta = _case([2000], 9, 3, 64, seed=6)
+    assert meta.decode_tables is not None and meta.decode_lens is not None
+    auto = native.paged_decode(q, kv_cache, meta.decode_tables, meta.decode_lens, 0.125, None)
+    whole = native.paged_decode(q, kv_cache, meta.decode_tables, meta.decode_lens, 0.125, None, None, 1)
+    torch.testing.assert_close(auto, whole, rtol=1e-5, atol=1e-6)

@@ -29,6 +29,7 @@
 #include <cstdlib>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -438,45 +439,113 @@ void attend_one(const float* qs, const CacheView<T>& kv, const int64_t* table,
   normalize(acc, l, G, D);
 }
 
+// Splitting a context across threads (flash-decoding) pays only when each part keeps this many keys.
+constexpr int64_t kMinSplitTokens = 256;
+
+// How many parts each (request, kv_head) context is split into. A step with fewer (request, kv_head) items
+// than two per thread left threads idle or unevenly loaded (one request with 3 KV heads on 2 threads: 2 + 1),
+// so long contexts are split until every thread has the same number of parts, at least two.
+int64_t choose_splits(int64_t items, int64_t max_context) {
+  const int64_t threads = at::get_num_threads();
+  if (items >= 2 * threads) return 1;
+  const int64_t most = max_context / kMinSplitTokens;
+  const int64_t least = (2 * threads + items - 1) / items;
+  for (int64_t s = least; s <= std::min(most, 2 * least); ++s)
+    if (s * items % threads == 0) return s;
+  return std::max<int64_t>(1, std::min(most, least));
+}
+
+// Part s of S of the keys [start, len): whole blocks (so the parts tile the block loop), possibly empty.
+inline void split_range(int64_t start, int64_t len, int64_t BS, int64_t s, int64_t S, int64_t* lo, int64_t* hi) {
+  const int64_t b0 = start / BS, nb = (len + BS - 1) / BS - b0;
+  *lo = std::max(start, (b0 + nb * s / S) * BS);
+  *hi = std::min(len, (b0 + nb * (s + 1) / S) * BS);
+}
+
 template <typename TQ, typename T>
 void paged_decode_impl(const TQ* q, const CacheView<T>& kv, const int64_t* tables,
                        const int64_t* lens, double scale, int64_t window, int64_t nd, const Dims& dm,
-                       TQ* out) {
-  const int64_t G = dm.group, D = dm.head_dim;
+                       int64_t splits, TQ* out) {
+  const int64_t G = dm.group, D = dm.head_dim, items = nd * dm.kv_heads;
   const bool wide = D % 16 == 0 && avx512_decode_supported();
   TORCH_CHECK(wide || !kQuantized<T>, "an int8 KV cache needs the AVX-512 decode path (head_dim % 16 == 0)");
-  at::parallel_for(0, nd * dm.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    // Per-thread scratch, reused across this thread's (request, kv_head) items.
+  auto key_range = [&](int64_t r) {  // [start, len) of request r
+    const int64_t len = lens[r];
+    return std::make_pair(window > 0 ? std::max(len - window, int64_t(0)) : int64_t(0), len);
+  };
+  if (splits <= 0) {
+    int64_t longest = 0;
+    for (int64_t r = 0; r < nd; ++r) longest = std::max(longest, key_range(r).second - key_range(r).first);
+    splits = choose_splits(items, longest);
+  }
+  const int64_t S = splits;
+  // S > 1: each part's normalised output and its softmax max / sum, merged below: [items, S, G, D] and [items, S, G]
+  std::vector<float> part_acc(S > 1 ? items * S * G * D : 0), part_m(S > 1 ? items * S * G : 0),
+      part_l(S > 1 ? items * S * G : 0);
+  at::parallel_for(0, items * S, 1, [&](int64_t begin, int64_t end) {
+    // Per-thread scratch, reused across this thread's (request, kv_head, part) units.
     // The AVX-512 path scores whole 16-key vectors and widens a block's keys into kf first.
     const int64_t score_cols = wide ? round16(dm.block_size) : dm.block_size;
     std::vector<float> qs(G * D), acc(G * D), scores(G * score_cols), m(G), l(G);
     std::vector<float> kf(wide ? score_cols * D : 0);
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t r = w / dm.kv_heads, kvh = w % dm.kv_heads;
-      const int64_t len = lens[r];
-      const int64_t start = window > 0 ? std::max(len - window, int64_t(0)) : 0;
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t w = u / S, r = w / dm.kv_heads, kvh = w % dm.kv_heads;
+      auto [start, len] = key_range(r);
+      if (S > 1) split_range(start, len, dm.block_size, u % S, S, &start, &len);
       const int64_t head0 = kvh * G;  // first query head of this KV head's group
       const TQ* qr = q + (r * dm.heads + head0) * D;
       for (int64_t i = 0; i < G * D; ++i) qs[i] = static_cast<float>(qr[i]) * static_cast<float>(scale);
-      if (wide)
+      if (start >= len)  // an empty part (or context): no keys, weight 0 in the merge
+        reset_state(m.data(), l.data(), acc.data(), G, D);
+      else if (wide)
         attend_one_512(qs.data(), kv, tables + r * dm.max_blocks, start, len, kvh, dm, acc.data(), kf.data(),
                        scores.data(), m.data(), l.data());
       else if constexpr (!kQuantized<T>)
         attend_one(qs.data(), kv, tables + r * dm.max_blocks, start, len, kvh, dm, acc.data(), scores.data(),
                    m.data(), l.data());
-      TQ* o = out + (r * dm.heads + head0) * D;
-      for (int64_t i = 0; i < G * D; ++i) o[i] = static_cast<TQ>(acc[i]);
+      if (S == 1) {
+        TQ* o = out + (r * dm.heads + head0) * D;
+        for (int64_t i = 0; i < G * D; ++i) o[i] = static_cast<TQ>(acc[i]);
+      } else {
+        std::copy(acc.begin(), acc.end(), part_acc.begin() + u * G * D);
+        std::copy(m.begin(), m.end(), part_m.begin() + u * G);
+        std::copy(l.begin(), l.end(), part_l.begin() + u * G);
+      }
     }
   });
+  if (S == 1) return;
+  // out = sum_s w_s acc_s / sum_s w_s, w_s = l_s exp(m_s - max_s m_s): the softmax over all keys again
+  std::vector<float> merged(D);
+  for (int64_t w = 0; w < items; ++w) {
+    const int64_t r = w / dm.kv_heads, kvh = w % dm.kv_heads;
+    for (int64_t g = 0; g < G; ++g) {
+      float top = -std::numeric_limits<float>::infinity(), total = 0.f;
+      for (int64_t s = 0; s < S; ++s) top = std::max(top, part_m[(w * S + s) * G + g]);
+      std::fill(merged.begin(), merged.end(), 0.f);
+      for (int64_t s = 0; s < S; ++s) {
+        const float l = part_l[(w * S + s) * G + g];
+        if (!(l > 0.f)) continue;
+        const float weight = l * std::exp(part_m[(w * S + s) * G + g] - top);
+        const float* a = part_acc.data() + ((w * S + s) * G + g) * D;
+        for (int64_t i = 0; i < D; ++i) merged[i] += weight * a[i];
+        total += weight;
+      }
+      const float inv = total > 0.f ? 1.f / total : 0.f;
+      TQ* o = out + (r * dm.heads + kvh * G + g) * D;
+      for (int64_t i = 0; i < D; ++i) o[i] = static_cast<TQ>(merged[i] * inv);
+    }
+  }
 }
 
 }  // namespace
 
 // window <= 0 means no sliding window; otherwise keys j with j >= len - window are visible.
 // k_scales / v_scales: given exactly when the cache is int8.
+// splits: parts each context is split into across threads (<= 0: choose_splits; tests and A/B set it).
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor lens, double scale, int64_t window,
-                           c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales) {
+                           c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales,
+                           int64_t splits) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad ranks/shapes");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode is CPU only");
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "k and v cache dtypes differ");
@@ -522,7 +591,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
         kv.v_scale = v_scales->data_ptr<float>();
       }
       paged_decode_impl<q_t, kv_t>(q.data_ptr<q_t>(), kv, block_tables.data_ptr<int64_t>(),
-                                   lens.data_ptr<int64_t>(), scale, window, nd, dm, out.data_ptr<q_t>());
+                                   lens.data_ptr<int64_t>(), scale, window, nd, dm, splits, out.data_ptr<q_t>());
     };
     if (quantized)
       run(int8_t{});
@@ -556,7 +625,10 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention reading K/V in place (CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("lens"), py::arg("scale"),
-        py::arg("window"), py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none());
+        py::arg("window"), py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none(),
+        py::arg("splits") = -1);
+  m.def("decode_splits", &choose_splits, "parts paged_decode splits each context into, for items (request, kv_head) "
+        "pairs and the longest context, at this thread count", py::arg("items"), py::arg("max_context"));
   m.def("int8_kv_decode_supported", &int8_kv_decode_supported, "whether paged_decode reads int8 caches here");
   m.def("write_kv_int8", &write_kv_int8, "quantize K/V rows to int8 (one scale per token and head) into the cache");
   m.def("rotary_", &rotary_, "Rotary embedding in place on [T, heads, D] (CPU)");
