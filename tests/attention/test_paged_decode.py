@@ -204,9 +204,17 @@ def test_splits_fill_every_thread_evenly() -> None:
 
 
 def test_one_long_request_is_split_by_default() -> None:
-    """One request of 3 KV heads on 2 threads: the automatic split gives the same result as no split."""
+    """One request of 3 KV heads on 2 threads: the kernel splits on its own (bit for bit the 2-part result,
+    which the merge makes differ from the whole context's in the last bits) and stays close to no split."""
     q, kv_cache, meta = _case([2000], 9, 3, 64, seed=6)
     assert meta.decode_tables is not None and meta.decode_lens is not None
-    auto = native.paged_decode(q, kv_cache, meta.decode_tables, meta.decode_lens, 0.125, None)
-    whole = native.paged_decode(q, kv_cache, meta.decode_tables, meta.decode_lens, 0.125, None, None, 1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        run = lambda splits: native.paged_decode(q, kv_cache, meta.decode_tables, meta.decode_lens, 0.125,  # noqa: E731
+                                                 None, None, splits)
+        auto, two, whole = run(-1), run(2), run(1)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(auto, two) and not torch.equal(auto, whole)
     torch.testing.assert_close(auto, whole, rtol=1e-5, atol=1e-6)
