@@ -152,11 +152,18 @@ def int8_usable() -> bool:
     return load() is not None and _module.int8_linear_supported()
 
 
-def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, wsum: torch.Tensor,
+def w8a8_pack(qweight: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] weight -> the block layout w8a8_linear reads: [ceil(N/16), ceil(K/4), 16, 4] int8, for each 16
+    output rows the columns in groups of 4 (zero padded). Needs w8a8_usable()."""
+    return _module.w8a8_pack(qweight)
+
+
+def w8a8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, wsum: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] (fp32/bf16) quantized per row to int8 (asymmetric), times qweight [N, K] int8 through
-    torch._int_mm, rescaled by scale [N] (+ bias): [M, N] in x's dtype. Needs w8a8_usable()."""
-    return _module.w8a8_linear(x, qweight, scale, wsum, bias)
+    """x [M, K] (fp32/bf16) quantized per row to int8 (asymmetric), times the int8 weight [N, K] (packed by
+    w8a8_pack) in the VNNI GEMM, rescaled by scale [N] (+ bias); wsum [N]: the weight's row sums. [M, N] in
+    x's dtype. Needs w8a8_usable()."""
+    return _module.w8a8_linear(x, packed, scale, wsum, bias)
 
 
 @functools.cache

@@ -60,11 +60,12 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.qweight: torch.Tensor | None = None  # int8 [out, in] replacing the weight, see quantize_int8
         self.scale: torch.Tensor | None = None  # fp32 [out]: weight ~= qweight * scale[:, None]
-        self.wsum: torch.Tensor | None = None  # int32 [out]: row sums of qweight, for int8 activations (w8a8)
+        self.wsum: torch.Tensor | None = None  # int32 [out]: row sums of the int8 weight, for int8 activations (w8a8)
+        self.w8a8_packed: torch.Tensor | None = None  # w8a8: the int8 weight in the kernel's block layout (no qweight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.wsum is not None:
-            y = native.w8a8_linear(x.reshape(-1, self.in_features), self.qweight, self.scale, self.wsum, self.bias)
+            y = native.w8a8_linear(x.reshape(-1, self.in_features), self.w8a8_packed, self.scale, self.wsum, self.bias)
             return y.reshape(*x.shape[:-1], self.out_features)
         if self.qweight is not None:
             return int8_linear(x, self.qweight, self.scale, self.bias)
@@ -81,7 +82,7 @@ class Linear(nn.Module):
         """Add a oneDNN-blocked copy of the weight. The plain one is freed, except for bf16 weights on a CPU
         whose bf16 matmuls are slower than fp32 (no AMX): large matmuls widen it to fp32 (+50% of weight
         memory: bf16 held twice). Int8 layers stay as they are."""
-        if self.qweight is None:
+        if self.weight is not None:
             self.packed = pack_weight(self.weight)
             if not (self.weight.dtype == torch.bfloat16 and fp32_compute_for_bf16()):
                 self.weight = None
@@ -93,9 +94,12 @@ class Linear(nn.Module):
 
     def quantize_w8a8(self) -> None:
         """int8 weights as quantize_int8, and int8 activations: every call quantizes its input per row and
-        multiplies in int8 (csrc/w8a8_linear.cpp; needs native.w8a8_usable())."""
-        self.quantize_int8()
-        self.wsum = self.qweight.sum(dim=1, dtype=torch.int32)
+        multiplies in int8 (csrc/w8a8_linear.cpp; needs native.w8a8_usable()). The weight is kept only in the
+        kernel's block layout (w8a8_packed; qweight is freed)."""
+        qweight, self.scale = quantize_rows(self.weight)
+        self.weight = None
+        self.wsum = qweight.sum(dim=1, dtype=torch.int32)
+        self.w8a8_packed = native.w8a8_pack(qweight)
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:

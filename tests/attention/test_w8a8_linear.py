@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from llmserve.attention import native
-from llmserve.layers.linear import Linear
+from llmserve.layers.linear import Linear, quantize_rows
 from tests.attention.test_int8_linear import _layer as float_layer
 
 pytestmark = pytest.mark.skipif(not native.w8a8_usable(),
@@ -33,53 +33,64 @@ def reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, wsum:
 
 
 def _layer(out_f: int, in_f: int, bias: bool, seed: int = 0) -> Linear:
+    """A quantized layer; .qweight is set back (the layer itself keeps only the packed copy) for the reference."""
     layer = float_layer(out_f, in_f, bias, seed)
+    qweight, _ = quantize_rows(layer.weight)
     layer.quantize_w8a8()
+    layer.qweight = qweight
     return layer
 
 
-def test_quantize_w8a8_keeps_int8_weights_and_their_row_sums() -> None:
-    layer = _layer(6, 40, bias=True)
-    assert layer.weight is None and layer.qweight.dtype == torch.int8
-    assert layer.wsum.dtype == torch.int32 and torch.equal(layer.wsum, layer.qweight.sum(dim=1, dtype=torch.int32))
+def test_quantize_w8a8_keeps_packed_int8_weights_and_their_row_sums() -> None:
+    layer = float_layer(20, 41, bias=True, seed=0)
+    qweight, scale = quantize_rows(layer.weight)
+    layer.quantize_w8a8()
+    assert layer.weight is None and layer.qweight is None and torch.equal(layer.scale, scale)
+    assert layer.wsum.dtype == torch.int32 and torch.equal(layer.wsum, qweight.sum(dim=1, dtype=torch.int32))
+    # [ceil(20/16), ceil(41/4), 16, 4]: block b, group g holds rows 16b..16b+15, columns 4g..4g+3; zeros past the ends
+    packed = layer.w8a8_packed
+    assert packed.shape == (2, 11, 16, 4) and packed.dtype == torch.int8
+    padded = torch.zeros(32, 44, dtype=torch.int8)
+    padded[:20, :41] = qweight
+    assert torch.equal(packed, padded.view(2, 16, 11, 4).transpose(1, 2))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,in_f,out_f", [(1, 576, 960), (3, 13, 7), (2, 100, 33), (8, 1000, 17), (9, 64, 16),
-                                             (64, 576, 1030), (17, 1536, 40), (130, 40, 33)])
-# few rows (the VNNI matrix-vector kernel, up to 8) and many (_int_mm); tails of 16 and 64 in K and N
+                                             (64, 576, 1030), (17, 1536, 40), (130, 40, 33), (487, 70, 90)])
+# every register tile shape (1-6 rows of x by 1-4 blocks of 16), K not a multiple of 4, N not of 16, and more
+# rows than one work chunk (240) in balanced chunks
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_is_bit_exact_with_its_torch_arithmetic(dtype: torch.dtype, rows: int, in_f: int, out_f: int,
                                                        bias: bool) -> None:
     layer = _layer(out_f, in_f, bias, seed=rows)
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(rows, in_f, generator=g) * 3 + 0.5).to(dtype)  # off-centre: zero points not -0
-    got = native.w8a8_linear(x, layer.qweight, layer.scale, layer.wsum, layer.bias)
+    got = native.w8a8_linear(x, layer.w8a8_packed, layer.scale, layer.wsum, layer.bias)
     assert got.dtype == dtype and got.shape == (rows, out_f)
     assert torch.equal(got, reference(x, layer.qweight, layer.scale, layer.wsum, layer.bias))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 8])
-def test_few_rows_kernel_equals_int_mm(rows: int) -> None:
-    # The same rows through the matrix-vector kernel and through _int_mm (gemv_max_rows=0): the int32
-    # products are exact either way, so a request's output cannot depend on the batch it decodes in.
-    layer = _layer(70, 600, bias=True, seed=rows)
-    x = torch.randn(rows, 600, generator=torch.Generator().manual_seed(rows)).bfloat16()
-    args = (x, layer.qweight, layer.scale, layer.wsum, layer.bias)
-    assert torch.equal(native._module.w8a8_linear(*args), native._module.w8a8_linear(*args, gemv_max_rows=0))
+def test_wrong_packed_weight_is_refused() -> None:
+    layer = _layer(20, 40, bias=False)
+    x = torch.randn(2, 40)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        native.w8a8_linear(x[:, :36], layer.w8a8_packed, layer.scale, layer.wsum, None)  # 36 columns, packed for 40
+    with pytest.raises(RuntimeError, match="w8a8_pack"):
+        native.w8a8_linear(x, layer.qweight, layer.scale, layer.wsum, None)  # the plain [N, K] weight
 
 
 def test_edge_rows_zero_positive_negative_and_huge() -> None:
     layer = _layer(48, 64, bias=True)
     x = torch.stack([torch.zeros(64), torch.rand(64) + 1, -torch.rand(64) - 1, torch.full((64,), 3.0),
                      torch.randn(64) * 1e30])
-    got = native.w8a8_linear(x, layer.qweight, layer.scale, layer.wsum, layer.bias)
+    got = native.w8a8_linear(x, layer.w8a8_packed, layer.scale, layer.wsum, layer.bias)
     assert torch.equal(got, reference(x, layer.qweight, layer.scale, layer.wsum, layer.bias))
     torch.testing.assert_close(got[0], layer.bias)  # an all-zero row is exactly zero before the bias
     assert torch.isfinite(got).all()
 
 
-@pytest.mark.parametrize("rows", [1, 9])  # the matrix-vector kernel and _int_mm
+@pytest.mark.parametrize("rows", [1, 9])  # one tile and two
 def test_exact_up_to_the_longest_rows_int32_holds(rows: int) -> None:
     # A constant positive row quantizes to 127 everywhere with zero point -128: every (xq - zp) * w is
     # 255 * 127, and over 66,000 columns their sum, 2,137,410,000, is just inside int32. One column more
@@ -89,12 +100,13 @@ def test_exact_up_to_the_longest_rows_int32_holds(rows: int) -> None:
     qweight[1::2] = -127
     scale, wsum = torch.full((16,), 1e-9), qweight.sum(dim=1, dtype=torch.int32)
     x = torch.full((rows, k), 2.0)
-    got = native.w8a8_linear(x, qweight, scale, wsum, None)
+    got = native.w8a8_linear(x, native.w8a8_pack(qweight), scale, wsum, None)
     assert torch.equal(got, reference(x, qweight, scale, wsum, None))
     want = 2.0 * 127 * k * 1e-9  # x . w * scale, exactly representable after quantization here
     torch.testing.assert_close(got, torch.tensor([want, -want] * 8).expand(rows, 16))
     with pytest.raises(RuntimeError, match="at most 66311"):
-        native.w8a8_linear(torch.ones(1, 66_312), torch.ones(2, 66_312, dtype=torch.int8), scale[:2], wsum[:2], None)
+        native.w8a8_linear(torch.ones(1, 66_312), native.w8a8_pack(torch.ones(2, 66_312, dtype=torch.int8)), scale[:2],
+                           wsum[:2], None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -115,7 +127,7 @@ def test_rows_do_not_depend_on_each_other() -> None:
     """Each row has its own scale and zero point: a request's result does not depend on its batch."""
     layer = _layer(64, 128, bias=False)
     x = torch.randn(9, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
-    together = native.w8a8_linear(x, layer.qweight, layer.scale, layer.wsum, None)
-    alone = torch.cat([native.w8a8_linear(x[i:i + 1], layer.qweight, layer.scale, layer.wsum, None)
+    together = native.w8a8_linear(x, layer.w8a8_packed, layer.scale, layer.wsum, None)
+    alone = torch.cat([native.w8a8_linear(x[i:i + 1], layer.w8a8_packed, layer.scale, layer.wsum, None)
                        for i in range(9)])
     assert torch.equal(together, alone)

@@ -24,8 +24,9 @@ def _first_logprobs(model_dir: str, **engine) -> list[dict[int, float]]:
                                                          **engine)) as pipe:
         modules = list(pipe.engine.runner.model.modules())
         method = engine.get("quantization")
-        assert {m.qweight is not None for m in modules if isinstance(m, Linear)} == {method is not None}
-        assert {m.wsum is not None for m in modules if isinstance(m, Linear)} == {method == "w8a8"}
+        assert {m.qweight is not None for m in modules if isinstance(m, Linear)} == {method == "int8"}
+        assert {m.w8a8_packed is not None and m.wsum is not None
+                for m in modules if isinstance(m, Linear)} == {method == "w8a8"}
         assert {m.qweight is not None for m in modules if isinstance(m, VocabEmbedding)} == {method == "int8"}
         out = pipe([{"input_ids": p} for p in PROMPTS], gen_config=FIRST, do_preprocess=False)
     return [o.logprobs[0] for o in out]

@@ -612,8 +612,9 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 // w8a8_linear.cpp
 bool w8a8_linear_supported();
-torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor w_scale, torch::Tensor wsum,
-                          c10::optional<torch::Tensor> bias, int64_t gemv_max_rows);
+torch::Tensor w8a8_pack(torch::Tensor qweight);
+torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, torch::Tensor wsum,
+                          c10::optional<torch::Tensor> bias);
 // bf16_linear.cpp
 bool bf16_linear_supported();
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
@@ -641,7 +642,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", &bf16_linear, "x @ W^T (+ bias) in bf16 for few rows, fp32 sums (CPU, AVX512-BF16)",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("w8a8_linear_supported", &w8a8_linear_supported, "whether this CPU runs w8a8_linear (AVX-512 with VNNI)");
-  m.def("w8a8_linear", &w8a8_linear, "int8 weights x int8 per-row activations: a VNNI matrix-vector kernel for few rows, else torch._int_mm (CPU)",
-        py::arg("x"), py::arg("qweight"), py::arg("w_scale"), py::arg("wsum"), py::arg("bias") = py::none(),
-        py::arg("gemv_max_rows") = -1);
+  m.def("w8a8_pack", &w8a8_pack, "int8 [N, K] weight -> the VNNI block layout w8a8_linear reads");
+  m.def("w8a8_linear", &w8a8_linear, "int8 weights (packed) x int8 per-row activations, VNNI GEMM (CPU)",
+        py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("wsum"), py::arg("bias") = py::none());
 }

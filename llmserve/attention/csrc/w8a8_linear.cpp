@@ -1,40 +1,57 @@
 // W8A8 linear on CPU: int8 weights (one symmetric fp32 scale per output row) times int8 activations
-// quantized per row of x on the fly (asymmetric: a scale and an integer zero point per row), multiplied by
-// oneDNN's s8 x s8 -> s32 GEMM (torch._int_mm), then scaled back:
+// quantized per row of x on the fly (asymmetric: a scale and an integer zero point per row):
 //
 //   x[i, :] ~= s[i] * (xq[i, :] - zp[i])           xq, zp integers in [-128, 127]
 //   y[i, n]  = float(acc[i, n] - zp[i] * wsum[n]) * (s[i] * w_scale[n]) (+ bias[n])
 //   acc      = xq @ Wq^T (int32, exact),  wsum[n] = sum_k Wq[n, k]
 //
-// Why: on a CPU with AVX512-VNNI and no AMX, the int8 GEMM runs at 700-1000 GOP/s on 2 cores where bf16
-// reaches ~150 GFLOP/s and fp32 ~250 (measured on SmolLM2's linears: 5x less time at 64 rows, 4.6x at 512).
+// Why: on a CPU with AVX512-VNNI and no AMX, int8 products run at ~4x the rate of bf16 ones (vpdpbusd: 64
+// pairs per instruction at twice vdpbf16ps's rate); SmolLM2's linears took 5x less time than bf16 at 64 rows.
 //
-// For a few rows of x (decode batches up to kGemvMaxRows) the product is this file's own kernel instead of
-// _int_mm: a matrix-vector pass memory-bound on streaming the weights, which oneDNN's GEMM is not (SmolLM2's
-// decoder linears at one row: 2.5-5.7 ms against 5.6-9.4 for _int_mm, measured back to back; see gemv_block).
-// Both compute the same exact int32 products, so the result does not depend on which one ran.
-// Asymmetric per-row activations keep SmolLM2-135M's perplexity within 0.4% of fp32 where symmetric
-// ones lose 4% (the inputs of down_proj and of the q/k/v projection are far from centred).
+// The product is this file's own GEMM over a weight packed once at load (w8a8_pack): per block of 16 output
+// rows, groups of 4 columns, [N/16][K/4][16][4] bytes. One 64-byte load then holds 4 columns of 16 outputs,
+// vpdpbusd multiplies it by 4 bytes of one row of x broadcast to every lane, and the 16 int32 sums land in the
+// lanes they belong to: no horizontal reduction, and every block is one contiguous stream, which the hardware
+// prefetchers follow (the plain [N, K] rows of SmolLM2 are 576-1,536 bytes, and they stop at each row end).
+// A register tile is 6 rows of x by 4 blocks (24 accumulators). x is stored unsigned (xq + 128, as
+// vpdpbusd multiplies unsigned by signed bytes) and 128 * wsum comes off again with the zero point.
+// Measured over SmolLM2's 30 decoders' linears (2-core AVX512-VNNI Xeon, interleaved, quantize and rescale
+// included) against the former path (a matrix-vector kernel on the plain rows up to 8 rows, torch._int_mm
+// beyond): M = 1: 4.2-4.7 ms vs 4.4-5.3; M = 8: 6.5-7.3 vs 8.6-10.4; M = 16: 8.0-9.5 vs 13.3-15.1; M = 36:
+// 12.0-14.2 vs 18.0-20.9; M = 64: 17.7-19.9 vs 23.7-27.9; M = 256: 57-74 vs 67-70; M = 1,024: 217 vs 246-248.
 //
-// The quantization and the rescale are one pass each over x and over y, AVX-512 through target
-// attributes (callers check the CPU at run time). Rounding is round-half-to-even on x * (1 / s) in fp32,
-// and the rescale is evaluated in the order written above without fused multiply-adds, so torch ops in
-// the same order give bit-identical results (the tests rely on it).
+// The int32 products are exact whichever tile computes them, so a row's result does not depend on the
+// batch around it. Asymmetric per-row activations keep SmolLM2-135M's perplexity within 0.4% of fp32 where
+// symmetric ones lose 4% (the inputs of down_proj and of the q/k/v projection are far from centred).
+// Rounding is round-half-to-even on x * (1 / s) in fp32, and the rescale is evaluated in the order written
+// above without fused multiply-adds, so torch ops in the same order give bit-identical results (the tests
+// compare with torch._int_mm that way).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include "avx512_math.h"  // LLMSERVE_AVX512, masked loads and stores, sum_lanes16
+#include "avx512_math.h"  // LLMSERVE_AVX512, masked loads and stores
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 
+#define LLMSERVE_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+
 namespace {
 
-// One row of x -> xq (int8), its scale and zero point. The range always includes 0, so 0 is exact.
+constexpr int64_t kBlockRows = 16;   // output rows (columns of y) per packed block: one zmm of int32 sums
+constexpr int kTileRows = 6;         // rows of x per register tile
+constexpr int kTileBlocks = 4;       // packed blocks per register tile (6 x 4 accumulators, 4 weights, 1 x)
+constexpr int64_t kChunkRows = 240;  // rows of x per work unit at most: its bytes stay in L2 while the
+                                     // thread's weights stream past it once
+constexpr int64_t kMaxColumns = (int64_t{1} << 31) / (255 * 127);  // 66311, see w8a8_linear
+constexpr int64_t kSerialElems = 32768;  // below this many elements quantizing x runs on one thread
+
+// One row of x -> K4 unsigned bytes xq + 128 (the padding past K: 0), its scale and its zero point + 128.
+// The range always includes 0, so 0 is exact.
 template <typename T>
-LLMSERVE_AVX512 void quantize_row(const T* x, int64_t K, int8_t* q, float* scale, int32_t* zero_point) {
+LLMSERVE_AVX512 void quantize_row(const T* x, int64_t K, int64_t K4, uint8_t* q, float* scale, int32_t* zpu) {
   __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) {
     const __mmask16 m = tail_mask16(K - k);
@@ -48,116 +65,125 @@ LLMSERVE_AVX512 void quantize_row(const T* x, int64_t K, int8_t* q, float* scale
   const float inv = 1.f / s;
   const int32_t zp = static_cast<int32_t>(std::nearbyint(-min * inv)) - 128;
   const __m512 vinv = _mm512_set1_ps(inv);
-  const __m512i vzp = _mm512_set1_epi32(zp);
+  const __m512i vzpu = _mm512_set1_epi32(zp + 128);
   for (int64_t k = 0; k < K; k += 16) {
     const __mmask16 m = tail_mask16(K - k);
-    // cvtps rounds half to even (the default MXCSR mode); cvtsepi32 saturates to [-128, 127].
-    const __m512i r = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(loadu16(x + k, m), vinv)), vzp);
-    _mm_mask_storeu_epi8(q + k, m, _mm512_cvtsepi32_epi8(r));
+    // cvtps rounds half to even (the default MXCSR mode). Clamping xq to [-128, 127] and adding 128 is
+    // clamping xq + 128 to [0, 255]: max with 0, then cvtusepi32 saturates at 255.
+    const __m512i r = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(loadu16(x + k, m), vinv)), vzpu);
+    _mm_mask_storeu_epi8(q + k, m, _mm512_cvtusepi32_epi8(_mm512_max_epi32(r, _mm512_setzero_si512())));
   }
+  for (int64_t k = K; k < K4; ++k) q[k] = 0;  // meets zero weights; set only so that no garbage is read
   *scale = s;
-  *zero_point = zp;
+  *zpu = zp + 128;
 }
 
-// y[i, n0:n1] from acc[i, n0:n1].
-template <typename T>
-LLMSERVE_AVX512 void rescale_row(const int32_t* acc, int64_t n0, int64_t n1, float s, int32_t zp, const int32_t* wsum,
-                             const float* w_scale, const float* bias, T* y) {
-  const __m512 vs = _mm512_set1_ps(s);
-  const __m512i vzp = _mm512_set1_epi32(zp);
-  for (int64_t n = n0; n < n1; n += 16) {
-    const __mmask16 m = tail_mask16(n1 - n);
-    const __m512i a = _mm512_maskz_loadu_epi32(m, acc + n);
-    const __m512i c = _mm512_sub_epi32(a, _mm512_mullo_epi32(vzp, _mm512_maskz_loadu_epi32(m, wsum + n)));
-    __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_mul_ps(vs, _mm512_maskz_loadu_ps(m, w_scale + n)));
-    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias + n));
-    storeu16(y + n, v, m);
-  }
-}
+struct Rescale {
+  const float* s;        // [M] activation scales
+  const int32_t* zpu;    // [M] zero points + 128 (x is stored unsigned)
+  const int32_t* wsum;   // [N]
+  const float* w_scale;  // [N]
+  const float* bias;     // [N] or null
+};
 
-#define LLMSERVE_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
-
-// Rows of x up to which gemv_block runs instead of _int_mm. Measured over SmolLM2's decoder linears (2-core
-// AVX512-VNNI Xeon, ms, gemv vs _int_mm, back to back): M = 1: 2.7 vs 5.6-9.4; 2: 2.9 vs 6.2-10.8;
-// 4: 4.7-7.0 vs 6.9-10.5; 6: 7.0-8.8 vs 7.7-11.5; 8: 8.3-10.5 vs 8.3-11.4; 12: 11.3 vs 9.2.
-constexpr int64_t kGemvMaxRows = 8;
-
-// acc[i, 0:rows] = xq[i, :] . w[r, :] for M (1 or 2) rows of xq and rows <= 16 rows of w (exact int32).
-// vpdpbusd multiplies unsigned by signed bytes, 64 pairs per instruction: xq is made unsigned by adding 128
-// (xor 0x80), and 128 * wsum[r] is taken off the sums again. The int32 lanes wrap on overflow (the
-// instruction does not saturate), so the difference is exact whenever the true sum fits in int32; it
-// does for K <= kMaxColumns.
-template <int M>
-LLMSERVE_VNNI void gemv_block(const int8_t* xq, int64_t K, const int8_t* w, int64_t rows, const int32_t* wsum,
-                              int32_t* acc, int64_t ld_acc) {
-  const int8_t* row[16];
-  for (int r = 0; r < 16; ++r) row[r] = w + std::min<int64_t>(r, rows - 1) * K;  // past the end: repeat, not stored
-  __m512i sums[M][16];
-  for (int i = 0; i < M; ++i)
-    for (int r = 0; r < 16; ++r) sums[i][r] = _mm512_setzero_si512();
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int64_t k = 0; k < K; k += 64) {
-    const __mmask64 m = K - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (K - k)) - 1;
-    __m512i xv[M];  // masked-off lanes become 128, but meet zero weights
-    for (int i = 0; i < M; ++i) xv[i] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, xq + i * K + k), flip);
-    for (int r = 0; r < 16; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(row[r] + k) + kGemvPrefetchBytes, _MM_HINT_T0);
-      const __m512i wv = _mm512_maskz_loadu_epi8(m, row[r] + k);
-      for (int i = 0; i < M; ++i) sums[i][r] = _mm512_dpbusd_epi32(sums[i][r], xv[i], wv);
+// y[i0 : i0 + MR, n0 : n0 + NR * 16] (columns below N) for one register tile: MR rows of x (G groups of 4
+// unsigned bytes each, ldx apart), NR packed blocks (G groups of [16 rows][4 bytes] each, block_bytes apart).
+// no-tree-pre: with it GCC 12 stores all 24 accumulators to the stack on every iteration (measured 2x slower).
+template <int MR, int NR, typename T>
+LLMSERVE_VNNI __attribute__((optimize("no-tree-pre"))) void tile(const uint8_t* x, int64_t ldx, int64_t G,
+                                                                const int8_t* w, int64_t block_bytes, int64_t i0,
+                                                                int64_t n0, int64_t N, const Rescale& e, T* y) {
+  __m512i acc[MR][NR];
+  _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i)
+    _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_si512();
+  const int32_t* xr[MR];
+  _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) xr[i] = reinterpret_cast<const int32_t*>(x + (i0 + i) * ldx);
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i wv[NR];
+    _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_si512(w + j * block_bytes + g * 64);
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {
+      const __m512i b = _mm512_set1_epi32(xr[i][g]);
+      _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], b, wv[j]);
     }
   }
-  const __mmask16 keep = tail_mask16(rows);
-  const __m512i offset = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(keep, wsum), 7);  // 128 * wsum
-  for (int i = 0; i < M; ++i)
-    _mm512_mask_storeu_epi32(acc + i * ld_acc, keep, _mm512_sub_epi32(sum_lanes16(sums[i], AddEpi32{}), offset));
+  _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) {
+    const int64_t n = n0 + j * kBlockRows;
+    const __mmask16 m = tail_mask16(N - n);
+    const __m512i ws = _mm512_maskz_loadu_epi32(m, e.wsum + n);
+    const __m512 wsc = _mm512_maskz_loadu_ps(m, e.w_scale + n);
+    const __m512 bv = e.bias != nullptr ? _mm512_maskz_loadu_ps(m, e.bias + n) : _mm512_setzero_ps();
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {
+      const int64_t row = i0 + i;
+      // (xq + 128) . w - (zp + 128) * wsum = xq . w - zp * wsum: int32 wraps alike on both sides
+      const __m512i c = _mm512_sub_epi32(acc[i][j], _mm512_mullo_epi32(_mm512_set1_epi32(e.zpu[row]), ws));
+      __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_mul_ps(_mm512_set1_ps(e.s[row]), wsc));
+      if (e.bias != nullptr) v = _mm512_add_ps(v, bv);
+      storeu16(y + row * N + n, v, m);
+    }
+  }
 }
 
-// acc [M, N] = xq [M, K] @ qweight[N, K]^T, for M <= kGemvMaxRows (work split: for_each_gemv_block).
-void gemv(const int8_t* xq, int64_t M, int64_t K, const int8_t* w, int64_t N, const int32_t* wsum, int32_t* acc) {
-  for_each_gemv_block(M, N, [&](bool pair, int64_t i, int64_t n0, int64_t rows) {
-    if (pair)
-      gemv_block<2>(xq + i * K, K, w + n0 * K, rows, wsum + n0, acc + i * N + n0, N);
-    else
-      gemv_block<1>(xq + i * K, K, w + n0 * K, rows, wsum + n0, acc + i * N + n0, N);
-  });
+template <int MR, typename T>
+void tile_blocks(int nr, const uint8_t* x, int64_t ldx, int64_t G, const int8_t* w, int64_t bb, int64_t i0,
+                 int64_t n0, int64_t N, const Rescale& e, T* y) {
+  switch (nr) {
+    case 1: return tile<MR, 1>(x, ldx, G, w, bb, i0, n0, N, e, y);
+    case 2: return tile<MR, 2>(x, ldx, G, w, bb, i0, n0, N, e, y);
+    case 3: return tile<MR, 3>(x, ldx, G, w, bb, i0, n0, N, e, y);
+    default: return tile<MR, kTileBlocks>(x, ldx, G, w, bb, i0, n0, N, e, y);
+  }
 }
-
-constexpr int64_t kMaxColumns = (int64_t{1} << 31) / (255 * 127);  // 66311, see w8a8_linear
-constexpr int64_t kColBlock = 512;     // rescale work unit: one row, up to this many columns
-constexpr int64_t kSerialElems = 32768;  // below this many elements a pass runs on one thread
 
 template <typename T>
-torch::Tensor w8a8_impl(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& w_scale,
-                        const torch::Tensor& wsum, const float* bias, int64_t gemv_max_rows) {
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
-  auto xq = torch::empty({M, K}, x.options().dtype(at::kChar));
-  auto s = torch::empty({M}, x.options().dtype(at::kFloat));
-  auto zp = torch::empty({M}, x.options().dtype(at::kInt));
-  const T* xp = x.data_ptr<T>();
-  int8_t* qp = xq.data_ptr<int8_t>();
-  float* sp = s.data_ptr<float>();
-  int32_t* zpp = zp.data_ptr<int32_t>();
-  at::parallel_for(0, M, std::max<int64_t>(1, kSerialElems / K), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) quantize_row(xp + i * K, K, qp + i * K, sp + i, zpp + i);
-  });
-  torch::Tensor acc;  // [M, N] int32
-  if (M <= gemv_max_rows) {
-    acc = torch::empty({M, N}, x.options().dtype(at::kInt));
-    gemv(qp, M, K, qweight.data_ptr<int8_t>(), N, wsum.data_ptr<int32_t>(), acc.data_ptr<int32_t>());
-  } else {
-    acc = at::_int_mm(xq, qweight.t());
+void run_tile(int mr, int nr, const uint8_t* x, int64_t ldx, int64_t G, const int8_t* w, int64_t bb, int64_t i0,
+              int64_t n0, int64_t N, const Rescale& e, T* y) {
+  switch (mr) {
+    case 1: return tile_blocks<1>(nr, x, ldx, G, w, bb, i0, n0, N, e, y);
+    case 2: return tile_blocks<2>(nr, x, ldx, G, w, bb, i0, n0, N, e, y);
+    case 3: return tile_blocks<3>(nr, x, ldx, G, w, bb, i0, n0, N, e, y);
+    case 4: return tile_blocks<4>(nr, x, ldx, G, w, bb, i0, n0, N, e, y);
+    case 5: return tile_blocks<5>(nr, x, ldx, G, w, bb, i0, n0, N, e, y);
+    default: return tile_blocks<kTileRows>(nr, x, ldx, G, w, bb, i0, n0, N, e, y);
   }
+}
+
+template <typename T>
+torch::Tensor w8a8_impl(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
+                        const torch::Tensor& wsum, const float* bias) {
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), G = packed.size(1), K4 = G * 4;
+  const int64_t N = wsum.numel();
+  auto xq = torch::empty({M, K4}, x.options().dtype(at::kByte));
+  auto s = torch::empty({M}, x.options().dtype(at::kFloat));
+  auto zpu = torch::empty({M}, x.options().dtype(at::kInt));
+  const T* xp = x.data_ptr<T>();
+  uint8_t* qp = xq.data_ptr<uint8_t>();
+  float* sp = s.data_ptr<float>();
+  int32_t* zp = zpu.data_ptr<int32_t>();
+  at::parallel_for(0, M, std::max<int64_t>(1, kSerialElems / K), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) quantize_row(xp + i * K, K, K4, qp + i * K4, sp + i, zp + i);
+  });
   auto y = torch::empty({M, N}, x.options());
-  const int32_t* ap = acc.data_ptr<int32_t>();
-  const int32_t* wsp = wsum.data_ptr<int32_t>();
-  const float* wscp = w_scale.data_ptr<float>();
+  const Rescale e{sp, zp, wsum.data_ptr<int32_t>(), w_scale.data_ptr<float>(), bias};
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const int64_t bb = G * 64;  // bytes per packed block
   T* yp = y.data_ptr<T>();
-  const int64_t col_blocks = (N + kColBlock - 1) / kColBlock;
-  const int64_t grain = std::max<int64_t>(1, kSerialElems / std::min(N, kColBlock));
-  at::parallel_for(0, M * col_blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t i = t / col_blocks, n0 = (t % col_blocks) * kColBlock;
-      rescale_row(ap + i * N, n0, std::min(N, n0 + kColBlock), sp[i], zpp[i], wsp, wscp, bias, yp + i * N);
+  // Work units: (chunk of rows of x, packed block), chunk-major; each thread takes a contiguous run of them, so
+  // at a few rows the threads split the weights, and with many rows, the chunks. Within a run, a tile's 4
+  // blocks stay in L1/L2 while the chunk's rows go past them 6 at a time.
+  const int64_t chunks = (M + kChunkRows - 1) / kChunkRows;
+  const int64_t rows = ((M + chunks - 1) / chunks + kTileRows - 1) / kTileRows * kTileRows;  // balanced chunks
+  at::parallel_for(0, chunks * NB, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end;) {
+      const int64_t c = u / NB, b0 = u % NB, b1 = std::min(NB, b0 + (end - u));
+      const int64_t m0 = c * rows, m1 = std::min(M, m0 + rows);
+      for (int64_t b = b0; b < b1; b += kTileBlocks) {
+        const int nr = static_cast<int>(std::min<int64_t>(kTileBlocks, b1 - b));
+        for (int64_t i = m0; i < m1; i += kTileRows) {
+          const int mr = static_cast<int>(std::min<int64_t>(kTileRows, m1 - i));
+          run_tile<T>(mr, nr, qp, K4, G, wp + b * bb, bb, i, b * kBlockRows, N, e, yp);
+        }
+      }
+      u += b1 - b0;
     }
   });
   return y;
@@ -170,24 +196,45 @@ bool w8a8_linear_supported() {
   return ok;
 }
 
-// x [M, K] fp32 or bf16; qweight [N, K] int8; w_scale [N] fp32; wsum [N] int32 (row sums of qweight);
-// bias [N] (any float dtype) or None. Returns [M, N] in x's dtype. gemv_max_rows: up to how many rows the
-// matrix-vector kernel runs (-1: kGemvMaxRows; tests and A/B measurements set it).
-torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor w_scale, torch::Tensor wsum,
-                          c10::optional<torch::Tensor> bias, int64_t gemv_max_rows) {
+// qweight [N, K] int8 -> [ceil(N / 16), ceil(K / 4), 16, 4] int8: for each block of 16 output rows, the
+// columns in groups of 4, each group holding its 4 bytes of the 16 rows; zero past N and K.
+torch::Tensor w8a8_pack(torch::Tensor qweight) {
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 2 && qweight.device().is_cpu(),
+              "w8a8_pack: qweight must be int8 [N, K] on the CPU");
+  const auto w = qweight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), NB = (N + kBlockRows - 1) / kBlockRows, G = (K + 3) / 4;
+  auto packed = torch::zeros({NB, G, kBlockRows, 4}, w.options());
+  const int8_t* src = w.data_ptr<int8_t>();
+  int8_t* dst = packed.data_ptr<int8_t>();
+  at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t r = 0; r < kBlockRows && b * kBlockRows + r < N; ++r)
+        for (int64_t k = 0; k < K; ++k)
+          dst[((b * G + k / 4) * kBlockRows + r) * 4 + k % 4] = src[(b * kBlockRows + r) * K + k];
+  });
+  return packed;
+}
+
+// x [M, K] fp32 or bf16; packed: w8a8_pack of the int8 weight [N, K]; w_scale [N] fp32; wsum [N] int32 (row
+// sums of the int8 weight); bias [N] (any float dtype) or None. Returns [M, N] in x's dtype.
+torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, torch::Tensor wsum,
+                          c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(w8a8_linear_supported(), "w8a8_linear needs a CPU with AVX-512 (F, BW, VL, DQ) and VNNI");
-  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 2 && qweight.is_contiguous(),
-              "w8a8_linear: qweight must be contiguous int8 [N, K]");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == qweight.size(1), "w8a8_linear: x must be [M, K]");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "w8a8_linear: x must be [M, K] on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "w8a8_linear: x fp32 or bf16");
-  const int64_t N = qweight.size(0);
+  const int64_t K = x.size(1), N = wsum.numel();
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.is_contiguous() &&
+                  packed.size(2) == kBlockRows && packed.size(3) == 4,
+              "w8a8_linear: packed must be w8a8_pack's contiguous int8 [N / 16, K / 4, 16, 4]");
+  TORCH_CHECK(packed.size(0) == (N + kBlockRows - 1) / kBlockRows && packed.size(1) == (K + 3) / 4,
+              "w8a8_linear: packed weight ", packed.sizes(), " does not fit x's ", K, " columns and wsum's ", N,
+              " rows");
   // acc - zp * wsum = sum_k (xq - zp) * w with 0 <= xq - zp <= 255, |w| <= 127: int32 holds it for K <= 66311.
-  TORCH_CHECK(x.size(1) <= kMaxColumns, "w8a8_linear: rows of at most ", kMaxColumns, " columns (int32 sums); got ",
-              x.size(1), ": quantize this model with int8 (weight-only) instead of w8a8");
+  TORCH_CHECK(K <= kMaxColumns, "w8a8_linear: rows of at most ", kMaxColumns, " columns (int32 sums); got ", K,
+              ": quantize this model with int8 (weight-only) instead of w8a8");
   TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.numel() == N && w_scale.is_contiguous(),
               "w8a8_linear: w_scale must be contiguous fp32 [N]");
-  TORCH_CHECK(wsum.scalar_type() == at::kInt && wsum.numel() == N && wsum.is_contiguous(),
-              "w8a8_linear: wsum must be contiguous int32 [N]");
+  TORCH_CHECK(wsum.scalar_type() == at::kInt && wsum.is_contiguous(), "w8a8_linear: wsum must be contiguous int32 [N]");
   torch::Tensor b;
   if (bias.has_value()) {
     b = bias->to(at::kFloat).contiguous();
@@ -195,7 +242,6 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   }
   const float* bp = bias.has_value() ? b.data_ptr<float>() : nullptr;
   const auto xc = x.contiguous();
-  const int64_t gemv_rows = gemv_max_rows < 0 ? kGemvMaxRows : gemv_max_rows;
-  if (xc.scalar_type() == at::kBFloat16) return w8a8_impl<at::BFloat16>(xc, qweight, w_scale, wsum, bp, gemv_rows);
-  return w8a8_impl<float>(xc, qweight, w_scale, wsum, bp, gemv_rows);
+  if (xc.scalar_type() == at::kBFloat16) return w8a8_impl<at::BFloat16>(xc, packed, w_scale, wsum, bp);
+  return w8a8_impl<float>(xc, packed, w_scale, wsum, bp);
 }
