@@ -74,6 +74,21 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     workspace: Workspace = field(default_factory=Workspace)
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
+    _prefill_arrays: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def prefill_arrays(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefill spans as one int64 [S, 4] table (q_start, q_len, num_cached, offset into slots) and their
+        context slots concatenated, for native prefill attention; made once per step, shared by the layers."""
+        if self._prefill_arrays is None:
+            offsets, at = [], 0
+            for p in self.prefills:
+                offsets.append(at)
+                at += p.slots.numel()
+            spans = torch.tensor([[p.q_start, p.q_len, p.num_cached, o] for p, o in zip(self.prefills, offsets)],
+                                 dtype=torch.int64).reshape(-1, 4)
+            slots = torch.cat([p.slots for p in self.prefills]) if self.prefills else torch.empty(0, dtype=torch.int64)
+            self._prefill_arrays = (spans, slots.cpu())
+        return self._prefill_arrays
 
     def decode_mask(self, sliding_window: int | None, block_size: int, dtype: torch.dtype) -> torch.Tensor:
         """[num_decodes, 1, 1, max_blocks * block_size] additive mask: 0 for real context keys

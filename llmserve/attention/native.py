@@ -1,8 +1,8 @@
 """The C++ CPU kernels, compiled lazily on first use: the paged decode kernel (csrc/paged_decode.cpp),
 the fused rotary / add+RMSNorm ops of the decoder layer (csrc/fused_ops.cpp), the int8 weight-only
 linear for decode batches (csrc/int8_linear.cpp), the int8-activation linear (csrc/w8a8_linear.cpp),
-the bf16 linear for decode batches (csrc/bf16_linear.cpp) and the int8 KV-cache writer (csrc/kv_int8.cpp), one
-extension.
+the bf16 linear for decode batches (csrc/bf16_linear.cpp), the int8 KV-cache writer (csrc/kv_int8.cpp) and
+prefill attention (csrc/prefill_attention.cpp), one extension.
 
 Compiling takes tens of seconds, so it never happens at import: `load()` builds on first call
 (torch caches the build under ~/.cache/torch_extensions, so later processes only link it) and is
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_decode.cpp", "fused_ops.cpp", "int8_linear.cpp", "w8a8_linear.cpp",
-                         "bf16_linear.cpp", "kv_int8.cpp")]
+                         "bf16_linear.cpp", "kv_int8.cpp", "prefill_attention.cpp")]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed = False
@@ -103,6 +103,25 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     k_scales, v_scales = (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
     return _module.paged_decode(q, kv_cache[0], kv_cache[1], block_tables, lens, scale,
                                 -1 if sliding_window is None else sliding_window, k_scales, v_scales, splits)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                      kv_scales: torch.Tensor | None, spans: torch.Tensor, slots: torch.Tensor, scale: float,
+                      sliding_window: int | None, out: torch.Tensor) -> None:
+    """Causal attention of every prefill span into out's rows: q [T, heads, D], k/v [T, kv_heads, D] (this step's
+    rows), kv_cache [2, NB, BS, kv_heads, D] (+ kv_scales for int8); spans [S, 4] int64 (q_start, q_len,
+    num_cached, offset into slots), slots: the spans' context slots concatenated. A fresh prompt reads this step's
+    K/V, any other span its whole context from the cache (as torch_backend.paged_attention). Needs
+    prefill_attention_usable()."""
+    k_scales, v_scales = (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
+    _module.prefill_attention(q, k, v, kv_cache[0], kv_cache[1], k_scales, v_scales, spans, slots, scale,
+                              -1 if sliding_window is None else sliding_window, out)
+
+
+@functools.cache
+def prefill_attention_usable() -> bool:
+    """Whether the native prefill attention runs here: the extension builds and the CPU has AVX-512."""
+    return load() is not None and _module.prefill_attention_supported()
 
 
 def int8_kv_decode_usable() -> bool:

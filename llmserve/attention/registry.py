@@ -1,7 +1,8 @@
-"""Which kernel runs decode attention. The torch backend is the reference and the fallback.
+"""Which kernel runs decode and prefill attention. The torch backend is the reference and the fallback.
 
-`LLMSERVE_ATTENTION=torch` forces the reference (decode attention and the int8 KV writer); otherwise CPU
-decodes use the native kernel once it has built (the first decode step pays the compile, or its cached link).
+`LLMSERVE_ATTENTION=torch` forces the reference (decode and prefill attention and the int8 KV writer);
+otherwise CPU steps use the native kernels once they have built (the first step pays the compile, or its
+cached link).
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ def _native_decode(q: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.Ten
 def native_enabled(x: torch.Tensor) -> bool:
     """Whether native kernels may run on x: a CPU tensor, the extension built, the reference not forced."""
     return x.device.type == "cpu" and os.environ.get("LLMSERVE_ATTENTION") != "torch" and native.load() is not None
+
+
+def native_prefill(q: torch.Tensor, k: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether prefill attention runs in the native kernel for these tensors (AVX-512, head_dim % 16 == 0)."""
+    return (q.dtype in _NATIVE_DTYPES and k.dtype == q.dtype and q.shape[-1] % 16 == 0 and kv_cache.is_contiguous()
+            and (kv_cache.dtype in _NATIVE_DTYPES or kv_cache.dtype == torch.int8)
+            and q.stride(-1) == 1 and q.stride(-2) == q.shape[-1] and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]
+            and native_enabled(q) and native.prefill_attention_usable())
 
 
 def native_decode(q: torch.Tensor, kv_cache: torch.Tensor) -> DecodeFn | None:

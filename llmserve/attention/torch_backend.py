@@ -1,8 +1,8 @@
 """Reference attention over the paged KV cache, in plain torch (CPU and CUDA; the test oracle).
 
-Decodes run as one batched SDPA call over keys gathered by slot (padded to the longest context),
-unless the registry offers a native kernel (CPU); each prefill chunk runs its own SDPA call, causal
-over its context.
+Decodes run as one batched SDPA call over keys gathered by slot (padded to the longest context);
+each prefill chunk runs its own SDPA call, causal over its context. On CPU the registry's native
+kernels take both where they can (csrc/paged_decode.cpp, csrc/prefill_attention.cpp).
 """
 
 from __future__ import annotations
@@ -62,14 +62,27 @@ def paged_attention(
     kv_scales: torch.Tensor | None = None,  # [2, num_blocks, block_size, kv_heads] fp32 for an int8 cache
 ) -> torch.Tensor:  # [T, heads, head_dim]
     out = torch.empty_like(q)
-    block_size, kv_heads, head_dim = kv_cache.shape[2:]
-    flat = kv_cache.view(2, -1, kv_heads, head_dim)
-    flat_scales = None if kv_scales is None else kv_scales.view(2, -1, kv_heads)
-    gqa = q.shape[1] != k.shape[1]
     nd = meta.num_decodes
     if nd:
         decode = registry.native_decode(q, kv_cache) or decode_attention
         out[:nd] = decode(q[:nd], kv_cache, kv_scales, meta, scale, sliding_window)
+    if meta.prefills:
+        if registry.native_prefill(q, k, kv_cache):
+            spans, slots = meta.prefill_arrays()
+            native.prefill_attention(q, k, v, kv_cache, kv_scales, spans, slots, scale, sliding_window, out)
+        else:
+            prefill_attention(q, k, v, kv_cache, kv_scales, meta, scale, sliding_window, out)
+    return out
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                      kv_scales: torch.Tensor | None, meta: AttentionMetadata, scale: float,
+                      sliding_window: int | None, out: torch.Tensor) -> None:
+    """Reference prefill: each span's rows of out, one SDPA call per span, causal over its context."""
+    kv_heads, head_dim = kv_cache.shape[3:]
+    flat = kv_cache.view(2, -1, kv_heads, head_dim)
+    flat_scales = None if kv_scales is None else kv_scales.view(2, -1, kv_heads)
+    gqa = q.shape[1] != k.shape[1]
     # bf16 prefill attention runs in fp32 on CPUs where that is faster (torch's bf16 SDPA: half the speed)
     wide = torch.float32 if q.dtype == torch.bfloat16 and q.is_cpu and fp32_compute_for_bf16() else q.dtype
     for span in meta.prefills:
@@ -88,7 +101,6 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask(sliding_window),
                                                scale=scale, enable_gqa=gqa)
         out[span.q_start:span.q_end] = o.squeeze(0).transpose(0, 1)
-    return out
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None,

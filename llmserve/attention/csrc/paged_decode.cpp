@@ -610,6 +610,12 @@ void write_kv_int8(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torc
 // fused_ops.cpp
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+// prefill_attention.cpp
+bool prefill_attention_supported();
+void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
+                       torch::Tensor v_cache, c10::optional<torch::Tensor> k_scales,
+                       c10::optional<torch::Tensor> v_scales, torch::Tensor spans, torch::Tensor slots, double scale,
+                       int64_t window, torch::Tensor out);
 // w8a8_linear.cpp
 bool w8a8_linear_supported();
 torch::Tensor w8a8_pack(torch::Tensor qweight);
@@ -642,6 +648,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", &bf16_linear, "x @ W^T (+ bias) in bf16 for few rows, fp32 sums (CPU, AVX512-BF16)",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("w8a8_linear_supported", &w8a8_linear_supported, "whether this CPU runs w8a8_linear (AVX-512 with VNNI)");
+  m.def("prefill_attention_supported", &prefill_attention_supported, "whether prefill_attention runs here (AVX-512)");
+  m.def("prefill_attention", &prefill_attention, "causal prefill attention of every span of a step (CPU, AVX-512)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scales"),
+        py::arg("v_scales"), py::arg("spans"), py::arg("slots"), py::arg("scale"), py::arg("window"), py::arg("out"));
   m.def("w8a8_pack", &w8a8_pack, "int8 [N, K] weight -> the VNNI block layout w8a8_linear reads");
   m.def("w8a8_linear", &w8a8_linear, "int8 weights (packed) x int8 per-row activations, VNNI GEMM (CPU)",
         py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("wsum"), py::arg("bias") = py::none());

@@ -1,0 +1,337 @@
+// Prefill attention on CPU (AVX-512): causal attention of each prompt chunk over its context, flash-style (online
+// softmax over blocks of keys), fp32 arithmetic, for every prefill span of a step in one call.
+//
+// Where a span's keys come from, as in the torch reference (torch_backend.paged_attention):
+// - a fresh prompt (nothing cached, and no sliding window shorter than it): this step's K/V rows, unrounded;
+// - otherwise (a later chunk, a prefix-cache hit, a window shorter than the prompt): the paged cache at the span's
+//   slots, every key of its context (this step's included, already written), dequantized for an int8 cache.
+//
+// Layout of the work. A work item is (span, KV head, tile of 16 query tokens): its rows are the G query heads
+// sharing the KV head times the 16 tokens, head-major, so every 16-lane vector holds one head's 16 tokens and the
+// causal mask of a key is the same for each head. Per block of up to 64 keys:
+//   1. the block's K and V rows are widened (and scaled, int8) to fp32 once, K and V each [keys, D];
+//   2. scores transposed, S^T [keys, rows] = K Q^T with Q^T [D, rows] made once per item: one FMA per key and
+//      dimension gives 16 rows' scores, no horizontal sums (8 keys x up to 3 vectors of rows in registers);
+//   3. the softmax runs down the keys, lane by lane (each lane is a row): max, exp, sum are vertical;
+//   4. O^T [D, rows] += V^T P^T: one FMA per key and dimension for 16 rows (8 dimensions x 3 vectors held).
+// Items are handed out longest first from a shared counter, so causal imbalance (the last tiles of a prompt
+// see the most keys) evens out across threads.
+//
+// Why: torch's SDPA (flash attention for CPU) ran SmolLM2's prompts of 36-390 tokens at ~73 GFLOP/s in fp32 on
+// 2 cores (1.8 s of a 64-request workload's prefill), and converting each span's q/k/v to fp32 and back
+// copied every row twice more.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "avx512_math.h"  // LLMSERVE_AVX512, load16, exp512
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kTileTokens = 16;  // query tokens per work item: one vector of lanes per head
+constexpr int64_t kKeyBlock = 64;    // keys per softmax block
+constexpr int kKeysPerPass = 8;      // keys of S^T in registers at once
+constexpr int kDimsPerPass = 8;      // dimensions of O^T in registers at once
+constexpr int kMaxRowVecs = 3;       // 16-row vectors in registers at once (8 x 3 = 24 accumulators)
+
+// A source of K or V rows: element (key j, dimension d) at rows[j] + d, times scale[j] for an int8 cache.
+template <typename T>
+struct Rows {
+  const T* base;
+  const int64_t* slots;  // cache: slot of key j (row = slots[j] * slot_stride); null: tensor rows base + j * stride
+  int64_t stride;        // elements between rows (slots or consecutive tokens)
+  const float* scales;   // int8 cache: [slots, kv_heads] flattened with scale_stride; else null
+  int64_t scale_stride;
+
+  const T* row(int64_t j) const { return base + (slots != nullptr ? slots[j] : j) * stride; }
+  float scale(int64_t j) const { return scales[(slots != nullptr ? slots[j] : j) * scale_stride]; }
+};
+
+// dst[t, 0:D] = fp32 rows j0 .. j0 + n of src (scaled for int8).
+template <typename T>
+LLMSERVE_AVX512 void widen_rows(const Rows<T>& src, int64_t j0, int64_t n, int64_t D, float* dst) {
+  for (int64_t t = 0; t < n; ++t) {
+    const T* r = src.row(j0 + t);
+    float* o = dst + t * D;
+    if constexpr (std::is_same_v<T, int8_t>) {
+      const __m512 sc = _mm512_set1_ps(src.scale(j0 + t));
+      for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(o + c, _mm512_mul_ps(sc, load16(r + c)));
+    } else {
+      for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(o + c, load16(r + c));
+    }
+  }
+}
+
+// S^T[j, v] for keys j in [0, n8) (n8 a multiple of 8) and row vectors v in [v0, v0 + RV): sum_d K[j, d] Q^T[d, v].
+// no-tree-pre (both passes): GCC 12 otherwise keeps the accumulators on the stack, see w8a8_linear.cpp.
+template <int RV>
+LLMSERVE_AVX512 __attribute__((optimize("no-tree-pre"))) void scores_pass(const float* kf, const float* qt, int64_t D, int64_t V, int64_t n8, int64_t v0,
+                                 float* st) {
+  for (int64_t j = 0; j < n8; j += kKeysPerPass) {
+    __m512 acc[kKeysPerPass][RV];
+    _Pragma("GCC unroll 8") for (int k = 0; k < kKeysPerPass; ++k)
+      _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v) acc[k][v] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      __m512 qv[RV];
+      _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v) qv[v] = _mm512_loadu_ps(qt + (d * V + v0 + v) * 16);
+      _Pragma("GCC unroll 8") for (int k = 0; k < kKeysPerPass; ++k) {
+        const __m512 kb = _mm512_set1_ps(kf[(j + k) * D + d]);
+        _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v) acc[k][v] = _mm512_fmadd_ps(kb, qv[v], acc[k][v]);
+      }
+    }
+    _Pragma("GCC unroll 8") for (int k = 0; k < kKeysPerPass; ++k)
+      _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v) _mm512_storeu_ps(st + ((j + k) * V + v0 + v) * 16, acc[k][v]);
+  }
+}
+
+// O^T[d, v] += sum_j V[j, d] P^T[j, v] for keys [0, n), dimensions [0, D), row vectors [v0, v0 + RV).
+template <int RV>
+LLMSERVE_AVX512 __attribute__((optimize("no-tree-pre"))) void values_pass(const float* vf, const float* pt, int64_t D, int64_t V, int64_t n, int64_t v0,
+                                 float* ot) {
+  for (int64_t d0 = 0; d0 < D; d0 += kDimsPerPass) {
+    __m512 acc[kDimsPerPass][RV];
+    _Pragma("GCC unroll 8") for (int e = 0; e < kDimsPerPass; ++e)
+      _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v) acc[e][v] = _mm512_loadu_ps(ot + ((d0 + e) * V + v0 + v) * 16);
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 pv[RV];
+      _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v) pv[v] = _mm512_loadu_ps(pt + (j * V + v0 + v) * 16);
+      _Pragma("GCC unroll 8") for (int e = 0; e < kDimsPerPass; ++e) {
+        const __m512 vb = _mm512_set1_ps(vf[j * D + d0 + e]);
+        _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v) acc[e][v] = _mm512_fmadd_ps(vb, pv[v], acc[e][v]);
+      }
+    }
+    _Pragma("GCC unroll 8") for (int e = 0; e < kDimsPerPass; ++e)
+      _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v) _mm512_storeu_ps(ot + ((d0 + e) * V + v0 + v) * 16, acc[e][v]);
+  }
+}
+
+template <typename Pass>
+void by_row_vectors(int64_t V, const Pass& pass) {  // pass(RV tag, v0) over [0, V) in runs of <= kMaxRowVecs
+  for (int64_t v0 = 0; v0 < V; v0 += kMaxRowVecs) {
+    switch (std::min<int64_t>(kMaxRowVecs, V - v0)) {
+      case 1: pass(std::integral_constant<int, 1>{}, v0); break;
+      case 2: pass(std::integral_constant<int, 2>{}, v0); break;
+      default: pass(std::integral_constant<int, 3>{}, v0); break;
+    }
+  }
+}
+
+struct Span {
+  int64_t q_start, q_len, num_cached, slot_offset;
+  bool from_cache;
+};
+
+struct Scratch {
+  std::vector<float> qt, ot, st, kf, vf, m, l;
+  Scratch(int64_t D, int64_t V) : qt(D * V * 16), ot(D * V * 16), st(kKeyBlock * V * 16), kf(kKeyBlock * D),
+                                  vf(kKeyBlock * D), m(V * 16), l(V * 16) {}
+};
+
+// One work item: query tokens [i0, i0 + 16) of a span (context positions num_cached + i), the G heads of KV head
+// kvh, over keys [0, ctx) of the span's source. q/out rows: [T, H, D] with row strides q_row / out_row.
+template <typename TQ, typename TK>
+LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int64_t i0, int64_t kvh, int64_t G,
+                                 int64_t D, const Rows<TK>& keys, const Rows<TK>& values, float scale,
+                                 int64_t window, Scratch& s, TQ* out, int64_t out_row) {
+  const int64_t V = G;  // row vectors: one per head
+  const int64_t nt = std::min(kTileTokens, sp.q_len - i0);
+  // Q^T [D, V * 16], pre-scaled; lanes past nt are 0 (their outputs are never written)
+  std::fill(s.qt.begin(), s.qt.end(), 0.f);
+  for (int64_t i = 0; i < nt; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const TQ* qr = q + (sp.q_start + i0 + i) * q_row + (kvh * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) s.qt[d * V * 16 + g * 16 + i] = static_cast<float>(qr[d]) * scale;
+    }
+  std::fill(s.ot.begin(), s.ot.end(), 0.f);
+  std::fill(s.m.begin(), s.m.end(), -std::numeric_limits<float>::infinity());
+  std::fill(s.l.begin(), s.l.end(), 0.f);
+  // the tile's tokens sit at context positions p0 .. p0 + nt - 1 and see keys (p - window, p]
+  const int64_t p0 = sp.num_cached + i0, p_last = p0 + nt - 1;
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, p0 - window + 1) : 0, hi = p_last + 1;
+  const __m512i pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(p0)),
+                                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __mmask16 live = tail_mask16(nt);
+  for (int64_t j0 = lo; j0 < hi; j0 += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, hi - j0), n8 = (n + kKeysPerPass - 1) / kKeysPerPass * kKeysPerPass;
+    widen_rows(keys, j0, n, D, s.kf.data());
+    for (int64_t t = n; t < n8; ++t) std::fill(s.kf.begin() + t * D, s.kf.begin() + (t + 1) * D, 0.f);
+    widen_rows(values, j0, n, D, s.vf.data());
+    by_row_vectors(V, [&](auto rv, int64_t v0) { scores_pass<decltype(rv)::value>(s.kf.data(), s.qt.data(), D, V, n8, v0,
+                                                                       s.st.data()); });
+    // a key is visible to a lane where j <= p (causal) and j > p - window; the block needs masks only where some
+    // lane does not see all of it
+    const bool masked = j0 + n - 1 > p0 || (window > 0 && j0 <= p_last - window);
+    for (int64_t v = 0; v < V; ++v) {
+      float* m = s.m.data() + v * 16;
+      float* l = s.l.data() + v * 16;
+      __m512 mx = _mm512_loadu_ps(m);
+      const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      __mmask16 vis[kKeyBlock];
+      for (int64_t j = 0; j < n; ++j) {
+        vis[j] = live;
+        if (masked) {
+          const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(j0 + j));
+          vis[j] &= _mm512_cmple_epi32_mask(key, pos);
+          if (window > 0) vis[j] &= _mm512_cmpgt_epi32_mask(key, _mm512_sub_epi32(pos, _mm512_set1_epi32(
+                                                                                      static_cast<int32_t>(window))));
+        }
+        mx = _mm512_mask_max_ps(mx, vis[j], mx, _mm512_loadu_ps(s.st.data() + (j * V + v) * 16));
+      }
+      // lanes that have seen no key yet keep max -inf; subtract 0 there instead (their p are all masked to 0)
+      const __m512 old = _mm512_loadu_ps(m);
+      const __mmask16 seen = _mm512_cmp_ps_mask(mx, ninf, _CMP_NEQ_OQ);
+      const __m512 sub = _mm512_maskz_mov_ps(seen, mx);
+      const __m512 alpha = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(old, ninf, _CMP_NEQ_OQ),
+                                               exp512(_mm512_sub_ps(_mm512_maskz_mov_ps(seen, old), sub)));
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t j = 0; j < n8; ++j) {
+        float* sj = s.st.data() + (j * V + v) * 16;
+        const __m512 p = j < n ? _mm512_maskz_mov_ps(vis[j], exp512(_mm512_sub_ps(_mm512_loadu_ps(sj), sub)))
+                               : _mm512_setzero_ps();
+        _mm512_storeu_ps(sj, p);
+        sum = _mm512_add_ps(sum, p);
+      }
+      _mm512_storeu_ps(l, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(l), alpha), sum));
+      _mm512_storeu_ps(m, mx);
+      for (int64_t d = 0; d < D; ++d) {
+        float* o = s.ot.data() + (d * V + v) * 16;
+        _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), alpha));
+      }
+    }
+    by_row_vectors(V, [&](auto rv, int64_t v0) { values_pass<decltype(rv)::value>(s.vf.data(), s.st.data(), D, V, n, v0,
+                                                                       s.ot.data()); });
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < nt; ++i) {
+      const float lsum = s.l[g * 16 + i];
+      const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+      TQ* o = out + (sp.q_start + i0 + i) * out_row + (kvh * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<TQ>(s.ot[(d * V + g) * 16 + i] * inv);
+    }
+}
+
+template <typename TQ, typename TC>
+void prefill_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& k_cache,
+                  const torch::Tensor& v_cache, const float* k_scales, const float* v_scales,
+                  const std::vector<Span>& spans, const int64_t* slots, double scale, int64_t window,
+                  torch::Tensor& out) {
+  const int64_t H = q.size(1), D = q.size(2), KVH = k.size(1), G = H / KVH;
+  struct Item {
+    int64_t span, kvh, i0, cost;
+  };
+  std::vector<Item> items;
+  for (int64_t s = 0; s < static_cast<int64_t>(spans.size()); ++s)
+    for (int64_t i0 = 0; i0 < spans[s].q_len; i0 += kTileTokens) {
+      const int64_t keys = spans[s].num_cached + std::min(spans[s].q_len, i0 + kTileTokens);
+      for (int64_t h = 0; h < KVH; ++h)
+        items.push_back({s, h, i0, window > 0 ? std::min(keys, window + kTileTokens) : keys});
+    }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const TQ* qp = q.data_ptr<TQ>();
+  TQ* op = out.data_ptr<TQ>();
+  const int64_t cache_row = KVH * D;  // elements per slot
+  std::atomic<int64_t> next{0};
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    Scratch s(D, G);
+    for (int64_t u = next++; u < n_items; u = next++) {
+      const Item& it = items[u];
+      const Span& sp = spans[it.span];
+      const float sc = static_cast<float>(scale);
+      if (sp.from_cache) {
+        const int64_t* sl = slots + sp.slot_offset;
+        const Rows<TC> kr{k_cache.data_ptr<TC>() + it.kvh * D, sl, cache_row, k_scales ? k_scales + it.kvh : nullptr, KVH};
+        const Rows<TC> vr{v_cache.data_ptr<TC>() + it.kvh * D, sl, cache_row, v_scales ? v_scales + it.kvh : nullptr, KVH};
+        attend_tile<TQ, TC>(qp, q.stride(0), sp, it.i0, it.kvh, G, D, kr, vr, sc, window, s, op, out.stride(0));
+      } else {  // this step's rows: token j of the span at row q_start + j
+        const Rows<TQ> kr{k.data_ptr<TQ>() + sp.q_start * k.stride(0) + it.kvh * D, nullptr, k.stride(0), nullptr, 0};
+        const Rows<TQ> vr{v.data_ptr<TQ>() + sp.q_start * v.stride(0) + it.kvh * D, nullptr, v.stride(0), nullptr, 0};
+        attend_tile<TQ, TQ>(qp, q.stride(0), sp, it.i0, it.kvh, G, D, kr, vr, sc, window, s, op, out.stride(0));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+bool prefill_attention_supported() { return cpu_has_avx512(); }
+
+// q [T, H, D]; k, v [T, KVH, D] (this step's rows; each may have a row stride, e.g. views of a fused QKV output,
+// but heads and dimensions contiguous); k_cache, v_cache [NB, BS, KVH, D] contiguous, fp32/bf16/fp16 or int8 with
+// k_scales, v_scales [NB, BS, KVH] fp32; spans [S, 4] int64 (q_start, q_len, num_cached, slot offset into slots);
+// slots: the spans' context slots concatenated. Writes the spans' rows of out [T, H, D] (q's dtype, contiguous).
+// window <= 0: none.
+void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
+                       torch::Tensor v_cache, c10::optional<torch::Tensor> k_scales,
+                       c10::optional<torch::Tensor> v_scales, torch::Tensor spans, torch::Tensor slots, double scale,
+                       int64_t window, torch::Tensor out) {
+  TORCH_CHECK(prefill_attention_supported(), "prefill_attention needs a CPU with AVX-512");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 &&
+                  v_cache.sizes() == k_cache.sizes() && out.sizes() == q.sizes(),
+              "prefill_attention: q/out [T, H, D], k/v [T, KVH, D], caches [NB, BS, KVH, D]");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "prefill_attention is CPU only");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
+  TORCH_CHECK(D % 16 == 0 && k.size(2) == D && k_cache.size(3) == D && k_cache.size(2) == KVH && H % KVH == 0 &&
+                  k.size(0) == T, "prefill_attention: head_dim a multiple of 16, heads a multiple of kv_heads");
+  for (const auto* t : {&q, &k, &v, &out})
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == D && t->scalar_type() == q.scalar_type(),
+                "prefill_attention: q, k, v, out of one dtype, heads and dimensions contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "prefill_attention: contiguous caches of one dtype");
+  const bool quantized = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(quantized == (k_scales.has_value() && v_scales.has_value()),
+              "k_scales and v_scales are given exactly when the cache is int8");
+  if (quantized)
+    for (const auto& sc : {*k_scales, *v_scales})
+      TORCH_CHECK(sc.scalar_type() == at::kFloat && sc.is_contiguous() &&
+                      sc.numel() == k_cache.size(0) * k_cache.size(1) * KVH,
+                  "scales must be contiguous float32 [num_blocks, block_size, kv_heads]");
+  TORCH_CHECK(spans.scalar_type() == at::kLong && spans.dim() == 2 && spans.size(1) == 4 && spans.is_contiguous() &&
+                  slots.scalar_type() == at::kLong && slots.is_contiguous(),
+              "prefill_attention: spans int64 [S, 4], slots int64");
+  const int64_t* sp = spans.data_ptr<int64_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t n_slots = k_cache.size(0) * k_cache.size(1);
+  std::vector<Span> list;
+  for (int64_t s = 0; s < spans.size(0); ++s) {
+    const int64_t q_start = sp[s * 4], q_len = sp[s * 4 + 1], cached = sp[s * 4 + 2], offset = sp[s * 4 + 3];
+    TORCH_CHECK(q_start >= 0 && q_len >= 0 && q_start + q_len <= T && cached >= 0 && offset >= 0 &&
+                    offset + cached + q_len <= slots.numel(), "prefill_attention: span ", s, " out of range");
+    const bool fresh = cached == 0 && (window <= 0 || q_len <= window);
+    if (!fresh)
+      for (int64_t j = 0; j < cached + q_len; ++j)
+        TORCH_CHECK(sl[offset + j] >= 0 && sl[offset + j] < n_slots, "prefill_attention: slot out of range");
+    list.push_back({q_start, q_len, cached, offset, !fresh});
+  }
+  auto with_model_type = [&](auto&& f) {
+    switch (q.scalar_type()) {
+      case at::kFloat: return f(float{});
+      case at::kBFloat16: return f(c10::BFloat16{});
+      case at::kHalf: return f(c10::Half{});
+      default: TORCH_CHECK(false, "prefill_attention supports float32, bfloat16 and float16, not ", q.scalar_type());
+    }
+  };
+  const float* ks = quantized ? k_scales->data_ptr<float>() : nullptr;
+  const float* vs = quantized ? v_scales->data_ptr<float>() : nullptr;
+  with_model_type([&](auto q_tag) {
+    using q_t = decltype(q_tag);
+    switch (k_cache.scalar_type()) {
+      case at::kChar: return prefill_impl<q_t, int8_t>(q, k, v, k_cache, v_cache, ks, vs, list, sl, scale, window, out);
+      case at::kFloat: return prefill_impl<q_t, float>(q, k, v, k_cache, v_cache, ks, vs, list, sl, scale, window, out);
+      case at::kBFloat16:
+        return prefill_impl<q_t, c10::BFloat16>(q, k, v, k_cache, v_cache, ks, vs, list, sl, scale, window, out);
+      case at::kHalf:
+        return prefill_impl<q_t, c10::Half>(q, k, v, k_cache, v_cache, ks, vs, list, sl, scale, window, out);
+      default: TORCH_CHECK(false, "prefill_attention: cache dtype ", k_cache.scalar_type(), " not supported");
+    }
+  });
+}

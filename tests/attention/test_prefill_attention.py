@@ -1,0 +1,112 @@
+"""The native prefill attention kernel (csrc/prefill_attention.cpp) against the torch reference (one SDPA call per
+span): fresh prompts (this step's K/V), later chunks and prefix hits (the cache), windows, GQA, every cache dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve.attention import native
+from llmserve.attention.metadata import AttentionMetadata, SeqSpec, build_attention_metadata
+from llmserve.attention.torch_backend import prefill_attention, quantize_int8, write_kv
+
+pytestmark = pytest.mark.skipif(not native.prefill_attention_usable(),
+                                reason="native prefill attention needs the extension and a CPU with AVX-512")
+
+
+def _case(spans: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int, block_size: int,
+          dtype: torch.dtype, cache_dtype: torch.dtype | str, seed: int = 0, decodes: int = 0,
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, AttentionMetadata]:
+    """spans: (num_cached, q_len) per prefill, after `decodes` single-token requests. q/k/v are views of one fused
+    [T, (heads + 2 kv_heads) * D] output (strided rows, as in the model); the cache holds random earlier context and
+    this step's K/V written as the engine writes them; blocks in random order, spare blocks full of garbage."""
+    g = torch.Generator().manual_seed(seed)
+    seqs_shape = [(9, 1)] * decodes + spans
+    need = [-(-(c + n) // block_size) for c, n in seqs_shape]
+    num_blocks = sum(need) + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    seqs, used = [], 0
+    for (c, n), b in zip(seqs_shape, need):
+        seqs.append(SeqSpec(num_cached=c, num_new=n, block_table=perm[used:used + b]))
+        used += b
+    meta = build_attention_metadata(seqs, block_size, torch.device("cpu"))
+    T = sum(n for _, n in seqs_shape)
+    qkv = (torch.randn(T, (heads + 2 * kv_heads) * head_dim, generator=g) * 2).to(dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (x.view(T, -1, head_dim) for x in (q, k, v))
+    shape = (2, num_blocks, block_size, kv_heads, head_dim)
+    if cache_dtype == "int8":
+        kv_cache, kv_scales = quantize_int8(torch.randn(shape, generator=g))
+    else:
+        kv_cache, kv_scales = (torch.randn(shape, generator=g) * 2).to(cache_dtype), None
+    write_kv(kv_cache, k, v, meta.slot_mapping, kv_scales)
+    return q, k, v, kv_cache, kv_scales, meta
+
+
+def _both(q, k, v, kv_cache, kv_scales, meta, scale, window) -> tuple[torch.Tensor, torch.Tensor]:
+    nd = meta.num_decodes
+    want = torch.zeros_like(q)
+    prefill_attention(q, k, v, kv_cache, kv_scales, meta, scale, window, want)
+    got = torch.zeros_like(q)
+    spans, slots = meta.prefill_arrays()
+    native.prefill_attention(q, k, v, kv_cache, kv_scales, spans, slots, scale, window, got)
+    assert torch.equal(got[:nd], torch.zeros_like(got[:nd]))  # decode rows are not the prefill's to write
+    return got[nd:].float(), want[nd:].float()
+
+
+# a fresh prompt of every tile shape (1, 15, 16, 17, 64, 65, 200 tokens: 16-token query tiles, 64-key blocks), a
+# chunk after cached context, a prefix hit of one token, and a long cached context
+SPANS = [(0, 1), (0, 15), (0, 16), (0, 17), (0, 64), (0, 65), (0, 200), (37, 20), (100, 1 + 1), (1, 70), (300, 45)]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 2), (14, 2)])  # GQA 1, 3, 4, 7 (7: 3 + 3 + 1 vectors)
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 128])
+@pytest.mark.parametrize("window", [None, 1, 17, 100])
+def test_matches_reference_fp32(heads: int, kv_heads: int, head_dim: int, window: int | None) -> None:
+    case = _case(SPANS, heads, kv_heads, head_dim, 16, torch.float32, torch.float32, seed=heads + head_dim, decodes=2)
+    got, want = _both(*case, scale=head_dim ** -0.5, window=window)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.float32, "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [8, 64])
+def test_matches_reference_across_dtypes(dtype: torch.dtype, cache_dtype, block_size: int) -> None:
+    # bf16 rows: the reference widens to fp32 too (this CPU has no AMX) and both round the output once to bf16;
+    # only the summation order differs, so a few outputs may land one bf16 ulp apart
+    case = _case(SPANS, 9, 3, 64, block_size, dtype, cache_dtype, seed=block_size)
+    got, want = _both(*case, scale=0.125, window=None)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    else:
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+        assert (got != want).float().mean() < 0.01
+
+
+def test_fresh_prompt_reads_this_steps_rows_not_the_cache() -> None:
+    # An int8 cache rounds K/V; a fresh prompt attends over the unrounded rows (the reference's rule), a later
+    # chunk over the cache. Garbage in the cache slots of a fresh prompt must not matter.
+    q, k, v, kv_cache, kv_scales, meta = _case([(0, 40)], 9, 3, 64, 16, torch.float32, "int8")
+    kv_cache.random_(-127, 127)
+    got, want = _both(q, k, v, kv_cache, kv_scales, meta, 0.125, None)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    # the same prompt with a window shorter than it is read from the cache, as the reference does
+    got, want = _both(q, k, v, kv_cache, kv_scales, meta, 0.125, 10)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_bad_input_is_refused() -> None:
+    q, k, v, kv_cache, kv_scales, meta = _case([(5, 10)], 9, 3, 64, 16, torch.float32, torch.float32)
+    spans, slots = meta.prefill_arrays()
+    out = torch.empty_like(q)
+    with pytest.raises(RuntimeError, match="out of range"):
+        native.prefill_attention(q, k, v, kv_cache, None, spans, slots[:-1], 0.125, None, out)
+    bad = slots.clone()
+    bad[3] = kv_cache.shape[1] * kv_cache.shape[2]
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        native.prefill_attention(q, k, v, kv_cache, None, spans, bad, 0.125, None, out)
+    with pytest.raises(RuntimeError, match="exactly when the cache is int8"):
+        native.prefill_attention(q, k, v, kv_cache, kv_cache[:, :, :, :, 0].float(), spans, slots, 0.125, None, out)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        native.prefill_attention(q[..., :40], k[..., :40], v[..., :40], kv_cache[..., :40].contiguous(), None, spans,
+                                 slots, 0.125, None, out[..., :40])
