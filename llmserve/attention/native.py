@@ -1,7 +1,7 @@
 """The C++ CPU kernels, compiled lazily on first use: the paged decode kernel (csrc/paged_decode.cpp),
 the fused rotary / add+RMSNorm ops of the decoder layer (csrc/fused_ops.cpp), the int8 weight-only
 linear for decode batches (csrc/int8_linear.cpp), the int8-activation linear (csrc/w8a8_linear.cpp),
-the bf16 linear for decode batches (csrc/bf16_linear.cpp), the int8 KV-cache writer (csrc/kv_int8.cpp) and
+the bf16 GEMM for CPUs without AMX (csrc/bf16_gemm.cpp), the int8 KV-cache writer (csrc/kv_int8.cpp) and
 prefill attention (csrc/prefill_attention.cpp), one extension.
 
 Compiling takes tens of seconds, so it never happens at import: `load()` builds on first call
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_decode.cpp", "fused_ops.cpp", "int8_linear.cpp", "w8a8_linear.cpp",
-                         "bf16_linear.cpp", "kv_int8.cpp", "prefill_attention.cpp")]
+                         "bf16_gemm.cpp", "kv_int8.cpp", "prefill_attention.cpp")]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed = False
@@ -191,13 +191,19 @@ def w8a8_usable() -> bool:
     return load() is not None and _module.w8a8_linear_supported()
 
 
-def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] bf16 @ weight [N, K] bf16 (contiguous) ^T (+ bias) -> [M, N] bf16, fp32 sums; for few rows.
-    Needs bf16_linear_usable()."""
-    return _module.bf16_linear(x, weight, bias)
+def bf16_pack(weight: torch.Tensor) -> torch.Tensor:
+    """bf16 [N, K] weight -> the block layout bf16_gemm reads: [ceil(N/16), ceil(K/2), 16, 2] bf16, for each 16
+    output rows the columns in pairs (zero padded). Needs bf16_gemm_usable()."""
+    return _module.bf16_pack(weight)
+
+
+def bf16_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] bf16 @ the weight [n, K] (packed by bf16_pack) ^T (+ bias) -> [M, n] bf16: fp32 FMAs on the widened
+    weights, each output summed over k in order. Needs bf16_gemm_usable()."""
+    return _module.bf16_gemm(x, packed, n, bias)
 
 
 @functools.cache
-def bf16_linear_usable() -> bool:
-    """Whether the bf16 matrix-vector kernel runs here: the extension builds and the CPU has AVX512-BF16."""
-    return load() is not None and _module.bf16_linear_supported()
+def bf16_gemm_usable() -> bool:
+    """Whether the bf16 GEMM runs here: the extension builds and the CPU has AVX-512."""
+    return load() is not None and _module.bf16_gemm_supported()

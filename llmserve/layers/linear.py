@@ -62,30 +62,38 @@ class Linear(nn.Module):
         self.scale: torch.Tensor | None = None  # fp32 [out]: weight ~= qweight * scale[:, None]
         self.wsum: torch.Tensor | None = None  # int32 [out]: row sums of the int8 weight, for int8 activations (w8a8)
         self.w8a8_packed: torch.Tensor | None = None  # w8a8: the int8 weight in the kernel's block layout (no qweight)
+        self.bf16_packed: torch.Tensor | None = None  # bf16 on AVX-512 without AMX: csrc/bf16_gemm.cpp's layout (only)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.wsum is not None:
             y = native.w8a8_linear(x.reshape(-1, self.in_features), self.w8a8_packed, self.scale, self.wsum, self.bias)
             return y.reshape(*x.shape[:-1], self.out_features)
+        if self.bf16_packed is not None:
+            y = native.bf16_gemm(x.reshape(-1, self.in_features), self.bf16_packed, self.out_features, self.bias)
+            return y.reshape(*x.shape[:-1], self.out_features)
         if self.qweight is not None:
             return int8_linear(x, self.qweight, self.scale, self.bias)
         if self.packed is not None:
-            if self.weight is not None and x.dim() == 2:
-                if x.shape[0] >= FP32_COMPUTE_MIN_ROWS:
-                    return fp32_linear(x, self.weight, self.bias)
-                if bf16_gemv_ok(x, self.weight):
-                    return native.bf16_linear(x, self.weight, self.bias)
+            if self.weight is not None and x.dim() == 2 and x.shape[0] >= FP32_COMPUTE_MIN_ROWS:
+                return fp32_linear(x, self.weight, self.bias)
             return onednn_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def pack_for_cpu(self) -> None:
-        """Add a oneDNN-blocked copy of the weight. The plain one is freed, except for bf16 weights on a CPU
-        whose bf16 matmuls are slower than fp32 (no AMX): large matmuls widen it to fp32 (+50% of weight
-        memory: bf16 held twice). Int8 layers stay as they are."""
-        if self.weight is not None:
-            self.packed = pack_weight(self.weight)
-            if not (self.weight.dtype == torch.bfloat16 and fp32_compute_for_bf16()):
-                self.weight = None
+        """Pack the weight for the CPU's fastest matmul; the plain one is freed. bf16 on a CPU with AVX-512 and no
+        AMX: csrc/bf16_gemm.cpp's block layout, for every batch size (fp32 FMAs on bf16 weights, see
+        bf16_gemm_ok). Otherwise a oneDNN-blocked copy; for bf16 on a CPU without AMX whose native kernels did not
+        build, the plain weight stays too, for large matmuls widened to fp32 (FP32_COMPUTE_MIN_ROWS). Int8 layers
+        stay as they are."""
+        if self.weight is None:
+            return
+        if bf16_gemm_ok(self.weight):
+            self.bf16_packed = native.bf16_pack(self.weight)
+            self.weight = None
+            return
+        self.packed = pack_weight(self.weight)
+        if not (self.weight.dtype == torch.bfloat16 and fp32_compute_for_bf16()):
+            self.weight = None
 
     def quantize_int8(self) -> None:
         """Replace the weight by int8 with one symmetric fp32 scale per output row (the plain one is freed)."""
@@ -119,20 +127,18 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
-# A bf16 matmul of at most this many rows runs in csrc/bf16_linear.cpp on the plain weight, where the CPU has
-# AVX512-BF16 and the plain weight is kept (see pack_for_cpu). Measured over SmolLM2-135M's decoder linears and
-# LM head (2-core AVX512-BF16 Xeon, interleaved, ms per token): M = 1: 10.9-14.1 vs oneDNN 15.1-23.0; M = 2:
-# 12.8-16.7 vs 16.7-19.6; M = 4: 18.0-22.3 vs 22.9-24.2.
-BF16_GEMV_MAX_ROWS = 4
+def bf16_gemm_ok(weight: torch.Tensor) -> bool:
+    """Whether a bf16 weight runs in csrc/bf16_gemm.cpp: a CPU with AVX-512 and no AMX (fp32_compute_for_bf16),
+    the extension built. There it beats oneDNN's bf16 matmul and the fp32-widened one at every batch size
+    (SmolLM2-135M's 30 decoders, 2-core AVX512-BF16 Xeon, best of 5 interleaved, ms: M = 1: 10.7 vs 10.1 (the
+    former matrix-vector kernel; memory-bound); 4: 11.9 vs 16.3; 16: 23.0 vs 36.2; 64: 71.9 vs 111.5; 95: 98
+    vs 150; 128: 106 vs 130 (fp32); 512: 416 vs 434), and keeps one bf16 copy where those kept two."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and fp32_compute_for_bf16()
+            and native.bf16_gemm_usable())
 
 
-def bf16_gemv_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x @ weight.T runs in the bf16 matrix-vector kernel (x 2-d)."""
-    return (x.shape[0] <= BF16_GEMV_MAX_ROWS and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
-            and x.device.type == "cpu" and native.bf16_linear_usable())
-
-
-# A bf16 matmul of at least this many rows runs in fp32 on CPUs without AMX (fp32_compute_for_bf16);
+# Without the native kernels (bf16_gemm_ok false), a bf16 matmul of at least this many rows runs in fp32 on CPUs
+# without AMX (fp32_compute_for_bf16);
 # widening the weight costs about one read of it. Measured over a SmolLM2-135M decoder's linears, 2 cores,
 # AVX512-BF16 Xeon: bf16 (blocked) vs fp32 widened, ms per forward: M = 64: 91 vs 88-107 (a wash);
 # M = 96: 177 vs 127; M = 128: 172-177 vs 125-139; M = 512: 653 vs 414; M = 2048: 2,580 vs 1,570.

@@ -1,5 +1,5 @@
-"""The dense Linear's CPU paths: oneDNN-blocked weights, and bf16 matmuls widened to fp32 from
-FP32_COMPUTE_MIN_ROWS rows on CPUs without AMX; the bf16 LM head's fp32 copy for batches."""
+"""The dense Linear's CPU paths without the native bf16 GEMM (tests/attention/test_bf16_gemm.py has that one):
+oneDNN-blocked weights, and bf16 matmuls widened to fp32 from FP32_COMPUTE_MIN_ROWS rows on CPUs without AMX."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from llmserve import cpu_features
-from llmserve.layers import embedding as emb
+from llmserve.attention import native
 from llmserve.layers import linear as lin
-from llmserve.layers.embedding import VocabEmbedding
 from llmserve.layers.linear import Linear
 
 
@@ -24,7 +23,10 @@ def _bf16_layer(bias: bool) -> Linear:
 
 @pytest.fixture
 def fp32_policy(monkeypatch: pytest.MonkeyPatch):
-    """Set the fp32-compute policy for one test (it is cached per process)."""
+    """Set the fp32-compute policy for one test (it is cached per process), with the native bf16 GEMM unavailable
+    (as where the extension does not build): the paths under test are the fallbacks."""
+    monkeypatch.setattr(native, "bf16_gemm_usable", lambda: False)
+
     def set_policy(on: bool) -> None:
         monkeypatch.setenv("LLMSERVE_BF16_FP32_COMPUTE", "1" if on else "0")
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
@@ -73,36 +75,3 @@ def test_policy_follows_amx(monkeypatch: pytest.MonkeyPatch) -> None:
         cpu_features.fp32_compute_for_bf16.cache_clear()
         assert cpu_features.fp32_compute_for_bf16() is expected
     cpu_features.fp32_compute_for_bf16.cache_clear()
-
-
-@pytest.mark.skipif(not lin.onednn_available(torch.device("cpu"), torch.bfloat16), reason="needs oneDNN bf16")
-@pytest.mark.parametrize("rows", [1, emb.LM_HEAD_FP32_MIN_ROWS - 1, emb.LM_HEAD_FP32_MIN_ROWS, 130])
-def test_bf16_lm_head_keeps_an_fp32_copy_for_batches(fp32_policy, rows: int) -> None:
-    fp32_policy(True)
-    head = VocabEmbedding(300, 64)
-    head.weight.data = torch.randn(300, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
-    w = head.weight.detach().float()
-    head.pack_for_cpu(keep_plain=False)
-    assert head.packed is not None and head.packed32 is not None and head.weight is None
-    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
-    got = head.logits(x)
-    assert got.dtype == torch.float32 and got.shape == (rows, 300)
-    want = x.float() @ w.T
-    # either path: exact products, fp32 sums, rounded once to bf16 (the bf16 path's own output dtype)
-    assert torch.equal(got, got.bfloat16().float())
-    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
-    if rows >= emb.LM_HEAD_FP32_MIN_ROWS:
-        assert torch.equal(got, torch.nn.functional.linear(x.float(), w).bfloat16().float())
-
-
-def test_lm_head_fp32_copy_only_with_the_policy_and_within_its_budget(fp32_policy, monkeypatch) -> None:
-    def packed(policy: bool, dtype: torch.dtype = torch.bfloat16) -> bool:
-        fp32_policy(policy)
-        head = VocabEmbedding(300, 64)
-        head.weight.data = torch.randn(300, 64).to(dtype)
-        head.pack_for_cpu(keep_plain=True)
-        return head.packed32 is not None
-
-    assert packed(True) and not packed(False) and not packed(True, torch.float32)
-    monkeypatch.setattr(emb, "LM_HEAD_FP32_MAX_BYTES", 300 * 64 * 4 - 1)
-    assert not packed(True)

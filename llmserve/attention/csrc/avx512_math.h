@@ -75,49 +75,7 @@ LLMSERVE_AVX512 inline void storeu16(c10::BFloat16* p, __m512 v, __mmask16 m) {
 
 inline __mmask16 tail_mask16(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
 
-// Matrix-vector kernels (w8a8_linear.cpp, bf16_linear.cpp) prefetch their weight rows this far ahead: the rows
+// The int8 weight-only matrix-vector kernel (int8_linear.cpp) prefetches its weight rows this far ahead: the rows
 // are short (hidden sizes of a few KB), so the hardware streamers stop at every row end; 8 KB ahead measured
 // 1.3-1.7x over none at one row.
 constexpr int64_t kGemvPrefetchBytes = 8192;
-
-// The matrix-vector kernels' work split: threads take blocks of 16 output rows, each thread streaming its own
-// contiguous slice of the weights once, and each block takes x's rows in pairs, then a last single row (the
-// second pass over the same 16 weight rows hits L1). block(pair, i, n0, rows): x's row i (and i + 1 if pair)
-// against output rows n0 .. n0 + rows.
-template <typename Block>
-inline void for_each_gemv_block(int64_t M, int64_t N, const Block& block) {
-  at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t n0 = blk * 16, rows = std::min<int64_t>(16, N - n0);
-      int64_t i = 0;
-      for (; i + 2 <= M; i += 2) block(true, i, n0, rows);
-      if (i < M) block(false, i, n0, rows);
-    }
-  });
-}
-
-// Transpose-and-add: lane r of the result is the sum of the 16 lanes of a[r] (matrix-vector kernels keep one
-// accumulator per output row and reduce 16 of them at once). Add: the lane-wise sum, a functor (a lambda
-// would not inherit the target attribute).
-template <typename Add>
-LLMSERVE_AVX512 inline __m512i sum_lanes16(const __m512i a[16], Add add) {
-  __m512i b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i)  // per 128-bit block: [a0+a2, a'0+a'2, a1+a3, a'1+a'3]
-    b[i] = add(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // per 128-bit block: one partial sum for each of 4 rows
-    c[i] = add(_mm512_unpacklo_epi64(b[2 * i], b[2 * i + 1]), _mm512_unpackhi_epi64(b[2 * i], b[2 * i + 1]));
-  for (int i = 0; i < 2; ++i)
-    d[i] = add(_mm512_shuffle_i32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-               _mm512_shuffle_i32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return add(_mm512_shuffle_i32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
-             _mm512_shuffle_i32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-struct AddEpi32 {
-  LLMSERVE_AVX512 __m512i operator()(__m512i a, __m512i b) const { return _mm512_add_epi32(a, b); }
-};
-struct AddPs {  // fp32 lanes carried in integer registers
-  LLMSERVE_AVX512 __m512i operator()(__m512i a, __m512i b) const {
-    return _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b)));
-  }
-};

@@ -621,9 +621,10 @@ bool w8a8_linear_supported();
 torch::Tensor w8a8_pack(torch::Tensor qweight);
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, torch::Tensor wsum,
                           c10::optional<torch::Tensor> bias);
-// bf16_linear.cpp
-bool bf16_linear_supported();
-torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+// bf16_gemm.cpp
+bool bf16_gemm_supported();
+torch::Tensor bf16_pack(torch::Tensor weight);
+torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias);
 // int8_linear.cpp
 bool int8_linear_supported();
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale,
@@ -644,14 +645,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "(x @ Wq^T) * scale (+ bias), int8 weights, small M (CPU, AVX-512)",
         py::arg("x"), py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none(),
         py::arg("allow_vnni") = true);
-  m.def("bf16_linear_supported", &bf16_linear_supported, "whether this CPU runs bf16_linear (AVX-512 with BF16)");
-  m.def("bf16_linear", &bf16_linear, "x @ W^T (+ bias) in bf16 for few rows, fp32 sums (CPU, AVX512-BF16)",
-        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("w8a8_linear_supported", &w8a8_linear_supported, "whether this CPU runs w8a8_linear (AVX-512 with VNNI)");
   m.def("prefill_attention_supported", &prefill_attention_supported, "whether prefill_attention runs here (AVX-512)");
   m.def("prefill_attention", &prefill_attention, "causal prefill attention of every span of a step (CPU, AVX-512)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scales"),
         py::arg("v_scales"), py::arg("spans"), py::arg("slots"), py::arg("scale"), py::arg("window"), py::arg("out"));
+  m.def("bf16_gemm_supported", &bf16_gemm_supported, "whether bf16_gemm runs here (AVX-512)");
+  m.def("bf16_pack", &bf16_pack, "bf16 [N, K] weight -> the block layout bf16_gemm reads");
+  m.def("bf16_gemm", &bf16_gemm, "x @ W^T (+ bias), bf16 weights packed, fp32 FMAs (CPU, AVX-512)", py::arg("x"),
+        py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
   m.def("w8a8_pack", &w8a8_pack, "int8 [N, K] weight -> the VNNI block layout w8a8_linear reads");
   m.def("w8a8_linear", &w8a8_linear, "int8 weights (packed) x int8 per-row activations, VNNI GEMM (CPU)",
         py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("wsum"), py::arg("bias") = py::none());

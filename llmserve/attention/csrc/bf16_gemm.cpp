@@ -1,0 +1,169 @@
+// bf16 linear on CPU without AMX: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), bf16 in and out, fp32 products and sums,
+// over a weight packed once at load (bf16_pack): per block of 16 output rows, the columns in pairs,
+// [N/16][K/2][16][2]. One 64-byte load holds 2 columns of 16 outputs; a shift and a mask widen them to two fp32
+// vectors (bf16 is the top half of fp32), each multiplied by one element of a row of x broadcast to every lane,
+// so the 16 sums land in the lanes they belong to (no horizontal sums), and every block is one contiguous stream.
+// A register tile is 6 rows of x by 4 blocks (24 accumulators).
+//
+// Why: on a CPU with AVX512-BF16 but no AMX, vdpbf16ps runs at half the rate of fp32 FMAs, so bf16 GEMMs (oneDNN's
+// included) top out near half the fp32 peak; widening in registers and using FMAs keeps the weight in bf16 (half
+// the bytes of fp32) and the arithmetic at FMA speed. Products of bf16 values are exact in fp32 and each output is
+// summed over k in order, so a row's result does not depend on the other rows of the batch.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "avx512_math.h"  // LLMSERVE_AVX512, storeu16, tail_mask16
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kBlockRows = 16;   // outputs per packed block
+constexpr int kTileRows = 6;
+constexpr int kTileBlocks = 4;
+constexpr int64_t kChunkRows = 240;  // rows of x per work unit at most
+
+// y[i0 : i0 + MR, n0 : n0 + NR * 16] for one register tile: MR rows of fp32 x (K2 pairs each, ldx apart), NR packed
+// blocks (K2 pairs of [16 rows][2] bf16 each, block_elems apart).
+// no-tree-pre: GCC 12 otherwise keeps the accumulators on the stack (see w8a8_linear.cpp).
+template <int MR, int NR>
+LLMSERVE_AVX512 __attribute__((optimize("no-tree-pre"))) void tile(const float* x, int64_t ldx, int64_t K2,
+                                                                 const uint16_t* w, int64_t block_elems, int64_t i0,
+                                                                 int64_t n0, int64_t N, const float* bias,
+                                                                 c10::BFloat16* y) {
+  __m512 acc[MR][NR];
+  _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i)
+    _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t g = 0; g < K2; ++g) {
+    // column 2g: the low bf16 of each 32-bit pair, shifted up; column 2g + 1: the high one, masked
+    __m512 wv[NR];
+    _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j)
+      wv[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(w + j * block_elems + g * 32), 16));
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {
+      const __m512 b = _mm512_set1_ps(x[(i0 + i) * ldx + 2 * g]);
+      _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(b, wv[j], acc[i][j]);
+    }
+    _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j)
+      wv[j] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(w + j * block_elems + g * 32), high));
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {
+      const __m512 b = _mm512_set1_ps(x[(i0 + i) * ldx + 2 * g + 1]);
+      _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(b, wv[j], acc[i][j]);
+    }
+  }
+  _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) {
+    const int64_t n = n0 + j * kBlockRows;
+    const __mmask16 m = tail_mask16(N - n);
+    const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(m, bias + n) : _mm512_setzero_ps();
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {
+      const __m512 v = bias != nullptr ? _mm512_add_ps(acc[i][j], bv) : acc[i][j];
+      storeu16(y + (i0 + i) * N + n, v, m);
+    }
+  }
+}
+
+template <int MR>
+void tile_blocks(int nr, const float* x, int64_t ldx, int64_t K2, const uint16_t* w, int64_t be, int64_t i0,
+                 int64_t n0, int64_t N, const float* bias, c10::BFloat16* y) {
+  switch (nr) {
+    case 1: return tile<MR, 1>(x, ldx, K2, w, be, i0, n0, N, bias, y);
+    case 2: return tile<MR, 2>(x, ldx, K2, w, be, i0, n0, N, bias, y);
+    case 3: return tile<MR, 3>(x, ldx, K2, w, be, i0, n0, N, bias, y);
+    default: return tile<MR, kTileBlocks>(x, ldx, K2, w, be, i0, n0, N, bias, y);
+  }
+}
+
+void run_tile(int mr, int nr, const float* x, int64_t ldx, int64_t K2, const uint16_t* w, int64_t be, int64_t i0,
+              int64_t n0, int64_t N, const float* bias, c10::BFloat16* y) {
+  switch (mr) {
+    case 1: return tile_blocks<1>(nr, x, ldx, K2, w, be, i0, n0, N, bias, y);
+    case 2: return tile_blocks<2>(nr, x, ldx, K2, w, be, i0, n0, N, bias, y);
+    case 3: return tile_blocks<3>(nr, x, ldx, K2, w, be, i0, n0, N, bias, y);
+    case 4: return tile_blocks<4>(nr, x, ldx, K2, w, be, i0, n0, N, bias, y);
+    case 5: return tile_blocks<5>(nr, x, ldx, K2, w, be, i0, n0, N, bias, y);
+    default: return tile_blocks<kTileRows>(nr, x, ldx, K2, w, be, i0, n0, N, bias, y);
+  }
+}
+
+// rows of bf16 x -> fp32, K2 * 2 per row (the padding column 0)
+LLMSERVE_AVX512 void widen_rows(const c10::BFloat16* x, int64_t M, int64_t K, int64_t ld, float* out) {
+  for (int64_t i = 0; i < M; ++i) {
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 m = tail_mask16(K - k);
+      _mm512_mask_storeu_ps(out + i * ld + k, m, loadu16(x + i * K + k, m));
+    }
+    for (int64_t k = K; k < ld; ++k) out[i * ld + k] = 0.f;
+  }
+}
+
+}  // namespace
+
+bool bf16_gemm_supported() { return cpu_has_avx512(); }
+
+// weight [N, K] bf16 -> [ceil(N / 16), ceil(K / 2), 16, 2] bf16: per block of 16 output rows, the columns in pairs,
+// each pair holding its 2 elements of the 16 rows; zero past N and K.
+torch::Tensor bf16_pack(torch::Tensor weight) {
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.device().is_cpu(),
+              "bf16_pack: weight must be bf16 [N, K] on the CPU");
+  const auto w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), NB = (N + kBlockRows - 1) / kBlockRows, K2 = (K + 1) / 2;
+  auto packed = torch::zeros({NB, K2, kBlockRows, 2}, w.options());
+  const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
+  at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t r = 0; r < kBlockRows && b * kBlockRows + r < N; ++r)
+        for (int64_t k = 0; k < K; ++k)
+          dst[((b * K2 + k / 2) * kBlockRows + r) * 2 + k % 2] = src[(b * kBlockRows + r) * K + k];
+  });
+  return packed;
+}
+
+// x [M, K] bf16; packed: bf16_pack of the weight [N, K]; n: N; bias [N] (any float dtype) or None -> [M, N] bf16.
+torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(bf16_gemm_supported(), "bf16_gemm needs a CPU with AVX-512");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
+              "bf16_gemm: x must be bf16 [M, K] on the CPU");
+  const int64_t M = x.size(0), K = x.size(1), N = n;
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.is_contiguous() &&
+                  packed.size(2) == kBlockRows && packed.size(3) == 2,
+              "bf16_gemm: packed must be bf16_pack's contiguous bf16 [N / 16, K / 2, 16, 2]");
+  TORCH_CHECK(N > 0 && packed.size(0) == (N + kBlockRows - 1) / kBlockRows && packed.size(1) == (K + 1) / 2,
+              "bf16_gemm: packed weight ", packed.sizes(), " does not fit x's ", K, " columns and ", N, " outputs");
+  torch::Tensor b;
+  if (bias.has_value()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == N, "bf16_gemm: bias [N]");
+  }
+  const float* bp = bias.has_value() ? b.data_ptr<float>() : nullptr;
+  const auto xc = x.contiguous();
+  const int64_t NB = packed.size(0), K2 = packed.size(1), ld = K2 * 2;
+  auto xf = torch::empty({M, ld}, xc.options().dtype(at::kFloat));
+  float* xp = xf.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 32768 / ld), [&](int64_t begin, int64_t end) {
+    widen_rows(xc.data_ptr<at::BFloat16>() + begin * K, end - begin, K, ld, xp + begin * ld);
+  });
+  auto y = torch::empty({M, N}, xc.options());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const int64_t be = K2 * 32;  // elements per packed block
+  auto* yp = y.data_ptr<at::BFloat16>();
+  // work units: (chunk of rows of x, packed block), chunk-major, as w8a8_linear
+  const int64_t chunks = (M + kChunkRows - 1) / kChunkRows;
+  const int64_t rows = ((M + chunks - 1) / chunks + kTileRows - 1) / kTileRows * kTileRows;
+  at::parallel_for(0, chunks * NB, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end;) {
+      const int64_t c = u / NB, b0 = u % NB, b1 = std::min(NB, b0 + (end - u));
+      const int64_t m0 = c * rows, m1 = std::min(M, m0 + rows);
+      for (int64_t blk = b0; blk < b1; blk += kTileBlocks) {
+        const int nr = static_cast<int>(std::min<int64_t>(kTileBlocks, b1 - blk));
+        for (int64_t i = m0; i < m1; i += kTileRows)
+          run_tile(static_cast<int>(std::min<int64_t>(kTileRows, m1 - i)), nr, xp, ld, K2, wp + blk * be, be, i,
+                   blk * kBlockRows, N, bp, yp);
+      }
+      u += b1 - b0;
+    }
+  });
+  return y;
+}
