@@ -48,7 +48,8 @@ def test_pack_layout() -> None:
 
 
 def test_rows_do_not_depend_on_each_other() -> None:
-    """Each output is summed over k in order whatever tile computes it: a request's logits do not depend on its batch."""
+    """Each output is summed over k in order whatever tile computes it (300 rows: chunks of 150 on the widened path;
+    one row: registers only), so a request's logits do not depend on its batch."""
     g = torch.Generator().manual_seed(7)
     x, w = torch.randn(300, 300, generator=g).bfloat16(), torch.randn(50, 300, generator=g).bfloat16()
     packed = native.bf16_pack(w)
