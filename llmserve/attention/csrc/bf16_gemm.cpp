@@ -30,6 +30,21 @@ constexpr int64_t kChunkRows = 240;  // rows of x per work unit at most
 // hardware streamers stop at 4 KB pages). SmolLM2-135M's decoders and LM head at one row, median of 30:
 // 10.0-10.2 ms against 11.9-12.1 without.
 constexpr int64_t kPrefetchBytes = 1024;
+// A tile's sums (+ bias) rounded to bf16 into y[i0 : i0 + MR, n0 : n0 + NR * 16], columns below N.
+template <int MR, int NR>
+LLMSERVE_AVX512 __attribute__((always_inline)) inline void store_tile(const __m512 (&acc)[MR][NR], int64_t i0, int64_t n0,
+                                                                      int64_t N, const float* bias, c10::BFloat16* y) {
+  _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) {
+    const int64_t n = n0 + j * kBlockRows;
+    const __mmask16 m = tail_mask16(N - n);
+    const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(m, bias + n) : _mm512_setzero_ps();
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {
+      const __m512 v = bias != nullptr ? _mm512_add_ps(acc[i][j], bv) : acc[i][j];
+      storeu16(y + (i0 + i) * N + n, v, m);
+    }
+  }
+}
+
 // y[i0 : i0 + MR, n0 : n0 + NR * 16] for one register tile: MR rows of fp32 x (K2 pairs each, ldx apart), NR packed
 // blocks (K2 pairs of [16 rows][2] bf16 each, block_elems apart).
 // no-tree-pre: GCC 12 otherwise keeps the accumulators on the stack (see w8a8_linear.cpp).
@@ -61,15 +76,7 @@ LLMSERVE_AVX512 __attribute__((optimize("no-tree-pre"))) void tile(const float* 
       _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(b, wv[j], acc[i][j]);
     }
   }
-  _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) {
-    const int64_t n = n0 + j * kBlockRows;
-    const __mmask16 m = tail_mask16(N - n);
-    const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(m, bias + n) : _mm512_setzero_ps();
-    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {
-      const __m512 v = bias != nullptr ? _mm512_add_ps(acc[i][j], bv) : acc[i][j];
-      storeu16(y + (i0 + i) * N + n, v, m);
-    }
-  }
+  store_tile<MR, NR>(acc, i0, n0, N, bias, y);
 }
 
 template <int MR>
@@ -123,15 +130,7 @@ LLMSERVE_AVX512 __attribute__((optimize("no-tree-pre"))) void tile_wide(
         _mm512_storeu_ps(acc_rows + i * kAccStride + j * kBlockRows, acc[i][j]);
     return;
   }
-  _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) {
-    const int64_t n = n0 + j * kBlockRows;
-    const __mmask16 m = tail_mask16(N - n);
-    const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(m, bias + n) : _mm512_setzero_ps();
-    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {
-      const __m512 v = bias != nullptr ? _mm512_add_ps(acc[i][j], bv) : acc[i][j];
-      storeu16(y + (i0 + i) * N + n, v, m);
-    }
-  }
+  store_tile<MR, NR>(acc, i0, n0, N, bias, y);
 }
 
 template <int MR>
