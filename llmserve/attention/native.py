@@ -138,6 +138,13 @@ def write_kv_int8(kv_cache: torch.Tensor, kv_scales: torch.Tensor, k: torch.Tens
     _module.write_kv_int8(k, v, kv_cache[0], kv_cache[1], kv_scales[0], kv_scales[1], slot_mapping)
 
 
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Copy k, v [T, kv_heads, head_dim] into a 16- or 32-bit cache at slot_mapping [T], converted to its dtype as
+    .to() does (one call for K and V instead of two index_copy_). Needs load()."""
+    assert _module is not None, "call load() first"
+    _module.write_kv(k, v, kv_cache[0], kv_cache[1], slot_mapping)
+
+
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """x: [T, heads, D] (rows may be strided), rotated in place; cos/sin: [T, D/2] in x's dtype. Needs load()."""
     assert _module is not None, "call load() first"

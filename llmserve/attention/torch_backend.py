@@ -20,6 +20,9 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     """kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]; k, v: [T, kv_heads, head_dim]. The cache
     may be narrower than the model (kv_cache_dtype): K/V are rounded to it here, or quantized to int8 with
     one scale per token and head into kv_scales [2, num_blocks, block_size, kv_heads] (fp32)."""
+    if kv_scales is None and kv_cache.dtype != torch.int8 and registry.native_enabled(k) and k.stride(1) == k.shape[2]:
+        native.write_kv(kv_cache, k, v, slot_mapping)  # one call for K and V (same values as below)
+        return
     flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
     if kv_scales is None:
         flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))

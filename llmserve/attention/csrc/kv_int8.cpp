@@ -10,12 +10,15 @@
 //   k/v scales        [NB, BS, KVH]     fp32, contiguous
 //   slots             [T] int64
 // One call writes both K and V: a decode step would otherwise spend ~10 torch ops per layer on it.
+// write_kv, at the end, does the same for 16- and 32-bit caches (a copy, converted as torch's .to()).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <cstdint>
 
 #if defined(__AVX2__)
@@ -121,4 +124,64 @@ void write_kv_int8(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torc
     case at::kHalf: both(c10::Half{}); break;
     default: TORCH_CHECK(false, "write_kv_int8 supports float32, bfloat16 and float16 K/V, not ", k.scalar_type());
   }
+}
+
+// The 16- and 32-bit caches: K and V rows [T, kv_heads, head_dim] (heads contiguous, rows may be strided) copied into
+// their slots, converted to the cache's dtype as torch's .to() does (round to nearest even). Why: two index_copy_
+// calls per layer cost ~20 us each at a 36-token prompt and ~5 us at one token, most of it setup: 1.2 ms of a
+// 25 ms TTFT over 30 layers.
+namespace {
+
+template <typename S, typename C>
+void copy_rows(const torch::Tensor& x, torch::Tensor& cache, const int64_t* slots) {
+  const int64_t T_ = x.size(0), row = x.size(1) * x.size(2), tok_stride = x.stride(0);
+  const S* xp = x.data_ptr<S>();
+  C* cp = cache.data_ptr<C>();
+  at::parallel_for(0, T_, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const S* src = xp + t * tok_stride;
+      C* dst = cp + slots[t] * row;
+      if constexpr (std::is_same_v<S, C>) {
+        std::memcpy(dst, src, row * sizeof(C));
+      } else {
+        for (int64_t i = 0; i < row; ++i) dst[i] = static_cast<C>(static_cast<float>(src[i]));
+      }
+    }
+  });
+}
+
+template <typename F>
+void with_float_type(at::ScalarType t, const char* what, F&& f) {
+  switch (t) {
+    case at::kFloat: return f(float{});
+    case at::kBFloat16: return f(c10::BFloat16{});
+    case at::kHalf: return f(c10::Half{});
+    default: TORCH_CHECK(false, "write_kv: ", what, " must be float32, bfloat16 or float16, not ", t);
+  }
+}
+
+}  // namespace
+
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
+  for (const auto* x : {&k, &v})
+    TORCH_CHECK(x->dim() == 3 && x->stride(2) == 1 && x->stride(1) == x->size(2) && x->device().is_cpu(),
+                "write_kv: K/V must be CPU [T, kv_heads, head_dim] with heads and head_dim contiguous");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(), "write_kv: K and V differ in shape or dtype");
+  for (const auto* c : {&k_cache, &v_cache})
+    TORCH_CHECK(c->is_contiguous() && c->dim() == 4 && c->size(2) == k.size(1) && c->size(3) == k.size(2) &&
+                    c->scalar_type() == k_cache.scalar_type() && c->device().is_cpu(),
+                "write_kv: caches must be contiguous CPU [num_blocks, block_size, kv_heads, head_dim] of one dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == k.size(0),
+              "write_kv: one int64 slot per token");
+  slots = slots.contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < slots.size(0); ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " outside the cache (", num_slots, " slots)");
+  with_float_type(k.scalar_type(), "K/V", [&](auto s_tag) {
+    with_float_type(k_cache.scalar_type(), "the cache", [&](auto c_tag) {
+      copy_rows<decltype(s_tag), decltype(c_tag)>(k, k_cache, sp);
+      copy_rows<decltype(s_tag), decltype(c_tag)>(v, v_cache, sp);
+    });
+  });
 }

@@ -607,6 +607,7 @@ bool int8_kv_decode_supported() { return avx512_decode_supported(); }
 // kv_int8.cpp, linked into the same extension (one build).
 void write_kv_int8(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor k_scales, torch::Tensor v_scales, torch::Tensor slots);
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
 // fused_ops.cpp
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
@@ -639,6 +640,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "pairs and the longest context, at this thread count", py::arg("items"), py::arg("max_context"));
   m.def("int8_kv_decode_supported", &int8_kv_decode_supported, "whether paged_decode reads int8 caches here");
   m.def("write_kv_int8", &write_kv_int8, "quantize K/V rows to int8 (one scale per token and head) into the cache");
+  m.def("write_kv", &write_kv, "copy K/V rows into a 16- or 32-bit cache at their slots (converted as .to())");
   m.def("rotary_", &rotary_, "Rotary embedding in place on [T, heads, D] (CPU)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = weight * rms_norm(residual), in place (CPU)");
   m.def("int8_linear_supported", &int8_linear_supported, "whether this CPU runs int8_linear (AVX-512 F, BW, VL)");
