@@ -88,6 +88,17 @@ void write_impl(const torch::Tensor& x, torch::Tensor& cache, torch::Tensor& sca
   });
 }
 
+// slots (contiguous): one int64 per token, each a row of the cache [NB, BS, ...]; refused otherwise.
+const int64_t* checked_slots(const torch::Tensor& slots, int64_t tokens, const torch::Tensor& cache) {
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == tokens,
+              "one int64 slot per token");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t num_slots = cache.size(0) * cache.size(1);
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " outside the cache (", num_slots, " slots)");
+  return sp;
+}
+
 void check_side(const torch::Tensor& x, const torch::Tensor& cache, const torch::Tensor& scales) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "K/V must be [T, kv_heads, head_dim] with unit stride in head_dim");
   TORCH_CHECK(cache.scalar_type() == at::kChar && cache.is_contiguous() && cache.dim() == 4 &&
@@ -106,13 +117,8 @@ void write_kv_int8(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torc
   check_side(k, k_cache, k_scales);
   check_side(v, v_cache, v_scales);
   TORCH_CHECK(k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(), "K and V differ in shape or dtype");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == k.size(0),
-              "one int64 slot per token");
   slots = slots.contiguous();
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  for (int64_t t = 0; t < slots.size(0); ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " outside the cache (", num_slots, " slots)");
+  const int64_t* sp = checked_slots(slots, k.size(0), k_cache);
   auto both = [&](auto tag) {
     using T = decltype(tag);
     write_impl<T>(k, k_cache, k_scales, sp);
@@ -171,13 +177,8 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
     TORCH_CHECK(c->is_contiguous() && c->dim() == 4 && c->size(2) == k.size(1) && c->size(3) == k.size(2) &&
                     c->scalar_type() == k_cache.scalar_type() && c->device().is_cpu(),
                 "write_kv: caches must be contiguous CPU [num_blocks, block_size, kv_heads, head_dim] of one dtype");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == k.size(0),
-              "write_kv: one int64 slot per token");
   slots = slots.contiguous();
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  for (int64_t t = 0; t < slots.size(0); ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " outside the cache (", num_slots, " slots)");
+  const int64_t* sp = checked_slots(slots, k.size(0), k_cache);
   with_float_type(k.scalar_type(), "K/V", [&](auto s_tag) {
     with_float_type(k_cache.scalar_type(), "the cache", [&](auto c_tag) {
       copy_rows<decltype(s_tag), decltype(c_tag)>(k, k_cache, sp);
