@@ -40,6 +40,11 @@ def test_kernel_is_the_fp32_sum_rounded_to_bf16(rows: int, in_f: int, out_f: int
     torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-2)
 
 
+def test_no_rows() -> None:
+    got = native.bf16_gemm(torch.empty(0, 16).bfloat16(), native.bf16_pack(torch.randn(8, 16).bfloat16()), 8, None)
+    assert got.shape == (0, 8) and got.dtype == torch.bfloat16
+
+
 def test_pack_layout() -> None:
     w = torch.arange(20 * 5, dtype=torch.float32).reshape(20, 5).bfloat16()
     padded = torch.zeros(32, 6).bfloat16()

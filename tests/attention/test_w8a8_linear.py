@@ -71,6 +71,12 @@ def test_kernel_is_bit_exact_with_its_torch_arithmetic(dtype: torch.dtype, rows:
     assert torch.equal(got, reference(x, layer.qweight, layer.scale, layer.wsum, layer.bias))
 
 
+def test_no_rows() -> None:
+    layer = _layer(20, 40, bias=True)
+    got = native.w8a8_linear(torch.empty(0, 40), layer.w8a8_packed, layer.scale, layer.wsum, layer.bias)
+    assert got.shape == (0, 20) and got.dtype == torch.float32
+
+
 def test_wrong_packed_weight_is_refused() -> None:
     layer = _layer(20, 40, bias=False)
     x = torch.randn(2, 40)

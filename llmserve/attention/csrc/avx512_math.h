@@ -79,3 +79,27 @@ inline __mmask16 tail_mask16(int64_t left) { return left >= 16 ? __mmask16(0xFFF
 // are short (hidden sizes of a few KB), so the hardware streamers stop at every row end; 8 KB ahead measured
 // 1.3-1.7x over none at one row.
 constexpr int64_t kGemvPrefetchBytes = 8192;
+
+// The work split of the packed-weight GEMMs (w8a8_linear.cpp, bf16_gemm.cpp). The M rows of x are cut into balanced
+// chunks of at most max_rows (a multiple of tile_rows; a chunk's rows of x stay in L2), and the work units are
+// (chunk, packed block of 16 outputs), chunk-major: each thread takes a contiguous run of them, so at a few rows the
+// threads split the weights and with many rows the chunks. make_worker(rows) is called once per thread (rows: the
+// chunk size, for its scratch); the worker it returns gets (m0, m1, block, nr) for each group of nr <= tile_blocks
+// consecutive blocks of a chunk [m0, m1), so the group's weights stay in L1/L2 while the chunk's rows go past them.
+template <typename MakeWorker>
+inline void for_each_tile_group(int64_t M, int64_t NB, int64_t max_rows, int64_t tile_rows, int64_t tile_blocks,
+                                const MakeWorker& make_worker) {
+  if (M == 0 || NB == 0) return;
+  const int64_t even = (M + (M + max_rows - 1) / max_rows - 1) / ((M + max_rows - 1) / max_rows);
+  const int64_t rows = (even + tile_rows - 1) / tile_rows * tile_rows;
+  const int64_t chunks = (M + rows - 1) / rows;
+  at::parallel_for(0, chunks * NB, 1, [&](int64_t begin, int64_t end) {
+    auto worker = make_worker(rows);
+    for (int64_t u = begin; u < end;) {
+      const int64_t c = u / NB, b0 = u % NB, b1 = std::min(NB, b0 + (end - u));
+      const int64_t m0 = c * rows, m1 = std::min(M, m0 + rows);
+      for (int64_t b = b0; b < b1; b += tile_blocks) worker(m0, m1, b, static_cast<int>(std::min(tile_blocks, b1 - b)));
+      u += b1 - b0;
+    }
+  });
+}

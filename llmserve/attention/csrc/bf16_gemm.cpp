@@ -24,7 +24,8 @@ namespace {
 constexpr int64_t kBlockRows = 16;   // outputs per packed block
 constexpr int kTileRows = 6;
 constexpr int kTileBlocks = 4;
-constexpr int64_t kChunkRows = 240;  // rows of x per work unit at most
+constexpr int64_t kChunkRows = 240;  // rows of x per work unit at most (for_each_tile_group)
+constexpr int64_t kSerialElems = 32768;  // below this many elements widening x runs on one thread
 
 // Tiles of one or two rows of x are bound by streaming the weights: they prefetch each block this far ahead (the
 // hardware streamers stop at 4 KB pages). SmolLM2-135M's decoders and LM head at one row, median of 30:
@@ -231,42 +232,34 @@ torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::o
   const int64_t NB = packed.size(0), K2 = packed.size(1), ld = K2 * 2;
   auto xf = torch::empty({M, ld}, xc.options().dtype(at::kFloat));
   float* xp = xf.data_ptr<float>();
-  at::parallel_for(0, M, std::max<int64_t>(1, 32768 / ld), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, M, std::max<int64_t>(1, kSerialElems / ld), [&](int64_t begin, int64_t end) {
     widen_rows(xc.data_ptr<at::BFloat16>() + begin * K, end - begin, K, ld, xp + begin * ld);
   });
   auto y = torch::empty({M, N}, xc.options());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const int64_t be = K2 * 32;  // elements per packed block
   auto* yp = y.data_ptr<at::BFloat16>();
-  // work units: (chunk of rows of x, packed block), chunk-major, as w8a8_linear
-  const int64_t chunks = (M + kChunkRows - 1) / kChunkRows;
-  const int64_t rows = ((M + chunks - 1) / chunks + kTileRows - 1) / kTileRows * kTileRows;
-  at::parallel_for(0, chunks * NB, 1, [&](int64_t begin, int64_t end) {
+  for_each_tile_group(M, NB, kChunkRows, kTileRows, kTileBlocks, [&](int64_t rows) {
     // per thread: widened weights of a tile's blocks, and the chunk's partial sums between column chunks
-    std::vector<float> wf(rows >= kWideMinRows ? kTileBlocks * 2 * kWidePairs * kBlockRows : 0);
-    std::vector<float> acc(rows >= kWideMinRows ? rows * kAccStride : 0);
-    for (int64_t u = begin; u < end;) {
-      const int64_t c = u / NB, b0 = u % NB, b1 = std::min(NB, b0 + (end - u));
-      const int64_t m0 = c * rows, m1 = std::min(M, m0 + rows);
-      for (int64_t blk = b0; blk < b1; blk += kTileBlocks) {
-        const int nr = static_cast<int>(std::min<int64_t>(kTileBlocks, b1 - blk));
-        if (m1 - m0 < kWideMinRows) {  // widen in registers, each tile on its own
-          for (int64_t i = m0; i < m1; i += kTileRows)
-            run_tile(static_cast<int>(std::min<int64_t>(kTileRows, m1 - i)), nr, xp, ld, K2, wp + blk * be, be, i,
-                     blk * kBlockRows, N, bp, yp);
-          continue;
-        }
-        for (int64_t g0 = 0; g0 < K2; g0 += kWidePairs) {
-          const int64_t gn = std::min(kWidePairs, K2 - g0);
-          widen_blocks(wp + blk * be, be, nr, g0, gn, wf.data());
-          for (int64_t i = m0; i < m1; i += kTileRows)
-            run_tile_wide(static_cast<int>(std::min<int64_t>(kTileRows, m1 - i)), nr, xp, ld, 2 * g0, 2 * gn,
-                          wf.data(), 2 * gn * kBlockRows, i, acc.data() + (i - m0) * kAccStride, g0 == 0,
-                          g0 + gn >= K2, blk * kBlockRows, N, bp, yp);
-        }
+    const bool wide = rows >= kWideMinRows;
+    return [&, wf = std::vector<float>(wide ? kTileBlocks * 2 * kWidePairs * kBlockRows : 0),
+            acc = std::vector<float>(wide ? rows * kAccStride : 0)](int64_t m0, int64_t m1, int64_t blk,
+                                                                     int nr) mutable {
+      if (m1 - m0 < kWideMinRows) {  // widen in registers, each tile on its own
+        for (int64_t i = m0; i < m1; i += kTileRows)
+          run_tile(static_cast<int>(std::min<int64_t>(kTileRows, m1 - i)), nr, xp, ld, K2, wp + blk * be, be, i,
+                   blk * kBlockRows, N, bp, yp);
+        return;
       }
-      u += b1 - b0;
-    }
+      for (int64_t g0 = 0; g0 < K2; g0 += kWidePairs) {
+        const int64_t gn = std::min(kWidePairs, K2 - g0);
+        widen_blocks(wp + blk * be, be, nr, g0, gn, wf.data());
+        for (int64_t i = m0; i < m1; i += kTileRows)
+          run_tile_wide(static_cast<int>(std::min<int64_t>(kTileRows, m1 - i)), nr, xp, ld, 2 * g0, 2 * gn,
+                        wf.data(), 2 * gn * kBlockRows, i, acc.data() + (i - m0) * kAccStride, g0 == 0,
+                        g0 + gn >= K2, blk * kBlockRows, N, bp, yp);
+      }
+    };
   });
   return y;
 }

@@ -43,8 +43,7 @@ namespace {
 constexpr int64_t kBlockRows = 16;   // output rows (columns of y) per packed block: one zmm of int32 sums
 constexpr int kTileRows = 6;         // rows of x per register tile
 constexpr int kTileBlocks = 4;       // packed blocks per register tile (6 x 4 accumulators, 4 weights, 1 x)
-constexpr int64_t kChunkRows = 240;  // rows of x per work unit at most: its bytes stay in L2 while the
-                                     // thread's weights stream past it once
+constexpr int64_t kChunkRows = 240;  // rows of x per work unit at most (for_each_tile_group)
 // Tiles of one or two rows of x are bound by streaming the weights: they prefetch each block this far ahead (the
 // hardware streamers stop at 4 KB pages). SmolLM2-135M's decoders at one row, best of 30: 2.6-2.7 ms against
 // 2.8-3.0 without.
@@ -174,24 +173,12 @@ torch::Tensor w8a8_impl(const torch::Tensor& x, const torch::Tensor& packed, con
   const int8_t* wp = packed.data_ptr<int8_t>();
   const int64_t bb = G * 64;  // bytes per packed block
   T* yp = y.data_ptr<T>();
-  // Work units: (chunk of rows of x, packed block), chunk-major; each thread takes a contiguous run of them, so
-  // at a few rows the threads split the weights, and with many rows, the chunks. Within a run, a tile's 4
-  // blocks stay in L1/L2 while the chunk's rows go past them 6 at a time.
-  const int64_t chunks = (M + kChunkRows - 1) / kChunkRows;
-  const int64_t rows = ((M + chunks - 1) / chunks + kTileRows - 1) / kTileRows * kTileRows;  // balanced chunks
-  at::parallel_for(0, chunks * NB, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end;) {
-      const int64_t c = u / NB, b0 = u % NB, b1 = std::min(NB, b0 + (end - u));
-      const int64_t m0 = c * rows, m1 = std::min(M, m0 + rows);
-      for (int64_t b = b0; b < b1; b += kTileBlocks) {
-        const int nr = static_cast<int>(std::min<int64_t>(kTileBlocks, b1 - b));
-        for (int64_t i = m0; i < m1; i += kTileRows) {
-          const int mr = static_cast<int>(std::min<int64_t>(kTileRows, m1 - i));
-          run_tile<T>(mr, nr, qp, K4, G, wp + b * bb, bb, i, b * kBlockRows, N, e, yp);
-        }
-      }
-      u += b1 - b0;
-    }
+  for_each_tile_group(M, NB, kChunkRows, kTileRows, kTileBlocks, [&](int64_t) {
+    return [&](int64_t m0, int64_t m1, int64_t b, int nr) {
+      for (int64_t i = m0; i < m1; i += kTileRows)
+        run_tile<T>(static_cast<int>(std::min<int64_t>(kTileRows, m1 - i)), nr, qp, K4, G, wp + b * bb, bb, i,
+                    b * kBlockRows, N, e, yp);
+    };
   });
   return y;
 }
