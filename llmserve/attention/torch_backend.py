@@ -20,16 +20,17 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     """kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]; k, v: [T, kv_heads, head_dim]. The cache
     may be narrower than the model (kv_cache_dtype): K/V are rounded to it here, or quantized to int8 with
     one scale per token and head into kv_scales [2, num_blocks, block_size, kv_heads] (fp32)."""
-    if kv_scales is None and kv_cache.dtype != torch.int8 and registry.native_enabled(k) and k.stride(1) == k.shape[2]:
-        native.write_kv(kv_cache, k, v, slot_mapping)  # one call for K and V (same values as below)
-        return
+    if registry.native_enabled(k):  # one call for K and V, the same bytes as below
+        if kv_scales is not None:
+            native.write_kv_int8(kv_cache, kv_scales, k, v, slot_mapping)
+            return
+        if k.stride(1) == k.shape[2]:  # heads contiguous (views of the fused QKV output are)
+            native.write_kv(kv_cache, k, v, slot_mapping)
+            return
     flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
     if kv_scales is None:
         flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))
         flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
-        return
-    if registry.native_enabled(k):  # one call for K and V (same bytes as below)
-        native.write_kv_int8(kv_cache, kv_scales, k, v, slot_mapping)
         return
     flat_scales = kv_scales.view(2, -1, kv_scales.shape[-1])
     for i, x in enumerate((k, v)):
@@ -64,11 +65,16 @@ def paged_attention(
     sliding_window: int | None,
     kv_scales: torch.Tensor | None = None,  # [2, num_blocks, block_size, kv_heads] fp32 for an int8 cache
 ) -> torch.Tensor:  # [T, heads, head_dim]
-    out = torch.empty_like(q)
     nd = meta.num_decodes
+    decoded = None
     if nd:
         decode = registry.native_decode(q, kv_cache) or decode_attention
-        out[:nd] = decode(q[:nd], kv_cache, kv_scales, meta, scale, sliding_window)
+        decoded = decode(q[:nd], kv_cache, kv_scales, meta, scale, sliding_window)
+        if not meta.prefills:
+            return decoded  # a decode-only step: nothing else to fill in, no copy into a new output
+    out = torch.empty_like(q)
+    if decoded is not None:
+        out[:nd] = decoded
     if meta.prefills:
         if registry.native_prefill(q, k, kv_cache):
             spans, slots = meta.prefill_arrays()
