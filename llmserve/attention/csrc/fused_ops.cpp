@@ -15,6 +15,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "float_types.h"  // dispatch_float
+
 #include "avx512_math.h"  // LLMSERVE_AVX512, cpu_has_avx512, loadu16 / storeu16, bf16_bits, tail_mask16
 
 #include <cmath>
@@ -134,16 +136,6 @@ void add_rms_norm_impl(T* x, T* residual, const T* weight, int64_t n_tok, int64_
   });
 }
 
-template <typename F>
-void dispatch(at::ScalarType t, const char* name, F&& f) {
-  switch (t) {
-    case at::kFloat: return f(float{});
-    case at::kBFloat16: return f(c10::BFloat16{});
-    case at::kHalf: return f(c10::Half{});
-    default: TORCH_CHECK(false, name, " supports float32, bfloat16 and float16, not ", t);
-  }
-}
-
 }  // namespace
 
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
@@ -152,7 +144,7 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() &&
               cos.size(0) == x.size(0) && cos.size(1) == x.size(2) / 2, "rotary_: cos/sin must be [T, D/2]");
   TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(), "rotary_: dtypes differ");
-  dispatch(x.scalar_type(), "rotary_", [&](auto tag) {
+  dispatch_float(x.scalar_type(), "rotary_", [&](auto tag) {
     using T = decltype(tag);
     rotary_impl<T>(x.data_ptr<T>(), x.size(0), x.size(1), x.size(2), x.stride(0), x.stride(1), cos.data_ptr<T>(),
                    sin.data_ptr<T>());
@@ -165,7 +157,7 @@ void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight
   TORCH_CHECK(weight.is_contiguous() && weight.dim() == 1 && weight.size(0) == x.size(1), "add_rms_norm_: weight [E]");
   TORCH_CHECK(residual.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
               "add_rms_norm_: dtypes differ");
-  dispatch(x.scalar_type(), "add_rms_norm_", [&](auto tag) {
+  dispatch_float(x.scalar_type(), "add_rms_norm_", [&](auto tag) {
     using T = decltype(tag);
     add_rms_norm_impl<T>(x.data_ptr<T>(), residual.data_ptr<T>(), weight.data_ptr<T>(), x.size(0), x.size(1), eps);
   });

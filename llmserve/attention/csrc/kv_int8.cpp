@@ -15,6 +15,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "float_types.h"  // dispatch_float
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -119,17 +121,11 @@ void write_kv_int8(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torc
   TORCH_CHECK(k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(), "K and V differ in shape or dtype");
   slots = slots.contiguous();
   const int64_t* sp = checked_slots(slots, k.size(0), k_cache);
-  auto both = [&](auto tag) {
+  dispatch_float(k.scalar_type(), "write_kv_int8 (K/V)", [&](auto tag) {
     using T = decltype(tag);
     write_impl<T>(k, k_cache, k_scales, sp);
     write_impl<T>(v, v_cache, v_scales, sp);
-  };
-  switch (k.scalar_type()) {
-    case at::kFloat: both(float{}); break;
-    case at::kBFloat16: both(c10::BFloat16{}); break;
-    case at::kHalf: both(c10::Half{}); break;
-    default: TORCH_CHECK(false, "write_kv_int8 supports float32, bfloat16 and float16 K/V, not ", k.scalar_type());
-  }
+  });
 }
 
 // The 16- and 32-bit caches: K and V rows [T, kv_heads, head_dim] (heads contiguous, rows may be strided) copied into
@@ -156,16 +152,6 @@ void copy_rows(const torch::Tensor& x, torch::Tensor& cache, const int64_t* slot
   });
 }
 
-template <typename F>
-void with_float_type(at::ScalarType t, const char* what, F&& f) {
-  switch (t) {
-    case at::kFloat: return f(float{});
-    case at::kBFloat16: return f(c10::BFloat16{});
-    case at::kHalf: return f(c10::Half{});
-    default: TORCH_CHECK(false, "write_kv: ", what, " must be float32, bfloat16 or float16, not ", t);
-  }
-}
-
 }  // namespace
 
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
@@ -179,8 +165,8 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
                 "write_kv: caches must be contiguous CPU [num_blocks, block_size, kv_heads, head_dim] of one dtype");
   slots = slots.contiguous();
   const int64_t* sp = checked_slots(slots, k.size(0), k_cache);
-  with_float_type(k.scalar_type(), "K/V", [&](auto s_tag) {
-    with_float_type(k_cache.scalar_type(), "the cache", [&](auto c_tag) {
+  dispatch_float(k.scalar_type(), "write_kv (K/V)", [&](auto s_tag) {
+    dispatch_float(k_cache.scalar_type(), "write_kv (the cache)", [&](auto c_tag) {
       copy_rows<decltype(s_tag), decltype(c_tag)>(k, k_cache, sp);
       copy_rows<decltype(s_tag), decltype(c_tag)>(v, v_cache, sp);
     });

@@ -19,6 +19,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "float_types.h"  // dispatch_float
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define LLMSERVE_AVX2 1
@@ -573,15 +575,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   auto out = torch::empty_like(q);
   // The query (and output) dtype and the cache dtype are dispatched separately: fp32, bf16, fp16 (and int8
   // for the cache).
-  auto with_type = [](at::ScalarType t, auto&& f) {
-    switch (t) {
-      case at::kFloat: return f(float{});
-      case at::kBFloat16: return f(c10::BFloat16{});
-      case at::kHalf: return f(c10::Half{});
-      default: TORCH_CHECK(false, "paged_decode supports float32, bfloat16 and float16, not ", t);
-    }
-  };
-  with_type(q.scalar_type(), [&](auto q_tag) {
+  dispatch_float(q.scalar_type(), "paged_decode (q)", [&](auto q_tag) {
     using q_t = decltype(q_tag);
     auto run = [&](auto kv_tag) {
       using kv_t = decltype(kv_tag);
@@ -596,7 +590,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     if (quantized)
       run(int8_t{});
     else
-      with_type(k_cache.scalar_type(), run);
+      dispatch_float(k_cache.scalar_type(), "paged_decode (the cache; or int8)", run);
   });
   return out;
 }

@@ -24,6 +24,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "float_types.h"  // dispatch_float
+
 #include "avx512_math.h"  // LLMSERVE_AVX512, load16, exp512
 
 #include <algorithm>
@@ -31,7 +33,6 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -312,26 +313,14 @@ void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch:
         TORCH_CHECK(sl[offset + j] >= 0 && sl[offset + j] < n_slots, "prefill_attention: slot out of range");
     list.push_back({q_start, q_len, cached, offset, !fresh});
   }
-  auto with_model_type = [&](auto&& f) {
-    switch (q.scalar_type()) {
-      case at::kFloat: return f(float{});
-      case at::kBFloat16: return f(c10::BFloat16{});
-      case at::kHalf: return f(c10::Half{});
-      default: TORCH_CHECK(false, "prefill_attention supports float32, bfloat16 and float16, not ", q.scalar_type());
-    }
-  };
   const float* ks = quantized ? k_scales->data_ptr<float>() : nullptr;
   const float* vs = quantized ? v_scales->data_ptr<float>() : nullptr;
-  with_model_type([&](auto q_tag) {
+  dispatch_float(q.scalar_type(), "prefill_attention (q)", [&](auto q_tag) {
     using q_t = decltype(q_tag);
-    switch (k_cache.scalar_type()) {
-      case at::kChar: return prefill_impl<q_t, int8_t>(q, k, v, k_cache, v_cache, ks, vs, list, sl, scale, window, out);
-      case at::kFloat: return prefill_impl<q_t, float>(q, k, v, k_cache, v_cache, ks, vs, list, sl, scale, window, out);
-      case at::kBFloat16:
-        return prefill_impl<q_t, c10::BFloat16>(q, k, v, k_cache, v_cache, ks, vs, list, sl, scale, window, out);
-      case at::kHalf:
-        return prefill_impl<q_t, c10::Half>(q, k, v, k_cache, v_cache, ks, vs, list, sl, scale, window, out);
-      default: TORCH_CHECK(false, "prefill_attention: cache dtype ", k_cache.scalar_type(), " not supported");
-    }
+    if (quantized)
+      return prefill_impl<q_t, int8_t>(q, k, v, k_cache, v_cache, ks, vs, list, sl, scale, window, out);
+    dispatch_float(k_cache.scalar_type(), "prefill_attention (the cache; or int8)", [&](auto c_tag) {
+      prefill_impl<q_t, decltype(c_tag)>(q, k, v, k_cache, v_cache, ks, vs, list, sl, scale, window, out);
+    });
   });
 }
