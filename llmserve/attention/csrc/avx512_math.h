@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #define LLMSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 
@@ -102,4 +103,23 @@ inline void for_each_tile_group(int64_t M, int64_t NB, int64_t max_rows, int64_t
       u += b1 - b0;
     }
   });
+}
+
+// f(std::integral_constant<int, n>{}) for n in [First, Last]; any n above Last runs as Last.
+template <int First, int Last, typename F>
+inline void with_int_constant(int n, const F& f) {
+  if constexpr (First == Last) {
+    f(std::integral_constant<int, First>{});
+  } else {
+    if (n == First) return f(std::integral_constant<int, First>{});
+    with_int_constant<First + 1, Last>(n, f);
+  }
+}
+
+// f(MR, NR) with the packed GEMMs' register-tile shape (1 <= mr <= MaxRows rows of x, 1 <= nr <= MaxBlocks blocks) as
+// std::integral_constant arguments: the tiles take them as template parameters, since run-time bounds would spill
+// their accumulators.
+template <int MaxRows, int MaxBlocks, typename F>
+inline void dispatch_tile(int mr, int nr, const F& f) {
+  with_int_constant<1, MaxRows>(mr, [&](auto m) { with_int_constant<1, MaxBlocks>(nr, [&](auto n) { f(m, n); }); });
 }

@@ -80,29 +80,6 @@ LLMSERVE_AVX512 __attribute__((optimize("no-tree-pre"))) void tile(const float* 
   store_tile<MR, NR>(acc, i0, n0, N, bias, y);
 }
 
-template <int MR>
-void tile_blocks(int nr, const float* x, int64_t ldx, int64_t K2, const uint16_t* w, int64_t be, int64_t i0,
-                 int64_t n0, int64_t N, const float* bias, c10::BFloat16* y) {
-  switch (nr) {
-    case 1: return tile<MR, 1>(x, ldx, K2, w, be, i0, n0, N, bias, y);
-    case 2: return tile<MR, 2>(x, ldx, K2, w, be, i0, n0, N, bias, y);
-    case 3: return tile<MR, 3>(x, ldx, K2, w, be, i0, n0, N, bias, y);
-    default: return tile<MR, kTileBlocks>(x, ldx, K2, w, be, i0, n0, N, bias, y);
-  }
-}
-
-void run_tile(int mr, int nr, const float* x, int64_t ldx, int64_t K2, const uint16_t* w, int64_t be, int64_t i0,
-              int64_t n0, int64_t N, const float* bias, c10::BFloat16* y) {
-  switch (mr) {
-    case 1: return tile_blocks<1>(nr, x, ldx, K2, w, be, i0, n0, N, bias, y);
-    case 2: return tile_blocks<2>(nr, x, ldx, K2, w, be, i0, n0, N, bias, y);
-    case 3: return tile_blocks<3>(nr, x, ldx, K2, w, be, i0, n0, N, bias, y);
-    case 4: return tile_blocks<4>(nr, x, ldx, K2, w, be, i0, n0, N, bias, y);
-    case 5: return tile_blocks<5>(nr, x, ldx, K2, w, be, i0, n0, N, bias, y);
-    default: return tile_blocks<kTileRows>(nr, x, ldx, K2, w, be, i0, n0, N, bias, y);
-  }
-}
-
 // The same tile over fp32 weights widened beforehand (widen_blocks) for columns [k0, k0 + kn): chunks of kWideMinRows
 // rows and more widen each block once per chunk instead of once per tile, so the loop is loads, broadcasts and FMAs only.
 // The sums run over k in the same order with the same FMAs, carried in acc (fp32, row stride kAccStride) between
@@ -132,31 +109,6 @@ LLMSERVE_AVX512 __attribute__((optimize("no-tree-pre"))) void tile_wide(
     return;
   }
   store_tile<MR, NR>(acc, i0, n0, N, bias, y);
-}
-
-template <int MR>
-void tile_wide_blocks(int nr, const float* x, int64_t ldx, int64_t k0, int64_t kn, const float* wf, int64_t ws,
-                      int64_t i0, float* acc, bool first, bool last, int64_t n0, int64_t N, const float* bias,
-                      c10::BFloat16* y) {
-  switch (nr) {
-    case 1: return tile_wide<MR, 1>(x, ldx, k0, kn, wf, ws, i0, acc, first, last, n0, N, bias, y);
-    case 2: return tile_wide<MR, 2>(x, ldx, k0, kn, wf, ws, i0, acc, first, last, n0, N, bias, y);
-    case 3: return tile_wide<MR, 3>(x, ldx, k0, kn, wf, ws, i0, acc, first, last, n0, N, bias, y);
-    default: return tile_wide<MR, kTileBlocks>(x, ldx, k0, kn, wf, ws, i0, acc, first, last, n0, N, bias, y);
-  }
-}
-
-void run_tile_wide(int mr, int nr, const float* x, int64_t ldx, int64_t k0, int64_t kn, const float* wf, int64_t ws,
-                   int64_t i0, float* acc, bool first, bool last, int64_t n0, int64_t N, const float* bias,
-                   c10::BFloat16* y) {
-  switch (mr) {
-    case 1: return tile_wide_blocks<1>(nr, x, ldx, k0, kn, wf, ws, i0, acc, first, last, n0, N, bias, y);
-    case 2: return tile_wide_blocks<2>(nr, x, ldx, k0, kn, wf, ws, i0, acc, first, last, n0, N, bias, y);
-    case 3: return tile_wide_blocks<3>(nr, x, ldx, k0, kn, wf, ws, i0, acc, first, last, n0, N, bias, y);
-    case 4: return tile_wide_blocks<4>(nr, x, ldx, k0, kn, wf, ws, i0, acc, first, last, n0, N, bias, y);
-    case 5: return tile_wide_blocks<5>(nr, x, ldx, k0, kn, wf, ws, i0, acc, first, last, n0, N, bias, y);
-    default: return tile_wide_blocks<kTileRows>(nr, x, ldx, k0, kn, wf, ws, i0, acc, first, last, n0, N, bias, y);
-  }
 }
 
 // Pairs [g0, g0 + gn) of nr packed blocks -> fp32 wf [nr][2 gn][16] (column 2g, then 2g + 1).
@@ -247,17 +199,22 @@ torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::o
                                                                      int nr) mutable {
       if (m1 - m0 < kWideMinRows) {  // widen in registers, each tile on its own
         for (int64_t i = m0; i < m1; i += kTileRows)
-          run_tile(static_cast<int>(std::min<int64_t>(kTileRows, m1 - i)), nr, xp, ld, K2, wp + blk * be, be, i,
-                   blk * kBlockRows, N, bp, yp);
+          dispatch_tile<kTileRows, kTileBlocks>(static_cast<int>(std::min<int64_t>(kTileRows, m1 - i)), nr,
+                                                [&](auto mr, auto nb) {
+            tile<decltype(mr)::value, decltype(nb)::value>(xp, ld, K2, wp + blk * be, be, i, blk * kBlockRows, N, bp, yp);
+          });
         return;
       }
       for (int64_t g0 = 0; g0 < K2; g0 += kWidePairs) {
         const int64_t gn = std::min(kWidePairs, K2 - g0);
         widen_blocks(wp + blk * be, be, nr, g0, gn, wf.data());
         for (int64_t i = m0; i < m1; i += kTileRows)
-          run_tile_wide(static_cast<int>(std::min<int64_t>(kTileRows, m1 - i)), nr, xp, ld, 2 * g0, 2 * gn,
-                        wf.data(), 2 * gn * kBlockRows, i, acc.data() + (i - m0) * kAccStride, g0 == 0,
-                        g0 + gn >= K2, blk * kBlockRows, N, bp, yp);
+          dispatch_tile<kTileRows, kTileBlocks>(static_cast<int>(std::min<int64_t>(kTileRows, m1 - i)), nr,
+                                                [&](auto mr, auto nb) {
+            tile_wide<decltype(mr)::value, decltype(nb)::value>(xp, ld, 2 * g0, 2 * gn, wf.data(), 2 * gn * kBlockRows,
+                                                                i, acc.data() + (i - m0) * kAccStride, g0 == 0,
+                                                                g0 + gn >= K2, blk * kBlockRows, N, bp, yp);
+          });
       }
     };
   });

@@ -129,30 +129,6 @@ LLMSERVE_VNNI __attribute__((optimize("no-tree-pre"))) void tile(const uint8_t* 
   }
 }
 
-template <int MR, typename T>
-void tile_blocks(int nr, const uint8_t* x, int64_t ldx, int64_t G, const int8_t* w, int64_t bb, int64_t i0,
-                 int64_t n0, int64_t N, const Rescale& e, T* y) {
-  switch (nr) {
-    case 1: return tile<MR, 1>(x, ldx, G, w, bb, i0, n0, N, e, y);
-    case 2: return tile<MR, 2>(x, ldx, G, w, bb, i0, n0, N, e, y);
-    case 3: return tile<MR, 3>(x, ldx, G, w, bb, i0, n0, N, e, y);
-    default: return tile<MR, kTileBlocks>(x, ldx, G, w, bb, i0, n0, N, e, y);
-  }
-}
-
-template <typename T>
-void run_tile(int mr, int nr, const uint8_t* x, int64_t ldx, int64_t G, const int8_t* w, int64_t bb, int64_t i0,
-              int64_t n0, int64_t N, const Rescale& e, T* y) {
-  switch (mr) {
-    case 1: return tile_blocks<1>(nr, x, ldx, G, w, bb, i0, n0, N, e, y);
-    case 2: return tile_blocks<2>(nr, x, ldx, G, w, bb, i0, n0, N, e, y);
-    case 3: return tile_blocks<3>(nr, x, ldx, G, w, bb, i0, n0, N, e, y);
-    case 4: return tile_blocks<4>(nr, x, ldx, G, w, bb, i0, n0, N, e, y);
-    case 5: return tile_blocks<5>(nr, x, ldx, G, w, bb, i0, n0, N, e, y);
-    default: return tile_blocks<kTileRows>(nr, x, ldx, G, w, bb, i0, n0, N, e, y);
-  }
-}
-
 template <typename T>
 torch::Tensor w8a8_impl(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
                         const torch::Tensor& wsum, const float* bias) {
@@ -176,8 +152,10 @@ torch::Tensor w8a8_impl(const torch::Tensor& x, const torch::Tensor& packed, con
   for_each_tile_group(M, NB, kChunkRows, kTileRows, kTileBlocks, [&](int64_t) {
     return [&](int64_t m0, int64_t m1, int64_t b, int nr) {
       for (int64_t i = m0; i < m1; i += kTileRows)
-        run_tile<T>(static_cast<int>(std::min<int64_t>(kTileRows, m1 - i)), nr, qp, K4, G, wp + b * bb, bb, i,
-                    b * kBlockRows, N, e, yp);
+        dispatch_tile<kTileRows, kTileBlocks>(static_cast<int>(std::min<int64_t>(kTileRows, m1 - i)), nr,
+                                              [&](auto mr, auto nb) {
+          tile<decltype(mr)::value, decltype(nb)::value, T>(qp, K4, G, wp + b * bb, bb, i, b * kBlockRows, N, e, yp);
+        });
     };
   });
   return y;
