@@ -81,6 +81,20 @@ inline __mmask16 tail_mask16(int64_t left) { return left >= 16 ? __mmask16(0xFFF
 // 1.3-1.7x over none at one row.
 constexpr int64_t kGemvPrefetchBytes = 8192;
 
+// The packed-weight GEMMs' weight layout: src [N, K] row-major -> dst [ceil(N / 16), ceil(K / group), 16, group], for
+// each block of 16 output rows the columns in groups, each group holding its `group` elements of the 16 rows. dst
+// must come zeroed (the padding past N and K stays 0).
+template <typename T>
+inline void pack_blocks(const T* src, int64_t N, int64_t K, int64_t group, T* dst) {
+  const int64_t NB = (N + 15) / 16, G = (K + group - 1) / group;
+  at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t r = 0; r < 16 && b * 16 + r < N; ++r)
+        for (int64_t k = 0; k < K; ++k)
+          dst[((b * G + k / group) * 16 + r) * group + k % group] = src[(b * 16 + r) * K + k];
+  });
+}
+
 // The work split of the packed-weight GEMMs (w8a8_linear.cpp, bf16_gemm.cpp). The M rows of x are cut into balanced
 // chunks of at most max_rows (a multiple of tile_rows; a chunk's rows of x stay in L2), and the work units are
 // (chunk, packed block of 16 outputs), chunk-major: each thread takes a contiguous run of them, so at a few rows the

@@ -152,14 +152,8 @@ torch::Tensor bf16_pack(torch::Tensor weight) {
   const auto w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1), NB = (N + kBlockRows - 1) / kBlockRows, K2 = (K + 1) / 2;
   auto packed = torch::zeros({NB, K2, kBlockRows, 2}, w.options());
-  const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
-  at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)
-      for (int64_t r = 0; r < kBlockRows && b * kBlockRows + r < N; ++r)
-        for (int64_t k = 0; k < K; ++k)
-          dst[((b * K2 + k / 2) * kBlockRows + r) * 2 + k % 2] = src[(b * kBlockRows + r) * K + k];
-  });
+  pack_blocks(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), N, K, 2,
+              reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>()));
   return packed;
 }
 

@@ -176,14 +176,7 @@ torch::Tensor w8a8_pack(torch::Tensor qweight) {
   const auto w = qweight.contiguous();
   const int64_t N = w.size(0), K = w.size(1), NB = (N + kBlockRows - 1) / kBlockRows, G = (K + 3) / 4;
   auto packed = torch::zeros({NB, G, kBlockRows, 4}, w.options());
-  const int8_t* src = w.data_ptr<int8_t>();
-  int8_t* dst = packed.data_ptr<int8_t>();
-  at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)
-      for (int64_t r = 0; r < kBlockRows && b * kBlockRows + r < N; ++r)
-        for (int64_t k = 0; k < K; ++k)
-          dst[((b * G + k / 4) * kBlockRows + r) * 4 + k % 4] = src[(b * kBlockRows + r) * K + k];
-  });
+  pack_blocks(w.data_ptr<int8_t>(), N, K, 4, packed.data_ptr<int8_t>());
   return packed;
 }
 
