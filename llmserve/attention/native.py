@@ -1,8 +1,9 @@
 """The C++ CPU kernels, compiled lazily on first use: the paged decode kernel (csrc/paged_decode.cpp),
 the fused rotary / add+RMSNorm ops of the decoder layer (csrc/fused_ops.cpp), the int8 weight-only
 linear for decode batches (csrc/int8_linear.cpp), the int8-activation linear (csrc/w8a8_linear.cpp),
-the bf16 GEMM for CPUs without AMX (csrc/bf16_gemm.cpp), the int8 KV-cache writer (csrc/kv_int8.cpp) and
-prefill attention (csrc/prefill_attention.cpp), one extension.
+the bf16 GEMM for CPUs without AMX (csrc/bf16_gemm.cpp), the int8 KV-cache writer (csrc/kv_int8.cpp),
+prefill attention (csrc/prefill_attention.cpp) and the decode step's decoder layers in one call
+(csrc/decoder_stack.cpp), one extension.
 
 Compiling takes tens of seconds, so it never happens at import: `load()` builds on first call
 (torch caches the build under ~/.cache/torch_extensions, so later processes only link it) and is
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_decode.cpp", "fused_ops.cpp", "int8_linear.cpp", "w8a8_linear.cpp",
-                         "bf16_gemm.cpp", "kv_int8.cpp", "prefill_attention.cpp")]
+                         "bf16_gemm.cpp", "kv_int8.cpp", "prefill_attention.cpp", "decoder_stack.cpp")]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed = False

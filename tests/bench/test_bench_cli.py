@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 
 import pytest
@@ -101,11 +102,39 @@ def test_throughput_of_w8a8_is_read_against_the_int8_matmul(tiny_model_dir: Call
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["bench", "throughput", tiny_model_dir("llama"), "--num-prompts", "2", "--input-len", "20:30",
                "--output-len", "3", "--ignore-eos", "--num-blocks", "32", "--dtype", "float32", "--quantization",
-               "w8a8", "--json"])
+               "w8a8", "--profile-steps", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0
     assert (out["dtype"], out["matmul_peak_kind"]) == ("float32, w8a8", "int8 matmul") and out["matmul_peak_gflops"] > 0
     assert out["results"][0]["output_tokens"] == 6
+    # the decode steps ran in the native decoder stack, whose own timers split them
+    phases = out["step_profile"]["phases"]
+    assert all(phases[name]["seconds"] > 0 for name in ("linear", "decode attention", "attention", "other model ops"))
+
+
+def test_decoder_stack_timers_are_credited_to_their_phases() -> None:
+    from llmserve.bench.step_profile import StepProfile
+
+    class Stack:
+        def set_profiling(self, on: bool) -> None:
+            self.on = on
+
+        def take_profile(self) -> list[float]:  # linear, decode attention, K/V write, other
+            return [0.004, 0.002, 0.001, 0.0005]
+
+    class Model:
+        def run_decode_stack(self, stack: Stack, x: int) -> int:
+            time.sleep(0.02)
+            return x + 1
+
+    prof, model, stack = StepProfile(), Model(), Stack()
+    prof.wrap_decode_stack(model)
+    forward = prof.timed(lambda: model.run_decode_stack(stack, 1), "other model ops")
+    assert forward() == 2 and stack.on
+    s = prof.seconds
+    assert (s["linear"], s["decode attention"], s["attention"]) == (0.004, 0.002, 0.001)
+    # exclusive: the enclosing forward keeps the rest (the stack's other ops included), not the credited 7 ms
+    assert 0.02 - 0.007 <= s["other model ops"] < 0.5 and prof.total() >= 0.02
 
 
 @pytest.mark.parametrize("fp32_faster", [True, False])

@@ -598,32 +598,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 // Whether an int8 cache can be read here (the AVX-512 path; LLMSERVE_DECODE_AVX512=0 turns it off).
 bool int8_kv_decode_supported() { return avx512_decode_supported(); }
 
-// kv_int8.cpp, linked into the same extension (one build).
-void write_kv_int8(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                   torch::Tensor k_scales, torch::Tensor v_scales, torch::Tensor slots);
-void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
-// fused_ops.cpp
-void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
-void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
-// prefill_attention.cpp
-bool prefill_attention_supported();
-void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
-                       torch::Tensor v_cache, c10::optional<torch::Tensor> k_scales,
-                       c10::optional<torch::Tensor> v_scales, torch::Tensor spans, torch::Tensor slots, double scale,
-                       int64_t window, torch::Tensor out);
-// w8a8_linear.cpp
-bool w8a8_linear_supported();
-torch::Tensor w8a8_pack(torch::Tensor qweight);
-torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, torch::Tensor wsum,
-                          c10::optional<torch::Tensor> bias);
-// bf16_gemm.cpp
-bool bf16_gemm_supported();
-torch::Tensor bf16_pack(torch::Tensor weight);
-torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias);
-// int8_linear.cpp
-bool int8_linear_supported();
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale,
-                          c10::optional<torch::Tensor> bias, bool allow_vnni);
+// The other files' entry points (one build, one module).
+#include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention reading K/V in place (CPU)", py::arg("q"),
@@ -653,4 +629,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a8_pack", &w8a8_pack, "int8 [N, K] weight -> the VNNI block layout w8a8_linear reads");
   m.def("w8a8_linear", &w8a8_linear, "int8 weights (packed) x int8 per-row activations, VNNI GEMM (CPU)",
         py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("wsum"), py::arg("bias") = py::none());
+  bind_decoder_stack(m);
 }

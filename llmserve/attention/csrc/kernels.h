@@ -1,0 +1,41 @@
+// The extension's entry points, declared once: the Python binding (paged_decode.cpp) and the decode stack
+// (decoder_stack.cpp), which calls the kernels directly, see them; each is defined in its own file.
+#pragma once
+
+#include <torch/extension.h>
+
+// paged_decode.cpp
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor lens, double scale, int64_t window,
+                           c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales,
+                           int64_t splits);
+bool int8_kv_decode_supported();
+// kv_int8.cpp
+void write_kv_int8(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                   torch::Tensor k_scales, torch::Tensor v_scales, torch::Tensor slots);
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
+// fused_ops.cpp
+void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+// prefill_attention.cpp
+bool prefill_attention_supported();
+void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
+                       torch::Tensor v_cache, c10::optional<torch::Tensor> k_scales,
+                       c10::optional<torch::Tensor> v_scales, torch::Tensor spans, torch::Tensor slots, double scale,
+                       int64_t window, torch::Tensor out);
+// w8a8_linear.cpp
+bool w8a8_linear_supported();
+torch::Tensor w8a8_pack(torch::Tensor qweight);
+torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, torch::Tensor wsum,
+                          c10::optional<torch::Tensor> bias);
+// bf16_gemm.cpp
+bool bf16_gemm_supported();
+torch::Tensor bf16_pack(torch::Tensor weight);
+torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias);
+// int8_linear.cpp
+bool int8_linear_supported();
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale,
+                          c10::optional<torch::Tensor> bias, bool allow_vnni);
+
+// decoder_stack.cpp
+void bind_decoder_stack(pybind11::module_& m);

@@ -1,0 +1,107 @@
+"""The native decoder stack (csrc/decoder_stack.cpp) through the whole engine: decode steps it runs give the same
+bits as the Python layers (LLMSERVE_DECODE_STACK=0), batched, chunked, windowed, preempted, over 16-bit and int8
+caches; models and settings it does not cover keep the Python layers."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmserve import EngineConfig, GenerationConfig, pipeline
+from llmserve.attention import native
+from llmserve.cpu_features import fp32_compute_for_bf16
+from llmserve.models.llama import LlamaModel
+
+pytestmark = pytest.mark.skipif(not native.bf16_gemm_usable(), reason="the decoder stack needs the native kernels "
+                                "and a CPU with AVX-512")
+# bf16 linears are packed for bf16_gemm only on CPUs without AMX (elsewhere oneDNN runs them: no stack)
+BF16_PACKED = fp32_compute_for_bf16()
+needs_w8a8 = pytest.mark.skipif(not native.w8a8_usable(), reason="w8a8 needs a CPU with AVX-512 and VNNI")
+
+PROMPTS = [list(range(3, 40)), [11, 12], list(range(50, 75)), [7] * 9]
+GEN = GenerationConfig(temperature=0.0, max_new_tokens=12, ignore_eos=True, logprobs=3)
+
+
+def _run(path: str, monkeypatch: pytest.MonkeyPatch, stack: bool, **engine) -> tuple[list, list, int]:
+    """(token ids, logprobs, decode steps the stack ran) of PROMPTS, batched, with 16-token prefill chunks."""
+    monkeypatch.setenv("LLMSERVE_DECODE_STACK", "1" if stack else "0")
+    calls = []
+    run = LlamaModel.run_decode_stack
+    monkeypatch.setattr(LlamaModel, "run_decode_stack", lambda self, *a: calls.append(1) or run(self, *a))
+    config = EngineConfig(**{"dtype": "bfloat16", "num_blocks": 96, "block_size": 4, "max_prefill_token_num": 16,
+                             **engine})
+    with pipeline(path, backend_config=config) as pipe:
+        out = pipe([{"input_ids": p} for p in PROMPTS], gen_config=GEN, do_preprocess=False)
+    return [o.token_ids for o in out], [o.logprobs for o in out], len(calls)
+
+
+def _check_same_bits(path: str, monkeypatch: pytest.MonkeyPatch, expect_stack: bool, **engine) -> None:
+    ids, lps, calls = _run(path, monkeypatch, True, **engine)
+    ref_ids, ref_lps, ref_calls = _run(path, monkeypatch, False, **engine)
+    assert ref_calls == 0
+    assert (calls > 0) == expect_stack
+    assert ids == ref_ids
+    assert lps == ref_lps  # exactly: the same kernels on the same tensors in the same order
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen2", "mistral"])  # biases, windows 4 and 5
+@pytest.mark.parametrize("kv", ["auto", "float32", "int8"])
+def test_bf16_stack_gives_the_python_layers_bits(tiny_model_dir, monkeypatch, arch: str, kv: str) -> None:
+    _check_same_bits(tiny_model_dir(arch), monkeypatch, BF16_PACKED, kv_cache_dtype=kv)
+
+
+@needs_w8a8
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])  # w8a8 covers fp32 models too
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_w8a8_stack_gives_the_python_layers_bits(tiny_model_dir, monkeypatch, dtype: str, kv: str) -> None:
+    _check_same_bits(tiny_model_dir("qwen2"), monkeypatch, True, dtype=dtype, quantization="w8a8", kv_cache_dtype=kv)
+
+
+def test_preempted_requests_come_back_the_same(tiny_model_dir, monkeypatch) -> None:
+    # 14 blocks of 4 tokens cannot hold all four requests to the end: some are preempted and recomputed
+    _check_same_bits(tiny_model_dir("llama"), monkeypatch, BF16_PACKED, num_blocks=14, enable_prefix_caching=False)
+
+
+@pytest.mark.parametrize(("arch", "engine"), [
+    ("qwen3", {}),  # per-head q/k norm: not in the stack
+    ("llama", {"dtype": "float32"}),  # fp32 linears run in oneDNN
+    ("llama", {"quantization": "int8"}),  # weight-only int8 linears
+])
+def test_uncovered_models_keep_the_python_layers(tiny_model_dir, monkeypatch, arch: str, engine: dict) -> None:
+    ids, _, calls = _run(tiny_model_dir(arch), monkeypatch, True, **engine)
+    assert calls == 0 and all(len(seq) == GEN.max_new_tokens for seq in ids)
+
+
+def test_reference_attention_turns_the_stack_off(tiny_model_dir, monkeypatch) -> None:
+    monkeypatch.setenv("LLMSERVE_ATTENTION", "torch")
+    assert _run(tiny_model_dir("llama"), monkeypatch, True)[2] == 0
+
+
+def test_the_stack_refuses_what_it_cannot_run() -> None:
+    import torch
+
+    native.load()
+    stack_type = native._module.DecoderStack
+    with pytest.raises(RuntimeError, match="multiple of kv_heads"):
+        stack_type(4, 3, 16, 128, 1e-6, 0.25)
+    stack = stack_type(4, 2, 16, 128, 1e-6, 0.25)
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    cos = sin = torch.zeros(1, 8, dtype=torch.bfloat16)
+    slots, tables, lens = torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="no layers"):
+        stack.forward(x, cos, sin, slots, tables, lens, torch.ones(64, dtype=torch.bfloat16))
+    norm = torch.ones(64, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 4, 2, 16, dtype=torch.bfloat16)  # 2 blocks of 4 tokens
+
+    def lin(n: int, k: int) -> list:
+        return [native.bf16_pack(torch.randn(n, k).bfloat16()), n, None, None, None]
+
+    with pytest.raises(RuntimeError, match="qkv has 96 outputs, expected 128"):
+        stack.add_layer(norm, norm, lin(96, 64), lin(64, 64), lin(256, 64), lin(64, 128), cache, cache, None, None, -1)
+    with pytest.raises(RuntimeError, match="bf16_pack'ed or w8a8_pack'ed"):
+        stack.add_layer(norm, norm, [torch.zeros(8, 32, 16, 2), 128, None, None, None], lin(64, 64), lin(256, 64),
+                        lin(64, 128), cache, cache, None, None, -1)
+    stack.add_layer(norm, norm, lin(128, 64), lin(64, 64), lin(256, 64), lin(64, 128), cache, cache, None, None, -1)
+    assert stack.num_layers == 1
+    assert stack.forward(x, cos, sin, slots, tables, lens, norm).shape == (1, 64)
+    with pytest.raises(RuntimeError, match="outside the cache"):  # a clean error, the GIL taken back
+        stack.forward(x, cos, sin, torch.tensor([8]), tables, lens, norm)
