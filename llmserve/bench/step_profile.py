@@ -16,7 +16,7 @@ forward) is counted there, not in the enclosing phase. The phases:
 - outputs: advancing the requests, detokenization, stop checks, building outputs;
 - rest of step: the engine's step outside all of the above (session expiry, speculative drafts).
 
-Decode steps that run in the native decoder stack (llmserve/models/decode_stack.py) are split by the stack's own
+Decode steps that run in the native decoder stack (llmserve/models/decoder_stack.py) are split by the stack's own
 timers (linear, decode attention, the K/V write as attention; norms, rotary and SiLU stay other model ops).
 
 The wrappers cost about a microsecond per call, a few hundred per step, so the split is close to
@@ -80,9 +80,9 @@ class StepProfile:
         if self._stack:
             self._stack[-1][2] += seconds
 
-    def wrap_decode_stack(self, model: object) -> None:
+    def wrap_decoder_stack(self, model: object) -> None:
         """Time the native decoder stack's phases: its timers on for each call, their seconds credited."""
-        run = model.run_decode_stack
+        run = model.run_decoder_stack
 
         def profiled(stack, *args):
             stack.set_profiling(True)
@@ -93,7 +93,7 @@ class StepProfile:
                     if phase is not None:
                         self.credit(phase, seconds)
 
-        model.run_decode_stack = profiled
+        model.run_decoder_stack = profiled
 
     def restore(self) -> None:
         for module, name, fn in reversed(self._undo):
@@ -128,8 +128,8 @@ def instrument(engine: LLMEngine) -> StepProfile:
     runner.sampler = _TimedSampler(runner.sampler, prof)
     prof.wrap_module_function(native, "paged_decode", "decode attention")
     for module in model.modules():
-        if hasattr(module, "run_decode_stack"):
-            prof.wrap_decode_stack(module)
+        if hasattr(module, "run_decoder_stack"):
+            prof.wrap_decoder_stack(module)
         if isinstance(module, Linear):
             prof.wrap(module, "forward", "linear")
         elif isinstance(module, Attention):

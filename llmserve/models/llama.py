@@ -25,7 +25,7 @@ from llmserve.layers.embedding import VocabEmbedding
 from llmserve.layers.linear import Linear, MergedLinear, ShapeMismatch
 from llmserve.layers.norm import RMSNorm
 from llmserve.layers.rotary import RotaryEmbedding, rope_config, rotate_
-from llmserve.models import decode_stack
+from llmserve.models import decoder_stack
 
 
 @dataclass(frozen=True)
@@ -144,36 +144,37 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, spec, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(head_dim_of(cfg), rope_config(cfg))
-        self._stack: Any = None  # the native decoder stack over the caches bound when it was built (see decode_stack)
+        self._stack: Any = None  # the native decoder stack over the caches bound when it was built (see decoder_stack)
         self._stack_cache: torch.Tensor | None = None
+        self._stack_prefills = False  # whether it runs steps with prefill chunks too
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, E]
         cos, sin = self.rotary_emb(positions, x.dtype)  # shared by every layer
-        if decode_stack.covers(meta, x):
-            stack = self.decode_stack()
-            if stack is not None:
-                return self.run_decode_stack(stack, x, cos, sin, meta)
+        if decoder_stack.covers(meta, x):
+            stack = self.native_stack()
+            if stack is not None and (not meta.prefills or self._stack_prefills):
+                return self.run_decoder_stack(stack, x, cos, sin, meta)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, meta)
         x, _ = self.norm(x, residual)
         return x
 
-    def decode_stack(self) -> Any:
-        """The native decoder stack, or None where it does not cover this model. Built on the first decode step after
-        the model runner binds the caches, and again if they are bound anew."""
+    def native_stack(self) -> Any:
+        """The native decoder stack, or None where it does not cover this model. Built on the first step after the
+        model runner binds the caches, and again if they are bound anew."""
         cache = self.layers[0].self_attn.attn.kv_cache
         if self._stack_cache is not cache:
-            self._stack = decode_stack.build(self) if self.norm.eps == self.layers[0].input_layernorm.eps else None
+            self._stack = decoder_stack.build(self) if self.norm.eps == self.layers[0].input_layernorm.eps else None
+            self._stack_prefills = self._stack is not None and decoder_stack.runs_prefills(self)
             self._stack_cache = cache
         return self._stack
 
-    def run_decode_stack(self, stack: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         meta: AttentionMetadata) -> torch.Tensor:
-        """Every decoder layer and the final norm of a decode-only step in one native call: [T, E] -> [T, E]."""
-        return stack.forward(x, cos.squeeze(1), sin.squeeze(1), meta.slot_mapping, meta.decode_tables,
-                             meta.decode_lens, self.norm.weight)
+    def run_decoder_stack(self, stack: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          meta: AttentionMetadata) -> torch.Tensor:
+        """Every decoder layer and the final norm of a step in one native call: [T, E] -> [T, E]."""
+        return decoder_stack.forward(stack, x, cos, sin, meta, self.norm.weight)
 
 
 # Checkpoint name fragment -> (our fused parameter's fragment, shard).

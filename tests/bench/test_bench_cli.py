@@ -123,13 +123,13 @@ def test_decoder_stack_timers_are_credited_to_their_phases() -> None:
             return [0.004, 0.002, 0.001, 0.0005]
 
     class Model:
-        def run_decode_stack(self, stack: Stack, x: int) -> int:
+        def run_decoder_stack(self, stack: Stack, x: int) -> int:
             time.sleep(0.02)
             return x + 1
 
     prof, model, stack = StepProfile(), Model(), Stack()
-    prof.wrap_decode_stack(model)
-    forward = prof.timed(lambda: model.run_decode_stack(stack, 1), "other model ops")
+    prof.wrap_decoder_stack(model)
+    forward = prof.timed(lambda: model.run_decoder_stack(stack, 1), "other model ops")
     assert forward() == 2 and stack.on
     s = prof.seconds
     assert (s["linear"], s["decode attention"], s["attention"]) == (0.004, 0.002, 0.001)

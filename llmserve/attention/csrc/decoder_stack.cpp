@@ -1,13 +1,14 @@
-// A decode step's decoder layers in one native call: for every layer, add+RMSNorm, the QKV projection, rotary, the
+// A step's decoder layers in one native call: for every layer, add+RMSNorm, the QKV projection, rotary, the
 // K/V write, paged decode attention, the output projection, add+RMSNorm, gate/up, SiLU * up and down, then the final
-// norm, calling the same kernels the Python layers call, in the same order, on the same tensors.
+// norm, calling the same kernels the Python layers call, in the same order, on the same tensors; decode rows attend
+// in paged_decode, prefill chunks in prefill_attention.
 //
 // Why: at one request a decode step spent ~4.5-5 ms of its 12-16 ms in Python between the kernels (module calls,
 // views, checks, about 15 ops per layer over 30 layers) on a 2-core CPU. Here the layers run without the interpreter,
 // and without holding the GIL, so a server's event loop keeps running during the step.
 //
-// Only what the kernels cover is built here (llmserve/models/decode_stack.py decides): bf16-packed or w8a8 linears,
-// no per-head q/k norm, a cache paged_decode reads. Every token of the step is a decode (one token per request).
+// Only what the kernels cover is built here (llmserve/models/decoder_stack.py decides): bf16-packed or w8a8 linears,
+// no per-head q/k norm, a cache paged_decode reads (and prefill_attention, for steps with prefill chunks).
 
 #include <torch/extension.h>
 #include <pybind11/stl.h>
@@ -69,13 +70,20 @@ class DecoderStack {
     layers_.push_back(std::move(layer));
   }
 
-  // x: [T, E] the embedded tokens (one per decode request); cos/sin [T, head_dim / 2] in x's dtype; slots [T];
-  // tables [T, max_blocks], lens [T] (paged_decode's). Returns final_norm(the last layer's output + residual).
-  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
-                        torch::Tensor tables, torch::Tensor lens, torch::Tensor final_norm) {
+  // x: [T, E] the step's embedded tokens, the num_decodes decodes (one token per request) first; cos/sin
+  // [T, head_dim / 2] in x's dtype; slots [T]: where each token's K/V goes. Decodes: tables [nd, max_blocks] and
+  // lens [nd] (paged_decode's); prefill chunks: spans [S, 4] and their context slots (prefill_attention's). Returns
+  // final_norm(the last layer's output + residual), [T, E].
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots, int64_t num_decodes,
+                        c10::optional<torch::Tensor> tables, c10::optional<torch::Tensor> lens,
+                        c10::optional<torch::Tensor> spans, c10::optional<torch::Tensor> span_slots,
+                        torch::Tensor final_norm) {
     TORCH_CHECK(!layers_.empty(), "DecoderStack: no layers");
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "DecoderStack: x must be contiguous [T, E]");
-    const int64_t T = x.size(0), H = heads_, KVH = kv_heads_, D = head_dim_;
+    const int64_t T = x.size(0), H = heads_, KVH = kv_heads_, D = head_dim_, nd = num_decodes;
+    TORCH_CHECK(nd >= 0 && nd <= T, "DecoderStack: num_decodes outside [0, T]");
+    TORCH_CHECK(nd == 0 || (tables.has_value() && lens.has_value()), "DecoderStack: decodes need tables and lens");
+    TORCH_CHECK(nd == T || (spans.has_value() && span_slots.has_value()), "DecoderStack: prefills need spans and slots");
     // Layer 0 has no residual yet: the residual is x itself, and its input norm is the Python layer's (RMSNorm._norm:
     // normalised in fp32, rounded to x's dtype, times the weight), so the two paths give the same bits.
     torch::Tensor residual = x, h;
@@ -97,10 +105,24 @@ class DecoderStack {
         else
           write_kv(k, v, l.k_cache, l.v_cache, slots);
       });
-      const torch::Tensor attn = timed(kDecodeAttention, [&] {
-        return paged_decode(qkv.narrow(1, 0, H * D).view({T, H, D}), l.k_cache, l.v_cache, tables, lens, scale_,
-                            l.window, l.k_scales, l.v_scales, -1);
-      });
+      // as torch_backend.paged_attention: the decodes' rows from paged_decode, the prefills' from prefill_attention
+      const torch::Tensor q = qkv.narrow(1, 0, H * D).view({T, H, D});
+      torch::Tensor attn;
+      if (nd > 0) {
+        attn = timed(kDecodeAttention, [&] {
+          return paged_decode(q.narrow(0, 0, nd), l.k_cache, l.v_cache, *tables, *lens, scale_, l.window, l.k_scales,
+                              l.v_scales, -1);
+        });
+      }
+      if (nd < T) {
+        timed(kAttention, [&] {
+          torch::Tensor out = torch::empty({T, H, D}, x.options());
+          if (nd > 0) out.narrow(0, 0, nd).copy_(attn);
+          prefill_attention(q, k, v, l.k_cache, l.v_cache, l.k_scales, l.v_scales, *spans, *span_slots, scale_, l.window,
+                            out);
+          attn = out;
+        });
+      }
       h = timed(kLinear, [&] { return l.o(attn.view({T, H * D})); });
       timed(kOther, [&] { add_rms_norm_(h, residual, l.post_norm, eps_); });
       const torch::Tensor gu = timed(kLinear, [&] { return l.gate_up(h); });  // [T, 2 I]: gate, then up
@@ -168,7 +190,7 @@ class DecoderStack {
 }  // namespace
 
 void bind_decoder_stack(pybind11::module_& m) {
-  py::class_<DecoderStack>(m, "DecoderStack", "a decode step's decoder layers in one call (decoder_stack.cpp)")
+  py::class_<DecoderStack>(m, "DecoderStack", "a step's decoder layers in one call (decoder_stack.cpp)")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double>(), py::arg("heads"), py::arg("kv_heads"),
            py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"), py::arg("scale"))
       .def("add_layer", &DecoderStack::add_layer)

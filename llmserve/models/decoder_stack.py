@@ -1,15 +1,15 @@
-"""Decode steps through the native decoder stack (csrc/decoder_stack.cpp) where its kernels cover the model.
+"""Steps through the native decoder stack (csrc/decoder_stack.cpp) where its kernels cover the model.
 
-A step whose tokens are all decodes (one per request) runs every decoder layer and the final norm in one native
-call, without the interpreter between the kernels and without the GIL: the same kernels on the same tensors in the
-same order as the Python layers, so the hidden states are bit for bit the Python path's (tested). Why: between the
-kernels a single-request decode step spent ~4.5-5 ms in Python; with the stack, single-request decode went from
-85-88 to 127-132 tokens/s in w8a8 and from 59-62 to 79-85 in bf16 (SmolLM2-135M, 2-core AVX512-BF16 Xeon,
-alternated runs; BENCHMARKS.md).
+A step runs every decoder layer and the final norm in one native call, without the interpreter between the kernels
+and without the GIL: the same kernels on the same tensors in the same order as the Python layers, so the hidden
+states are bit for bit the Python path's (tested). Why: between the
+kernels a single-request decode step spent ~4.5-5 ms in Python (SmolLM2-135M, 2-core AVX512-BF16 Xeon, alternated
+runs; BENCHMARKS.md): with the stack, single-request decode went from 88-90 to 143-155 tokens/s in w8a8 and from
+61-63 to 85-87 in bf16, and the first token of a 36-token prompt from 24-26 to 19 ms in w8a8, 47-49 to 43 in bf16.
 
 It covers: linears in csrc/bf16_gemm.cpp's or csrc/w8a8_linear.cpp's layout (bf16 models on AVX-512 CPUs without
-AMX, and --quantization w8a8), no per-head q/k norm (Qwen3 keeps the Python path), caches paged_decode reads, and
-the native kernels enabled (not LLMSERVE_ATTENTION=torch, not LLMSERVE_FUSED_OPS=0). `LLMSERVE_DECODE_STACK=0`
+AMX, and --quantization w8a8), no per-head q/k norm (Qwen3 keeps the Python path), caches paged_decode reads, for
+steps with prefill chunks native prefill attention (AVX-512, head_dim % 16 == 0), and the native kernels enabled (not LLMSERVE_ATTENTION=torch, not LLMSERVE_FUSED_OPS=0). `LLMSERVE_DECODER_STACK=0`
 turns it off. Anything else keeps the Python layers, which stay the reference.
 """
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 
 def enabled() -> bool:
-    return os.environ.get("LLMSERVE_DECODE_STACK", "1") != "0" and native.fused_ops_enabled()
+    return os.environ.get("LLMSERVE_DECODER_STACK", "1") != "0" and native.fused_ops_enabled()
 
 
 def _linear_args(linear: Linear) -> list[Any] | None:
@@ -69,5 +69,17 @@ def build(model: LlamaModel) -> Any | None:
 
 
 def covers(meta: AttentionMetadata, x: torch.Tensor) -> bool:
-    """Whether this step may run in the stack: decodes only, native kernels on x's device, the stack enabled."""
-    return not meta.prefills and meta.num_decodes == x.shape[0] > 0 and registry.native_enabled(x) and enabled()
+    """Whether this step may run in a stack: native kernels on x's device, the stack enabled."""
+    return x.shape[0] > 0 and registry.native_enabled(x) and enabled()
+
+
+def runs_prefills(model: LlamaModel) -> bool:
+    """Whether the stack may run steps with prefill chunks: prefill attention native for this model's heads."""
+    return model.layers[0].self_attn.head_dim % 16 == 0 and native.prefill_attention_usable()
+
+
+def forward(stack: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+            final_norm: torch.Tensor) -> torch.Tensor:
+    spans, slots = meta.prefill_arrays() if meta.prefills else (None, None)
+    return stack.forward(x, cos.squeeze(1), sin.squeeze(1), meta.slot_mapping, meta.num_decodes, meta.decode_tables,
+                         meta.decode_lens, spans, slots, final_norm)

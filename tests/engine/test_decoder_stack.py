@@ -1,6 +1,6 @@
-"""The native decoder stack (csrc/decoder_stack.cpp) through the whole engine: decode steps it runs give the same
-bits as the Python layers (LLMSERVE_DECODE_STACK=0), batched, chunked, windowed, preempted, over 16-bit and int8
-caches; models and settings it does not cover keep the Python layers."""
+"""The native decoder stack (csrc/decoder_stack.cpp) through the whole engine: the steps it runs (decodes, chunked
+prefills, both at once) give the same bits as the Python layers (LLMSERVE_DECODER_STACK=0), batched, windowed,
+preempted, prefix-cached, over 16-bit and int8 caches; models and settings it does not cover keep the Python layers."""
 
 from __future__ import annotations
 
@@ -22,11 +22,12 @@ GEN = GenerationConfig(temperature=0.0, max_new_tokens=12, ignore_eos=True, logp
 
 
 def _run(path: str, monkeypatch: pytest.MonkeyPatch, stack: bool, **engine) -> tuple[list, list, int]:
-    """(token ids, logprobs, decode steps the stack ran) of PROMPTS, batched, with 16-token prefill chunks."""
-    monkeypatch.setenv("LLMSERVE_DECODE_STACK", "1" if stack else "0")
+    """(token ids, logprobs, steps the stack ran) of PROMPTS, batched, with 16-token prefill chunks (so steps mix
+    decodes with chunks that read earlier chunks from the cache)."""
+    monkeypatch.setenv("LLMSERVE_DECODER_STACK", "1" if stack else "0")
     calls = []
-    run = LlamaModel.run_decode_stack
-    monkeypatch.setattr(LlamaModel, "run_decode_stack", lambda self, *a: calls.append(1) or run(self, *a))
+    run = LlamaModel.run_decoder_stack
+    monkeypatch.setattr(LlamaModel, "run_decoder_stack", lambda self, *a: calls.append(1) or run(self, *a))
     config = EngineConfig(**{"dtype": "bfloat16", "num_blocks": 96, "block_size": 4, "max_prefill_token_num": 16,
                              **engine})
     with pipeline(path, backend_config=config) as pipe:
@@ -54,6 +55,25 @@ def test_bf16_stack_gives_the_python_layers_bits(tiny_model_dir, monkeypatch, ar
 @pytest.mark.parametrize("kv", ["auto", "int8"])
 def test_w8a8_stack_gives_the_python_layers_bits(tiny_model_dir, monkeypatch, dtype: str, kv: str) -> None:
     _check_same_bits(tiny_model_dir("qwen2"), monkeypatch, True, dtype=dtype, quantization="w8a8", kv_cache_dtype=kv)
+
+
+def test_prefix_cache_hits_give_the_same_bits(tiny_model_dir, monkeypatch) -> None:
+    # the second pass finds every prompt's full blocks in the prefix cache: its prefills start mid-context
+    def twice(stack: bool) -> list:
+        monkeypatch.setenv("LLMSERVE_DECODER_STACK", "1" if stack else "0")
+        config = EngineConfig(dtype="bfloat16", num_blocks=96, block_size=4, enable_prefix_caching=True)
+        with pipeline(tiny_model_dir("mistral"), backend_config=config) as pipe:
+            return [[(o.token_ids, o.logprobs) for o in pipe([{"input_ids": p} for p in PROMPTS], gen_config=GEN,
+                                                            do_preprocess=False)] for _ in range(2)]
+
+    assert twice(True) == twice(False)
+
+
+def test_decodes_alone_where_prefill_attention_is_not_native(tiny_model_dir, monkeypatch) -> None:
+    from llmserve.models import decoder_stack
+
+    monkeypatch.setattr(decoder_stack, "runs_prefills", lambda model: False)
+    _check_same_bits(tiny_model_dir("qwen2"), monkeypatch, BF16_PACKED)
 
 
 def test_preempted_requests_come_back_the_same(tiny_model_dir, monkeypatch) -> None:
@@ -88,7 +108,7 @@ def test_the_stack_refuses_what_it_cannot_run() -> None:
     cos = sin = torch.zeros(1, 8, dtype=torch.bfloat16)
     slots, tables, lens = torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
     with pytest.raises(RuntimeError, match="no layers"):
-        stack.forward(x, cos, sin, slots, tables, lens, torch.ones(64, dtype=torch.bfloat16))
+        stack.forward(x, cos, sin, slots, 1, tables, lens, None, None, torch.ones(64, dtype=torch.bfloat16))
     norm = torch.ones(64, dtype=torch.bfloat16)
     cache = torch.zeros(2, 4, 2, 16, dtype=torch.bfloat16)  # 2 blocks of 4 tokens
 
@@ -102,6 +122,10 @@ def test_the_stack_refuses_what_it_cannot_run() -> None:
                         lin(64, 128), cache, cache, None, None, -1)
     stack.add_layer(norm, norm, lin(128, 64), lin(64, 64), lin(256, 64), lin(64, 128), cache, cache, None, None, -1)
     assert stack.num_layers == 1
-    assert stack.forward(x, cos, sin, slots, tables, lens, norm).shape == (1, 64)
+    assert stack.forward(x, cos, sin, slots, 1, tables, lens, None, None, norm).shape == (1, 64)
     with pytest.raises(RuntimeError, match="outside the cache"):  # a clean error, the GIL taken back
-        stack.forward(x, cos, sin, torch.tensor([8]), tables, lens, norm)
+        stack.forward(x, cos, sin, torch.tensor([8]), 1, tables, lens, None, None, norm)
+    with pytest.raises(RuntimeError, match="prefills need spans and slots"):
+        stack.forward(x, cos, sin, slots, 0, None, None, None, None, norm)
+    with pytest.raises(RuntimeError, match="num_decodes outside"):
+        stack.forward(x, cos, sin, slots, 2, tables, lens, None, None, norm)
