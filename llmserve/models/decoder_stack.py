@@ -2,15 +2,16 @@
 
 A step runs every decoder layer and the final norm in one native call, without the interpreter between the kernels
 and without the GIL: the same kernels on the same tensors in the same order as the Python layers, so the hidden
-states are bit for bit the Python path's (tested). Why: between the
-kernels a single-request decode step spent ~4.5-5 ms in Python (SmolLM2-135M, 2-core AVX512-BF16 Xeon, alternated
-runs; BENCHMARKS.md): with the stack, single-request decode went from 88-90 to 143-155 tokens/s in w8a8 and from
-61-63 to 85-87 in bf16, and the first token of a 36-token prompt from 24-26 to 19 ms in w8a8, 47-49 to 43 in bf16.
+states are bit for bit the Python path's (tested). Why: between the kernels a single-request decode step spent
+~4.5-5 ms in Python (SmolLM2-135M, 2-core AVX512-BF16 Xeon, alternated runs; BENCHMARKS.md): with the stack,
+single-request decode went from 88-90 to 143-155 tokens/s in w8a8 and from 61-63 to 85-87 in bf16, and the first
+token of a 36-token prompt from 24-26 to 19 ms in w8a8, 47-49 to 43 in bf16.
 
-It covers: linears in csrc/bf16_gemm.cpp's or csrc/w8a8_linear.cpp's layout (bf16 models on AVX-512 CPUs without
-AMX, and --quantization w8a8), no per-head q/k norm (Qwen3 keeps the Python path), caches paged_decode reads, for
-steps with prefill chunks native prefill attention (AVX-512, head_dim % 16 == 0), and the native kernels enabled (not LLMSERVE_ATTENTION=torch, not LLMSERVE_FUSED_OPS=0). `LLMSERVE_DECODER_STACK=0`
-turns it off. Anything else keeps the Python layers, which stay the reference.
+It covers every architecture here (Llama, Mistral, Qwen2, Qwen3's per-head q/k norm) with: linears in
+csrc/bf16_gemm.cpp's or csrc/w8a8_linear.cpp's layout (bf16 models on AVX-512 CPUs without AMX, and --quantization
+w8a8), a cache paged_decode reads, for steps with prefill chunks native prefill attention (AVX-512, head_dim % 16 ==
+0), and the native kernels enabled (not LLMSERVE_ATTENTION=torch, not LLMSERVE_FUSED_OPS=0).
+`LLMSERVE_DECODER_STACK=0` turns it off. Anything else keeps the Python layers, which stay the reference.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def _linear_args(linear: Linear) -> list[Any] | None:
 
 def build(model: LlamaModel) -> Any | None:
     """The native stack over the model's layers and bound caches, or None where it does not cover them."""
-    if native.load() is None or not hasattr(native._module, "DecoderStack"):
+    if native.load() is None:
         return None
     first = model.layers[0]
     attn = first.self_attn
@@ -53,23 +54,25 @@ def build(model: LlamaModel) -> Any | None:
         a, mlp = layer.self_attn, layer.mlp
         cache, scales = a.attn.kv_cache, a.attn.kv_scales
         linears = [_linear_args(m) for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        if any(lin is None for lin in linears) or a.q_norm is not None or cache is None or not cache.is_contiguous():
+        if any(lin is None for lin in linears) or cache is None or not cache.is_contiguous():
             return None
         if cache.dtype == torch.int8 and not (a.head_dim % 16 == 0 and native.int8_kv_decode_usable()):
             return None
         if cache.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.int8):
             return None
-        if layer.input_layernorm.eps != first.input_layernorm.eps or a.attn.scale != attn.attn.scale:
+        norms = (layer.input_layernorm, layer.post_attention_layernorm) + ((a.q_norm, a.k_norm) if a.q_norm else ())
+        if any(n.eps != first.input_layernorm.eps for n in norms) or a.attn.scale != attn.attn.scale:
             return None
         window = a.attn.sliding_window
-        stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *linears,
-                        cache[0], cache[1], None if scales is None else scales[0], None if scales is None else scales[1],
-                        -1 if window is None else window)
+        qk_norms = (a.q_norm.weight, a.k_norm.weight) if a.q_norm else (None, None)
+        k_scales, v_scales = (None, None) if scales is None else (scales[0], scales[1])
+        stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *linears, *qk_norms,
+                        cache[0], cache[1], k_scales, v_scales, -1 if window is None else window)
     return stack
 
 
-def covers(meta: AttentionMetadata, x: torch.Tensor) -> bool:
-    """Whether this step may run in a stack: native kernels on x's device, the stack enabled."""
+def covers(x: torch.Tensor) -> bool:
+    """Whether a step over x [T, E] may run in a stack: native kernels on x's device, the stack enabled."""
     return x.shape[0] > 0 and registry.native_enabled(x) and enabled()
 
 

@@ -151,7 +151,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, E]
         cos, sin = self.rotary_emb(positions, x.dtype)  # shared by every layer
-        if decoder_stack.covers(meta, x):
+        if decoder_stack.covers(x):
             stack = self.native_stack()
             if stack is not None and (not meta.prefills or self._stack_prefills):
                 return self.run_decoder_stack(stack, x, cos, sin, meta)

@@ -44,7 +44,7 @@ def _check_same_bits(path: str, monkeypatch: pytest.MonkeyPatch, expect_stack: b
     assert lps == ref_lps  # exactly: the same kernels on the same tensors in the same order
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen2", "mistral"])  # biases, windows 4 and 5
+@pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen2", "mistral", "qwen3"])  # biases, windows, q/k norm
 @pytest.mark.parametrize("kv", ["auto", "float32", "int8"])
 def test_bf16_stack_gives_the_python_layers_bits(tiny_model_dir, monkeypatch, arch: str, kv: str) -> None:
     _check_same_bits(tiny_model_dir(arch), monkeypatch, BF16_PACKED, kv_cache_dtype=kv)
@@ -82,7 +82,6 @@ def test_preempted_requests_come_back_the_same(tiny_model_dir, monkeypatch) -> N
 
 
 @pytest.mark.parametrize(("arch", "engine"), [
-    ("qwen3", {}),  # per-head q/k norm: not in the stack
     ("llama", {"dtype": "float32"}),  # fp32 linears run in oneDNN
     ("llama", {"quantization": "int8"}),  # weight-only int8 linears
 ])
@@ -116,11 +115,16 @@ def test_the_stack_refuses_what_it_cannot_run() -> None:
         return [native.bf16_pack(torch.randn(n, k).bfloat16()), n, None, None, None]
 
     with pytest.raises(RuntimeError, match="qkv has 96 outputs, expected 128"):
-        stack.add_layer(norm, norm, lin(96, 64), lin(64, 64), lin(256, 64), lin(64, 128), cache, cache, None, None, -1)
+        stack.add_layer(norm, norm, lin(96, 64), lin(64, 64), lin(256, 64), lin(64, 128), None, None, cache, cache, None,
+                        None, -1)
     with pytest.raises(RuntimeError, match="bf16_pack'ed or w8a8_pack'ed"):
         stack.add_layer(norm, norm, [torch.zeros(8, 32, 16, 2), 128, None, None, None], lin(64, 64), lin(256, 64),
-                        lin(64, 128), cache, cache, None, None, -1)
-    stack.add_layer(norm, norm, lin(128, 64), lin(64, 64), lin(256, 64), lin(64, 128), cache, cache, None, None, -1)
+                        lin(64, 128), None, None, cache, cache, None, None, -1)
+    with pytest.raises(RuntimeError, match="come together"):
+        stack.add_layer(norm, norm, lin(128, 64), lin(64, 64), lin(256, 64), lin(64, 128), norm[:16], None, cache, cache,
+                        None, None, -1)
+    stack.add_layer(norm, norm, lin(128, 64), lin(64, 64), lin(256, 64), lin(64, 128), None, None, cache, cache, None,
+                    None, -1)
     assert stack.num_layers == 1
     assert stack.forward(x, cos, sin, slots, 1, tables, lens, None, None, norm).shape == (1, 64)
     with pytest.raises(RuntimeError, match="outside the cache"):  # a clean error, the GIL taken back

@@ -38,6 +38,7 @@ struct StackLinear {
 struct StackLayer {
   torch::Tensor input_norm, post_norm;
   StackLinear qkv, o, gate_up, down;
+  c10::optional<torch::Tensor> q_norm, k_norm;   // Qwen3: RMSNorm over head_dim on q and k, before rotary
   torch::Tensor k_cache, v_cache;                // [num_blocks, block_size, kv_heads, head_dim]
   c10::optional<torch::Tensor> k_scales, v_scales;  // int8 caches
   int64_t window = -1;                           // <= 0: none
@@ -58,11 +59,13 @@ class DecoderStack {
   // A linear's arguments: packed weight, outputs, (w8a8) scale and wsum or None, bias or None.
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, const std::vector<py::object>& qkv,
                  const std::vector<py::object>& o, const std::vector<py::object>& gate_up,
-                 const std::vector<py::object>& down, torch::Tensor k_cache, torch::Tensor v_cache,
+                 const std::vector<py::object>& down, c10::optional<torch::Tensor> q_norm,
+                 c10::optional<torch::Tensor> k_norm, torch::Tensor k_cache, torch::Tensor v_cache,
                  c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales, int64_t window) {
     const int64_t qkv_n = (heads_ + 2 * kv_heads_) * head_dim_;
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecoderStack: q_norm and k_norm come together");
     StackLayer layer{input_norm, post_norm, linear(qkv, qkv_n, "qkv"), linear(o, -1, "o"),
-                     linear(gate_up, 2 * intermediate_, "gate_up"), linear(down, -1, "down"),
+                     linear(gate_up, 2 * intermediate_, "gate_up"), linear(down, -1, "down"), q_norm, k_norm,
                      k_cache, v_cache, k_scales, v_scales, window};
     TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == kv_heads_ && k_cache.size(3) == head_dim_,
                 "DecoderStack: cache [num_blocks, block_size, kv_heads, head_dim]");
@@ -84,21 +87,29 @@ class DecoderStack {
     TORCH_CHECK(nd >= 0 && nd <= T, "DecoderStack: num_decodes outside [0, T]");
     TORCH_CHECK(nd == 0 || (tables.has_value() && lens.has_value()), "DecoderStack: decodes need tables and lens");
     TORCH_CHECK(nd == T || (spans.has_value() && span_slots.has_value()), "DecoderStack: prefills need spans and slots");
-    // Layer 0 has no residual yet: the residual is x itself, and its input norm is the Python layer's (RMSNorm._norm:
-    // normalised in fp32, rounded to x's dtype, times the weight), so the two paths give the same bits.
+    // Layer 0 has no residual yet: the residual is x itself, normalised without an add.
     torch::Tensor residual = x, h;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const StackLayer& l = layers_[i];
       timed(kOther, [&] {
         if (i == 0)
-          h = at::mul(l.input_norm, at::rms_norm(x.to(at::kFloat), {x.size(1)}, c10::nullopt, eps_).to(x.scalar_type()));
+          h = rms_norm(x, l.input_norm);
         else
           add_rms_norm_(h, residual, l.input_norm, eps_);
       });
       const torch::Tensor qkv = timed(kLinear, [&] { return l.qkv(h); });  // [T, (H + 2 KVH) D]
-      timed(kOther, [&] { rotary_(qkv.narrow(1, 0, (H + KVH) * D).view({T, H + KVH, D}), cos, sin); });
-      const torch::Tensor k = qkv.narrow(1, H * D, KVH * D).view({T, KVH, D});
+      torch::Tensor q = qkv.narrow(1, 0, H * D).view({T, H, D}), k = qkv.narrow(1, H * D, KVH * D).view({T, KVH, D});
       const torch::Tensor v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({T, KVH, D});
+      timed(kOther, [&] {
+        if (l.q_norm.has_value()) {  // per head, into new tensors, each rotated on its own (as LlamaAttention)
+          q = rms_norm(q, *l.q_norm);
+          k = rms_norm(k, *l.k_norm);
+          rotary_(q, cos, sin);
+          rotary_(k, cos, sin);
+        } else {  // q and k are adjacent in qkv: rotate both heads at once
+          rotary_(qkv.narrow(1, 0, (H + KVH) * D).view({T, H + KVH, D}), cos, sin);
+        }
+      });
       timed(kAttention, [&] {
         if (l.k_scales.has_value())
           write_kv_int8(k, v, l.k_cache, l.v_cache, *l.k_scales, *l.v_scales, slots);
@@ -106,7 +117,6 @@ class DecoderStack {
           write_kv(k, v, l.k_cache, l.v_cache, slots);
       });
       // as torch_backend.paged_attention: the decodes' rows from paged_decode, the prefills' from prefill_attention
-      const torch::Tensor q = qkv.narrow(1, 0, H * D).view({T, H, D});
       torch::Tensor attn;
       if (nd > 0) {
         attn = timed(kDecodeAttention, [&] {
@@ -147,6 +157,12 @@ class DecoderStack {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
+  // RMSNorm over the last dimension without a residual, as the Python layer (RMSNorm._norm: normalised in fp32,
+  // rounded to x's dtype, times the weight), so the two paths give the same bits.
+  torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight) const {
+    return at::mul(weight, at::rms_norm(x.to(at::kFloat), {x.size(-1)}, c10::nullopt, eps_).to(x.scalar_type()));
+  }
+
   StackLinear linear(const std::vector<py::object>& args, int64_t expected_n, const char* what) const {
     TORCH_CHECK(args.size() == 5, "DecoderStack: a linear is (packed, n, scale, wsum, bias)");
     StackLinear l;
