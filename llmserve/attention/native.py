@@ -1,7 +1,7 @@
 """The C++ CPU kernels, compiled lazily on first use: the paged decode kernel (csrc/paged_decode.cpp),
 the fused rotary / add+RMSNorm ops of the decoder layer (csrc/fused_ops.cpp), the int8 weight-only
 linear for decode batches (csrc/int8_linear.cpp), the int8-activation linear (csrc/w8a8_linear.cpp),
-the bf16 GEMM for CPUs without AMX (csrc/bf16_gemm.cpp), the int8 KV-cache writer (csrc/kv_int8.cpp),
+the bf16 GEMM for CPUs without AMX (csrc/packed_gemm.cpp), the int8 KV-cache writer (csrc/kv_int8.cpp),
 prefill attention (csrc/prefill_attention.cpp) and the decode step's decoder layers in one call
 (csrc/decoder_stack.cpp), one extension.
 
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_decode.cpp", "fused_ops.cpp", "int8_linear.cpp", "w8a8_linear.cpp",
-                         "bf16_gemm.cpp", "kv_int8.cpp", "prefill_attention.cpp", "decoder_stack.cpp")]
+                         "packed_gemm.cpp", "kv_int8.cpp", "prefill_attention.cpp", "decoder_stack.cpp")]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed = False
@@ -209,6 +209,13 @@ def bf16_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor 
     """x [M, K] bf16 @ the weight [n, K] (packed by bf16_pack) ^T (+ bias) -> [M, n] bf16: fp32 FMAs on the widened
     weights, each output summed over k in order. Needs bf16_gemm_usable()."""
     return _module.bf16_gemm(x, packed, n, bias)
+
+
+def int8w_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Weight-only int8: x [M, K] (fp32/bf16) @ (the int8 weight [N, K] packed by w8a8_pack, times scale [N] per row)^T
+    (+ bias) -> [M, N] in x's dtype, fp32 FMAs on the widened weights, each output summed over k in order. Needs
+    bf16_gemm_usable()."""
+    return _module.int8w_gemm(x, packed, scale, bias)
 
 
 @functools.cache

@@ -25,10 +25,12 @@ class VocabEmbedding(nn.Module):
         self.weight.shards = {None: (0, vocab_size)}
         self.vocab_size = vocab_size
         self.packed: torch.Tensor | None = None  # oneDNN-blocked copy for logits(), see pack_for_cpu
-        self.bf16_packed: torch.Tensor | None = None  # csrc/bf16_gemm.cpp's layout for logits(), see pack_for_cpu
+        self.bf16_packed: torch.Tensor | None = None  # csrc/packed_gemm.cpp's layout for logits(), see pack_for_cpu
         self.qweight: torch.Tensor | None = None  # int8 [vocab, hidden] replacing the weight, see quantize_int8
         self.scale: torch.Tensor | None = None  # fp32 [vocab]
         self.dtype: torch.dtype | None = None  # set by quantize_int8: lookups of the int8 table come back in it
+        # quantize_head_int8: int8 rows in w8a8_pack's layout for logits() only (csrc/packed_gemm.cpp), with `scale`
+        self.head_int8_packed: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] int64 -> [T, hidden]."""
@@ -40,6 +42,8 @@ class VocabEmbedding(nn.Module):
         """[N, hidden] -> [N, vocab] float32 (the matmul runs in the model dtype, as HF's lm_head does)."""
         if self.qweight is not None:
             return int8_linear(hidden, self.qweight, self.scale, None).float()
+        if self.head_int8_packed is not None:
+            return native.int8w_gemm(hidden, self.head_int8_packed, self.scale, None).float()
         if self.bf16_packed is not None:
             return native.bf16_gemm(hidden, self.bf16_packed, self.vocab_size, None).float()
         if self.packed is not None:
@@ -47,10 +51,15 @@ class VocabEmbedding(nn.Module):
         return F.linear(hidden, self.weight).float()
 
     def pack_for_cpu(self, keep_plain: bool) -> None:
-        """A packed copy for the LM-head matmul (csrc/bf16_gemm.cpp's layout for bf16 where bf16_gemm_ok, else
+        """A packed copy for the LM-head matmul (csrc/packed_gemm.cpp's layout for bf16 where bf16_gemm_ok, else
         oneDNN-blocked); the plain weight stays if the lookup needs it (tied embeddings): then the vocab matrix is
-        held twice. An int8 table stays as it is."""
+        held twice. An int8 table stays as it is, and so does an int8 LM head (only the plain weight is dropped where
+        the lookup does not need it)."""
         if self.qweight is not None:
+            return
+        if self.head_int8_packed is not None:
+            if not keep_plain:
+                self.weight = None
             return
         if bf16_gemm_ok(self.weight):
             self.bf16_packed = native.bf16_pack(self.weight)
@@ -58,6 +67,13 @@ class VocabEmbedding(nn.Module):
             self.packed = pack_weight(self.weight)
         if not keep_plain:
             self.weight = None
+
+    def quantize_head_int8(self) -> None:
+        """int8 rows with one fp32 scale each for the LM-head matmul only (weight-only: the hidden states stay in the
+        model dtype), multiplied in csrc/packed_gemm.cpp; the lookup keeps the plain table. Needs
+        native.bf16_gemm_usable() (AVX-512)."""
+        qweight, self.scale = quantize_rows(self.weight)
+        self.head_int8_packed = native.w8a8_pack(qweight)
 
     def quantize_int8(self) -> None:
         """int8 rows with one fp32 scale each, for the lookup and the LM head alike (the plain one is freed)."""

@@ -62,7 +62,7 @@ class Linear(nn.Module):
         self.scale: torch.Tensor | None = None  # fp32 [out]: weight ~= qweight * scale[:, None]
         self.wsum: torch.Tensor | None = None  # int32 [out]: row sums of the int8 weight, for int8 activations (w8a8)
         self.w8a8_packed: torch.Tensor | None = None  # w8a8: the int8 weight in the kernel's block layout (no qweight)
-        self.bf16_packed: torch.Tensor | None = None  # bf16 on AVX-512 without AMX: csrc/bf16_gemm.cpp's layout (only)
+        self.bf16_packed: torch.Tensor | None = None  # bf16 on AVX-512 without AMX: csrc/packed_gemm.cpp's layout (only)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.wsum is not None:
@@ -81,7 +81,7 @@ class Linear(nn.Module):
 
     def pack_for_cpu(self) -> None:
         """Pack the weight for the CPU's fastest matmul; the plain one is freed. bf16 on a CPU with AVX-512 and no
-        AMX: csrc/bf16_gemm.cpp's block layout, for every batch size (fp32 FMAs on bf16 weights, see
+        AMX: csrc/packed_gemm.cpp's block layout, for every batch size (fp32 FMAs on bf16 weights, see
         bf16_gemm_ok). Otherwise a oneDNN-blocked copy; for bf16 on a CPU without AMX whose native kernels did not
         build, the plain weight stays too, for large matmuls widened to fp32 (FP32_COMPUTE_MIN_ROWS). Int8 layers
         stay as they are."""
@@ -128,7 +128,7 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 def bf16_gemm_ok(weight: torch.Tensor) -> bool:
-    """Whether a bf16 weight runs in csrc/bf16_gemm.cpp: a CPU with AVX-512 and no AMX (fp32_compute_for_bf16),
+    """Whether a bf16 weight runs in csrc/packed_gemm.cpp: a CPU with AVX-512 and no AMX (fp32_compute_for_bf16),
     the extension built. There it beats oneDNN's bf16 matmul and the fp32-widened one at every batch size
     (SmolLM2-135M's 30 decoders, 2-core AVX512-BF16 Xeon, best of 5 interleaved, ms: M = 1: 10.7 vs 10.1 (the
     former matrix-vector kernel; memory-bound); 4: 11.9 vs 16.3; 16: 23.0 vs 36.2; 64: 71.9 vs 111.5; 95: 98

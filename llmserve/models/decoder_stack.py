@@ -8,7 +8,7 @@ single-request decode went from 88-90 to 143-155 tokens/s in w8a8 and from 61-63
 token of a 36-token prompt from 24-26 to 19 ms in w8a8, 47-49 to 43 in bf16.
 
 It covers every architecture here (Llama, Mistral, Qwen2, Qwen3's per-head q/k norm) with: linears in
-csrc/bf16_gemm.cpp's or csrc/w8a8_linear.cpp's layout (bf16 models on AVX-512 CPUs without AMX, and --quantization
+csrc/packed_gemm.cpp's or csrc/w8a8_linear.cpp's layout (bf16 models on AVX-512 CPUs without AMX, and --quantization
 w8a8), a cache paged_decode reads, for steps with prefill chunks native prefill attention (AVX-512, head_dim % 16 ==
 0), and the native kernels enabled (not LLMSERVE_ATTENTION=torch, not LLMSERVE_FUSED_OPS=0).
 `LLMSERVE_DECODER_STACK=0` turns it off. Anything else keeps the Python layers, which stay the reference.

@@ -95,7 +95,7 @@ inline void pack_blocks(const T* src, int64_t N, int64_t K, int64_t group, T* ds
   });
 }
 
-// The work split of the packed-weight GEMMs (w8a8_linear.cpp, bf16_gemm.cpp). The M rows of x are cut into balanced
+// The work split of the packed-weight GEMMs (w8a8_linear.cpp, packed_gemm.cpp). The M rows of x are cut into balanced
 // chunks of at most max_rows (a multiple of tile_rows; a chunk's rows of x stay in L2), and the work units are
 // (chunk, packed block of 16 outputs), chunk-major: each thread takes a contiguous run of them, so at a few rows the
 // threads split the weights and with many rows the chunks. make_worker(rows) is called once per thread (rows: the

@@ -28,10 +28,11 @@ bool w8a8_linear_supported();
 torch::Tensor w8a8_pack(torch::Tensor qweight);
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, torch::Tensor wsum,
                           c10::optional<torch::Tensor> bias);
-// bf16_gemm.cpp
+// packed_gemm.cpp
 bool bf16_gemm_supported();
 torch::Tensor bf16_pack(torch::Tensor weight);
 torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias);
+torch::Tensor int8w_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, c10::optional<torch::Tensor> bias);
 // int8_linear.cpp
 bool int8_linear_supported();
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale,

@@ -1,0 +1,273 @@
+// Linears over weights packed once at load, multiplied with fp32 FMAs on CPUs with AVX-512: y[M, N] = x[M, K] @ W[N, K]^T
+// (* scale) (+ bias), x and y bf16 or fp32, fp32 products and sums. Two weight formats share the kernel:
+//   bf16 (bf16_pack):  [N/16][K/2][16][2]  one 64-byte load holds 2 columns of 16 outputs; a shift or a mask widens
+//                                         each to fp32 (bf16 is the top half of fp32);
+//   int8 (w8a8_pack):  [N/16][K/4][16][4]  4 columns of 16 outputs; two shifts and a conversion widen each, and the
+//                                         per-output scale is applied to the sums (weight-only int8: x stays in
+//                                         bf16/fp32, so only the weights are rounded).
+// Each widened column is multiplied by one element of a row of x broadcast to every lane, so the 16 sums land in the
+// lanes they belong to (no horizontal sums), and every block is one contiguous stream. A register tile is 6 rows of x
+// by 4 blocks (24 accumulators).
+//
+// Why: on a CPU with AVX512-BF16 but no AMX, vdpbf16ps runs at half the rate of fp32 FMAs, so bf16 GEMMs (oneDNN's
+// included) top out near half the fp32 peak; widening in registers and using FMAs keeps the weight narrow (half or a
+// quarter of fp32's bytes: what a memory-bound decode reads) and the arithmetic at FMA speed. Products are exact in
+// fp32 and each output is summed over k in order, so a row's result does not depend on the other rows of the batch.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "avx512_math.h"  // LLMSERVE_AVX512, storeu16, tail_mask16
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlockRows = 16;   // outputs per packed block
+
+// The weight formats: the element type, columns per 32-bit lane (kGroup), and column c of a lane widened to fp32.
+struct Bf16Weights {
+  using T = uint16_t;
+  static constexpr int kGroup = 2;
+  LLMSERVE_AVX512 static __m512 widen(__m512i v, int c) {  // column 0: the low bf16, shifted up; 1: the high, masked
+    return _mm512_castsi512_ps(c == 0 ? _mm512_slli_epi32(v, 16)
+                                      : _mm512_and_si512(v, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+  }
+};
+struct Int8Weights {
+  using T = int8_t;
+  static constexpr int kGroup = 4;
+  LLMSERVE_AVX512 static __m512 widen(__m512i v, int c) {  // byte c of each lane, sign-extended
+    return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * c), 24));
+  }
+};
+constexpr int kTileRows = 6;
+constexpr int kTileBlocks = 4;
+constexpr int64_t kChunkRows = 240;  // rows of x per work unit at most (for_each_tile_group)
+constexpr int64_t kSerialElems = 32768;  // below this many elements widening x runs on one thread
+
+// Tiles of one or two rows of x are bound by streaming the weights: they prefetch each block this far ahead (the
+// hardware streamers stop at 4 KB pages). SmolLM2-135M's decoders and LM head at one row, median of 30:
+// 10.0-10.2 ms against 11.9-12.1 without.
+constexpr int64_t kPrefetchBytes = 1024;
+// The epilogue: sums * scale (int8 weights) + bias, either optional.
+struct Epilogue {
+  const float* scale;
+  const float* bias;
+};
+
+// A tile's sums, through the epilogue, rounded to Y into y[i0 : i0 + MR, n0 : n0 + NR * 16], columns below N.
+template <int MR, int NR, typename Y>
+LLMSERVE_AVX512 __attribute__((always_inline)) inline void store_tile(const __m512 (&acc)[MR][NR], int64_t i0, int64_t n0,
+                                                                      int64_t N, const Epilogue& e, Y* y) {
+  _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) {
+    const int64_t n = n0 + j * kBlockRows;
+    const __mmask16 m = tail_mask16(N - n);
+    const __m512 sv = e.scale != nullptr ? _mm512_maskz_loadu_ps(m, e.scale + n) : _mm512_setzero_ps();
+    const __m512 bv = e.bias != nullptr ? _mm512_maskz_loadu_ps(m, e.bias + n) : _mm512_setzero_ps();
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {
+      __m512 v = e.scale != nullptr ? _mm512_mul_ps(acc[i][j], sv) : acc[i][j];
+      if (e.bias != nullptr) v = _mm512_add_ps(v, bv);
+      storeu16(y + (i0 + i) * N + n, v, m);
+    }
+  }
+}
+
+// y[i0 : i0 + MR, n0 : n0 + NR * 16] for one register tile: MR rows of fp32 x (G groups of F::kGroup columns each, ldx
+// apart), NR packed blocks (G groups of [16 rows][kGroup] each, block_elems apart).
+// no-tree-pre: GCC 12 otherwise keeps the accumulators on the stack (see w8a8_linear.cpp).
+template <int MR, int NR, typename F, typename Y>
+LLMSERVE_AVX512 __attribute__((optimize("no-tree-pre"))) void tile(const float* x, int64_t ldx, int64_t G,
+                                                                 const typename F::T* w, int64_t block_elems, int64_t i0,
+                                                                 int64_t n0, int64_t N, const Epilogue& e, Y* y) {
+  constexpr int kG = F::kGroup;
+  __m512 acc[MR][NR];
+  _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i)
+    _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    if (MR <= 2)
+      _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + j * block_elems + g * 16 * kG) + kPrefetchBytes, _MM_HINT_T0);
+    _Pragma("GCC unroll 4") for (int c = 0; c < kG; ++c) {
+      __m512 wv[NR];
+      _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j)
+        wv[j] = F::widen(_mm512_loadu_si512(w + j * block_elems + g * 16 * kG), c);
+      _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {
+        const __m512 b = _mm512_set1_ps(x[(i0 + i) * ldx + kG * g + c]);
+        _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(b, wv[j], acc[i][j]);
+      }
+    }
+  }
+  store_tile<MR, NR>(acc, i0, n0, N, e, y);
+}
+
+// The same tile over fp32 weights widened beforehand (widen_blocks) for columns [k0, k0 + kn): chunks of kWideMinRows
+// rows and more widen each block once per chunk instead of once per tile, so the loop is loads, broadcasts and FMAs only.
+// The sums run over k in the same order with the same FMAs, carried in acc (fp32, row stride kAccStride) between
+// column chunks, so the result is bit for bit the narrow tile's.
+constexpr int64_t kAccStride = kTileBlocks * kBlockRows;
+
+template <int MR, int NR, typename Y>
+LLMSERVE_AVX512 __attribute__((optimize("no-tree-pre"))) void tile_wide(
+    const float* x, int64_t ldx, int64_t k0, int64_t kn, const float* wf, int64_t wf_stride, int64_t i0, float* acc_rows,
+    bool first, bool last, int64_t n0, int64_t N, const Epilogue& e, Y* y) {
+  __m512 acc[MR][NR];
+  _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i)
+    _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j)
+      acc[i][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_rows + i * kAccStride + j * kBlockRows);
+  for (int64_t k = 0; k < kn; ++k) {
+    __m512 wv[NR];
+    _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_ps(wf + j * wf_stride + k * kBlockRows);
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {
+      const __m512 b = _mm512_set1_ps(x[(i0 + i) * ldx + k0 + k]);
+      _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(b, wv[j], acc[i][j]);
+    }
+  }
+  if (!last) {
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i)
+      _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j)
+        _mm512_storeu_ps(acc_rows + i * kAccStride + j * kBlockRows, acc[i][j]);
+    return;
+  }
+  store_tile<MR, NR>(acc, i0, n0, N, e, y);
+}
+
+// Groups [g0, g0 + gn) of nr packed blocks -> fp32 wf [nr][kGroup gn][16] (the columns in order).
+template <typename F>
+LLMSERVE_AVX512 void widen_blocks(const typename F::T* w, int64_t block_elems, int nr, int64_t g0, int64_t gn, float* wf) {
+  constexpr int kG = F::kGroup;
+  for (int j = 0; j < nr; ++j)
+    for (int64_t g = 0; g < gn; ++g) {
+      const __m512i v = _mm512_loadu_si512(w + j * block_elems + (g0 + g) * 16 * kG);
+      float* o = wf + (j * kG * gn + kG * g) * kBlockRows;
+      _Pragma("GCC unroll 4") for (int c = 0; c < kG; ++c) _mm512_storeu_ps(o + c * kBlockRows, F::widen(v, c));
+    }
+}
+
+constexpr int64_t kWideColumns = 128;  // columns widened at once: 4 blocks x 128 columns x 16 fp32 = 32 KB (L1)
+// Chunks of at least this many rows take the widened path. SmolLM2's decoders, best of 5, alternated with the
+// registers-only path: 256-1,024 rows 284-287 GFLOP/s against 260-267; 64-128 rows the same; 16-36 rows 10-25%
+// slower (each column chunk reloads the partial sums, and too few tiles share a widening).
+constexpr int64_t kWideMinRows = 96;
+
+// rows of x -> fp32, ld per row (the padding columns 0)
+template <typename X>
+LLMSERVE_AVX512 void widen_rows(const X* x, int64_t M, int64_t K, int64_t ld, float* out) {
+  for (int64_t i = 0; i < M; ++i) {
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 m = tail_mask16(K - k);
+      _mm512_mask_storeu_ps(out + i * ld + k, m, loadu16(x + i * K + k, m));
+    }
+    for (int64_t k = K; k < ld; ++k) out[i * ld + k] = 0.f;
+  }
+}
+
+// y = (x @ W^T) (* scale) (+ bias) over a packed weight of format F: x [M, K] (X = float or bf16) -> [M, N] in X.
+template <typename F, typename X>
+torch::Tensor packed_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const Epilogue& e) {
+  constexpr int kG = F::kGroup;
+  constexpr int64_t kWideGroups = kWideColumns / kG;
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), G = packed.size(1), ld = G * kG;
+  auto xf = torch::empty({M, ld}, x.options().dtype(at::kFloat));
+  float* xp = xf.data_ptr<float>();
+  const X* xs = x.data_ptr<X>();
+  at::parallel_for(0, M, std::max<int64_t>(1, kSerialElems / ld), [&](int64_t begin, int64_t end) {
+    widen_rows(xs + begin * K, end - begin, K, ld, xp + begin * ld);
+  });
+  auto y = torch::empty({M, N}, x.options());
+  const auto* wp = reinterpret_cast<const typename F::T*>(packed.data_ptr());
+  const int64_t be = G * 16 * kG;  // elements per packed block
+  X* yp = y.data_ptr<X>();
+  for_each_tile_group(M, NB, kChunkRows, kTileRows, kTileBlocks, [&](int64_t rows) {
+    // per thread: widened weights of a tile's blocks, and the chunk's partial sums between column chunks
+    const bool wide = rows >= kWideMinRows;
+    return [&, wf = std::vector<float>(wide ? kTileBlocks * kWideColumns * kBlockRows : 0),
+            acc = std::vector<float>(wide ? rows * kAccStride : 0)](int64_t m0, int64_t m1, int64_t blk,
+                                                                     int nr) mutable {
+      if (m1 - m0 < kWideMinRows) {  // widen in registers, each tile on its own
+        for (int64_t i = m0; i < m1; i += kTileRows)
+          dispatch_tile<kTileRows, kTileBlocks>(static_cast<int>(std::min<int64_t>(kTileRows, m1 - i)), nr,
+                                                [&](auto mr, auto nb) {
+            tile<decltype(mr)::value, decltype(nb)::value, F>(xp, ld, G, wp + blk * be, be, i, blk * kBlockRows, N, e,
+                                                             yp);
+          });
+        return;
+      }
+      for (int64_t g0 = 0; g0 < G; g0 += kWideGroups) {
+        const int64_t gn = std::min(kWideGroups, G - g0);
+        widen_blocks<F>(wp + blk * be, be, nr, g0, gn, wf.data());
+        for (int64_t i = m0; i < m1; i += kTileRows)
+          dispatch_tile<kTileRows, kTileBlocks>(static_cast<int>(std::min<int64_t>(kTileRows, m1 - i)), nr,
+                                                [&](auto mr, auto nb) {
+            tile_wide<decltype(mr)::value, decltype(nb)::value>(xp, ld, kG * g0, kG * gn, wf.data(), kG * gn * kBlockRows,
+                                                                i, acc.data() + (i - m0) * kAccStride, g0 == 0,
+                                                                g0 + gn >= G, blk * kBlockRows, N, e, yp);
+          });
+      }
+    };
+  });
+  return y;
+}
+
+// bias [N] (any float dtype) -> contiguous fp32 in holder, or nullptr without one
+const float* fp32_bias(const c10::optional<torch::Tensor>& bias, int64_t N, const char* what, torch::Tensor& holder) {
+  if (!bias.has_value()) return nullptr;
+  holder = bias->to(at::kFloat).contiguous();
+  TORCH_CHECK(holder.numel() == N, what, ": bias [N]");
+  return holder.data_ptr<float>();
+}
+
+}  // namespace
+
+bool bf16_gemm_supported() { return cpu_has_avx512(); }
+
+// weight [N, K] bf16 -> [ceil(N / 16), ceil(K / 2), 16, 2] bf16: per block of 16 output rows, the columns in pairs,
+// each pair holding its 2 elements of the 16 rows; zero past N and K.
+torch::Tensor bf16_pack(torch::Tensor weight) {
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.device().is_cpu(),
+              "bf16_pack: weight must be bf16 [N, K] on the CPU");
+  const auto w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), NB = (N + kBlockRows - 1) / kBlockRows, K2 = (K + 1) / 2;
+  auto packed = torch::zeros({NB, K2, kBlockRows, 2}, w.options());
+  pack_blocks(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), N, K, 2,
+              reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>()));
+  return packed;
+}
+
+// x [M, K] bf16; packed: bf16_pack of the weight [N, K]; n: N; bias [N] (any float dtype) or None -> [M, N] bf16.
+torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(bf16_gemm_supported(), "bf16_gemm needs a CPU with AVX-512");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
+              "bf16_gemm: x must be bf16 [M, K] on the CPU");
+  const int64_t K = x.size(1), N = n;
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.is_contiguous() &&
+                  packed.size(2) == kBlockRows && packed.size(3) == 2,
+              "bf16_gemm: packed must be bf16_pack's contiguous bf16 [N / 16, K / 2, 16, 2]");
+  TORCH_CHECK(N > 0 && packed.size(0) == (N + kBlockRows - 1) / kBlockRows && packed.size(1) == (K + 1) / 2,
+              "bf16_gemm: packed weight ", packed.sizes(), " does not fit x's ", K, " columns and ", N, " outputs");
+  torch::Tensor b;
+  const Epilogue e{nullptr, fp32_bias(bias, N, "bf16_gemm", b)};
+  return packed_gemm<Bf16Weights, at::BFloat16>(x.contiguous(), packed, N, e);
+}
+
+// Weight-only int8: x [M, K] fp32 or bf16; packed: w8a8_pack of the int8 weight [N, K]; scale [N] fp32 (the weight is
+// packed * scale per output row); bias [N] (any float dtype) or None -> [M, N] in x's dtype.
+torch::Tensor int8w_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(bf16_gemm_supported(), "int8w_gemm needs a CPU with AVX-512");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "int8w_gemm: x must be fp32 or bf16 [M, K] on the CPU");
+  const int64_t K = x.size(1), N = scale.numel();
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.is_contiguous() &&
+                  packed.size(2) == kBlockRows && packed.size(3) == 4,
+              "int8w_gemm: packed must be w8a8_pack's contiguous int8 [N / 16, K / 4, 16, 4]");
+  TORCH_CHECK(N > 0 && packed.size(0) == (N + kBlockRows - 1) / kBlockRows && packed.size(1) == (K + 3) / 4,
+              "int8w_gemm: packed weight ", packed.sizes(), " does not fit x's ", K, " columns and scale's ", N, " rows");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous(), "int8w_gemm: scale must be contiguous fp32 [N]");
+  torch::Tensor b;
+  const Epilogue e{scale.data_ptr<float>(), fp32_bias(bias, N, "int8w_gemm", b)};
+  const auto xc = x.contiguous();
+  if (xc.scalar_type() == at::kBFloat16) return packed_gemm<Int8Weights, at::BFloat16>(xc, packed, N, e);
+  return packed_gemm<Int8Weights, float>(xc, packed, N, e);
+}
