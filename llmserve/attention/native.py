@@ -1,9 +1,8 @@
 """The C++ CPU kernels, compiled lazily on first use: the paged decode kernel (csrc/paged_decode.cpp),
-the fused rotary / add+RMSNorm ops of the decoder layer (csrc/fused_ops.cpp), the int8 weight-only
-linear for decode batches (csrc/int8_linear.cpp), the int8-activation linear (csrc/w8a8_linear.cpp),
-the bf16 GEMM for CPUs without AMX (csrc/packed_gemm.cpp), the int8 KV-cache writer (csrc/kv_int8.cpp),
-prefill attention (csrc/prefill_attention.cpp) and the decode step's decoder layers in one call
-(csrc/decoder_stack.cpp), one extension.
+the fused rotary / add+RMSNorm ops of the decoder layer (csrc/fused_ops.cpp), the int8-activation linear
+(csrc/w8a8_linear.cpp), the GEMMs over packed bf16 or int8 weights (csrc/packed_gemm.cpp), the K/V
+writers (csrc/kv_int8.cpp), prefill attention (csrc/prefill_attention.cpp) and a step's decoder layers
+in one call (csrc/decoder_stack.cpp), one extension.
 
 Compiling takes tens of seconds, so it never happens at import: `load()` builds on first call
 (torch caches the build under ~/.cache/torch_extensions, so later processes only link it) and is
@@ -26,7 +25,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("paged_decode.cpp", "fused_ops.cpp", "int8_linear.cpp", "w8a8_linear.cpp",
+            for name in ("paged_decode.cpp", "fused_ops.cpp", "w8a8_linear.cpp",
                          "packed_gemm.cpp", "kv_int8.cpp", "prefill_attention.cpp", "decoder_stack.cpp")]
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -163,22 +162,6 @@ def fused_ops_enabled() -> bool:
     return os.environ.get("LLMSERVE_FUSED_OPS", "1") != "0"
 
 
-def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor | None:
-    """(x [M, K] @ qweight[N, K]^T) * scale[N] (+ bias) in x's dtype, or None where the native kernel
-    cannot run (not built, or a CPU without AVX-512)."""
-    if not int8_usable():
-        return None
-    return _module.int8_linear(x, qweight, scale, bias)
-
-
-@functools.cache
-def int8_usable() -> bool:
-    """Whether the int8 weight-only kernel runs here (the extension builds, the CPU has AVX-512). Asked
-    once: int8_linear runs per linear layer per step, and the answer cannot change."""
-    return load() is not None and _module.int8_linear_supported()
-
-
 def w8a8_pack(qweight: torch.Tensor) -> torch.Tensor:
     """int8 [N, K] weight -> the block layout w8a8_linear reads: [ceil(N/16), ceil(K/4), 16, 4] int8, for each 16
     output rows the columns in groups of 4 (zero padded). Needs w8a8_usable()."""
@@ -201,24 +184,24 @@ def w8a8_usable() -> bool:
 
 def bf16_pack(weight: torch.Tensor) -> torch.Tensor:
     """bf16 [N, K] weight -> the block layout bf16_gemm reads: [ceil(N/16), ceil(K/2), 16, 2] bf16, for each 16
-    output rows the columns in pairs (zero padded). Needs bf16_gemm_usable()."""
+    output rows the columns in pairs (zero padded). Needs packed_gemm_usable()."""
     return _module.bf16_pack(weight)
 
 
 def bf16_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] bf16 @ the weight [n, K] (packed by bf16_pack) ^T (+ bias) -> [M, n] bf16: fp32 FMAs on the widened
-    weights, each output summed over k in order. Needs bf16_gemm_usable()."""
+    weights, each output summed over k in order. Needs packed_gemm_usable()."""
     return _module.bf16_gemm(x, packed, n, bias)
 
 
 def int8w_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Weight-only int8: x [M, K] (fp32/bf16) @ (the int8 weight [N, K] packed by w8a8_pack, times scale [N] per row)^T
     (+ bias) -> [M, N] in x's dtype, fp32 FMAs on the widened weights, each output summed over k in order. Needs
-    bf16_gemm_usable()."""
+    packed_gemm_usable()."""
     return _module.int8w_gemm(x, packed, scale, bias)
 
 
 @functools.cache
-def bf16_gemm_usable() -> bool:
-    """Whether the bf16 GEMM runs here: the extension builds and the CPU has AVX-512."""
+def packed_gemm_usable() -> bool:
+    """Whether the packed GEMMs (bf16_gemm, int8w_gemm) run here: the extension builds and the CPU has AVX-512."""
     return load() is not None and _module.bf16_gemm_supported()

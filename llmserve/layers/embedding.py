@@ -11,6 +11,7 @@ from llmserve.layers.linear import (
     bf16_gemm_ok,
     default_weight_loader,
     int8_linear,
+    int8_packed_ok,
     onednn_linear,
     pack_weight,
     quantize_rows,
@@ -24,19 +25,25 @@ class VocabEmbedding(nn.Module):
         self.weight.weight_loader = default_weight_loader
         self.weight.shards = {None: (0, vocab_size)}
         self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
         self.packed: torch.Tensor | None = None  # oneDNN-blocked copy for logits(), see pack_for_cpu
         self.bf16_packed: torch.Tensor | None = None  # csrc/packed_gemm.cpp's layout for logits(), see pack_for_cpu
         self.qweight: torch.Tensor | None = None  # int8 [vocab, hidden] replacing the weight, see quantize_int8
         self.scale: torch.Tensor | None = None  # fp32 [vocab]
         self.dtype: torch.dtype | None = None  # set by quantize_int8: lookups of the int8 table come back in it
-        # quantize_head_int8: int8 rows in w8a8_pack's layout for logits() only (csrc/packed_gemm.cpp), with `scale`
+        # int8 rows in w8a8_pack's layout for logits() (csrc/packed_gemm.cpp), with `scale`: quantize_head_int8 (the
+        # lookup keeps the plain table), or quantize_int8 where the packed kernel runs (lookups read it too)
         self.head_int8_packed: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] int64 -> [T, hidden]."""
+        if self.weight is not None:
+            return F.embedding(input_ids, self.weight)
         if self.qweight is not None:
-            return (self.qweight[input_ids].float() * self.scale[input_ids, None]).to(self.dtype)
-        return F.embedding(input_ids, self.weight)
+            rows = self.qweight[input_ids]
+        else:  # row n of the packed table: block n // 16, lane n % 16 of every group of 4 columns
+            rows = self.head_int8_packed[input_ids // 16, :, input_ids % 16].flatten(1)[:, :self.hidden_size]
+        return (rows.float() * self.scale[input_ids, None]).to(self.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (the matmul runs in the model dtype, as HF's lm_head does)."""
@@ -71,12 +78,17 @@ class VocabEmbedding(nn.Module):
     def quantize_head_int8(self) -> None:
         """int8 rows with one fp32 scale each for the LM-head matmul only (weight-only: the hidden states stay in the
         model dtype), multiplied in csrc/packed_gemm.cpp; the lookup keeps the plain table. Needs
-        native.bf16_gemm_usable() (AVX-512)."""
+        native.packed_gemm_usable() (AVX-512)."""
         qweight, self.scale = quantize_rows(self.weight)
         self.head_int8_packed = native.w8a8_pack(qweight)
 
     def quantize_int8(self) -> None:
-        """int8 rows with one fp32 scale each, for the lookup and the LM head alike (the plain one is freed)."""
+        """int8 rows with one fp32 scale each, for the lookup and the LM head alike (the plain one is freed): packed for
+        csrc/packed_gemm.cpp where it runs (int8_packed_ok), else row-major for int8_linear's torch paths."""
         self.dtype = self.weight.dtype
-        self.qweight, self.scale = quantize_rows(self.weight)
+        qweight, self.scale = quantize_rows(self.weight)
+        if int8_packed_ok(self.weight):
+            self.head_int8_packed = native.w8a8_pack(qweight)
+        else:
+            self.qweight = qweight
         self.weight = None

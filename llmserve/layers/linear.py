@@ -63,13 +63,19 @@ class Linear(nn.Module):
         self.wsum: torch.Tensor | None = None  # int32 [out]: row sums of the int8 weight, for int8 activations (w8a8)
         self.w8a8_packed: torch.Tensor | None = None  # w8a8: the int8 weight in the kernel's block layout (no qweight)
         self.bf16_packed: torch.Tensor | None = None  # bf16 on AVX-512 without AMX: csrc/packed_gemm.cpp's layout (only)
+        # int8 weight-only where csrc/packed_gemm.cpp runs: the int8 weight in w8a8_pack's layout (no qweight), see
+        # quantize_int8
+        self.int8_packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.wsum is not None:
-            y = native.w8a8_linear(x.reshape(-1, self.in_features), self.w8a8_packed, self.scale, self.wsum, self.bias)
-            return y.reshape(*x.shape[:-1], self.out_features)
-        if self.bf16_packed is not None:
-            y = native.bf16_gemm(x.reshape(-1, self.in_features), self.bf16_packed, self.out_features, self.bias)
+        if self.wsum is not None or self.bf16_packed is not None or self.int8_packed is not None:
+            x2 = x.reshape(-1, self.in_features)  # the packed-weight kernels take [M, K]
+            if self.wsum is not None:
+                y = native.w8a8_linear(x2, self.w8a8_packed, self.scale, self.wsum, self.bias)
+            elif self.bf16_packed is not None:
+                y = native.bf16_gemm(x2, self.bf16_packed, self.out_features, self.bias)
+            else:
+                y = native.int8w_gemm(x2, self.int8_packed, self.scale, self.bias)
             return y.reshape(*x.shape[:-1], self.out_features)
         if self.qweight is not None:
             return int8_linear(x, self.qweight, self.scale, self.bias)
@@ -96,8 +102,13 @@ class Linear(nn.Module):
             self.weight = None
 
     def quantize_int8(self) -> None:
-        """Replace the weight by int8 with one symmetric fp32 scale per output row (the plain one is freed)."""
-        self.qweight, self.scale = quantize_rows(self.weight)
+        """Replace the weight by int8 with one symmetric fp32 scale per output row (the plain one is freed): packed for
+        csrc/packed_gemm.cpp where it runs (int8_packed_ok), else kept row-major for int8_linear's torch paths."""
+        qweight, self.scale = quantize_rows(self.weight)
+        if int8_packed_ok(self.weight):
+            self.int8_packed = native.w8a8_pack(qweight)
+        else:
+            self.qweight = qweight
         self.weight = None
 
     def quantize_w8a8(self) -> None:
@@ -134,7 +145,16 @@ def bf16_gemm_ok(weight: torch.Tensor) -> bool:
     former matrix-vector kernel; memory-bound); 4: 11.9 vs 16.3; 16: 23.0 vs 36.2; 64: 71.9 vs 111.5; 95: 98
     vs 150; 128: 106 vs 130 (fp32); 512: 416 vs 434), and keeps one bf16 copy where those kept two."""
     return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and fp32_compute_for_bf16()
-            and native.bf16_gemm_usable())
+            and native.packed_gemm_usable())
+
+
+def int8_packed_ok(weight: torch.Tensor) -> bool:
+    """Whether weight-only int8 of this weight runs in csrc/packed_gemm.cpp (int8w_gemm): a CPU with AVX-512, the
+    extension built, a bf16 or fp32 model. There it beats the former int8 matrix-vector kernel at every batch size and
+    torch's int8 matmul 1.8-1.9x (SmolLM2-135M's 30 decoders, 2-core AVX512-BF16 Xeon, best of 3, ms: M = 1: 5.0 vs
+    5.2 vs 9.6; 16: 19.7 vs 20.3 vs 38.9; 64: 68 vs 73 vs 124), and beyond 64 rows nothing is dequantized per call."""
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+            and native.packed_gemm_usable())
 
 
 # Without the native kernels (bf16_gemm_ok false), a bf16 matmul of at least this many rows runs in fp32 on CPUs
@@ -159,12 +179,10 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
 
 
-# Which int8 path runs, by rows, from measurements on a 2-core AVX512-BF16 CPU (a whole decoder's
-# linears per step): the native VNNI kernel up to 32 rows (M = 1: 7.8 ms vs 13-15 for oneDNN bf16;
-# M = 16: 27 vs ~33); then, for bf16 activations, torch's int8 matmul up to 64 rows (at 16-36 rows
-# 2-5x faster than dequantizing); beyond, and for fp32/fp16, the weight dequantized into a matmul,
-# in fp32 for bf16 activations where that is faster (see FP32_COMPUTE_MIN_ROWS).
-INT8_KERNEL_MAX_ROWS = 32
+# Which int8 path runs where the packed kernel does not (int8_packed_ok false: CUDA, CPUs without AVX-512), by rows:
+# for bf16 activations torch's int8 matmul up to 64 rows (at 16-36 rows 2-5x faster than dequantizing); beyond, and
+# for fp32/fp16, the weight dequantized into a matmul, in fp32 for bf16 activations where that is faster (see
+# FP32_COMPUTE_MIN_ROWS).
 INT8PACK_MAX_ROWS = 64
 
 
@@ -173,11 +191,9 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     """(x @ qweight.T) * scale (+ bias), x: [M, in] -> [M, out] in x's dtype."""
     rows = x.shape[0] if x.dim() == 2 else None
     if x.device.type == "cpu" and rows is not None:
-        if rows <= INT8_KERNEL_MAX_ROWS:
-            y = native.int8_linear(x, qweight, scale, bias)
-            if y is not None:
-                return y
-        if x.dtype == torch.bfloat16 and rows <= INT8PACK_MAX_ROWS and hasattr(torch, "_weight_int8pack_mm"):
+        # torch's int8 matmul reads K in steps of 16: other widths crash it (segfault, torch 2.13)
+        if (x.dtype == torch.bfloat16 and rows <= INT8PACK_MAX_ROWS and qweight.shape[1] % 16 == 0
+                and hasattr(torch, "_weight_int8pack_mm")):
             y = torch._weight_int8pack_mm(x.contiguous(), qweight, scale.to(x.dtype))
             return y if bias is None else y + bias
         if x.dtype == torch.bfloat16 and rows >= FP32_COMPUTE_MIN_ROWS and fp32_compute_for_bf16():

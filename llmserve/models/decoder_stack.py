@@ -9,7 +9,7 @@ token of a 36-token prompt from 24-26 to 19 ms in w8a8, 47-49 to 43 in bf16.
 
 It covers every architecture here (Llama, Mistral, Qwen2, Qwen3's per-head q/k norm) with: linears in
 csrc/packed_gemm.cpp's or csrc/w8a8_linear.cpp's layout (bf16 models on AVX-512 CPUs without AMX, and --quantization
-w8a8), a cache paged_decode reads, for steps with prefill chunks native prefill attention (AVX-512, head_dim % 16 ==
+int8 or w8a8 on AVX-512 CPUs), a cache paged_decode reads, for steps with prefill chunks native prefill attention (AVX-512, head_dim % 16 ==
 0), and the native kernels enabled (not LLMSERVE_ATTENTION=torch, not LLMSERVE_FUSED_OPS=0).
 `LLMSERVE_DECODER_STACK=0` turns it off. Anything else keeps the Python layers, which stay the reference.
 """
@@ -39,6 +39,8 @@ def _linear_args(linear: Linear) -> list[Any] | None:
         return [linear.w8a8_packed, linear.out_features, linear.scale, linear.wsum, linear.bias]
     if linear.bf16_packed is not None:
         return [linear.bf16_packed, linear.out_features, None, None, linear.bias]
+    if linear.int8_packed is not None:
+        return [linear.int8_packed, linear.out_features, linear.scale, None, linear.bias]
     return None
 
 

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmserve.attention import Attention, AttentionMetadata, native
+from llmserve.attention import Attention, AttentionMetadata
 from llmserve.errors import ModelLoadError
 from llmserve.layers.activation import SiluAndMul
 from llmserve.layers.embedding import VocabEmbedding
-from llmserve.layers.linear import Linear, MergedLinear, ShapeMismatch
+from llmserve.layers.linear import Linear, MergedLinear, ShapeMismatch, int8_packed_ok
 from llmserve.layers.norm import RMSNorm
 from llmserve.layers.rotary import RotaryEmbedding, rope_config, rotate_
 from llmserve.models import decoder_stack
@@ -238,11 +238,9 @@ class LlamaForCausalLM(nn.Module):
                 module.quantize_w8a8()
             elif isinstance(module, Linear) or (isinstance(module, VocabEmbedding) and method == "int8"):
                 module.quantize_int8()
-        if method == "w8a8" and native.bf16_gemm_usable() and self.device_type() == "cpu":
-            (self.model.embed_tokens if self.lm_head is None else self.lm_head).quantize_head_int8()
-
-    def device_type(self) -> str:
-        return self.model.norm.weight.device.type
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        if method == "w8a8" and int8_packed_ok(head.weight):
+            head.quantize_head_int8()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fill every parameter from HF-named tensors; each must arrive exactly once with its shape."""

@@ -79,7 +79,7 @@ def load_model(model: str | None, config: EngineConfig) -> LoadedModel:
     net.load_weights(iter_safetensors(safetensors_files(loc.model_dir)))
     if config.quantization is not None:
         net.quantize(config.quantization)
-    if config.quantization == "int8" and not (device.type == "cpu" and native.int8_usable()):
+    if config.quantization == "int8" and not (device.type == "cpu" and native.packed_gemm_usable()):
         log.warning("quantization=int8 has no int8 kernel on %s here: the weights are dequantized at every step, "
                     "which saves memory but runs slower than unquantized weights", device)
     net.eval()

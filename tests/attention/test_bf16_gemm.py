@@ -10,7 +10,7 @@ from llmserve.attention import native
 from llmserve.layers.embedding import VocabEmbedding
 from llmserve.layers.linear import Linear, bf16_gemm_ok
 
-pytestmark = pytest.mark.skipif(not native.bf16_gemm_usable(),
+pytestmark = pytest.mark.skipif(not native.packed_gemm_usable(),
                                 reason="the bf16 GEMM needs the extension and a CPU with AVX-512")
 
 

@@ -9,7 +9,7 @@ import torch
 from llmserve.attention import native
 from llmserve.layers.linear import quantize_rows
 
-pytestmark = pytest.mark.skipif(not native.bf16_gemm_usable(),
+pytestmark = pytest.mark.skipif(not native.packed_gemm_usable(),
                                 reason="the packed GEMM needs the extension and a CPU with AVX-512")
 
 

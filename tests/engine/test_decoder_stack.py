@@ -11,7 +11,7 @@ from llmserve.attention import native
 from llmserve.cpu_features import fp32_compute_for_bf16
 from llmserve.models.llama import LlamaModel
 
-pytestmark = pytest.mark.skipif(not native.bf16_gemm_usable(), reason="the decoder stack needs the native kernels "
+pytestmark = pytest.mark.skipif(not native.packed_gemm_usable(), reason="the decoder stack needs the native kernels "
                                 "and a CPU with AVX-512")
 # bf16 linears are packed for bf16_gemm only on CPUs without AMX (elsewhere oneDNN runs them: no stack)
 BF16_PACKED = fp32_compute_for_bf16()
@@ -50,11 +50,13 @@ def test_bf16_stack_gives_the_python_layers_bits(tiny_model_dir, monkeypatch, ar
     _check_same_bits(tiny_model_dir(arch), monkeypatch, BF16_PACKED, kv_cache_dtype=kv)
 
 
-@needs_w8a8
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])  # w8a8 covers fp32 models too
+@pytest.mark.parametrize("quantization", [pytest.param("w8a8", marks=needs_w8a8), "int8"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])  # int8 weights cover fp32 models too
 @pytest.mark.parametrize("kv", ["auto", "int8"])
-def test_w8a8_stack_gives_the_python_layers_bits(tiny_model_dir, monkeypatch, dtype: str, kv: str) -> None:
-    _check_same_bits(tiny_model_dir("qwen2"), monkeypatch, True, dtype=dtype, quantization="w8a8", kv_cache_dtype=kv)
+def test_int8_weight_stacks_give_the_python_layers_bits(tiny_model_dir, monkeypatch, quantization: str, dtype: str,
+                                                        kv: str) -> None:
+    _check_same_bits(tiny_model_dir("qwen2"), monkeypatch, True, dtype=dtype, quantization=quantization,
+                     kv_cache_dtype=kv)
 
 
 def test_prefix_cache_hits_give_the_same_bits(tiny_model_dir, monkeypatch) -> None:
@@ -83,7 +85,7 @@ def test_preempted_requests_come_back_the_same(tiny_model_dir, monkeypatch) -> N
 
 @pytest.mark.parametrize(("arch", "engine"), [
     ("llama", {"dtype": "float32"}),  # fp32 linears run in oneDNN
-    ("llama", {"quantization": "int8"}),  # weight-only int8 linears
+    ("llama", {"dtype": "float16", "quantization": "int8"}),  # int8 weights under fp16: the torch paths
 ])
 def test_uncovered_models_keep_the_python_layers(tiny_model_dir, monkeypatch, arch: str, engine: dict) -> None:
     ids, _, calls = _run(tiny_model_dir(arch), monkeypatch, True, **engine)

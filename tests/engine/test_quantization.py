@@ -24,10 +24,16 @@ def _first_logprobs(model_dir: str, **engine) -> list[dict[int, float]]:
                                                          **engine)) as pipe:
         modules = list(pipe.engine.runner.model.modules())
         method = engine.get("quantization")
-        assert {m.qweight is not None for m in modules if isinstance(m, Linear)} == {method == "int8"}
+        # int8: packed for csrc/packed_gemm.cpp where it runs, else row-major int8
+        assert {m.qweight is not None or m.int8_packed is not None
+                for m in modules if isinstance(m, Linear)} == {method == "int8"}
         assert {m.w8a8_packed is not None and m.wsum is not None
                 for m in modules if isinstance(m, Linear)} == {method == "w8a8"}
-        assert {m.qweight is not None for m in modules if isinstance(m, VocabEmbedding)} == {method == "int8"}
+        model = pipe.engine.runner.model
+        embed, head = model.model.embed_tokens, model.lm_head or model.model.embed_tokens
+        assert (embed.weight is None) == (method == "int8")  # int8 quantizes the lookup table too, w8a8 keeps it
+        assert isinstance(head, VocabEmbedding)
+        assert (head.qweight is not None or head.head_int8_packed is not None) == (method is not None)  # LM head
         out = pipe([{"input_ids": p} for p in PROMPTS], gen_config=FIRST, do_preprocess=False)
     return [o.logprobs[0] for o in out]
 

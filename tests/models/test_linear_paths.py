@@ -25,7 +25,7 @@ def _bf16_layer(bias: bool) -> Linear:
 def fp32_policy(monkeypatch: pytest.MonkeyPatch):
     """Set the fp32-compute policy for one test (it is cached per process), with the native bf16 GEMM unavailable
     (as where the extension does not build): the paths under test are the fallbacks."""
-    monkeypatch.setattr(native, "bf16_gemm_usable", lambda: False)
+    monkeypatch.setattr(native, "packed_gemm_usable", lambda: False)
 
     def set_policy(on: bool) -> None:
         monkeypatch.setenv("LLMSERVE_BF16_FP32_COMPUTE", "1" if on else "0")

@@ -76,11 +76,6 @@ LLMSERVE_AVX512 inline void storeu16(c10::BFloat16* p, __m512 v, __mmask16 m) {
 
 inline __mmask16 tail_mask16(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
 
-// The int8 weight-only matrix-vector kernel (int8_linear.cpp) prefetches its weight rows this far ahead: the rows
-// are short (hidden sizes of a few KB), so the hardware streamers stop at every row end; 8 KB ahead measured
-// 1.3-1.7x over none at one row.
-constexpr int64_t kGemvPrefetchBytes = 8192;
-
 // The packed-weight GEMMs' weight layout: src [N, K] row-major -> dst [ceil(N / 16), ceil(K / group), 16, group], for
 // each block of 16 output rows the columns in groups, each group holding its `group` elements of the 16 rows. dst
 // must come zeroed (the padding past N and K stays 0).

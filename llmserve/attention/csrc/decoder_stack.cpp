@@ -7,7 +7,7 @@
 // views, checks, about 15 ops per layer over 30 layers) on a 2-core CPU. Here the layers run without the interpreter,
 // and without holding the GIL, so a server's event loop keeps running during the step.
 //
-// Only what the kernels cover is built here (llmserve/models/decoder_stack.py decides): bf16-packed or w8a8 linears,
+// Only what the kernels cover is built here (llmserve/models/decoder_stack.py decides): bf16 or int8 packed linears,
 // no per-head q/k norm, a cache paged_decode reads (and prefill_attention, for steps with prefill chunks).
 
 #include <torch/extension.h>
@@ -22,16 +22,18 @@
 
 namespace {
 
-// One projection: bf16 weights in bf16_pack's layout (bf16_gemm), or int8 in w8a8_pack's (w8a8_linear).
+// One projection: bf16 weights in bf16_pack's layout (bf16_gemm), or int8 in w8a8_pack's, with int8 activations
+// (w8a8_linear, given the weight's row sums) or weight-only (int8w_gemm).
 struct StackLinear {
   torch::Tensor packed;
   int64_t n = 0;
-  torch::Tensor scale, wsum;          // w8a8 only
+  torch::Tensor scale;                // int8 weights
+  c10::optional<torch::Tensor> wsum;  // w8a8
   c10::optional<torch::Tensor> bias;  // fp32
 
-  bool w8a8() const { return packed.scalar_type() == at::kChar; }
   torch::Tensor operator()(const torch::Tensor& x) const {
-    return w8a8() ? w8a8_linear(x, packed, scale, wsum, bias) : bf16_gemm(x, packed, n, bias);
+    if (packed.scalar_type() != at::kChar) return bf16_gemm(x, packed, n, bias);
+    return wsum.has_value() ? w8a8_linear(x, packed, scale, *wsum, bias) : int8w_gemm(x, packed, scale, bias);
   }
 };
 
@@ -56,7 +58,7 @@ class DecoderStack {
                 "DecoderStack: heads must be a multiple of kv_heads, head_dim even");
   }
 
-  // A linear's arguments: packed weight, outputs, (w8a8) scale and wsum or None, bias or None.
+  // A linear's arguments: packed weight, outputs, scale (int8) or None, wsum (w8a8) or None, bias or None.
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, const std::vector<py::object>& qkv,
                  const std::vector<py::object>& o, const std::vector<py::object>& gate_up,
                  const std::vector<py::object>& down, c10::optional<torch::Tensor> q_norm,
@@ -172,10 +174,10 @@ class DecoderStack {
                 expected_n);
     TORCH_CHECK(l.packed.scalar_type() == at::kChar || l.packed.scalar_type() == at::kBFloat16,
                 "DecoderStack: ", what, " must be bf16_pack'ed or w8a8_pack'ed");
-    if (l.w8a8()) {
-      TORCH_CHECK(!args[2].is_none() && !args[3].is_none(), "DecoderStack: w8a8 ", what, " needs scale and wsum");
+    if (l.packed.scalar_type() == at::kChar) {
+      TORCH_CHECK(!args[2].is_none(), "DecoderStack: int8 ", what, " needs its scale");
       l.scale = args[2].cast<torch::Tensor>();
-      l.wsum = args[3].cast<torch::Tensor>();
+      if (!args[3].is_none()) l.wsum = args[3].cast<torch::Tensor>();
     }
     if (!args[4].is_none()) l.bias = args[4].cast<torch::Tensor>().to(at::kFloat).contiguous();
     return l;

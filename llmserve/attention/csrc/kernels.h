@@ -33,10 +33,6 @@ bool bf16_gemm_supported();
 torch::Tensor bf16_pack(torch::Tensor weight);
 torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias);
 torch::Tensor int8w_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, c10::optional<torch::Tensor> bias);
-// int8_linear.cpp
-bool int8_linear_supported();
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale,
-                          c10::optional<torch::Tensor> bias, bool allow_vnni);
 
 // decoder_stack.cpp
 void bind_decoder_stack(pybind11::module_& m);

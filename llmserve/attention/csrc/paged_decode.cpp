@@ -613,10 +613,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "copy K/V rows into a 16- or 32-bit cache at their slots (converted as .to())");
   m.def("rotary_", &rotary_, "Rotary embedding in place on [T, heads, D] (CPU)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = weight * rms_norm(residual), in place (CPU)");
-  m.def("int8_linear_supported", &int8_linear_supported, "whether this CPU runs int8_linear (AVX-512 F, BW, VL)");
-  m.def("int8_linear", &int8_linear, "(x @ Wq^T) * scale (+ bias), int8 weights, small M (CPU, AVX-512)",
-        py::arg("x"), py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none(),
-        py::arg("allow_vnni") = true);
   m.def("w8a8_linear_supported", &w8a8_linear_supported, "whether this CPU runs w8a8_linear (AVX-512 with VNNI)");
   m.def("prefill_attention_supported", &prefill_attention_supported, "whether prefill_attention runs here (AVX-512)");
   m.def("prefill_attention", &prefill_attention, "causal prefill attention of every span of a step (CPU, AVX-512)",
