@@ -19,9 +19,10 @@ def _exact(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Te
 
 
 # every register tile shape (1-6 rows by 1-4 blocks), K not a multiple of 4 (a padded group), N not a multiple of
-# 16, more rows than a work chunk (240), and chunks of >= 96 rows (weights widened once per chunk)
+# 16, more rows than a work chunk (240), and chunks of >= 24 rows (weights widened once per chunk)
 @pytest.mark.parametrize("rows,in_f,out_f", [(1, 576, 960), (2, 101, 33), (3, 1536, 576), (4, 37, 17), (5, 64, 16),
-                                             (6, 7, 70), (13, 202, 100), (130, 576, 260), (487, 70, 90)])
+                                             (6, 7, 70), (13, 202, 100), (40, 130, 50), (130, 576, 260),
+                                             (487, 70, 90)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_is_the_exact_product_rounded_once(rows: int, in_f: int, out_f: int, dtype: torch.dtype,
@@ -39,8 +40,8 @@ def test_kernel_is_the_exact_product_rounded_once(rows: int, in_f: int, out_f: i
 
 
 def test_rows_do_not_depend_on_each_other() -> None:
-    """300 rows run chunks of 150 on the widened path, one row the registers-only tile: the same sums in the same
-    order, so a request's logits do not depend on its batch."""
+    """300 rows run chunks of 150 and 30 rows one chunk on the widened path, one row the registers-only tile: the same
+    sums in the same order, so a request's logits do not depend on its batch."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(300, 300, generator=g).bfloat16()
     q, scale = quantize_rows(torch.randn(50, 300, generator=g))
@@ -48,6 +49,7 @@ def test_rows_do_not_depend_on_each_other() -> None:
     full = native.int8w_gemm(x, packed, scale, None)
     for i in (0, 151, 299):
         assert torch.equal(native.int8w_gemm(x[i:i + 1], packed, scale, None)[0], full[i])
+    assert torch.equal(native.int8w_gemm(x[:30], packed, scale, None), full[:30])
 
 
 def test_no_rows_and_refusals() -> None:

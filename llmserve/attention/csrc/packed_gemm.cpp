@@ -31,6 +31,7 @@ constexpr int64_t kBlockRows = 16;   // outputs per packed block
 struct Bf16Weights {
   using T = uint16_t;
   static constexpr int kGroup = 2;
+  static constexpr int64_t kWideMinRows = 96;  // see "Chunks of at least" below
   LLMSERVE_AVX512 static __m512 widen(__m512i v, int c) {  // column 0: the low bf16, shifted up; 1: the high, masked
     return _mm512_castsi512_ps(c == 0 ? _mm512_slli_epi32(v, 16)
                                       : _mm512_and_si512(v, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
@@ -39,6 +40,10 @@ struct Bf16Weights {
 struct Int8Weights {
   using T = int8_t;
   static constexpr int kGroup = 4;
+  // Widening int8 takes three ops per column against bf16's one, so it pays to widen once per chunk from fewer rows:
+  // SmolLM2's decoders and LM head, best of 3, ms (registers only / widened per chunk): 16 rows 23.4-23.8 / 24.2-24.4;
+  // 24: 32.6-32.7 / 30.7-31.6; 32: 43.8-43.9 / 40.1-40.9; 64: 83.0-83.7 / 65.9-67.2.
+  static constexpr int64_t kWideMinRows = 24;
   LLMSERVE_AVX512 static __m512 widen(__m512i v, int c) {  // byte c of each lane, sign-extended
     return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * c), 24));
   }
@@ -103,7 +108,7 @@ LLMSERVE_AVX512 __attribute__((optimize("no-tree-pre"))) void tile(const float* 
   store_tile<MR, NR>(acc, i0, n0, N, e, y);
 }
 
-// The same tile over fp32 weights widened beforehand (widen_blocks) for columns [k0, k0 + kn): chunks of kWideMinRows
+// The same tile over fp32 weights widened beforehand (widen_blocks) for columns [k0, k0 + kn): chunks of F::kWideMinRows
 // rows and more widen each block once per chunk instead of once per tile, so the loop is loads, broadcasts and FMAs only.
 // The sums run over k in the same order with the same FMAs, carried in acc (fp32, row stride kAccStride) between
 // column chunks, so the result is bit for bit the narrow tile's.
@@ -147,10 +152,9 @@ LLMSERVE_AVX512 void widen_blocks(const typename F::T* w, int64_t block_elems, i
 }
 
 constexpr int64_t kWideColumns = 128;  // columns widened at once: 4 blocks x 128 columns x 16 fp32 = 32 KB (L1)
-// Chunks of at least this many rows take the widened path. SmolLM2's decoders, best of 5, alternated with the
+// Chunks of at least F::kWideMinRows rows take the widened path. bf16: SmolLM2's decoders, best of 5, alternated with the
 // registers-only path: 256-1,024 rows 284-287 GFLOP/s against 260-267; 64-128 rows the same; 16-36 rows 10-25%
 // slower (each column chunk reloads the partial sums, and too few tiles share a widening).
-constexpr int64_t kWideMinRows = 96;
 
 // rows of x -> fp32, ld per row (the padding columns 0)
 template <typename X>
@@ -182,11 +186,11 @@ torch::Tensor packed_gemm(const torch::Tensor& x, const torch::Tensor& packed, i
   X* yp = y.data_ptr<X>();
   for_each_tile_group(M, NB, kChunkRows, kTileRows, kTileBlocks, [&](int64_t rows) {
     // per thread: widened weights of a tile's blocks, and the chunk's partial sums between column chunks
-    const bool wide = rows >= kWideMinRows;
+    const bool wide = rows >= F::kWideMinRows;
     return [&, wf = std::vector<float>(wide ? kTileBlocks * kWideColumns * kBlockRows : 0),
             acc = std::vector<float>(wide ? rows * kAccStride : 0)](int64_t m0, int64_t m1, int64_t blk,
                                                                      int nr) mutable {
-      if (m1 - m0 < kWideMinRows) {  // widen in registers, each tile on its own
+      if (m1 - m0 < F::kWideMinRows) {  // widen in registers, each tile on its own
         for (int64_t i = m0; i < m1; i += kTileRows)
           dispatch_tile<kTileRows, kTileBlocks>(static_cast<int>(std::min<int64_t>(kTileRows, m1 - i)), nr,
                                                 [&](auto mr, auto nb) {
