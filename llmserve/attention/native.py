@@ -162,6 +162,13 @@ def fused_ops_enabled() -> bool:
     return os.environ.get("LLMSERVE_FUSED_OPS", "1") != "0"
 
 
+def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] (fp32/bf16/fp16, CPU) -> (int8 [N, K], fp32 scales [N]), symmetric per row, byte for byte
+    layers.linear.quantize_rows_torch. Needs load()."""
+    q, scale = _module.quantize_rows_int8(weight)
+    return q, scale
+
+
 def w8a8_pack(qweight: torch.Tensor) -> torch.Tensor:
     """int8 [N, K] weight -> the block layout w8a8_linear reads: [ceil(N/16), ceil(K/4), 16, 4] int8, for each 16
     output rows the columns in groups of 4 (zero padded). Needs w8a8_usable()."""

@@ -173,7 +173,16 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[rows, cols] -> (int8 [rows, cols], fp32 [rows]): symmetric, each row's max |w| -> 127."""
+    """[rows, cols] -> (int8 [rows, cols], fp32 [rows]): symmetric, each row's max |w| -> 127. On CPU one native pass
+    (native.quantize_rows_int8: the same bytes) where the extension is built."""
+    if weight.device.type == "cpu" and weight.dim() == 2 and native.load() is not None:
+        q, scale = native.quantize_rows_int8(weight.detach())
+        return q, scale
+    return quantize_rows_torch(weight)
+
+
+def quantize_rows_torch(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows in torch ops (CUDA; the reference of the native pass)."""
     w = weight.detach().float()
     scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
     return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale

@@ -88,3 +88,19 @@ def test_int8_embedding_looks_up_and_projects_the_same_rows(packed: bool, monkey
     hidden = torch.randn(4, 37).bfloat16()
     want = hidden.float() @ (q.float() * scale[:, None]).T
     torch.testing.assert_close(emb.logits(hidden), want, rtol=2e-2, atol=1e-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_quantize_rows_gives_the_torch_bytes(dtype: torch.dtype) -> None:
+    if native.load() is None:
+        pytest.skip("needs the extension")
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(70, 301, generator=g) * torch.rand(70, 1, generator=g) * 3
+    w[3] = 0  # an all-zero row: the 1e-12 floor
+    w[4, :] = torch.arange(301) - 150.0  # max 150: many values land on exact half steps (ties round to even)
+    w[5, :] = 1e-20  # tiny: the floor again, every value rounds to 0
+    w = w.to(dtype)
+    q, scale = native.quantize_rows_int8(w)
+    q_ref, scale_ref = lin.quantize_rows_torch(w)
+    assert torch.equal(scale, scale_ref) and torch.equal(q, q_ref)
+    assert torch.equal(lin.quantize_rows(w)[0], q_ref)  # the layers use the native pass on CPU

@@ -84,9 +84,12 @@ inline void pack_blocks(const T* src, int64_t N, int64_t K, int64_t group, T* ds
   const int64_t NB = (N + 15) / 16, G = (K + group - 1) / group;
   at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
-      for (int64_t r = 0; r < 16 && b * 16 + r < N; ++r)
-        for (int64_t k = 0; k < K; ++k)
-          dst[((b * G + k / group) * 16 + r) * group + k % group] = src[(b * 16 + r) * K + k];
+      for (int64_t r = 0; r < 16 && b * 16 + r < N; ++r) {
+        const T* row = src + (b * 16 + r) * K;
+        T* out = dst + (b * G * 16 + r) * group;  // group g of this row at out + g * 16 * group
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t j = 0; j < group && g * group + j < K; ++j) out[g * 16 * group + j] = row[g * group + j];
+      }
   });
 }
 

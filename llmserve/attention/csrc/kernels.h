@@ -26,6 +26,7 @@ void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch:
 // w8a8_linear.cpp
 bool w8a8_linear_supported();
 torch::Tensor w8a8_pack(torch::Tensor qweight);
+std::vector<torch::Tensor> quantize_rows_int8(torch::Tensor weight);
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, torch::Tensor wsum,
                           c10::optional<torch::Tensor> bias);
 // packed_gemm.cpp
