@@ -93,6 +93,18 @@ inline void pack_blocks(const T* src, int64_t N, int64_t K, int64_t group, T* ds
   });
 }
 
+// weight [N, K] of `type` (T's bytes) on the CPU -> a new zeroed [ceil(N / 16), ceil(K / group), 16, group] tensor filled by
+// pack_blocks: bf16_pack and w8a8_pack. `refusal`: the message for any other weight.
+template <typename T>
+inline at::Tensor pack_weight_blocks(const at::Tensor& weight, at::ScalarType type, int64_t group, const char* refusal) {
+  TORCH_CHECK(weight.scalar_type() == type && weight.dim() == 2 && weight.device().is_cpu(), refusal);
+  const auto w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1);
+  auto packed = at::zeros({(N + 15) / 16, (K + group - 1) / group, 16, group}, w.options());
+  pack_blocks(static_cast<const T*>(w.data_ptr()), N, K, group, static_cast<T*>(packed.data_ptr()));
+  return packed;
+}
+
 // The work split of the packed-weight GEMMs (w8a8_linear.cpp, packed_gemm.cpp). The M rows of x are cut into balanced
 // chunks of at most max_rows (a multiple of tile_rows; a chunk's rows of x stay in L2), and the work units are
 // (chunk, packed block of 16 outputs), chunk-major: each thread takes a contiguous run of them, so at a few rows the

@@ -230,14 +230,8 @@ bool bf16_gemm_supported() { return cpu_has_avx512(); }
 // weight [N, K] bf16 -> [ceil(N / 16), ceil(K / 2), 16, 2] bf16: per block of 16 output rows, the columns in pairs,
 // each pair holding its 2 elements of the 16 rows; zero past N and K.
 torch::Tensor bf16_pack(torch::Tensor weight) {
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.device().is_cpu(),
-              "bf16_pack: weight must be bf16 [N, K] on the CPU");
-  const auto w = weight.contiguous();
-  const int64_t N = w.size(0), K = w.size(1), NB = (N + kBlockRows - 1) / kBlockRows, K2 = (K + 1) / 2;
-  auto packed = torch::zeros({NB, K2, kBlockRows, 2}, w.options());
-  pack_blocks(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), N, K, 2,
-              reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>()));
-  return packed;
+  return pack_weight_blocks<uint16_t>(weight, at::kBFloat16, Bf16Weights::kGroup,
+                                      "bf16_pack: weight must be bf16 [N, K] on the CPU");
 }
 
 // x [M, K] bf16; packed: bf16_pack of the weight [N, K]; n: N; bias [N] (any float dtype) or None -> [M, N] bf16.

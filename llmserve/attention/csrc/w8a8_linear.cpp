@@ -223,13 +223,7 @@ bool w8a8_linear_supported() {
 // qweight [N, K] int8 -> [ceil(N / 16), ceil(K / 4), 16, 4] int8: for each block of 16 output rows, the
 // columns in groups of 4, each group holding its 4 bytes of the 16 rows; zero past N and K.
 torch::Tensor w8a8_pack(torch::Tensor qweight) {
-  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 2 && qweight.device().is_cpu(),
-              "w8a8_pack: qweight must be int8 [N, K] on the CPU");
-  const auto w = qweight.contiguous();
-  const int64_t N = w.size(0), K = w.size(1), NB = (N + kBlockRows - 1) / kBlockRows, G = (K + 3) / 4;
-  auto packed = torch::zeros({NB, G, kBlockRows, 4}, w.options());
-  pack_blocks(w.data_ptr<int8_t>(), N, K, 4, packed.data_ptr<int8_t>());
-  return packed;
+  return pack_weight_blocks<int8_t>(qweight, at::kChar, 4, "w8a8_pack: qweight must be int8 [N, K] on the CPU");
 }
 
 // x [M, K] fp32 or bf16; packed: w8a8_pack of the int8 weight [N, K]; w_scale [N] fp32; wsum [N] int32 (row
