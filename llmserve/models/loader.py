@@ -28,6 +28,7 @@ from torch import nn
 from llmserve.attention import native
 from llmserve.config import EngineConfig
 from llmserve.errors import InvalidRequestError, ModelLoadError
+from llmserve.layers.linear import int8_packed_ok
 from llmserve.layers.rotary import rope_config, rope_max_positions
 from llmserve.models import model_config
 from llmserve.models.gguf_loader import gguf_to_hf_dir
@@ -79,9 +80,10 @@ def load_model(model: str | None, config: EngineConfig) -> LoadedModel:
     net.load_weights(iter_safetensors(safetensors_files(loc.model_dir)))
     if config.quantization is not None:
         net.quantize(config.quantization)
-    if config.quantization == "int8" and not (device.type == "cpu" and native.packed_gemm_usable()):
-        log.warning("quantization=int8 has no int8 kernel on %s here: the weights are dequantized at every step, "
-                    "which saves memory but runs slower than unquantized weights", device)
+    if config.quantization == "int8" and not int8_packed_ok(torch.empty(0, dtype=dtype, device=device)):
+        log.warning("quantization=int8 has no packed int8 kernel for %s on %s here: small bf16 batches use torch's "
+                    "int8 matmul and the rest dequantize the weights at every step, which saves memory but runs "
+                    "slower than unquantized weights", dtype, device)
     net.eval()
     tokenizer = load_tokenizer(loc.model_dir, config.trust_remote_code, hf_config)
     generation = read_generation_config(loc.model_dir)

@@ -106,3 +106,13 @@ def test_w8a8_without_vnni_or_kernels_says_which(tiny_model_dir, monkeypatch: py
     with pytest.raises(InvalidRequestError, match=message):
         with pipeline(tiny_model_dir("llama"), backend_config=EngineConfig(dtype="float32", quantization="w8a8")):
             pass
+
+
+def test_int8_without_the_packed_kernel_says_so(tiny_model_dir, caplog) -> None:
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="llmserve.models.loader"):
+        config = EngineConfig(dtype="float16", quantization="int8", num_blocks=16)  # the packed GEMM: fp32/bf16 only
+        with pipeline(tiny_model_dir("llama"), backend_config=config) as pipe:
+            out = pipe([{"input_ids": [5, 6, 7]}], max_new_tokens=2, ignore_eos=True, do_preprocess=False)
+    assert "no packed int8 kernel for torch.float16" in caplog.text and len(out[0].token_ids) == 2
