@@ -21,6 +21,24 @@ def tiny(tiny_model_dir: Callable[[str], str]) -> Iterator[EngineHandle]:
 
 
 @pytest.fixture(scope="session")
+def stack_tiny(tiny_model_dir: Callable[[str], str]) -> Iterator[EngineHandle]:
+    """The same model in bf16 with w8a8 linears: its steps run in the native decoder stack, which releases the GIL."""
+    from llmserve.attention import native
+
+    if not native.w8a8_usable():
+        pytest.skip("the decoder stack's w8a8 path needs a CPU with AVX-512 and VNNI")
+    with engine_for(tiny_model_dir("llama"), name="tiny-llama", dtype="bfloat16", quantization="w8a8",
+                    **TINY_ENGINE) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="session")
+def stack_server(stack_tiny: EngineHandle) -> Iterator[RunningServer]:
+    with running_server(stack_tiny, enable_debug_routes=True) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
 def server(tiny: EngineHandle) -> Iterator[RunningServer]:
     with running_server(tiny, enable_debug_routes=True) as s:
         yield s

@@ -75,7 +75,7 @@ class EngineHandle:
 
 @contextmanager
 def engine_for(model: str | None, name: str | None = None, **engine_kwargs: Any) -> Iterator[EngineHandle]:
-    config = EngineConfig(dtype="float32", **engine_kwargs)
+    config = EngineConfig(**{"dtype": "float32", **engine_kwargs})
     loaded = load_model(model, config)
     llm = LLMEngine(loaded, config)
     engine = AsyncEngine(llm)

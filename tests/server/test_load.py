@@ -1,6 +1,7 @@
 """Load: 64 concurrent streaming clients get complete, correct answers (each equal to the greedy
 answer of the same request sent alone) while 16 more leave mid-stream; afterwards no KV block is in
-use, the pool's invariants hold, and /metrics adds up."""
+use, the pool's invariants hold, and /metrics adds up. Once on the Python layers (fp32), once in the
+native decoder stack (bf16, w8a8), whose steps run without the GIL beside the server's event loop."""
 
 from __future__ import annotations
 
@@ -56,6 +57,15 @@ async def _run_all(url: str) -> tuple[list[dict], list[dict]]:
 
 
 def test_64_streams_with_16_leavers(server: RunningServer, tiny: EngineHandle) -> None:
+    _check_load(server, tiny)
+
+
+def test_64_streams_with_16_leavers_in_the_decoder_stack(stack_server: RunningServer, stack_tiny: EngineHandle) -> None:
+    _check_load(stack_server, stack_tiny)
+    assert stack_tiny.call(lambda e: e.runner.model.model._stack is not None)  # the steps ran in the stack
+
+
+def _check_load(server: RunningServer, tiny: EngineHandle) -> None:
     alone = []
     for i in range(NUM_CLIENTS):  # reference: one at a time
         r = httpx.post(server.url + "/v1/chat/completions", json=_request(i), timeout=60).json()
