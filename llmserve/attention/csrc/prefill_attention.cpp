@@ -40,8 +40,7 @@ namespace {
 
 constexpr int64_t kTileTokens = 16;  // query tokens per work item: one vector of lanes per head
 constexpr int64_t kKeyBlock = 64;    // keys per softmax block
-constexpr int kKeysPerPass = 8;      // keys of S^T in registers at once
-constexpr int kDimsPerPass = 8;      // dimensions of O^T in registers at once
+constexpr int kRowsPerPass = 8;      // rows of S^T (keys) or O^T (dimensions) in registers at once
 constexpr int kMaxRowVecs = 3;       // 16-row vectors in registers at once (8 x 3 = 24 accumulators)
 
 // A source of K or V rows: element (key j, dimension d) at rows[j] + d, times scale[j] for an int8 cache.
@@ -72,46 +71,31 @@ LLMSERVE_AVX512 void widen_rows(const Rows<T>& src, int64_t j0, int64_t n, int64
   }
 }
 
-// S^T[j, v] for keys j in [0, n8) (n8 a multiple of 8) and row vectors v in [v0, v0 + RV): sum_d K[j, d] Q^T[d, v].
-// no-tree-pre (both passes): GCC 12 otherwise keeps the accumulators on the stack, see w8a8_linear.cpp.
+// The two products of the attention, as one register-tiled pass: out[r, v] (+)= sum_s a[r * row_stride + s * sum_stride]
+// b[s, v] for rows r in [0, rows) (a multiple of kRowsPerPass) and row vectors v in [v0, v0 + RV); out and b are
+// [.., V, 16]. Scores: S^T[j, v] = sum_d K[j, d] Q^T[d, v] (a = K, row_stride D, sum_stride 1, out zeroed first).
+// Values: O^T[d, v] += sum_j V[j, d] P^T[j, v] (a = V, row_stride 1, sum_stride D, accumulated).
+// no-tree-pre: GCC 12 otherwise keeps the accumulators on the stack, see w8a8_linear.cpp.
 template <int RV>
-LLMSERVE_AVX512 __attribute__((optimize("no-tree-pre"))) void scores_pass(const float* kf, const float* qt, int64_t D, int64_t V, int64_t n8, int64_t v0,
-                                 float* st) {
-  for (int64_t j = 0; j < n8; j += kKeysPerPass) {
-    __m512 acc[kKeysPerPass][RV];
-    _Pragma("GCC unroll 8") for (int k = 0; k < kKeysPerPass; ++k)
-      _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v) acc[k][v] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; ++d) {
-      __m512 qv[RV];
-      _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v) qv[v] = _mm512_loadu_ps(qt + (d * V + v0 + v) * 16);
-      _Pragma("GCC unroll 8") for (int k = 0; k < kKeysPerPass; ++k) {
-        const __m512 kb = _mm512_set1_ps(kf[(j + k) * D + d]);
-        _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v) acc[k][v] = _mm512_fmadd_ps(kb, qv[v], acc[k][v]);
+LLMSERVE_AVX512 __attribute__((optimize("no-tree-pre"))) void tile_pass(const float* a, int64_t row_stride,
+                                                                      int64_t sum_stride, int64_t rows, int64_t sums,
+                                                                      const float* b, int64_t V, int64_t v0,
+                                                                      bool accumulate, float* out) {
+  for (int64_t r = 0; r < rows; r += kRowsPerPass) {
+    __m512 acc[kRowsPerPass][RV];
+    _Pragma("GCC unroll 8") for (int k = 0; k < kRowsPerPass; ++k)
+      _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v)
+        acc[k][v] = accumulate ? _mm512_loadu_ps(out + ((r + k) * V + v0 + v) * 16) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < sums; ++i) {
+      __m512 bv[RV];
+      _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v) bv[v] = _mm512_loadu_ps(b + (i * V + v0 + v) * 16);
+      _Pragma("GCC unroll 8") for (int k = 0; k < kRowsPerPass; ++k) {
+        const __m512 ab = _mm512_set1_ps(a[(r + k) * row_stride + i * sum_stride]);
+        _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v) acc[k][v] = _mm512_fmadd_ps(ab, bv[v], acc[k][v]);
       }
     }
-    _Pragma("GCC unroll 8") for (int k = 0; k < kKeysPerPass; ++k)
-      _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v) _mm512_storeu_ps(st + ((j + k) * V + v0 + v) * 16, acc[k][v]);
-  }
-}
-
-// O^T[d, v] += sum_j V[j, d] P^T[j, v] for keys [0, n), dimensions [0, D), row vectors [v0, v0 + RV).
-template <int RV>
-LLMSERVE_AVX512 __attribute__((optimize("no-tree-pre"))) void values_pass(const float* vf, const float* pt, int64_t D, int64_t V, int64_t n, int64_t v0,
-                                 float* ot) {
-  for (int64_t d0 = 0; d0 < D; d0 += kDimsPerPass) {
-    __m512 acc[kDimsPerPass][RV];
-    _Pragma("GCC unroll 8") for (int e = 0; e < kDimsPerPass; ++e)
-      _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v) acc[e][v] = _mm512_loadu_ps(ot + ((d0 + e) * V + v0 + v) * 16);
-    for (int64_t j = 0; j < n; ++j) {
-      __m512 pv[RV];
-      _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v) pv[v] = _mm512_loadu_ps(pt + (j * V + v0 + v) * 16);
-      _Pragma("GCC unroll 8") for (int e = 0; e < kDimsPerPass; ++e) {
-        const __m512 vb = _mm512_set1_ps(vf[j * D + d0 + e]);
-        _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v) acc[e][v] = _mm512_fmadd_ps(vb, pv[v], acc[e][v]);
-      }
-    }
-    _Pragma("GCC unroll 8") for (int e = 0; e < kDimsPerPass; ++e)
-      _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v) _mm512_storeu_ps(ot + ((d0 + e) * V + v0 + v) * 16, acc[e][v]);
+    _Pragma("GCC unroll 8") for (int k = 0; k < kRowsPerPass; ++k)
+      _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v) _mm512_storeu_ps(out + ((r + k) * V + v0 + v) * 16, acc[k][v]);
   }
 }
 
@@ -162,12 +146,13 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
                                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   const __mmask16 live = tail_mask16(nt);
   for (int64_t j0 = lo; j0 < hi; j0 += kKeyBlock) {
-    const int64_t n = std::min(kKeyBlock, hi - j0), n8 = (n + kKeysPerPass - 1) / kKeysPerPass * kKeysPerPass;
+    const int64_t n = std::min(kKeyBlock, hi - j0), n8 = (n + kRowsPerPass - 1) / kRowsPerPass * kRowsPerPass;
     widen_rows(keys, j0, n, D, s.kf.data());
     for (int64_t t = n; t < n8; ++t) std::fill(s.kf.begin() + t * D, s.kf.begin() + (t + 1) * D, 0.f);
     widen_rows(values, j0, n, D, s.vf.data());
-    by_row_vectors(V, [&](auto rv, int64_t v0) { scores_pass<decltype(rv)::value>(s.kf.data(), s.qt.data(), D, V, n8, v0,
-                                                                       s.st.data()); });
+    by_row_vectors(V, [&](auto rv, int64_t v0) {
+      tile_pass<decltype(rv)::value>(s.kf.data(), D, 1, n8, D, s.qt.data(), V, v0, false, s.st.data());
+    });
     // a key is visible to a lane where j <= p (causal) and j > p - window; the block needs masks only where some
     // lane does not see all of it
     const bool masked = j0 + n - 1 > p0 || (window > 0 && j0 <= p_last - window);
@@ -208,8 +193,9 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
         _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), alpha));
       }
     }
-    by_row_vectors(V, [&](auto rv, int64_t v0) { values_pass<decltype(rv)::value>(s.vf.data(), s.st.data(), D, V, n, v0,
-                                                                       s.ot.data()); });
+    by_row_vectors(V, [&](auto rv, int64_t v0) {
+      tile_pass<decltype(rv)::value>(s.vf.data(), 1, D, D, n, s.st.data(), V, v0, true, s.ot.data());
+    });
   }
   for (int64_t g = 0; g < G; ++g)
     for (int64_t i = 0; i < nt; ++i) {
