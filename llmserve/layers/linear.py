@@ -60,22 +60,21 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.qweight: torch.Tensor | None = None  # int8 [out, in] replacing the weight, see quantize_int8
         self.scale: torch.Tensor | None = None  # fp32 [out]: weight ~= qweight * scale[:, None]
-        self.wsum: torch.Tensor | None = None  # int32 [out]: row sums of the int8 weight, for int8 activations (w8a8)
-        self.w8a8_packed: torch.Tensor | None = None  # w8a8: the int8 weight in the kernel's block layout (no qweight)
         self.bf16_packed: torch.Tensor | None = None  # bf16 on AVX-512 without AMX: csrc/packed_gemm.cpp's layout (only)
-        # int8 weight-only where csrc/packed_gemm.cpp runs: the int8 weight in w8a8_pack's layout (no qweight), see
-        # quantize_int8
+        # The int8 weight in w8a8_pack's block layout (no qweight then): w8a8 (quantize_w8a8, with wsum), or weight-only
+        # int8 where csrc/packed_gemm.cpp runs (quantize_int8)
         self.int8_packed: torch.Tensor | None = None
+        self.wsum: torch.Tensor | None = None  # int32 [out]: row sums of the int8 weight, for int8 activations (w8a8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.wsum is not None or self.bf16_packed is not None or self.int8_packed is not None:
+        if self.int8_packed is not None or self.bf16_packed is not None:
             x2 = x.reshape(-1, self.in_features)  # the packed-weight kernels take [M, K]
             if self.wsum is not None:
-                y = native.w8a8_linear(x2, self.w8a8_packed, self.scale, self.wsum, self.bias)
-            elif self.bf16_packed is not None:
-                y = native.bf16_gemm(x2, self.bf16_packed, self.out_features, self.bias)
-            else:
+                y = native.w8a8_linear(x2, self.int8_packed, self.scale, self.wsum, self.bias)
+            elif self.int8_packed is not None:
                 y = native.int8w_gemm(x2, self.int8_packed, self.scale, self.bias)
+            else:
+                y = native.bf16_gemm(x2, self.bf16_packed, self.out_features, self.bias)
             return y.reshape(*x.shape[:-1], self.out_features)
         if self.qweight is not None:
             return int8_linear(x, self.qweight, self.scale, self.bias)
@@ -114,11 +113,11 @@ class Linear(nn.Module):
     def quantize_w8a8(self) -> None:
         """int8 weights as quantize_int8, and int8 activations: every call quantizes its input per row and
         multiplies in int8 (csrc/w8a8_linear.cpp; needs native.w8a8_usable()). The weight is kept only in the
-        kernel's block layout (w8a8_packed; qweight is freed)."""
+        kernel's block layout (int8_packed; qweight is freed)."""
         qweight, self.scale = quantize_rows(self.weight)
         self.weight = None
         self.wsum = qweight.sum(dim=1, dtype=torch.int32)
-        self.w8a8_packed = native.w8a8_pack(qweight)
+        self.int8_packed = native.w8a8_pack(qweight)
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -35,12 +35,10 @@ def enabled() -> bool:
 
 def _linear_args(linear: Linear) -> list[Any] | None:
     """(packed weight, outputs, scale, wsum, bias) of a linear the stack runs, or None."""
-    if linear.wsum is not None:
-        return [linear.w8a8_packed, linear.out_features, linear.scale, linear.wsum, linear.bias]
+    if linear.int8_packed is not None:  # w8a8 (with wsum) or weight-only
+        return [linear.int8_packed, linear.out_features, linear.scale, linear.wsum, linear.bias]
     if linear.bf16_packed is not None:
         return [linear.bf16_packed, linear.out_features, None, None, linear.bias]
-    if linear.int8_packed is not None:
-        return [linear.int8_packed, linear.out_features, linear.scale, None, linear.bias]
     return None
 
 

@@ -48,7 +48,7 @@ def test_quantize_w8a8_keeps_packed_int8_weights_and_their_row_sums() -> None:
     assert layer.weight is None and layer.qweight is None and torch.equal(layer.scale, scale)
     assert layer.wsum.dtype == torch.int32 and torch.equal(layer.wsum, qweight.sum(dim=1, dtype=torch.int32))
     # [ceil(20/16), ceil(41/4), 16, 4]: block b, group g holds rows 16b..16b+15, columns 4g..4g+3; zeros past the ends
-    packed = layer.w8a8_packed
+    packed = layer.int8_packed
     assert packed.shape == (2, 11, 16, 4) and packed.dtype == torch.int8
     padded = torch.zeros(32, 44, dtype=torch.int8)
     padded[:20, :41] = qweight
@@ -66,14 +66,14 @@ def test_kernel_is_bit_exact_with_its_torch_arithmetic(dtype: torch.dtype, rows:
     layer = _layer(out_f, in_f, bias, seed=rows)
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(rows, in_f, generator=g) * 3 + 0.5).to(dtype)  # off-centre: zero points not -0
-    got = native.w8a8_linear(x, layer.w8a8_packed, layer.scale, layer.wsum, layer.bias)
+    got = native.w8a8_linear(x, layer.int8_packed, layer.scale, layer.wsum, layer.bias)
     assert got.dtype == dtype and got.shape == (rows, out_f)
     assert torch.equal(got, reference(x, layer.qweight, layer.scale, layer.wsum, layer.bias))
 
 
 def test_no_rows() -> None:
     layer = _layer(20, 40, bias=True)
-    got = native.w8a8_linear(torch.empty(0, 40), layer.w8a8_packed, layer.scale, layer.wsum, layer.bias)
+    got = native.w8a8_linear(torch.empty(0, 40), layer.int8_packed, layer.scale, layer.wsum, layer.bias)
     assert got.shape == (0, 20) and got.dtype == torch.float32
 
 
@@ -81,7 +81,7 @@ def test_wrong_packed_weight_is_refused() -> None:
     layer = _layer(20, 40, bias=False)
     x = torch.randn(2, 40)
     with pytest.raises(RuntimeError, match="does not fit"):
-        native.w8a8_linear(x[:, :36], layer.w8a8_packed, layer.scale, layer.wsum, None)  # 36 columns, packed for 40
+        native.w8a8_linear(x[:, :36], layer.int8_packed, layer.scale, layer.wsum, None)  # 36 columns, packed for 40
     with pytest.raises(RuntimeError, match="w8a8_pack"):
         native.w8a8_linear(x, layer.qweight, layer.scale, layer.wsum, None)  # the plain [N, K] weight
 
@@ -90,7 +90,7 @@ def test_edge_rows_zero_positive_negative_and_huge() -> None:
     layer = _layer(48, 64, bias=True)
     x = torch.stack([torch.zeros(64), torch.rand(64) + 1, -torch.rand(64) - 1, torch.full((64,), 3.0),
                      torch.randn(64) * 1e30])
-    got = native.w8a8_linear(x, layer.w8a8_packed, layer.scale, layer.wsum, layer.bias)
+    got = native.w8a8_linear(x, layer.int8_packed, layer.scale, layer.wsum, layer.bias)
     assert torch.equal(got, reference(x, layer.qweight, layer.scale, layer.wsum, layer.bias))
     torch.testing.assert_close(got[0], layer.bias)  # an all-zero row is exactly zero before the bias
     assert torch.isfinite(got).all()
@@ -133,7 +133,7 @@ def test_rows_do_not_depend_on_each_other() -> None:
     """Each row has its own scale and zero point: a request's result does not depend on its batch."""
     layer = _layer(64, 128, bias=False)
     x = torch.randn(9, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
-    together = native.w8a8_linear(x, layer.w8a8_packed, layer.scale, layer.wsum, None)
-    alone = torch.cat([native.w8a8_linear(x[i:i + 1], layer.w8a8_packed, layer.scale, layer.wsum, None)
+    together = native.w8a8_linear(x, layer.int8_packed, layer.scale, layer.wsum, None)
+    alone = torch.cat([native.w8a8_linear(x[i:i + 1], layer.int8_packed, layer.scale, layer.wsum, None)
                        for i in range(9)])
     assert torch.equal(together, alone)

@@ -25,9 +25,9 @@ def _first_logprobs(model_dir: str, **engine) -> list[dict[int, float]]:
         modules = list(pipe.engine.runner.model.modules())
         method = engine.get("quantization")
         # int8: packed for csrc/packed_gemm.cpp where it runs, else row-major int8
-        assert {m.qweight is not None or m.int8_packed is not None
+        assert {(m.qweight is not None or m.int8_packed is not None) and m.wsum is None
                 for m in modules if isinstance(m, Linear)} == {method == "int8"}
-        assert {m.w8a8_packed is not None and m.wsum is not None
+        assert {m.int8_packed is not None and m.wsum is not None
                 for m in modules if isinstance(m, Linear)} == {method == "w8a8"}
         model = pipe.engine.runner.model
         embed, head = model.model.embed_tokens, model.lm_head or model.model.embed_tokens
