@@ -211,4 +211,4 @@ def int8w_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias:
 @functools.cache
 def packed_gemm_usable() -> bool:
     """Whether the packed GEMMs (bf16_gemm, int8w_gemm) run here: the extension builds and the CPU has AVX-512."""
-    return load() is not None and _module.bf16_gemm_supported()
+    return load() is not None and _module.packed_gemm_supported()

@@ -83,7 +83,8 @@ def load_model(model: str | None, config: EngineConfig) -> LoadedModel:
     if config.quantization == "int8" and not int8_packed_ok(torch.empty(0, dtype=dtype, device=device)):
         log.warning("quantization=int8 has no packed int8 kernel for %s on %s here: small bf16 batches use torch's "
                     "int8 matmul and the rest dequantize the weights at every step, which saves memory but runs "
-                    "slower than unquantized weights", dtype, device)
+                    "slower than unquantized weights (the packed kernel needs a CPU with AVX-512 and dtype float32 "
+                    "or bfloat16)", dtype, device)
     net.eval()
     tokenizer = load_tokenizer(loc.model_dir, config.trust_remote_code, hf_config)
     generation = read_generation_config(loc.model_dir)

@@ -30,7 +30,7 @@ std::vector<torch::Tensor> quantize_rows_int8(torch::Tensor weight);
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, torch::Tensor wsum,
                           c10::optional<torch::Tensor> bias);
 // packed_gemm.cpp
-bool bf16_gemm_supported();
+bool packed_gemm_supported();
 torch::Tensor bf16_pack(torch::Tensor weight);
 torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias);
 torch::Tensor int8w_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, c10::optional<torch::Tensor> bias);

@@ -225,7 +225,7 @@ const float* fp32_bias(const c10::optional<torch::Tensor>& bias, int64_t N, cons
 
 }  // namespace
 
-bool bf16_gemm_supported() { return cpu_has_avx512(); }
+bool packed_gemm_supported() { return cpu_has_avx512(); }
 
 // weight [N, K] bf16 -> [ceil(N / 16), ceil(K / 2), 16, 2] bf16: per block of 16 output rows, the columns in pairs,
 // each pair holding its 2 elements of the 16 rows; zero past N and K.
@@ -236,7 +236,7 @@ torch::Tensor bf16_pack(torch::Tensor weight) {
 
 // x [M, K] bf16; packed: bf16_pack of the weight [N, K]; n: N; bias [N] (any float dtype) or None -> [M, N] bf16.
 torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(bf16_gemm_supported(), "bf16_gemm needs a CPU with AVX-512");
+  TORCH_CHECK(packed_gemm_supported(), "bf16_gemm needs a CPU with AVX-512");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
               "bf16_gemm: x must be bf16 [M, K] on the CPU");
   const int64_t K = x.size(1), N = n;
@@ -253,7 +253,7 @@ torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::o
 // Weight-only int8: x [M, K] fp32 or bf16; packed: w8a8_pack of the int8 weight [N, K]; scale [N] fp32 (the weight is
 // packed * scale per output row); bias [N] (any float dtype) or None -> [M, N] in x's dtype.
 torch::Tensor int8w_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(bf16_gemm_supported(), "int8w_gemm needs a CPU with AVX-512");
+  TORCH_CHECK(packed_gemm_supported(), "int8w_gemm needs a CPU with AVX-512");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "int8w_gemm: x must be fp32 or bf16 [M, K] on the CPU");
   const int64_t K = x.size(1), N = scale.numel();
