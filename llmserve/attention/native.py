@@ -157,6 +157,13 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     _module.add_rms_norm_(x, residual, weight, eps)
 
 
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2 * I] (gate, then up; contiguous, CPU) -> silu(gate) * up [T, I], silu rounded to x's dtype before the
+    product as torch's F.silu(gate) * up. Needs load()."""
+    assert _module is not None, "call load() first"
+    return _module.silu_mul(x)
+
+
 def fused_ops_enabled() -> bool:
     """LLMSERVE_FUSED_OPS=0 keeps the torch layers (for A/B measurements and as the reference)."""
     return os.environ.get("LLMSERVE_FUSED_OPS", "1") != "0"

@@ -6,10 +6,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve.attention import native
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 class SiluAndMul(nn.Module):
-    """[..., 2 * I] (gate then up) -> silu(gate) * up: [..., I]."""
+    """[..., 2 * I] (gate then up) -> silu(gate) * up: [..., I]. On CPU one native pass (csrc/fused_ops.cpp) where
+    the extension builds, as the decoder stack, so the two paths give the same bits."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.device.type == "cpu" and x.dtype in _NATIVE_DTYPES and x.is_contiguous() and x.shape[-1] % 2 == 0
+                and native.fused_ops_enabled() and native.load() is not None):
+            return native.silu_mul(x.view(-1, x.shape[-1])).view(*x.shape[:-1], x.shape[-1] // 2)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

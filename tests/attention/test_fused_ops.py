@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from llmserve.attention import native
+from llmserve.layers.activation import SiluAndMul
 from llmserve.layers.norm import RMSNorm
 from llmserve.layers.rotary import apply_rotary, rotate_
 
@@ -59,3 +61,53 @@ def test_fused_ops_refuse_other_dtypes() -> None:
     x = torch.randn(2, 3, 8, dtype=torch.float64)
     with pytest.raises(RuntimeError, match="float32, bfloat16 and float16"):
         native.rotary_(x, torch.zeros(2, 4, dtype=torch.float64), torch.zeros(2, 4, dtype=torch.float64))
+
+
+def _gate_up(t: int, i: int, dtype: torch.dtype) -> torch.Tensor:
+    x = torch.randn(t, 2 * i, generator=torch.Generator().manual_seed(2)) * 4
+    # the edges of the exp: saturation both ways, zeros of both signs, a NaN
+    x[0, :8] = torch.tensor([-100.0, -88.0, -20.0, -0.0, 0.0, 20.0, 100.0, float("nan")])
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("i", [1536, 100])  # 100: a masked tail after the 16-lane body
+@pytest.mark.parametrize("t", [1, 67])  # 67 rows: several threads' chunks
+def test_silu_mul_equals_torch(dtype: torch.dtype, i: int, t: int) -> None:
+    x = _gate_up(t, i, dtype)
+    want = F.silu(x[:, :i]) * x[:, i:]
+    got = native.silu_mul(x)
+    assert got.shape == (t, i) and got.dtype == dtype
+    assert torch.equal(got.isnan(), want.isnan())
+    # exp within ~2 ulp of torch's: fp32 a few ulp apart; bf16 / fp16 the same after rounding, or one ulp of the
+    # rounded silu apart (times up)
+    tol = {torch.float32: (1e-6, 1e-6), torch.bfloat16: (1.6e-2, 1e-5), torch.float16: (2e-3, 1e-5)}[dtype]
+    torch.testing.assert_close(got, want, rtol=tol[0], atol=tol[1], equal_nan=True)
+    if dtype != torch.float32:
+        # rounded as torch rounds: nearly always the very bits (the edge values aside)
+        assert (got[:, 8:] == want[:, 8:]).float().mean() > 0.99
+
+
+def test_silu_and_mul_layer_takes_the_native_op_and_keeps_the_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = _gate_up(6, 40, torch.bfloat16).view(2, 3, 80)
+    monkeypatch.setenv("LLMSERVE_FUSED_OPS", "0")
+    want = SiluAndMul()(x)
+    monkeypatch.setenv("LLMSERVE_FUSED_OPS", "1")
+    calls = []
+    real = native.silu_mul
+    monkeypatch.setattr(native, "silu_mul", lambda t: calls.append(t.shape) or real(t))
+    got = SiluAndMul()(x)
+    assert calls == [(6, 80)] and got.shape == (2, 3, 40)
+    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-5, equal_nan=True)
+    strided = torch.cat([x, x], dim=-1)[..., :80]  # not contiguous: the torch path, the same values
+    torch.testing.assert_close(SiluAndMul()(strided), want, rtol=0, atol=0, equal_nan=True)
+    assert len(calls) == 1
+
+
+def test_silu_mul_refuses_bad_input() -> None:
+    with pytest.raises(RuntimeError, match="contiguous CPU tensor"):
+        native.silu_mul(torch.zeros(4, 7))
+    with pytest.raises(RuntimeError, match="contiguous CPU tensor"):
+        native.silu_mul(torch.zeros(8, 4).t())
+    with pytest.raises(RuntimeError, match="float32, bfloat16 and float16"):
+        native.silu_mul(torch.zeros(2, 8, dtype=torch.float64))

@@ -145,9 +145,7 @@ class DecoderStack {
       torch::Tensor act;
       {
         const torch::Tensor gu = timed(kLinear, [&] { return l.gate_up(h); });  // [T, 2 I]: gate, then up
-        act = timed(kOther, [&] {
-          return at::mul(at::silu(gu.narrow(1, 0, intermediate_)), gu.narrow(1, intermediate_, intermediate_));
-        });
+        act = timed(kOther, [&] { return silu_mul(gu); });
       }
       h = timed(kLinear, [&] { return l.down(act); });
     }

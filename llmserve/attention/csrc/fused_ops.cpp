@@ -1,7 +1,9 @@
 // Fused elementwise ops of the decoder layer on CPU, each one pass over memory instead of five to
-// eight torch ops with temporaries: rotary embedding in place on q and k together, and the residual
-// add fused with RMSNorm. Why: at batch 64 these were ~7,000 small torch ops per step (aten::mul
-// alone 9% of a throughput run), and at batch 1 most of the non-matmul time of a decode step.
+// eight torch ops with temporaries: rotary embedding in place on q and k together, the residual
+// add fused with RMSNorm, and SiLU(gate) * up. Why: at batch 64 these were ~7,000 small torch ops per step
+// (aten::mul alone 9% of a throughput run), and at batch 1 most of the non-matmul time of a decode step.
+// SiLU * up: torch's bf16 silu and mul took 317 us per layer at 300 tokens (0.7 ns per element, 9.5 ms per
+// 30-layer step) on this 2-core CPU.
 //
 // Numerics follow the torch path op by op: math in fp32, and for bf16/fp16 tensors every
 // intermediate that torch would store in the tensor dtype is rounded to it here too (R below), so
@@ -19,6 +21,7 @@
 
 #include "avx512_math.h"  // LLMSERVE_AVX512, cpu_has_avx512, loadu16 / storeu16, bf16_bits, tail_mask16
 
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 
@@ -73,6 +76,44 @@ LLMSERVE_AVX512 void add_rms_norm_row16(T* xr, T* rr, const T* weight, int64_t E
     const __mmask16 m = tail_mask16(E - i);
     storeu16(xr + i, _mm512_mul_ps(loadu16(weight + i, m), R16<T>(_mm512_mul_ps(loadu16(rr + i, m), vinv))), m);
   }
+}
+
+// One row of silu(gate) * up, as silu_mul_impl's scalar loop. silu(x) = x / (1 + exp(-x)) as torch computes it, with
+// exp taken of -|x| only (exp512 is for arguments <= 0): for x < 0 the same quotient is x exp(x) / (1 + exp(x)).
+template <typename T>
+LLMSERVE_AVX512 void silu_mul_row16(const T* gate, const T* up, T* out, int64_t I) {
+  const __m512 one = _mm512_set1_ps(1.f), sign = _mm512_set1_ps(-0.f);
+  for (int64_t i = 0; i < I; i += 16) {
+    const __mmask16 m = tail_mask16(I - i);
+    const __m512 x = loadu16(gate + i, m);
+    const __m512 e = exp512(_mm512_or_ps(x, sign));  // exp(-|x|)
+    const __m512 num = _mm512_mask_mul_ps(x, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), x, e);
+    const __m512 s = R16<T>(_mm512_div_ps(num, _mm512_add_ps(one, e)));
+    storeu16(out + i, _mm512_mul_ps(s, loadu16(up + i, m)), m);
+  }
+}
+
+// out[t] = silu(x[t, :I]) * x[t, I:], per row: torch's F.silu(gate) * up, silu rounded to T before the product.
+template <typename T>
+void silu_mul_impl(const T* x, T* out, int64_t n_tok, int64_t I) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1));  // rows per task: ~16K elements
+  at::parallel_for(0, n_tok, grain, [&](int64_t begin, int64_t end) {
+    if constexpr (kVectorised<T>) {
+      if (cpu_has_avx512()) {
+        for (int64_t t = begin; t < end; ++t) silu_mul_row16<T>(x + t * 2 * I, x + t * 2 * I + I, out + t * I, I);
+        return;
+      }
+    }
+    for (int64_t t = begin; t < end; ++t) {
+      const T* g = x + t * 2 * I;
+      const T* u = g + I;
+      T* o = out + t * I;
+      for (int64_t i = 0; i < I; ++i) {
+        const float v = static_cast<float>(g[i]);
+        o[i] = static_cast<T>(R<T>(v / (1.f + std::exp(-v))) * static_cast<float>(u[i]));
+      }
+    }
+  });
 }
 
 // x: [T, heads, D] (rows may be strided: q and k are views of the fused qkv output), rotated in place
@@ -161,4 +202,16 @@ void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight
     using T = decltype(tag);
     add_rms_norm_impl<T>(x.data_ptr<T>(), residual.data_ptr<T>(), weight.data_ptr<T>(), x.size(0), x.size(1), eps);
   });
+}
+
+torch::Tensor silu_mul(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0 && x.device().is_cpu(),
+              "silu_mul: x must be a contiguous CPU tensor [T, 2 * I] (gate, then up)");
+  const int64_t I = x.size(1) / 2;
+  auto out = torch::empty({x.size(0), I}, x.options());
+  dispatch_float(x.scalar_type(), "silu_mul", [&](auto tag) {
+    using T = decltype(tag);
+    silu_mul_impl<T>(x.data_ptr<T>(), out.data_ptr<T>(), x.size(0), I);
+  });
+  return out;
 }

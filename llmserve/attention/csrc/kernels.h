@@ -17,6 +17,7 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
 // fused_ops.cpp
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor silu_mul(torch::Tensor x);
 // prefill_attention.cpp
 bool prefill_attention_supported();
 void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,

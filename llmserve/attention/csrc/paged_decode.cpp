@@ -613,6 +613,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "copy K/V rows into a 16- or 32-bit cache at their slots (converted as .to())");
   m.def("rotary_", &rotary_, "Rotary embedding in place on [T, heads, D] (CPU)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = weight * rms_norm(residual), in place (CPU)");
+  m.def("silu_mul", &silu_mul, "[T, 2 I] (gate, up) -> silu(gate) * up, [T, I] (CPU)");
   m.def("w8a8_linear_supported", &w8a8_linear_supported, "whether this CPU runs w8a8_linear (AVX-512 with VNNI)");
   m.def("prefill_attention_supported", &prefill_attention_supported, "whether prefill_attention runs here (AVX-512)");
   m.def("prefill_attention", &prefill_attention, "causal prefill attention of every span of a step (CPU, AVX-512)",
