@@ -23,25 +23,49 @@ def test_zeroed_pool_is_zero_contiguous_per_layer_and_writable(dtype: torch.dtyp
     assert torch.count_nonzero(pool) == 4 * 2 * 8 and torch.count_nonzero(pool[0]) == 0
 
 
-def _vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping that holds `address` (Linux /proc/self/smaps)."""
+def _mapping(address: int) -> tuple[str, dict[str, str]]:
+    """The permissions ("rw-p": private) and the fields (VmFlags, THPeligible, AnonHugePages, ...) of the mapping
+    that holds `address` (Linux /proc/self/smaps)."""
     with open("/proc/self/smaps") as f:
-        inside = False
+        perms, fields, inside = "", {}, False
         for line in f:
-            head = line.split()[0]
+            words = line.split()
+            head = words[0]
             if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                if inside:
+                    break
                 start, end = (int(v, 16) for v in head.split("-"))
                 inside = start <= address < end
-            elif inside and head == "VmFlags:":
-                return line.split()[1:]
-    return []
+                perms = words[1]
+            elif inside:
+                fields[head.rstrip(":")] = " ".join(words[1:])
+    return (perms, fields) if inside else ("", {})
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping that holds `address`."""
+    return _mapping(address)[1].get("VmFlags", "").split()
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "never"
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps") or not hasattr(mmap, "MADV_HUGEPAGE"),
                     reason="Linux with transparent huge pages only")
 def test_pool_asks_for_transparent_huge_pages() -> None:
     pool = zeroed((2, 2, 64, 64, 4, 64), torch.bfloat16, torch.device("cpu"))  # 16 MiB
-    assert "hg" in _vm_flags(pool.data_ptr() + pool.numel())  # hg: madvise(MADV_HUGEPAGE) was given
+    perms, fields = _mapping(pool.data_ptr() + pool.numel())
+    assert "hg" in fields["VmFlags"].split()  # hg: madvise(MADV_HUGEPAGE) was given
+    # Private: a shared anonymous mapping is shmem, which the anonymous-THP setting does not cover (its pages stayed
+    # 4 KiB however the pool asked).
+    assert perms.endswith("p")
+    if _thp_mode() != "never" and "THPeligible" in fields:
+        assert fields["THPeligible"] == "1"
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux only")
