@@ -31,6 +31,7 @@
 #include <cstdlib>
 #include <limits>
 #include <type_traits>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -164,6 +165,29 @@ struct Dims {
   int64_t heads, kv_heads, group, head_dim, block_size, max_blocks;
 };
 
+// The next slice to read: a block's rows of one KV head (token t's K and V at k / v + t * tok_stride, an int8 cache's
+// scales at ks / vs + t * KVH), its first n tokens. k is null when there is none.
+template <typename T>
+struct NextSlice {
+  const T* k = nullptr;
+  const T* v = nullptr;
+  const float* ks = nullptr;
+  const float* vs = nullptr;
+  int64_t n = 0;
+};
+
+template <typename T>
+inline NextSlice<T> next_slice(const CacheView<T>& kv, int64_t block, int64_t kvh, int64_t n, const Dims& dm) {
+  const int64_t row0 = block * dm.block_size * dm.kv_heads;  // token 0's row of the block
+  NextSlice<T> s{kv.k + row0 * dm.head_dim + kvh * dm.head_dim, kv.v + row0 * dm.head_dim + kvh * dm.head_dim,
+                 nullptr, nullptr, n};
+  if constexpr (kQuantized<T>) {
+    s.ks = kv.k_scale + row0 + kvh;
+    s.vs = kv.v_scale + row0 + kvh;
+  }
+  return s;
+}
+
 // Online softmax over a context, shared by both paths: running max m and sum l per head of the group,
 // and the unnormalised output acc [G, D]; normalised once at the end.
 inline void reset_state(float* m, float* l, float* acc, int64_t G, int64_t D) {
@@ -277,41 +301,33 @@ LLMSERVE_AVX512 inline void pv_heads(const float* p, int64_t p_stride, const T* 
   }
 }
 
-// Ask for the next block's keys and values of one KV head while this one is computed: blocks lie anywhere in
-// the pool, so the hardware prefetchers cannot guess the next one. Measured on 30 layers of 64 requests x 284
-// tokens (bf16, 2-core Xeon, separate processes alternated): 32.4-34.9 ms per step against 36.3-38.0 without;
-// two blocks ahead or into L2 (T1/T2) measured the same, one line per 128-byte row slower (40 ms). Where the
-// cache is already hot (8 requests, one layer's cache reused) it costs ~0.6 ms per 30 layers.
-// An int8 cache's block also has its scales: BS x KVH floats, all heads' together (a few lines).
+// Ask for token t of the next slice (into L2) while this block is computed: blocks lie anywhere in the pool, so the
+// hardware prefetchers cannot guess the next one, and the first rows of every 4 KiB page would miss. One token per
+// token of the current block, so the requests go out spread over the block's work instead of in a burst.
+// Measured on 30 layers of 64 requests x 285 tokens (bf16, 2-core Xeon, in-process alternated): 29.8-30.3 ms per
+// step against 35.2-36.5 without prefetching, and 35.4-37.1 asking for the whole next block at once (the burst fills
+// the line-fill buffers and stalls the loads the current block needs).
 template <typename T>
-inline void prefetch_block(const CacheView<T>& kv, int64_t block, int64_t kvh, const Dims& dm) {
-  const int64_t D = dm.head_dim, BS = dm.block_size, tok_stride = dm.kv_heads * D;
-  const int64_t offset = block * BS * tok_stride + kvh * D;
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
-  for (int64_t t = 0; t < BS; ++t) {
-    const char* k = reinterpret_cast<const char*>(kv.k + offset + t * tok_stride);
-    const char* v = reinterpret_cast<const char*>(kv.v + offset + t * tok_stride);
-    for (int64_t c = 0; c < row_bytes; c += 64) {
-      _mm_prefetch(k + c, _MM_HINT_T0);
-      _mm_prefetch(v + c, _MM_HINT_T0);
-    }
+inline void prefetch_token(const NextSlice<T>& next, int64_t t, int64_t tok_stride, int64_t KVH) {
+  if (next.k == nullptr || t >= next.n) return;
+  const char* k = reinterpret_cast<const char*>(next.k + t * tok_stride);
+  const char* v = reinterpret_cast<const char*>(next.v + t * tok_stride);
+  for (int64_t c = 0; c < tok_stride / KVH * static_cast<int64_t>(sizeof(T)); c += 64) {
+    _mm_prefetch(k + c, _MM_HINT_T1);
+    _mm_prefetch(v + c, _MM_HINT_T1);
   }
   if constexpr (kQuantized<T>) {
-    const int64_t scale_bytes = BS * dm.kv_heads * static_cast<int64_t>(sizeof(float));
-    const char* ks = reinterpret_cast<const char*>(kv.k_scale + block * BS * dm.kv_heads);
-    const char* vs = reinterpret_cast<const char*>(kv.v_scale + block * BS * dm.kv_heads);
-    for (int64_t c = 0; c < scale_bytes; c += 64) {
-      _mm_prefetch(ks + c, _MM_HINT_T0);
-      _mm_prefetch(vs + c, _MM_HINT_T0);
-    }
+    _mm_prefetch(reinterpret_cast<const char*>(next.ks + t * KVH), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(next.vs + t * KVH), _MM_HINT_T1);
   }
 }
 
 template <typename T>
 LLMSERVE_AVX512 void attend_one_512(const float* qs, const CacheView<T>& kv, const int64_t* table,
                                    int64_t start, int64_t len, int64_t kvh, const Dims& dm, float* acc,
-                                   float* kf, float* scores, float* m, float* l) {
+                                   float* kf, float* scores, float* m, float* l, const NextSlice<T>& after) {
   // kf: [round16(BS), D] widened keys of the current block; scores: [G, round16(BS)]; m, l: [G].
+  // after: what the caller reads next (the next unit's first block), prefetched during the last block.
   const int64_t G = dm.group, D = dm.head_dim, BS = dm.block_size, KVH = dm.kv_heads;
   const int64_t bs16 = round16(BS);
   const int64_t tok_stride = KVH * D;
@@ -324,8 +340,10 @@ LLMSERVE_AVX512 void attend_one_512(const float* qs, const CacheView<T>& kv, con
     const T* kb = kv.k + table[b] * blk_stride + kvh * D + t0 * tok_stride;
     const T* vb = kv.v + table[b] * blk_stride + kvh * D + t0 * tok_stride;
     const int64_t scale0 = (table[b] * BS + t0) * KVH + kvh;  // int8: token t's scale at scale0 + t * KVH
-    if ((b + 1) * BS < len) prefetch_block(kv, table[b + 1], kvh, dm);
+    const NextSlice<T> next =
+        (b + 1) * BS < len ? next_slice(kv, table[b + 1], kvh, std::min(len - (b + 1) * BS, BS), dm) : after;
     for (int64_t t = 0; t < n; ++t) {
+      prefetch_token(next, t, tok_stride, KVH);
       if constexpr (kQuantized<T>) {  // dequantized once here, then read by every head of the group
         const __m512 sc = _mm512_set1_ps(kv.k_scale[scale0 + t * KVH]);
         for (int64_t c = 0; c < D; c += 16)
@@ -334,6 +352,7 @@ LLMSERVE_AVX512 void attend_one_512(const float* qs, const CacheView<T>& kv, con
         for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(kf + t * D + c, load16(kb + t * tok_stride + c));
       }
     }
+    for (int64_t t = n; t < next.n; ++t) prefetch_token(next, t, tok_stride, KVH);  // a short block: the rest now
     for (int64_t t = n; t < n16; ++t)
       for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(kf + t * D + c, _mm512_setzero_ps());
     for (int64_t g = 0; g < G; ++g) {
@@ -385,7 +404,7 @@ bool avx512_decode_supported() {
 bool avx512_decode_supported() { return false; }
 template <typename T>
 void attend_one_512(const float*, const CacheView<T>&, const int64_t*, int64_t, int64_t, int64_t, const Dims&,
-                    float*, float*, float*, float*, float*) {}
+                    float*, float*, float*, float*, float*, const NextSlice<T>&) {}
 #endif
 
 // Attention of the `group` query heads sharing KV head `kvh` of one request over keys
@@ -490,10 +509,23 @@ void paged_decode_impl(const TQ* q, const CacheView<T>& kv, const int64_t* table
     const int64_t score_cols = wide ? round16(dm.block_size) : dm.block_size;
     std::vector<float> qs(G * D), acc(G * D), scores(G * score_cols), m(G), l(G);
     std::vector<float> kf(wide ? score_cols * D : 0);
+    auto unit_range = [&](int64_t u) {  // [start, len) of unit u's keys
+      auto range = key_range(u / S / dm.kv_heads);
+      if (S > 1) split_range(range.first, range.second, dm.block_size, u % S, S, &range.first, &range.second);
+      return range;
+    };
+    auto [next_start, next_len] = unit_range(begin);
     for (int64_t u = begin; u < end; ++u) {
       const int64_t w = u / S, r = w / dm.kv_heads, kvh = w % dm.kv_heads;
-      auto [start, len] = key_range(r);
-      if (S > 1) split_range(start, len, dm.block_size, u % S, S, &start, &len);
+      const int64_t start = next_start, len = next_len;
+      NextSlice<T> after;  // the first block of this thread's next unit, prefetched during this unit's last
+      if (u + 1 < end) {
+        std::tie(next_start, next_len) = unit_range(u + 1);
+        const int64_t nr = (u + 1) / S / dm.kv_heads, b = next_start / dm.block_size;
+        if (wide && next_start < next_len)
+          after = next_slice(kv, tables[nr * dm.max_blocks + b], (u + 1) / S % dm.kv_heads,
+                             std::min(next_len - b * dm.block_size, dm.block_size), dm);
+      }
       const int64_t head0 = kvh * G;  // first query head of this KV head's group
       const TQ* qr = q + (r * dm.heads + head0) * D;
       for (int64_t i = 0; i < G * D; ++i) qs[i] = static_cast<float>(qr[i]) * static_cast<float>(scale);
@@ -501,7 +533,7 @@ void paged_decode_impl(const TQ* q, const CacheView<T>& kv, const int64_t* table
         reset_state(m.data(), l.data(), acc.data(), G, D);
       else if (wide)
         attend_one_512(qs.data(), kv, tables + r * dm.max_blocks, start, len, kvh, dm, acc.data(), kf.data(),
-                       scores.data(), m.data(), l.data());
+                       scores.data(), m.data(), l.data(), after);
       else if constexpr (!kQuantized<T>)
         attend_one(qs.data(), kv, tables + r * dm.max_blocks, start, len, kvh, dm, acc.data(), scores.data(),
                    m.data(), l.data());
