@@ -86,3 +86,72 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
     probs = logits.softmax(dim=-1)
     threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
     return logits.masked_fill_(probs < threshold, _NEG_INF)
+
+
+# Most candidates the truncated path takes per row without a top-k of its own (rows with one: their largest k).
+MAX_CANDIDATES = 1024
+
+
+def select_filters(filters: SamplingFilters, rows: Tensor) -> SamplingFilters:
+    """The filters of `rows` (int64 [R]) only."""
+    def pick(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.index_select(0, rows)
+    return SamplingFilters(temperature=pick(filters.temperature), top_k=pick(filters.top_k),
+                           max_top_k=filters.max_top_k, top_p=pick(filters.top_p), min_p=pick(filters.min_p))
+
+
+def truncated_candidates(logits: Tensor, filters: SamplingFilters) -> tuple[Tensor, Tensor, Tensor] | None:
+    """The filtered distribution of each row over its C most likely tokens: (probs [B, C], token ids [B, C], both in
+    token-id order, and covered [B] bool). Where covered, those C tokens hold every token the filters keep, with the
+    probabilities apply_sampling_filters(...).softmax() gives them (up to float rounding); elsewhere (no filter
+    truncates the row, or e.g. its top-p nucleus is wider than the candidates) the caller takes the full path for
+    that row. None when no row can be covered. `logits` is not changed.
+
+    Why: the full path sorts the whole vocabulary for top-p (150 ms per step at 64 rows of 49,152 on a 2-core CPU)
+    and masks it for top-k (10 ms); topk(50) takes 4 ms, topk(1024) 15."""
+    batch, vocab = logits.shape
+    if filters.top_k is None and filters.top_p is None and filters.min_p is None:
+        return None
+    every_row_top_k = filters.top_k is not None and bool((filters.top_k < vocab).all())
+    # One candidate past the largest k: a row cut at its k-th token is covered when the next one is strictly smaller
+    # (a tie with the k-th would be kept too, and could lie outside).
+    c = min(vocab, filters.max_top_k + 1 if every_row_top_k else max(MAX_CANDIDATES, filters.max_top_k + 1))
+    if c > 4 * MAX_CANDIDATES:
+        return None
+    values, ids = logits.topk(c, dim=-1)  # descending; ties in no set order
+    if filters.temperature is not None:  # as the full path divides the logits (the order stays)
+        values = values / filters.temperature
+    # (value descending, id ascending): the order of the full path's stable sort, so ties break the same way
+    ids, by_id = ids.sort(dim=-1)
+    values = values.gather(1, by_id)
+    values, order = values.sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(1, order)
+    keep = torch.ones_like(values, dtype=torch.bool)
+    if filters.top_k is not None:
+        kth = values.gather(1, (filters.top_k.clamp(max=c) - 1).unsqueeze(1))
+        keep &= values >= kth
+    masked = values.masked_fill(~keep, _NEG_INF)
+    if filters.top_p is not None:
+        probs = masked.softmax(dim=-1)  # over the row's top-k set, as the full path
+        no_top_k = (torch.ones(batch, dtype=torch.bool, device=logits.device) if filters.top_k is None
+                    else filters.top_k >= vocab)
+        if bool(no_top_k.any()):  # those rows' top-p reads probabilities over the whole vocabulary
+            scaled = logits if filters.temperature is None else logits / filters.temperature
+            probs = torch.where(no_top_k.unsqueeze(1), scaled.softmax(dim=-1).gather(1, ids), probs)
+        remove = probs.cumsum(dim=-1) - probs >= filters.top_p.unsqueeze(1)
+        remove[:, 0] = False
+        keep &= ~remove
+        masked.masked_fill_(remove, _NEG_INF)
+    if filters.min_p is not None:
+        probs = masked.softmax(dim=-1)
+        keep &= ~(probs < probs[:, :1] * filters.min_p.unsqueeze(1))
+        masked.masked_fill_(~keep, _NEG_INF)
+    # Each filter keeps a prefix of the sorted candidates. Covered: the last kept one is above every token left out
+    # (they are <= the last candidate; an equal one would tie with it), or nothing is left out.
+    last_kept = values.gather(1, (keep.sum(dim=-1, keepdim=True) - 1).clamp_(min=0))
+    covered = (last_kept > values[:, -1:]).squeeze(1) if c < vocab else torch.ones(batch, dtype=torch.bool)
+    if not bool(covered.any()):
+        return None
+    probs = masked.softmax(dim=-1)
+    back = ids.argsort(dim=-1)  # token-id order, as the full path's probabilities are laid out
+    return probs.gather(1, back), ids.gather(1, back), covered

@@ -2,13 +2,19 @@
 
 Steps, all vectorised over the batch with per-row parameters:
   raw logprobs (rows that ask) -> logits processors (bias, bans, penalties) -> greedy rows: argmax
-  -> sampled rows: temperature, top-k, top-p, min-p -> exponential race.
+  -> sampled rows: temperature, top-k, top-p, min-p -> inverse CDF.
 An all-greedy batch without processors is one argmax (the benchmark hot path).
 
-Sampling uses the exponential race: argmax(p_i / E_i) with E_i ~ Exponential(1) i.i.d. picks token
-i with probability p_i, and needs no cumsum or search. A seeded row draws its E from its own
-generator ([V] values per step), so its tokens do not depend on its companions; unseeded rows share
-one batch-wide draw from the sampler's generator.
+Sampling draws by inverse CDF: one uniform u per row, then the first token, in token-id order, whose
+cumulative probability exceeds u times the total. Rows whose filters keep few tokens (top-k, a top-p
+nucleus, min-p) are filtered and drawn over their most likely candidates only
+(logits_processors.truncated_candidates); the others over the whole vocabulary. Both lay the kept
+tokens out in id order, so a row draws the same token from the same u either way. A seeded row draws
+its u from its own generator, so its tokens do not depend on its companions; unseeded rows share one
+batch-wide draw from the sampler's generator. Why not the exponential race (argmax(p_i / E_i)) over
+the whole vocabulary: its [B, V] exponential draws took 70 ms per step at 64 rows of 49,152 on a
+2-core CPU, and top-p's full sort 150 ms; the default top-k 50 now takes ~5 ms. Speculative
+verification (`verify`) still uses the race for its residual distribution.
 
 `logits` is overwritten in place.
 """
@@ -21,7 +27,12 @@ import torch
 from torch import Tensor
 
 from llmserve.sampling.batch import SamplingBatch, SequenceState
-from llmserve.sampling.logits_processors import apply_logits_processors, apply_sampling_filters
+from llmserve.sampling.logits_processors import (
+    apply_logits_processors,
+    apply_sampling_filters,
+    select_filters,
+    truncated_candidates,
+)
 from llmserve.sampling.logprobs import TokenLogprobs, gather_logprobs
 
 # Exponential draws are clamped away from 0: p / 0 would be inf (or NaN for p == 0, which
@@ -116,8 +127,21 @@ class Sampler:
         if batch.all_greedy:
             return logits.argmax(dim=-1)
         greedy_ids = logits.argmax(dim=-1) if batch.greedy is not None else None  # before filtering
-        probs = apply_sampling_filters(logits, batch.filters).softmax(dim=-1)  # [B, V]
-        sampled_ids = probs.div_(self._exponential_noise(batch, probs)).argmax(dim=-1)
+        u = self._uniform(batch, logits.device)  # one draw per row, whichever path takes it
+        full_rows = None  # rows left for the whole-vocabulary path; None: all
+        found = truncated_candidates(logits, batch.filters)
+        if found is not None:
+            probs, ids, covered = found
+            sampled_ids = ids.gather(1, _inverse_cdf(probs, u).unsqueeze(1)).squeeze(1)
+            if batch.greedy is not None:
+                covered = covered | batch.greedy  # their argmax replaces the draw below
+            full_rows = (~covered).nonzero().squeeze(1)
+        if full_rows is None:
+            sampled_ids = _inverse_cdf(apply_sampling_filters(logits, batch.filters).softmax(dim=-1), u)
+        elif full_rows.numel():
+            rows = logits.index_select(0, full_rows)
+            probs = apply_sampling_filters(rows, select_filters(batch.filters, full_rows)).softmax(dim=-1)
+            sampled_ids.index_copy_(0, full_rows, _inverse_cdf(probs, u.index_select(0, full_rows)))
         if greedy_ids is None:
             return sampled_ids
         return torch.where(batch.greedy, greedy_ids, sampled_ids)
@@ -149,3 +173,12 @@ class Sampler:
         for row, value in zip(rows, per_row, strict=True):
             result[row] = value
         return result
+
+
+def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """probs [R, N] (not necessarily normalised), u [R] in [0, 1) -> per row the first position whose cumulative
+    probability exceeds u times the row's total: position i with probability probs[i] / total, never a zero one."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u.unsqueeze(1) * total, total.nextafter(torch.zeros_like(total)))  # strictly below it
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
