@@ -149,7 +149,8 @@ def truncated_candidates(logits: Tensor, filters: SamplingFilters) -> tuple[Tens
     # Each filter keeps a prefix of the sorted candidates. Covered: the last kept one is above every token left out
     # (they are <= the last candidate; an equal one would tie with it), or nothing is left out.
     last_kept = values.gather(1, (keep.sum(dim=-1, keepdim=True) - 1).clamp_(min=0))
-    covered = (last_kept > values[:, -1:]).squeeze(1) if c < vocab else torch.ones(batch, dtype=torch.bool)
+    covered = ((last_kept > values[:, -1:]).squeeze(1) if c < vocab
+               else torch.ones(batch, dtype=torch.bool, device=logits.device))
     if not bool(covered.any()):
         return None
     probs = masked.softmax(dim=-1)

@@ -23,8 +23,8 @@ def test_zeroed_pool_is_zero_contiguous_per_layer_and_writable(dtype: torch.dtyp
 
 
 def _mapping(address: int) -> tuple[str, dict[str, str]]:
-    """The permissions ("rw-p": private) and the fields (VmFlags, THPeligible, AnonHugePages, ...) of the mapping
-    that holds `address` (Linux /proc/self/smaps)."""
+    """The permissions (e.g. "rw-s") and the fields (Rss, VmFlags, ...) of the mapping that holds `address` (Linux
+    /proc/self/smaps)."""
     with open("/proc/self/smaps") as f:
         perms, fields, inside = "", {}, False
         for line in f:

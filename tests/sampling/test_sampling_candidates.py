@@ -56,12 +56,8 @@ def test_a_row_draws_the_same_token_on_either_path(monkeypatch: pytest.MonkeyPat
     for path in ("truncated", "full"):
         if path == "full":  # every row through the whole-vocabulary path
             monkeypatch.setattr("llmserve.sampling.sampler.truncated_candidates", lambda *a: None)
-        tokens = []
-        for step in range(20):  # fresh generators per path: the same u per row and step
-            if step == 0:
-                _, batch = build(rows)
-            tokens.append(Sampler(seed=0)(logits.clone(), batch).token_ids)
-        steps.append(tokens)
+        _, batch = build(rows)  # fresh generators per path: the same u per row and step
+        steps.append([Sampler(seed=0)(logits.clone(), batch).token_ids for _ in range(20)])
     assert steps[0] == steps[1]
     assert len({t[0] for t in steps[0]}) > 1  # the draws move
 
@@ -74,9 +70,9 @@ def test_ties_at_the_edge_of_the_candidates_fall_back_to_the_full_path() -> None
     _, batch = build([(SamplingParams(top_k=3), 1.0)])
     found = truncated_candidates(logits.clone(), batch.filters)
     assert found is None or not bool(found[2].any())
-    counts = torch.bincount(torch.tensor(Sampler(seed=1)(logits.expand(4000, -1).clone(),
-                            SamplingBatch.build([SequenceState(SamplingParams(top_k=3), [1], [])] * 4000, VOCAB,
-                                                CPU)).token_ids), minlength=VOCAB)
+    many = SamplingBatch.build([SequenceState(SamplingParams(top_k=3), [1], [])] * 4000, VOCAB, CPU)
+    tokens = Sampler(seed=1)(logits.expand(4000, -1).clone(), many).token_ids
+    counts = torch.bincount(torch.tensor(tokens), minlength=VOCAB)
     assert counts[2:].sum() > 0 and counts[2:].count_nonzero() > 10  # the tied tokens are drawn too
 
 
@@ -87,6 +83,6 @@ def test_no_filter_means_no_candidates() -> None:
 
 def test_a_top_k_past_the_cap_takes_the_full_path() -> None:
     vocab = 10 * MAX_CANDIDATES
-    seqs = [SequenceState(SamplingParams(top_k=5 * MAX_CANDIDATES), [1], []), SequenceState(SamplingParams(top_k=5), [1], [])]
+    seqs = [SequenceState(SamplingParams(top_k=k), [1], []) for k in (5 * MAX_CANDIDATES, 5)]
     batch = SamplingBatch.build(seqs, vocab, CPU)
     assert truncated_candidates(torch.randn(2, vocab), batch.filters) is None

@@ -165,22 +165,24 @@ struct Dims {
   int64_t heads, kv_heads, group, head_dim, block_size, max_blocks;
 };
 
-// The next slice to read: a block's rows of one KV head (token t's K and V at k / v + t * tok_stride, an int8 cache's
-// scales at ks / vs + t * KVH), its first n tokens. k is null when there is none.
+// The next slice to read: a block's rows of one KV head, its first n tokens (token t's K and V at
+// k / v + t * tok_stride, row_bytes each; an int8 cache's scales at ks / vs + t * kv_heads). k is null when there
+// is none.
 template <typename T>
 struct NextSlice {
   const T* k = nullptr;
   const T* v = nullptr;
   const float* ks = nullptr;
   const float* vs = nullptr;
-  int64_t n = 0;
+  int64_t n = 0, tok_stride = 0, row_bytes = 0, kv_heads = 0;
 };
 
 template <typename T>
 inline NextSlice<T> next_slice(const CacheView<T>& kv, int64_t block, int64_t kvh, int64_t n, const Dims& dm) {
   const int64_t row0 = block * dm.block_size * dm.kv_heads;  // token 0's row of the block
-  NextSlice<T> s{kv.k + row0 * dm.head_dim + kvh * dm.head_dim, kv.v + row0 * dm.head_dim + kvh * dm.head_dim,
-                 nullptr, nullptr, n};
+  const int64_t offset = (row0 + kvh) * dm.head_dim;
+  NextSlice<T> s{kv.k + offset, kv.v + offset, nullptr, nullptr, n, dm.kv_heads * dm.head_dim,
+                 dm.head_dim * static_cast<int64_t>(sizeof(T)), dm.kv_heads};
   if constexpr (kQuantized<T>) {
     s.ks = kv.k_scale + row0 + kvh;
     s.vs = kv.v_scale + row0 + kvh;
@@ -303,22 +305,23 @@ LLMSERVE_AVX512 inline void pv_heads(const float* p, int64_t p_stride, const T* 
 
 // Ask for token t of the next slice (into L2) while this block is computed: blocks lie anywhere in the pool, so the
 // hardware prefetchers cannot guess the next one, and the first rows of every 4 KiB page would miss. One token per
-// token of the current block, so the requests go out spread over the block's work instead of in a burst.
-// Measured on 30 layers of 64 requests x 285 tokens (bf16, huge-page pool, 2-core Xeon, in-process alternated): 29.8-30.3 ms per
-// step against 35.2-36.5 without prefetching, and 35.4-37.1 asking for the whole next block at once (the burst fills
-// the line-fill buffers and stalls the loads the current block needs).
+// token of the current block, so the requests go out spread over the block's work instead of in a burst. Measured on
+// 30 layers of 64 requests x 285 tokens (bf16, 2-core Xeon): in-process alternated on a huge-page pool, 29.8-30.3 ms
+// per step against 35.2-36.5 without prefetching and 35.4-37.1 asking for the whole next block at once (the burst
+// fills the line-fill buffers and stalls the loads the current block needs). On the engine's 4 KiB-page pool, separate
+// processes: 32.3-35.7 ms against 35.6-36.0 with the burst (this VM's noise is of that size).
 template <typename T>
-inline void prefetch_token(const NextSlice<T>& next, int64_t t, int64_t tok_stride, int64_t KVH) {
+inline void prefetch_token(const NextSlice<T>& next, int64_t t) {
   if (next.k == nullptr || t >= next.n) return;
-  const char* k = reinterpret_cast<const char*>(next.k + t * tok_stride);
-  const char* v = reinterpret_cast<const char*>(next.v + t * tok_stride);
-  for (int64_t c = 0; c < tok_stride / KVH * static_cast<int64_t>(sizeof(T)); c += 64) {
+  const char* k = reinterpret_cast<const char*>(next.k + t * next.tok_stride);
+  const char* v = reinterpret_cast<const char*>(next.v + t * next.tok_stride);
+  for (int64_t c = 0; c < next.row_bytes; c += 64) {
     _mm_prefetch(k + c, _MM_HINT_T1);
     _mm_prefetch(v + c, _MM_HINT_T1);
   }
   if constexpr (kQuantized<T>) {
-    _mm_prefetch(reinterpret_cast<const char*>(next.ks + t * KVH), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(next.vs + t * KVH), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(next.ks + t * next.kv_heads), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(next.vs + t * next.kv_heads), _MM_HINT_T1);
   }
 }
 
@@ -343,7 +346,7 @@ LLMSERVE_AVX512 void attend_one_512(const float* qs, const CacheView<T>& kv, con
     const NextSlice<T> next =
         (b + 1) * BS < len ? next_slice(kv, table[b + 1], kvh, std::min(len - (b + 1) * BS, BS), dm) : after;
     for (int64_t t = 0; t < n; ++t) {
-      prefetch_token(next, t, tok_stride, KVH);
+      prefetch_token(next, t);
       if constexpr (kQuantized<T>) {  // dequantized once here, then read by every head of the group
         const __m512 sc = _mm512_set1_ps(kv.k_scale[scale0 + t * KVH]);
         for (int64_t c = 0; c < D; c += 16)
@@ -352,7 +355,7 @@ LLMSERVE_AVX512 void attend_one_512(const float* qs, const CacheView<T>& kv, con
         for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(kf + t * D + c, load16(kb + t * tok_stride + c));
       }
     }
-    for (int64_t t = n; t < next.n; ++t) prefetch_token(next, t, tok_stride, KVH);  // a short block: the rest now
+    for (int64_t t = n; t < next.n; ++t) prefetch_token(next, t);  // a short block: the rest now
     for (int64_t t = n; t < n16; ++t)
       for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(kf + t * D + c, _mm512_setzero_ps());
     for (int64_t g = 0; g < G; ++g) {
