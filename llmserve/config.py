@@ -185,7 +185,13 @@ class EngineConfig:
                                         "to int8 per token for int8 matmuls (3-4x faster than bf16 on CPUs "
                                         "without AMX, at some cost in accuracy); embedding and LM head unchanged.")
     device: str = _f("auto", "cpu, cuda, cuda:N, or auto (cuda when available).")
+    load_format: str = _f("auto", "auto: the checkpoint's safetensors. dummy (vLLM's name): no weight files are "
+                                  "read; every weight is random (normal with the config's initializer_range, "
+                                  "norms 1, biases 0), for benchmarking a model's shape from its config.json "
+                                  "alone.")
     tp: int = _f(1, "Tensor-parallel degree.")
+    enforce_eager: bool = _f(False, "CUDA: run every step eagerly instead of replaying CUDA graphs captured at start "
+                                    "for decode steps (one per batch size up to max_batch_size).")
     session_len: int | None = _f(None, "Maximum tokens in one sequence (prompt + output). "
                                        "Default: the model's max_position_embeddings.")
     max_batch_size: int = _f(128, "Maximum number of requests running in one step.")
@@ -221,6 +227,8 @@ class EngineConfig:
                f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         _check(self.kv_cache_dtype in ("auto", "float32", "bfloat16", "float16", "int8"), "kv_cache_dtype",
                f"must be auto, float32, bfloat16, float16 or int8, got {self.kv_cache_dtype!r}")
+        _check(self.load_format in ("auto", "dummy"), "load_format",
+               f"must be auto or dummy, got {self.load_format!r}")
         _check_type(self.quant_policy, (int,), "quant_policy")
         _check(self.quant_policy != 4, "quant_policy", "4 (int4 KV cache) is not implemented; use 8 (int8) or 0")
         _check(self.quant_policy in (0, 8), "quant_policy", f"must be 0 or 8, got {self.quant_policy}")

@@ -6,15 +6,29 @@ from __future__ import annotations
 import time
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from llmserve.bench.datasets import BenchRequest
-from llmserve.bench.throughput import ThroughputResult, peak_rss_mb, workload_flop
+from llmserve.bench.throughput import (
+    ThroughputResult,
+    peak_device_mb,
+    peak_rss_mb,
+    reset_peak_device_memory,
+    workload_flop,
+)
 
 
 def run_transformers_throughput(model_dir: str, dtype: torch.dtype, device: torch.device,
-                                requests: list[BenchRequest], batch_size: int, pad_token_id: int) -> ThroughputResult:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+                                requests: list[BenchRequest], batch_size: int, pad_token_id: int,
+                                dummy: bool = False) -> ThroughputResult:
+    """dummy: random weights from config.json alone (the engine ran with load_format=dummy)."""
+    if dummy:
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    reset_peak_device_memory(device)
     output_tokens = 0
     start = time.perf_counter()
     for i in range(0, len(requests), batch_size):
@@ -30,7 +44,10 @@ def run_transformers_throughput(model_dir: str, dtype: torch.dtype, device: torc
             model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new, min_new_tokens=new,
                            do_sample=False, pad_token_id=pad_token_id)
         output_tokens += sum(r.output_len for r in batch)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
+    peak_device = peak_device_mb(device)
     prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
     flop = workload_flop(model.config, requests)
     del model
@@ -39,4 +56,4 @@ def run_transformers_throughput(model_dir: str, dtype: torch.dtype, device: torc
         output_tokens=output_tokens, elapsed_s=elapsed, requests_per_s=len(requests) / elapsed,
         output_tokens_per_s=output_tokens / elapsed, total_tokens_per_s=(prompt_tokens + output_tokens) / elapsed,
         prefix_cache_hit_rate=0.0, peak_rss_mb=peak_rss_mb(), gflop=flop / 1e9,
-        achieved_gflops=flop / elapsed / 1e9)
+        achieved_gflops=flop / elapsed / 1e9, peak_device_mb=peak_device)

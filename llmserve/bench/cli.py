@@ -113,14 +113,23 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
                 profile.restore()
         int8 = engine.config.quantization == "w8a8"
         peak_dtype, peak_kind = peak_matmul_kind(engine.loaded.dtype, engine.loaded.device, int8)
-        peak = matmul_peak_gflops(peak_dtype, engine.loaded.device, int8=int8)
+        cfg, device = engine.loaded.hf_config, engine.loaded.device
+        # a model-shaped matmul (the MLP's up projection): 256 rows on CPU, 4096 on a GPU, which needs that many to fill
+        peak = matmul_peak_gflops(peak_dtype, device, m=4096 if device.type == "cuda" else 256, k=cfg.hidden_size,
+                                  n=cfg.intermediate_size, int8=int8)
         model_dir, dtype, device = engine.loaded.model_dir, engine.loaded.dtype, engine.loaded.device
         pad = pipe.tokenizer.pad_token_id if pipe.tokenizer.pad_token_id is not None else 0
+        dummy = engine.config.load_format == "dummy"
+        del engine  # the pipeline's close drops the last other reference: weights and KV pool are freed
     if args.baseline == "transformers":
         from llmserve.bench.baseline import run_transformers_throughput
 
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
         results.append(run_transformers_throughput(model_dir, dtype, device, requests, args.baseline_batch_size,
-                                                   pad))
+                                                   pad, dummy=dummy))
     precision = str(dtype).removeprefix("torch.") + (", w8a8" if int8 else "")
     _report(results, peak, precision, args.json, profile, peak_kind)
     return 0
@@ -168,7 +177,8 @@ def _report(results: list[ThroughputResult], peak_gflops: float, dtype: str, as_
     for r in results:
         print(f"{r.engine:<26}{r.requests_per_s:>8.2f}{r.output_tokens_per_s:>11.1f}{r.total_tokens_per_s:>13.1f}"
               f"{r.elapsed_s:>11.2f}{100 * r.achieved_gflops / peak_gflops:>7.0f}%"
-              f"{100 * r.prefix_cache_hit_rate:>9.0f}%{r.peak_rss_mb:>13.0f}")
+              f"{100 * r.prefix_cache_hit_rate:>9.0f}%{r.peak_rss_mb:>13.0f}"
+              + (f"  (GPU peak {r.peak_device_mb:.0f} MB)" if r.peak_device_mb is not None else ""))
     if r0.spec_acceptance_rate is not None:
         print(f"speculative decoding: {100 * r0.spec_acceptance_rate:.0f}% of draft tokens accepted, "
               f"{r0.spec_tokens_per_step:.2f} tokens per verify step")

@@ -29,6 +29,8 @@ import functools
 import time
 from collections import defaultdict
 
+import torch
+
 from llmserve.attention import native
 from llmserve.attention.layer import Attention
 from llmserve.engine.llm_engine import LLMEngine
@@ -42,7 +44,10 @@ PHASES = ("schedule", "prepare inputs", "linear", "decode attention", "attention
 
 
 class StepProfile:
-    def __init__(self) -> None:
+    def __init__(self, sync=None) -> None:
+        # CUDA: a synchronize at both ends of each timed call, so asynchronous kernels are counted where they
+        # were launched (the syncs slow the run itself down; read the split, not that run's throughput)
+        self.sync = sync
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self._stack: list[list] = []  # [phase, start, time taken by timed calls inside]
@@ -55,11 +60,15 @@ class StepProfile:
     def timed(self, fn, phase: str):
         @functools.wraps(fn)
         def timed(*args, **kwargs):
+            if self.sync is not None:
+                self.sync()
             frame = [phase, time.perf_counter(), 0.0]
             self._stack.append(frame)
             try:
                 return fn(*args, **kwargs)
             finally:
+                if self.sync is not None:
+                    self.sync()
                 self._stack.pop()
                 took = time.perf_counter() - frame[1]
                 self.seconds[phase] += took - frame[2]
@@ -116,8 +125,9 @@ class StepProfile:
 def instrument(engine: LLMEngine) -> StepProfile:
     """Wrap the engine's parts in place; returns the profile that fills as the engine steps. The engine
     stays wrapped; the profile's restore() puts back the module-level function it wraps."""
-    prof = StepProfile()
     runner, model = engine.runner, engine.runner.model
+    device = runner.device
+    prof = StepProfile(sync=(lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None)
     prof.wrap(engine, "step", "rest of step")
     prof.wrap(engine.scheduler, "schedule", "schedule")
     prof.wrap(engine, "_process", "outputs")

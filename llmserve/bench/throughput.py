@@ -32,6 +32,7 @@ class ThroughputResult:
     prefill_tokens_computed: int | None = None  # prompt tokens the engine computed (after cache hits)
     spec_acceptance_rate: float | None = None  # speculative decoding: accepted / proposed drafts
     spec_tokens_per_step: float | None = None  # tokens a request gained per verify step
+    peak_device_mb: float | None = None  # CUDA: the most memory torch held allocated during the run
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -46,12 +47,16 @@ def run_engine_throughput(engine: LLMEngine, requests: list[BenchRequest], ignor
     spec = engine.spec_stats
     spec_before = spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_emitted_tokens
     output_tokens, ttfts = 0, []
+    device = engine.loaded.device
+    reset_peak_device_memory(device)
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         for out in engine.step():
             output_tokens += len(out.new_token_ids) + (out.finish_reason == "stop")
             if out.times is not None and out.times.first_token is not None:
                 ttfts.append(out.times.first_token - out.times.arrival)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
     hit = engine.kv.prefix_stats.hit_tokens - hits_before[0]
     queried = engine.kv.prefix_stats.queried_tokens - hits_before[1]
@@ -68,7 +73,8 @@ def run_engine_throughput(engine: LLMEngine, requests: list[BenchRequest], ignor
         mean_ttft_ms=1000 * sum(ttfts) / len(ttfts) if ttfts else None,
         prefill_tokens_computed=engine.scheduler.num_prefill_tokens - prefill_before,
         spec_acceptance_rate=accepted / draft_tokens if engine.proposer and draft_tokens else None,
-        spec_tokens_per_step=emitted / drafts if engine.proposer and drafts else None)
+        spec_tokens_per_step=emitted / drafts if engine.proposer and drafts else None,
+        peak_device_mb=peak_device_mb(device))
 
 
 def workload_flop(cfg: object, requests: list[BenchRequest]) -> float:
@@ -91,6 +97,16 @@ def workload_flop(cfg: object, requests: list[BenchRequest]) -> float:
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def reset_peak_device_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_device_mb(device: torch.device) -> float | None:
+    """CUDA: the peak of torch's allocated memory since the last reset (weights and KV pool included)."""
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
 
 
 def matmul_peak_gflops(dtype: torch.dtype, device: torch.device, m: int = 256, k: int = 576, n: int = 1536,

@@ -242,6 +242,17 @@ class LlamaForCausalLM(nn.Module):
         if method == "w8a8" and int8_packed_ok(head.weight):
             head.quantize_head_int8()
 
+    @torch.no_grad()
+    def init_dummy_weights(self, std: float, seed: int = 0) -> None:
+        """Random weights in place of a checkpoint (load_format=dummy): matrices normal(0, std), as transformers
+        initialises a fresh model, RMSNorm weights 1 and biases 0 (so activations keep a sane scale)."""
+        generator = torch.Generator(device=next(self.parameters()).device).manual_seed(seed)
+        for name, param in self.named_parameters():
+            if param.dim() == 1:
+                param.fill_(0.0 if name.endswith("bias") else 1.0)
+            else:
+                param.normal_(0.0, std, generator=generator)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fill every parameter from HF-named tensors; each must arrive exactly once with its shape."""
         params = dict(self.named_parameters())

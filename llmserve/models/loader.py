@@ -77,7 +77,10 @@ def load_model(model: str | None, config: EngineConfig) -> LoadedModel:
     if config.quantization == "w8a8":
         check_w8a8(device, dtype)
     net = cls(hf_config, dtype, device)
-    net.load_weights(iter_safetensors(safetensors_files(loc.model_dir)))
+    if config.load_format == "dummy":
+        net.init_dummy_weights(float(getattr(hf_config, "initializer_range", 0.02)))
+    else:
+        net.load_weights(iter_safetensors(safetensors_files(loc.model_dir)))
     if config.quantization is not None:
         net.quantize(config.quantization)
     if config.quantization == "int8" and not int8_packed_ok(torch.empty(0, dtype=dtype, device=device)):

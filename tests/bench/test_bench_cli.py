@@ -97,6 +97,26 @@ def test_throughput_json_counts_the_workload_and_profiles_every_step(tiny_model_
     assert sum(p["seconds"] for p in phases.values()) <= r["elapsed_s"] + 1e-5
 
 
+def test_throughput_of_a_weightless_shape_against_transformers(tiny_model_dir: Callable[[str], str], tmp_path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """--load-format dummy: a directory with config.json and a tokenizer but no weights; the transformers baseline
+    draws random weights of the same shape and runs the same workload."""
+    import os
+    import shutil
+
+    directory = shutil.copytree(tiny_model_dir("llama"), tmp_path / "shape")
+    os.remove(os.path.join(directory, "model.safetensors"))
+    rc = main(["bench", "throughput", str(directory), "--load-format", "dummy", "--num-prompts", "3", "--input-len",
+               "20:30", "--output-len", "4", "--ignore-eos", "--num-blocks", "32", "--dtype", "float32", "--baseline",
+               "transformers", "--baseline-batch-size", "2", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    ours, theirs = out["results"]
+    assert (ours["output_tokens"], theirs["output_tokens"]) == (12, 12)
+    assert theirs["engine"] == "transformers (batch 2)" and out["ratio_vs_baseline"] > 0
+    assert ours["peak_device_mb"] is None  # a CPU run
+
+
 @pytest.mark.skipif(not native.w8a8_usable(), reason="w8a8 needs a CPU with AVX-512 and VNNI")
 def test_throughput_of_w8a8_is_read_against_the_int8_matmul(tiny_model_dir: Callable[[str], str],
                                                             capsys: pytest.CaptureFixture[str]) -> None:

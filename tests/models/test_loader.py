@@ -158,6 +158,29 @@ def test_no_safetensors(llama_copy) -> None:
         load_model(llama_copy, CPU32)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_dummy_weights_need_only_the_config(arch, tiny_model_dir, tmp_path) -> None:
+    """load_format=dummy (vLLM's): no weight file is read; matrices are normal(0, initializer_range), norms 1,
+    biases 0 (qwen3's tiny config has q/k norms and attention biases), and the model runs to finite logits."""
+    directory = shutil.copytree(tiny_model_dir(arch), tmp_path / arch)
+    os.remove(os.path.join(directory, "model.safetensors"))
+    loaded = load_model(directory, EngineConfig(dtype="float32", device="cpu", load_format="dummy"))
+    std = loaded.hf_config.initializer_range
+    for name, param in loaded.model.named_parameters():
+        if param.dim() == 1:
+            assert torch.all(param == (0.0 if name.endswith("bias") else 1.0)), name
+        else:
+            assert abs(param.float().std().item() - std) < 0.2 * std and abs(param.float().mean().item()) < std, name
+    assert torch.isfinite(_prefill_logits(loaded.model)).all()
+    again = load_model(directory, EngineConfig(dtype="float32", device="cpu", load_format="dummy"))
+    assert all(torch.equal(a, b) for a, b in zip(loaded.model.parameters(), again.model.parameters()))  # seeded
+
+
+def test_unknown_load_format() -> None:
+    with pytest.raises(InvalidRequestError, match="load_format: must be auto or dummy"):
+        EngineConfig(load_format="pt")
+
+
 def test_truncated_safetensors_names_the_file(llama_copy) -> None:
     path = os.path.join(llama_copy, "model.safetensors")
     os.truncate(path, os.path.getsize(path) - 1000)
