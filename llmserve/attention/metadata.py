@@ -73,6 +73,7 @@ class AttentionMetadata:
     decode_lens: torch.Tensor | None  # [num_decodes] int64 context length (incl. the new token)
     prefills: list[PrefillSpan]
     workspace: Workspace = field(default_factory=Workspace)
+    decode_splits: int | None = None  # CUDA decode kernel's context splits (fixed by a captured graph), else its own
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
     _prefill_arrays: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 

@@ -7,6 +7,7 @@ cached link).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
@@ -49,3 +50,21 @@ def native_decode(q: torch.Tensor, kv_cache: torch.Tensor) -> DecodeFn | None:
     if kv_cache.dtype == torch.int8:
         return _native_decode if q.shape[-1] % 16 == 0 and native.int8_kv_decode_usable() else None
     return _native_decode if kv_cache.dtype in _NATIVE_DTYPES else None
+
+
+@functools.cache
+def _triton_decode_fn() -> DecodeFn | None:
+    try:
+        from llmserve.attention import triton_decode
+    except ImportError:  # no triton (CPU-only torch): the torch reference runs
+        return None
+    return triton_decode.decode
+
+
+def triton_decode(q: torch.Tensor, kv_cache: torch.Tensor) -> DecodeFn | None:
+    """The Triton paged decode kernel for CUDA tensors (csrc's are for CPUs), or None: the torch reference then."""
+    if (q.device.type != "cuda" or os.environ.get("LLMSERVE_ATTENTION") == "torch" or q.shape[-1] > 256
+            or q.dtype not in _NATIVE_DTYPES or not (kv_cache.dtype in _NATIVE_DTYPES or kv_cache.dtype == torch.int8)
+            or kv_cache.stride(-1) != 1):
+        return None
+    return _triton_decode_fn()
