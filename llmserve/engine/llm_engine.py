@@ -29,7 +29,7 @@ from llmserve.errors import InvalidRequestError, PromptTooLongError
 from llmserve.models.loader import LoadedModel, load_model
 from llmserve.sampling.params import SamplingParams
 from llmserve.sampling.sampler import SamplerOutput
-from llmserve.worker.model_runner import ModelRunner, num_blocks_for
+from llmserve.worker.model_runner import GraphOptions, ModelRunner, num_blocks_for
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +53,17 @@ class LLMEngine:
         draft = self._load_draft(loaded, config)
         num_blocks = config.num_blocks or num_blocks_for(loaded, config.block_size, config.cache_max_bytes,
                                                          config.cache_max_entry_count, draft, config.kv_cache_dtype)
-        self.runner = ModelRunner(loaded, num_blocks, config.block_size, config.num_threads, config.kv_cache_dtype)
+        graphs = GraphOptions(not config.enforce_eager and config.quantization is None, config.max_batch_size,
+                              self.session_len + config.num_speculative_tokens)
+        self.runner = ModelRunner(loaded, num_blocks, config.block_size, config.num_threads, config.kv_cache_dtype,
+                                  graphs)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.proposer: Proposer | None = None
         if config.speculative_method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         elif draft is not None:
             self.proposer = DraftModelProposer(ModelRunner(draft, num_blocks, config.block_size, config.num_threads,
-                                                           config.kv_cache_dtype))
+                                                           config.kv_cache_dtype, graphs))
         self.spec_stats = SpecStats()
         lookahead = config.num_speculative_tokens if self.proposer else 0
         self.sessions = SessionStore(self.kv, config.max_sessions, config.session_ttl)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +22,9 @@ from llmserve.engine.scheduler import ScheduledRequest
 from llmserve.models.loader import LoadedModel
 from llmserve.sampling.sampler import Sampler, SamplerOutput, SamplingBatch, SequenceState
 from llmserve.worker.cpu_tuning import configure_cpu, use_onednn
+
+if TYPE_CHECKING:
+    from llmserve.worker.cuda_graphs import CudaGraphDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +49,19 @@ class CacheSpec:
 SCALE_DTYPE = torch.float32  # of int8 caches
 
 
+@dataclass(frozen=True)
+class GraphOptions:
+    """CUDA graphs of decode steps (worker/cuda_graphs.py): whether to capture, and for what."""
+
+    enabled: bool = False
+    max_batch_size: int = 128
+    max_tokens_per_seq: int = 0  # the longest context a request can reach (its block table's width)
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
-                 num_threads: int | None = None, kv_cache_dtype: str = "auto") -> None:
+                 num_threads: int | None = None, kv_cache_dtype: str = "auto",
+                 graphs: GraphOptions | None = None) -> None:
         if loaded.device.type == "cpu":
             configure_cpu(num_threads)
             if use_onednn(loaded):
@@ -60,12 +75,22 @@ class ModelRunner:
         self.workspace = Workspace()  # decode gather buffers, reused across steps
         spec = cache_spec(loaded, kv_cache_dtype)
         layers = self.model.attention_layers()
-        shape = (len(layers), 2, num_blocks, block_size, spec.num_kv_heads)
+        use_graphs = graphs is not None and graphs.enabled and self.device.type == "cuda" and _triton_decode_usable()
+        # CUDA graphs: one more block, never allocated, where the padding rows of a captured batch write
+        shape = (len(layers), 2, num_blocks + use_graphs, block_size, spec.num_kv_heads)
         pool = zeroed((*shape, spec.head_dim), spec.dtype, self.device)
         scales = zeroed(shape, SCALE_DTYPE, self.device) if spec.quantized else [None] * len(layers)
         for layer, cache, scale in zip(layers, pool, scales):
             layer.kv_cache = cache  # [2, num_blocks, block_size, kv_heads, head_dim], contiguous
             layer.kv_scales = scale  # [2, num_blocks, block_size, kv_heads] or None
+        self.graphs: CudaGraphDecoder | None = None
+        if use_graphs:
+            from llmserve.worker.cuda_graphs import CudaGraphDecoder
+
+            assert graphs is not None
+            self.graphs = CudaGraphDecoder(self.model, self.device, block_size,
+                                           -(-graphs.max_tokens_per_seq // block_size), num_blocks,
+                                           graphs.max_batch_size, spec.num_kv_heads)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]) -> SamplerOutput:
@@ -109,6 +134,9 @@ class ModelRunner:
         """Run the model over each span's tokens (K/V written to the span's blocks) and return the
         logits of the last `num_logits` tokens of every span, in span order: [sum num_logits, V].
         Single-token spans must come first."""
+        if self.graphs is not None and self._graph_step(spans):
+            return self.graphs.run([span.token_ids[0] for span in spans], [span.start for span in spans],
+                                   [span.block_table for span in spans])
         input_ids: list[int] = []
         positions: list[int] = []
         seqs: list[SeqSpec] = []
@@ -125,6 +153,25 @@ class ModelRunner:
         if not logit_rows:
             return None
         return self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
+
+
+    def _graph_step(self, spans: list[Span]) -> bool:
+        """Whether a captured graph runs this step: decodes only (one token, its logits), within the sizes."""
+        assert self.graphs is not None
+        return (bool(spans) and all(len(s.token_ids) == 1 and s.num_logits == 1 for s in spans)
+                and self.graphs.fits(len(spans), max(len(s.block_table) for s in spans)))
+
+
+def _triton_decode_usable() -> bool:
+    """Graphs need the Triton decode kernel (its shapes do not follow the contexts' lengths; the reference's do)."""
+    if os.environ.get("LLMSERVE_ATTENTION") == "torch":
+        return False  # the reference forced: every step eager
+    try:
+        import llmserve.attention.triton_decode  # noqa: F401
+    except ImportError:
+        logger.warning("triton is not installed: CUDA decode steps run eagerly, with torch's attention")
+        return False
+    return True
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ def test_cuda_int8_kv_cache_agrees_with_the_cpu_engine(arch, tiny_model_dir, mon
     """An int8 cache on CUDA runs the torch reference (quantize on write, dequantize on read); the CPU engine's
     reference path reads the same bytes: same tokens, near-equal logprobs."""
     monkeypatch.setenv("LLMSERVE_ATTENTION", "torch")
-    gen = GenerationConfig(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+    gen = GenerationConfig(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
     runs = {}
     for device in ("cuda", "cpu"):
         config = EngineConfig(dtype="float32", device=device, kv_cache_dtype="int8", block_size=4, num_blocks=64,
@@ -49,8 +49,13 @@ def test_cuda_int8_kv_cache_agrees_with_the_cpu_engine(arch, tiny_model_dir, mon
             assert {layer.kv_cache.dtype for layer in pipe.engine.runner.model.attention_layers()} == {torch.int8}
             runs[device] = pipe([{"input_ids": p} for p in prompts()], gen_config=gen)
             assert pipe.engine.kv.usage().in_use == 0
+    # fp32 on two devices rounds differently, and a K/V element on a rounding edge lands one int8 step apart (seen:
+    # 1.1e-3 on one logprob of 12): logprobs agree within a few such steps, and the tokens agree until a near-tie
+    # (on this random model, at the 12th token of 2 of 16 runs), where both devices' top two are within that bound
     for a, b in zip(runs["cuda"], runs["cpu"]):
-        assert a.token_ids == b.token_ids
-        got = [next(iter(s.values())) for s in a.logprobs]
-        want = [next(iter(s.values())) for s in b.logprobs]
-        assert got == pytest.approx(want, abs=1e-3)
+        same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
+        for i in range(same):
+            assert a.logprobs[i][a.token_ids[i]] == pytest.approx(b.logprobs[i][b.token_ids[i]], abs=5e-3)
+        if same < len(a.token_ids):
+            tie = b.logprobs[same]
+            assert a.token_ids[same] in tie and abs(tie[a.token_ids[same]] - tie[b.token_ids[same]]) < 5e-3

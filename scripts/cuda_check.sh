@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# On a machine with CUDA and torch: what needs a GPU. Run from the repository root; logs go to $OUT (default
+# /tmp/cuda_check). Parts, in the order given (default: bench tests suite):
+#   bench   `bench throughput` on a random-weight Llama-3-8B-shape model against transformers on the same GPU
+#           (the model directory: scripts/make_shape_model.py llama-3-8b .gpu/llama3-8b, made where a tokenizer is)
+#   tests   tests/gpu (the engine on CUDA against transformers on CUDA, CUDA graphs against eager steps) and the
+#           Triton decode kernel against the torch reference
+#   suite   the engine, sampling and model tests with CUDA visible (EngineConfig's device auto picks it)
+# Extra `bench throughput` flags: BENCH_FLAGS="...".
+set -u
+OUT=${OUT:-/tmp/cuda_check}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+MODEL=${MODEL:-.gpu/llama3-8b}
+nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,clocks.sm,clocks.max.sm --format=csv
+$PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
+torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_processor_count, 'SMs')"
+nproc
+W=(--num-prompts 64 --input-len 36:390 --output-len 128 --ignore-eos)
+status=0
+for part in "${@:-bench tests suite}"; do
+  for p in $part; do
+    echo "=== $p $(date -u +%H:%M:%S)"
+    case $p in
+      bench)
+        timeout "${BENCH_TIMEOUT:-300}" $PY -m llmserve.cli bench throughput "$MODEL" --load-format dummy \
+          --dtype bfloat16 "${W[@]}" --baseline transformers --baseline-batch-size 32 ${BENCH_FLAGS:-} \
+          2>&1 | tee "$OUT/bench.log" || status=1 ;;
+      profile)
+        timeout "${BENCH_TIMEOUT:-300}" $PY -m llmserve.cli bench throughput "$MODEL" --load-format dummy \
+          --dtype bfloat16 "${W[@]}" --profile-steps ${BENCH_FLAGS:-} 2>&1 | tee "$OUT/profile.log" || status=1 ;;
+      tests)
+        timeout "${TESTS_TIMEOUT:-240}" $PY -m pytest -q -p no:cacheprovider tests/gpu tests/attention/test_triton_decode.py 2>&1 \
+          | tee "$OUT/gpu_tests.log" | tail -30 || status=1 ;;
+      suite)
+        timeout "${SUITE_TIMEOUT:-240}" $PY -m pytest -v -p no:cacheprovider --timeout 60 \
+          --continue-on-collection-errors tests/engine tests/sampling tests/models tests/test_chat_sessions.py 2>&1 \
+          | tee "$OUT/suite.log" | grep -v PASSED | tail -40 || status=1 ;;
+      *) echo "unknown part $p"; status=2 ;;
+    esac
+  done
+done
+exit $status
