@@ -154,7 +154,6 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
 
-
     def _graph_step(self, spans: list[Span]) -> bool:
         """Whether a captured graph runs this step: decodes only (one token, its logits), within the sizes."""
         assert self.graphs is not None
