@@ -109,3 +109,36 @@ def test_hash_chain_depends_on_the_whole_prefix():
     # Same second block, different first block: no hit on the second either.
     assert kv.find_cached_prefix(req("b", [9, 9, 3, 4, 0])) == []
     assert kv.find_cached_prefix(req("c", [1, 2, 3, 4, 0])) == [0, 1]
+
+
+def test_blocks_published_step_by_step_are_those_published_at_once():
+    """cache_full_blocks looks only at the blocks filled since its last call: a request decoding token by token
+    publishes exactly what one call at the end publishes, and a later request hits all of it; after a free (as
+    on preemption) the recomputed request publishes again from its first block."""
+    tokens = list(range(3, 40))
+    step_by_step = KVCacheManager(num_blocks=32, block_size=4, enable_prefix_caching=True)
+    a = req("a", tokens[:5])
+    assert step_by_step.allocate(a, 5)
+    a.num_computed_tokens = 5
+    step_by_step.cache_full_blocks(a)
+    for t in tokens[5:]:
+        a.token_ids.append(t)
+        assert step_by_step.allocate(a, 1)
+        a.num_computed_tokens += 1
+        step_by_step.cache_full_blocks(a)
+    at_once = KVCacheManager(num_blocks=32, block_size=4, enable_prefix_caching=True)
+    b = req("a", tokens)
+    assert at_once.allocate(b, len(tokens))
+    b.num_computed_tokens = len(tokens)
+    at_once.cache_full_blocks(b)
+    assert set(step_by_step._cached) == set(at_once._cached) and len(at_once._cached) == len(tokens) // 4
+    later = req("c", tokens + [1])
+    assert len(step_by_step.find_cached_prefix(later)) == len(tokens) // 4
+    step_by_step.free(a)
+    step_by_step.reset_prefix_cache()  # forget the published blocks: only a new publication brings them back
+    a.num_computed_tokens = 0
+    assert step_by_step.allocate(a, len(a.token_ids))
+    a.num_computed_tokens = len(a.token_ids)
+    step_by_step.cache_full_blocks(a)
+    assert len(step_by_step.find_cached_prefix(later)) == len(tokens) // 4
+    step_by_step.check_invariants()
