@@ -120,8 +120,8 @@ def _num_sms(device: torch.device) -> int:
 
 def num_splits(num_decodes: int, num_kv_heads: int, device: torch.device) -> int:
     """Context splits per (request, KV head): enough programs for two waves over the GPU, at most 16, a power of
-    two (each value is a compiled variant: the captured graphs compile all five at start, and eager steps reuse
-    them instead of compiling one per batch size mid-run)."""
+    two (each value is a compiled variant: the captured graphs compile the values their batch sizes use at start,
+    and eager steps of those batch sizes reuse them instead of compiling one per batch size mid-run)."""
     return min(16, triton.next_power_of_2(triton.cdiv(2 * _num_sms(device), max(1, num_decodes * num_kv_heads))))
 
 
