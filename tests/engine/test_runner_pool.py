@@ -68,3 +68,15 @@ def test_importing_llmserve_first_gives_torch_tensors_huge_pages(env: str | None
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(expect)
+
+
+def test_cuda_graph_capture_sizes():
+    """The batch sizes CUDA graphs are captured for (a step replays the smallest that holds it): every size up to
+    max_batch_size is covered, the largest is max_batch_size itself, at most 256."""
+    pytest.importorskip("triton")
+    from llmserve.worker.cuda_graphs import capture_sizes
+
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(40) == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert capture_sizes(100)[-2:] == [96, 100]
+    assert capture_sizes(128)[-1] == 128 and capture_sizes(1000)[-1] == 256

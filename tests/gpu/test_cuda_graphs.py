@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from llmserve import EngineConfig, GenerationConfig, pipeline
-from llmserve.worker.cuda_graphs import capture_sizes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -62,9 +61,3 @@ def test_graphs_under_preemption(tiny_model_dir):
     eager = _run(tiny_model_dir("llama"), EngineConfig(**base, enforce_eager=True), requests)
     graphs = _run(tiny_model_dir("llama"), EngineConfig(**base), requests)
     assert graphs[0] == eager[0]
-
-
-def test_capture_sizes():
-    assert capture_sizes(1) == [1]
-    assert capture_sizes(40) == [1, 2, 4, 8, 16, 24, 32, 40]
-    assert capture_sizes(128)[-1] == 128 and capture_sizes(1000)[-1] == 256
