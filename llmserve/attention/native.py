@@ -172,8 +172,8 @@ def fused_ops_enabled() -> bool:
 def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K] (fp32/bf16/fp16, CPU) -> (int8 [N, K], fp32 scales [N]), symmetric per row, byte for byte
     layers.linear.quantize_rows_torch. Needs load()."""
-    q, scale = _module.quantize_rows_int8(weight)
-    return q, scale
+    assert _module is not None, "call load() first"
+    return _module.quantize_rows_int8(weight)
 
 
 def w8a8_pack(qweight: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ cached link).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Callable
 
@@ -15,6 +16,8 @@ import torch
 
 from llmserve.attention import native
 from llmserve.attention.metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
 
 _NATIVE_DTYPES = {torch.float32, torch.bfloat16, torch.float16}  # any mix of q and cache dtypes
 
@@ -57,14 +60,21 @@ def _triton_decode_fn() -> DecodeFn | None:
     try:
         from llmserve.attention import triton_decode
     except ImportError:  # no triton (CPU-only torch): the torch reference runs
+        logger.warning("triton is not installed: CUDA decode attention runs the torch reference, every step eagerly")
         return None
     return triton_decode.decode
 
 
+def triton_decode_covers(device: torch.device, head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the Triton paged decode kernel runs decode attention on this device for these dtypes and heads (CUDA
+    only: csrc's kernels are the CPU's); it must, for CUDA graphs to capture the decode steps."""
+    return (device.type == "cuda" and os.environ.get("LLMSERVE_ATTENTION") != "torch" and head_dim <= 256
+            and dtype in _NATIVE_DTYPES and (cache_dtype in _NATIVE_DTYPES or cache_dtype == torch.int8)
+            and _triton_decode_fn() is not None)
+
+
 def triton_decode(q: torch.Tensor, kv_cache: torch.Tensor) -> DecodeFn | None:
-    """The Triton paged decode kernel for CUDA tensors (csrc's are for CPUs), or None: the torch reference then."""
-    if (q.device.type != "cuda" or os.environ.get("LLMSERVE_ATTENTION") == "torch" or q.shape[-1] > 256
-            or q.dtype not in _NATIVE_DTYPES or not (kv_cache.dtype in _NATIVE_DTYPES or kv_cache.dtype == torch.int8)
-            or kv_cache.stride(-1) != 1):
+    """The Triton paged decode kernel for these tensors, or None: the torch reference then."""
+    if kv_cache.stride(-1) != 1 or not triton_decode_covers(q.device, q.shape[-1], q.dtype, kv_cache.dtype):
         return None
     return _triton_decode_fn()

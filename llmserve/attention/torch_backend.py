@@ -96,8 +96,29 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
     gqa = q.shape[1] != k.shape[1]
     # bf16 prefill attention runs in fp32 on CPUs where that is faster (torch's bf16 SDPA: half the speed)
     wide = torch.float32 if q.dtype == torch.bfloat16 and q.is_cpu and fp32_compute_for_bf16() else q.dtype
+    # CUDA: K/V heads expanded to the query heads here, because SDPA's memory-efficient kernel (the one that takes a
+    # mask, and fp32) refuses enable_gqa, and its math fallback materialises [heads, q_len, context] scores
+    # (4 GiB for a 4,096-token chunk over 8k of context at 32 heads)
+    expand = q.shape[1] // k.shape[1] if gqa and q.device.type == "cuda" else 1
+    gqa = gqa and expand == 1
     with _sdpa_backends(q):
-        _prefill_spans(q, k, v, flat, flat_scales, meta, scale, sliding_window, out, wide, gqa)
+        for span in meta.prefills:
+            qs = q[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0).to(wide)  # [1, heads, q_len, head_dim]
+            if span.num_cached == 0 and (sliding_window is None or span.q_len <= sliding_window):
+                # Fresh prompt: its keys are exactly this step's keys (unrounded, as a narrow or int8 cache's
+                # later readers see them rounded); plain causal attention.
+                ks = _expand_heads(k[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0).to(wide), expand)
+                vs = _expand_heads(v[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0).to(wide), expand)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+            else:
+                # [1, kv_heads, ctx, head_dim], widened to the compute dtype when the cache is narrower
+                ks, vs = (_expand_heads(dequantize(
+                    flat[i].index_select(0, span.slots),
+                    None if flat_scales is None else flat_scales[i].index_select(0, span.slots),
+                    wide).transpose(0, 1).unsqueeze(0), expand) for i in (0, 1))
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask(sliding_window),
+                                                   scale=scale, enable_gqa=gqa)
+            out[span.q_start:span.q_end] = o.squeeze(0).transpose(0, 1)
 
 
 def _sdpa_backends(q: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -108,32 +129,6 @@ def _sdpa_backends(q: torch.Tensor) -> contextlib.AbstractContextManager:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-
-
-def _prefill_spans(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flat: torch.Tensor,
-                   flat_scales: torch.Tensor | None, meta: AttentionMetadata, scale: float,
-                   sliding_window: int | None, out: torch.Tensor, wide: torch.dtype, gqa: bool) -> None:
-    # CUDA: K/V heads expanded to the query heads here, because SDPA's memory-efficient kernel (the one that takes a
-    # mask, and fp32) refuses enable_gqa, and its math fallback materialises [heads, q_len, context] scores
-    # (4 GiB for a 4,096-token chunk over 8k of context at 32 heads)
-    expand = q.shape[1] // k.shape[1] if gqa and q.device.type == "cuda" else 1
-    gqa = gqa and expand == 1
-    for span in meta.prefills:
-        qs = q[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0).to(wide)  # [1, heads, q_len, head_dim]
-        if span.num_cached == 0 and (sliding_window is None or span.q_len <= sliding_window):
-            # Fresh prompt: its keys are exactly this step's keys (unrounded, as a narrow or int8 cache's
-            # later readers see them rounded); plain causal attention.
-            ks = _expand_heads(k[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0).to(wide), expand)
-            vs = _expand_heads(v[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0).to(wide), expand)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
-        else:
-            # [1, kv_heads, ctx, head_dim], widened to the compute dtype when the cache is narrower
-            ks, vs = (_expand_heads(dequantize(flat[i].index_select(0, span.slots),
-                                               None if flat_scales is None else flat_scales[i].index_select(0, span.slots),
-                                               wide).transpose(0, 1).unsqueeze(0), expand) for i in (0, 1))
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask(sliding_window),
-                                               scale=scale, enable_gqa=gqa)
-        out[span.q_start:span.q_end] = o.squeeze(0).transpose(0, 1)
 
 
 def _expand_heads(x: torch.Tensor, n: int) -> torch.Tensor:

@@ -143,7 +143,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, 
     splits = splits or num_splits(nd, num_kv_heads, q.device)
     block_n = 64 if d_pad <= 128 else 32
     quant = kv_scales is not None
-    scales = kv_scales if quant else kv_cache.new_zeros((2, 1, 1, 1), dtype=torch.float32)
+    scales = kv_scales if quant else kv_cache  # without QUANT the kernel never reads KS/VS: any pointer will do
     mid_o = mid_l = out  # unused when splits == 1
     if splits > 1:
         mid_o = torch.empty((nd, num_heads, splits, d_pad), dtype=torch.float32, device=q.device)

@@ -14,6 +14,7 @@ from llmserve.bench.throughput import (
     peak_device_mb,
     peak_rss_mb,
     reset_peak_device_memory,
+    synchronize,
     workload_flop,
 )
 
@@ -44,8 +45,7 @@ def run_transformers_throughput(model_dir: str, dtype: torch.dtype, device: torc
             model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new, min_new_tokens=new,
                            do_sample=False, pad_token_id=pad_token_id)
         output_tokens += sum(r.output_len for r in batch)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     elapsed = time.perf_counter() - start
     peak_device = peak_device_mb(device)
     prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)

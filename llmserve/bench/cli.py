@@ -113,11 +113,11 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
                 profile.restore()
         int8 = engine.config.quantization == "w8a8"
         peak_dtype, peak_kind = peak_matmul_kind(engine.loaded.dtype, engine.loaded.device, int8)
-        cfg, device = engine.loaded.hf_config, engine.loaded.device
+        cfg, model_dir, dtype, device = (engine.loaded.hf_config, engine.loaded.model_dir, engine.loaded.dtype,
+                                         engine.loaded.device)
         # a model-shaped matmul (the MLP's up projection): 256 rows on CPU, 4096 on a GPU, which needs that many to fill
         peak = matmul_peak_gflops(peak_dtype, device, m=4096 if device.type == "cuda" else 256, k=cfg.hidden_size,
                                   n=cfg.intermediate_size, int8=int8)
-        model_dir, dtype, device = engine.loaded.model_dir, engine.loaded.dtype, engine.loaded.device
         pad = pipe.tokenizer.pad_token_id if pipe.tokenizer.pad_token_id is not None else 0
         dummy = engine.config.load_format == "dummy"
         del engine  # the pipeline's close drops the last other reference: weights and KV pool are freed

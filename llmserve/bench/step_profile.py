@@ -29,10 +29,9 @@ import functools
 import time
 from collections import defaultdict
 
-import torch
-
 from llmserve.attention import native
 from llmserve.attention.layer import Attention
+from llmserve.bench.throughput import synchronize
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.layers.linear import Linear
 from llmserve.sampling.sampler import Sampler
@@ -127,7 +126,7 @@ def instrument(engine: LLMEngine) -> StepProfile:
     stays wrapped; the profile's restore() puts back the module-level function it wraps."""
     runner, model = engine.runner, engine.runner.model
     device = runner.device
-    prof = StepProfile(sync=(lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None)
+    prof = StepProfile(sync=functools.partial(synchronize, device) if device.type == "cuda" else None)
     prof.wrap(engine, "step", "rest of step")
     prof.wrap(engine.scheduler, "schedule", "schedule")
     prof.wrap(engine, "_process", "outputs")

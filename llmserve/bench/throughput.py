@@ -55,8 +55,7 @@ def run_engine_throughput(engine: LLMEngine, requests: list[BenchRequest], ignor
             output_tokens += len(out.new_token_ids) + (out.finish_reason == "stop")
             if out.times is not None and out.times.first_token is not None:
                 ttfts.append(out.times.first_token - out.times.arrival)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     elapsed = time.perf_counter() - start
     hit = engine.kv.prefix_stats.hit_tokens - hits_before[0]
     queried = engine.kv.prefix_stats.queried_tokens - hits_before[1]
@@ -99,6 +98,12 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def synchronize(device: torch.device) -> None:
+    """CUDA: wait for the queued kernels, so a host clock read next includes them."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def reset_peak_device_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -131,6 +136,5 @@ def matmul_peak_gflops(dtype: torch.dtype, device: torch.device, m: int = 256, k
     while time.perf_counter() - start < seconds:
         matmul()
         iters += 1
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     return 2 * m * k * n * iters / (time.perf_counter() - start) / 1e9

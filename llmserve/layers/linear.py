@@ -175,8 +175,7 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[rows, cols] -> (int8 [rows, cols], fp32 [rows]): symmetric, each row's max |w| -> 127. On CPU one native pass
     (native.quantize_rows_int8: the same bytes) where the extension is built."""
     if weight.device.type == "cpu" and weight.dim() == 2 and native.load() is not None:
-        q, scale = native.quantize_rows_int8(weight.detach())
-        return q, scale
+        return native.quantize_rows_int8(weight.detach())
     return quantize_rows_torch(weight)
 
 

@@ -48,6 +48,8 @@ class CudaGraphDecoder:
         self._inputs = torch.zeros((4, n), dtype=torch.int64, device=device)
         self._staging = torch.zeros((4, n), dtype=torch.int64, pin_memory=True)
         self._tables = torch.full((n, self.width), scratch_block, dtype=torch.int32, device=device)
+        # a padding row's (id, position, slot, length): token 0 at position 0, one token of context in the scratch block
+        self._pad = torch.tensor([0, 0, scratch_block * block_size, 1])[:, None]
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
@@ -68,7 +70,8 @@ class CudaGraphDecoder:
 
     @torch.inference_mode()
     def _capture(self, size: int, splits: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        self._pad_inputs(0, size)
+        self._inputs[:, :size] = self._pad.to(self._inputs.device)  # every row a padding row
+        self._tables[:size, 0] = self.scratch_block
         meta = self._meta(size, splits)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -80,12 +83,6 @@ class CudaGraphDecoder:
         with torch.cuda.graph(graph, pool=pool):
             logits = self._forward(size, meta)
         return graph, logits
-
-    def _pad_inputs(self, first: int, size: int) -> None:
-        """Rows first..size-1: token 0 at position 0, one token of context in the scratch block."""
-        self._inputs[:, first:size] = torch.tensor([0, 0, self.scratch_block * self.block_size, 1],
-                                                   device=self._inputs.device)[:, None]
-        self._tables[first:size, 0] = self.scratch_block
 
     def fits(self, num_seqs: int, max_blocks: int) -> bool:
         return num_seqs <= self.max_size and max_blocks <= self.width
@@ -102,7 +99,7 @@ class CudaGraphDecoder:
         staging[1, :n] = torch.tensor(positions)
         staging[2, :n] = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions)])
         staging[3, :n] = staging[1, :n] + 1
-        staging[:, n:size] = torch.tensor([0, 0, self.scratch_block * bs, 1])[:, None]
+        staging[:, n:size] = self._pad
         self._inputs[:, :size].copy_(staging[:, :size], non_blocking=True)
         # only the columns in use: a row's later columns are never read (its length bounds the kernel's reads)
         width = max(len(t) for t in block_tables)

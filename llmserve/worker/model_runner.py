@@ -9,13 +9,12 @@ from __future__ import annotations
 import logging
 import math
 import mmap
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from llmserve.attention import SeqSpec, build_attention_metadata
+from llmserve.attention import SeqSpec, build_attention_metadata, registry
 from llmserve.attention.metadata import Workspace
 from llmserve.engine.request import Request
 from llmserve.engine.scheduler import ScheduledRequest
@@ -75,7 +74,9 @@ class ModelRunner:
         self.workspace = Workspace()  # decode gather buffers, reused across steps
         spec = cache_spec(loaded, kv_cache_dtype)
         layers = self.model.attention_layers()
-        use_graphs = graphs is not None and graphs.enabled and self.device.type == "cuda" and _triton_decode_usable()
+        # graphs need the Triton decode kernel: its shapes follow the batch, the torch reference's the contexts
+        use_graphs = (graphs is not None and graphs.enabled
+                      and registry.triton_decode_covers(self.device, spec.head_dim, loaded.dtype, spec.dtype))
         # CUDA graphs: one more block, never allocated, where the padding rows of a captured batch write
         shape = (len(layers), 2, num_blocks + use_graphs, block_size, spec.num_kv_heads)
         pool = zeroed((*shape, spec.head_dim), spec.dtype, self.device)
@@ -159,18 +160,6 @@ class ModelRunner:
         assert self.graphs is not None
         return (bool(spans) and all(len(s.token_ids) == 1 and s.num_logits == 1 for s in spans)
                 and self.graphs.fits(len(spans), max(len(s.block_table) for s in spans)))
-
-
-def _triton_decode_usable() -> bool:
-    """Graphs need the Triton decode kernel (its shapes do not follow the contexts' lengths; the reference's do)."""
-    if os.environ.get("LLMSERVE_ATTENTION") == "torch":
-        return False  # the reference forced: every step eager
-    try:
-        import llmserve.attention.triton_decode  # noqa: F401
-    except ImportError:
-        logger.warning("triton is not installed: CUDA decode steps run eagerly, with torch's attention")
-        return False
-    return True
 
 
 @dataclass(frozen=True)
