@@ -209,7 +209,8 @@ class EngineConfig:
                                "evicted past this count, and idle ones are evicted before any request is "
                                "preempted when the KV pool is full. 0 disables sessions.")
     session_ttl: float = _f(600.0, "Seconds an idle session keeps its KV before it is evicted.")
-    num_threads: int | None = _f(None, "CPU threads for torch. Default: the cores this process may run on.")
+    num_threads: int | None = _f(None, "CPU threads for torch. Default: the cores this process may run on (OpenMP's "
+                                    "team size where OMP_NUM_THREADS or thread binding is set).")
     revision: str | None = _f(None, "Hub revision (branch, tag or commit) of the model.")
     download_dir: str | None = _f(None, "Where hub downloads go. Default: the Hugging Face cache.")
     trust_remote_code: bool = _f(False, "Allow the tokenizer/config to run code from the model repository.")
