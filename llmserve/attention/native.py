@@ -208,11 +208,19 @@ def bf16_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor 
     return _module.bf16_gemm(x, packed, n, bias)
 
 
-def int8w_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def int8w_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+               a16: bool | None = None) -> torch.Tensor:
     """Weight-only int8: x [M, K] (fp32/bf16) @ (the int8 weight [N, K] packed by w8a8_pack, times scale [N] per row)^T
-    (+ bias) -> [M, N] in x's dtype, fp32 FMAs on the widened weights, each output summed over k in order. Needs
-    packed_gemm_usable()."""
-    return _module.int8w_gemm(x, packed, scale, bias)
+    (+ bias) -> [M, N] in x's dtype. a16 (default: where int8w_a16_usable()): each row of x quantized to int16 and the
+    products summed in int32 by VNNI, twice the fp32 FMAs' rate; else fp32 FMAs on the widened weights. Either way each
+    output is summed over k in order, whatever the other rows. Needs packed_gemm_usable()."""
+    return _module.int8w_gemm(x, packed, scale, bias, -1 if a16 is None else int(a16))
+
+
+@functools.cache
+def int8w_a16_usable() -> bool:
+    """Whether int8w_gemm can quantize x to int16 here (a CPU with AVX512-VNNI)."""
+    return load() is not None and _module.int8w_a16_supported()
 
 
 @functools.cache

@@ -1,5 +1,6 @@
 """Weight-only int8 GEMM (csrc/packed_gemm.cpp, int8w_gemm): x in fp32/bf16 times int8 weights packed by w8a8_pack,
-times a per-row scale, summed in fp32; and the w8a8 LM head that uses it."""
+times a per-row scale; x quantized to int16 per row and summed in int32 by VNNI (a16), or kept in fp32 and summed by
+FMAs; and the w8a8 LM head that uses it."""
 
 from __future__ import annotations
 
@@ -13,9 +14,21 @@ pytestmark = pytest.mark.skipif(not native.packed_gemm_usable(),
                                 reason="the packed GEMM needs the extension and a CPU with AVX-512")
 
 
+PATHS = [False, pytest.param(True, marks=pytest.mark.skipif(not native.int8w_a16_usable(),
+                                                          reason="16-bit activations need AVX512-VNNI"))]
+
+
 def _exact(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     y = (x.double() @ q.double().T) * scale.double()
     return y + bias.double() if bias is not None else y
+
+
+def _quantized_a16(x: torch.Tensor) -> torch.Tensor:
+    """x as the a16 path sees it: each row rounded to int16 steps of its max |x| / 32767 (half to even)."""
+    xf = x.float()
+    s = xf.abs().amax(dim=1, keepdim=True) / 32767
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return (torch.round(xf / s).clamp(-32767, 32767).double() * s.double())
 
 
 # every register tile shape (1-6 rows by 1-4 blocks), K not a multiple of 4 (a padded group), N not a multiple of
@@ -25,31 +38,54 @@ def _exact(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Te
                                              (487, 70, 90)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("a16", PATHS)
 def test_kernel_is_the_exact_product_rounded_once(rows: int, in_f: int, out_f: int, dtype: torch.dtype,
-                                                  bias: bool) -> None:
+                                                  bias: bool, a16: bool) -> None:
     g = torch.Generator().manual_seed(rows + in_f)
     x = torch.randn(rows, in_f, generator=g).to(dtype)
+    x[0, 0] = 40.0  # an outlier column sets the row's int16 step
     q, scale = quantize_rows(torch.randn(out_f, in_f, generator=g))
     b = torch.randn(out_f, generator=g) if bias else None
-    got = native.int8w_gemm(x, native.w8a8_pack(q), scale, b)
+    got = native.int8w_gemm(x, native.w8a8_pack(q), scale, b, a16=a16)
     assert got.dtype == dtype and got.shape == (rows, out_f)
-    want = _exact(x, q, scale, b)
-    # fp32 products and sums (another order than the double reference), then one rounding to x's dtype
+    # a16: exact int32 sums of the int16-rounded x; fp32: fp32 products and sums (another order than the double
+    # reference); then one rounding to x's dtype
+    want = _exact(_quantized_a16(x) if a16 else x, q, scale, b)
     tol = dict(rtol=2e-5, atol=2e-4) if dtype == torch.float32 else dict(rtol=8e-3, atol=2e-2)
     torch.testing.assert_close(got.double(), want, **tol)
+    if a16:  # and within the int16 rounding's bound of the product of x itself: half a step per column
+        step = x.float().abs().amax(dim=1).double() / 32767
+        bound = 0.5 * step[:, None] * (q.double().abs() * scale.double()[:, None]).sum(1)[None, :]
+        exact = _exact(x, q, scale, b)
+        assert ((got.double() - exact).abs() <= bound + tol["rtol"] * exact.abs() + tol["atol"]).all()
 
 
-def test_rows_do_not_depend_on_each_other() -> None:
-    """300 rows run chunks of 150 and 30 rows one chunk on the widened path, one row the registers-only tile: the same
-    sums in the same order, so a request's logits do not depend on its batch."""
+@pytest.mark.skipif(not native.int8w_a16_usable(), reason="16-bit activations need AVX512-VNNI")
+def test_a16_int32_sums_do_not_overflow() -> None:
+    """Every product at its largest, all of one sign, over 4,100 columns: 4,100 * 127 * 32,767 is 8x int32's range, so
+    the sums must be carried in fp32 between 512-column chunks."""
+    k = 4100
+    x = torch.full((3, k), 2.5)
+    q = torch.full((20, k), 127, dtype=torch.int8)
+    q[1] = -127
+    scale = torch.full((20,), 0.01)
+    got = native.int8w_gemm(x, native.w8a8_pack(q), scale, None, a16=True)
+    want = _exact(x, q, scale, None)
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("a16", PATHS)
+def test_rows_do_not_depend_on_each_other(a16: bool) -> None:
+    """300 rows run chunks of 150 and 30 rows one chunk (on the fp32 path: the widened one), one row the smallest tile:
+    the same sums in the same order, so a request's logits do not depend on its batch."""
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(300, 300, generator=g).bfloat16()
-    q, scale = quantize_rows(torch.randn(50, 300, generator=g))
+    x = torch.randn(300, 1100, generator=g).bfloat16()  # 1,100 columns: three int32 chunks on the a16 path
+    q, scale = quantize_rows(torch.randn(50, 1100, generator=g))
     packed = native.w8a8_pack(q)
-    full = native.int8w_gemm(x, packed, scale, None)
+    full = native.int8w_gemm(x, packed, scale, None, a16=a16)
     for i in (0, 151, 299):
-        assert torch.equal(native.int8w_gemm(x[i:i + 1], packed, scale, None)[0], full[i])
-    assert torch.equal(native.int8w_gemm(x[:30], packed, scale, None), full[:30])
+        assert torch.equal(native.int8w_gemm(x[i:i + 1], packed, scale, None, a16=a16)[0], full[i])
+    assert torch.equal(native.int8w_gemm(x[:30], packed, scale, None, a16=a16), full[:30])
 
 
 def test_no_rows_and_refusals() -> None:

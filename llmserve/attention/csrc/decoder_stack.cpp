@@ -33,7 +33,7 @@ struct StackLinear {
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (packed.scalar_type() != at::kChar) return bf16_gemm(x, packed, n, bias);
-    return wsum.has_value() ? w8a8_linear(x, packed, scale, *wsum, bias) : int8w_gemm(x, packed, scale, bias);
+    return wsum.has_value() ? w8a8_linear(x, packed, scale, *wsum, bias) : int8w_gemm(x, packed, scale, bias, -1);
   }
 };
 

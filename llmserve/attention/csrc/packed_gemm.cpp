@@ -4,7 +4,8 @@
 //                                         each to fp32 (bf16 is the top half of fp32);
 //   int8 (w8a8_pack):  [N/16][K/4][16][4]  4 columns of 16 outputs; two shifts and a conversion widen each, and the
 //                                         per-output scale is applied to the sums (weight-only int8: x stays in
-//                                         bf16/fp32, so only the weights are rounded).
+//                                         bf16/fp32, so only the weights are rounded). On CPUs with AVX512-VNNI
+//                                         int8w_gemm takes int8w_gemm_a16 below instead (x rounded to int16).
 // Each widened column is multiplied by one element of a row of x broadcast to every lane, so the 16 sums land in the
 // lanes they belong to (no horizontal sums), and every block is one contiguous stream. A register tile is 6 rows of x
 // by 4 blocks (24 accumulators).
@@ -20,7 +21,9 @@
 #include "avx512_math.h"  // LLMSERVE_AVX512, storeu16, tail_mask16
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <vector>
 
 namespace {
@@ -215,6 +218,123 @@ torch::Tensor packed_gemm(const torch::Tensor& x, const torch::Tensor& packed, i
   return y;
 }
 
+}  // namespace
+
+bool int8w_a16_supported() { return cpu_has_avx512() && __builtin_cpu_supports("avx512vnni"); }
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Weight-only int8 with 16-bit activations on CPUs with AVX512-VNNI (int8w_gemm's path there): each row of x is quantized
+// to int16 (symmetric, its max |x| -> 32767) and multiplied with vpdpwssd, 32 products per instruction at the fp32
+// FMA's rate (16), so twice the FMA path's arithmetic rate and none of its widening (three ops per int8 column):
+//
+//   y[i, n] = float(sum over 512-column chunks of the int32 sums xq[i, :] . Wq[n, :]) * s[i] * w_scale[n] (+ bias)
+//
+// A chunk's int32 sum cannot overflow (512 * 127 * 32767 < 2^31); chunks are added in fp32 in column order, so a row's
+// result does not depend on the rows around it. 16-bit activations round x by at most max|x| / 65534 (bf16 itself
+// rounds its largest elements by max|x| / 512).
+#define LLMSERVE_VNNI16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+
+constexpr int64_t kA16ChunkGroups = 128;  // 512 columns per int32 chunk
+constexpr int kA16TileRows = 4;           // 16 int32 accumulators + 8 widened weights + broadcasts in 32 registers
+
+// Whether the default (a16 < 0) takes this path: VNNI here, and LLMSERVE_INT8W_A16 is not "0" (A/B runs).
+bool a16_default() {
+  static const bool ok = [] {
+    const char* off = std::getenv("LLMSERVE_INT8W_A16");
+    return int8w_a16_supported() && !(off != nullptr && off[0] == '0' && off[1] == 0);
+  }();
+  return ok;
+}
+
+// One row of x -> int16 in the order the tile reads: per group of 4 columns [x0, x2, x1, x3] (vpdpwssd pairs 32-bit
+// lanes: the even columns' (x0, x2) against the weights' bytes 0 and 2, the odd ones' against 1 and 3); padding 0.
+template <typename X>
+void quantize_row_a16(const X* x, int64_t K, int64_t K4, int16_t* q, float* s) {
+  float amax = 0.f;
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(x[k])));
+  const float scale = amax > 0.f ? amax / 32767.f : 1.f;
+  *s = scale;
+  for (int64_t k = 0; k < K4; ++k) {
+    const float v = k < K ? std::nearbyint(static_cast<float>(x[k]) / scale) : 0.f;
+    const int64_t g = k / 4, c = k % 4;
+    q[g * 4 + (c % 2) * 2 + c / 2] = static_cast<int16_t>(std::min(32767.f, std::max(-32767.f, v)));
+  }
+}
+
+template <int MR, int NR, typename Y>
+LLMSERVE_VNNI16 __attribute__((optimize("no-tree-pre"))) void tile_a16(const int16_t* xq, int64_t ldx, int64_t G,
+                                                                      const int8_t* w, int64_t block_bytes, int64_t i0,
+                                                                      int64_t n0, int64_t N, const float* xs,
+                                                                      const Epilogue& e, Y* y) {
+  alignas(64) float sums[MR][NR][16];
+  const int32_t* xr[MR];
+  _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) xr[i] = reinterpret_cast<const int32_t*>(xq + (i0 + i) * ldx);
+  for (int64_t g0 = 0; g0 < G; g0 += kA16ChunkGroups) {
+    const int64_t g1 = std::min(G, g0 + kA16ChunkGroups);
+    __m512i acc[MR][NR];
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i)
+      _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_si512();
+    for (int64_t g = g0; g < g1; ++g) {
+      if (MR <= 2)
+        _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j)
+          _mm_prefetch(reinterpret_cast<const char*>(w + j * block_bytes + g * 64) + kPrefetchBytes, _MM_HINT_T0);
+      __m512i we[NR], wo[NR];
+      _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) {
+        const __m512i v = _mm512_loadu_si512(w + j * block_bytes + g * 64);
+        we[j] = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8);  // bytes 0 and 2 of each lane, as int16
+        wo[j] = _mm512_srai_epi16(v, 8);                         // bytes 1 and 3
+      }
+      _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {
+        const __m512i be = _mm512_set1_epi32(xr[i][2 * g]), bo = _mm512_set1_epi32(xr[i][2 * g + 1]);
+        _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) {
+          acc[i][j] = _mm512_dpwssd_epi32(acc[i][j], be, we[j]);
+          acc[i][j] = _mm512_dpwssd_epi32(acc[i][j], bo, wo[j]);
+        }
+      }
+    }
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i)
+      _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) {
+        const __m512 c = _mm512_cvtepi32_ps(acc[i][j]);
+        _mm512_store_ps(sums[i][j], g0 == 0 ? c : _mm512_add_ps(_mm512_load_ps(sums[i][j]), c));
+      }
+  }
+  __m512 out[MR][NR];
+  _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {
+    const __m512 sv = _mm512_set1_ps(xs[i0 + i]);
+    _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) out[i][j] = _mm512_mul_ps(_mm512_load_ps(sums[i][j]), sv);
+  }
+  store_tile<MR, NR>(out, i0, n0, N, e, y);
+}
+
+template <typename X>
+torch::Tensor int8w_gemm_a16(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const Epilogue& e) {
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), G = packed.size(1), K4 = G * 4;
+  auto xq = torch::empty({M, K4}, x.options().dtype(at::kShort));
+  auto xs = torch::empty({M}, x.options().dtype(at::kFloat));
+  int16_t* qp = xq.data_ptr<int16_t>();
+  float* sp = xs.data_ptr<float>();
+  const X* xp = x.data_ptr<X>();
+  at::parallel_for(0, M, std::max<int64_t>(1, kSerialElems / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) quantize_row_a16(xp + i * K, K, K4, qp + i * K4, sp + i);
+  });
+  auto y = torch::empty({M, N}, x.options());
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const int64_t bb = G * 64;
+  X* yp = y.data_ptr<X>();
+  for_each_tile_group(M, NB, kChunkRows, kA16TileRows, kTileBlocks, [&](int64_t) {
+    return [&](int64_t m0, int64_t m1, int64_t b, int nr) {
+      for (int64_t i = m0; i < m1; i += kA16TileRows)
+        dispatch_tile<kA16TileRows, kTileBlocks>(static_cast<int>(std::min<int64_t>(kA16TileRows, m1 - i)), nr,
+                                                 [&](auto mr, auto nb) {
+          tile_a16<decltype(mr)::value, decltype(nb)::value>(qp, K4, G, wp + b * bb, bb, i, b * kBlockRows, N, sp, e, yp);
+        });
+    };
+  });
+  return y;
+}
+
 // bias [N] (any float dtype) -> contiguous fp32 in holder, or nullptr without one
 const float* fp32_bias(const c10::optional<torch::Tensor>& bias, int64_t N, const char* what, torch::Tensor& holder) {
   if (!bias.has_value()) return nullptr;
@@ -252,7 +372,10 @@ torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::o
 
 // Weight-only int8: x [M, K] fp32 or bf16; packed: w8a8_pack of the int8 weight [N, K]; scale [N] fp32 (the weight is
 // packed * scale per output row); bias [N] (any float dtype) or None -> [M, N] in x's dtype.
-torch::Tensor int8w_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
+// a16: 1 quantizes x to int16 per row (int8w_gemm_a16, needs int8w_a16_supported()), 0 keeps it in fp32 (FMAs), < 0
+// picks (the former where VNNI is).
+torch::Tensor int8w_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, c10::optional<torch::Tensor> bias,
+                         int64_t a16) {
   TORCH_CHECK(packed_gemm_supported(), "int8w_gemm needs a CPU with AVX-512");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "int8w_gemm: x must be fp32 or bf16 [M, K] on the CPU");
@@ -266,6 +389,11 @@ torch::Tensor int8w_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor sc
   torch::Tensor b;
   const Epilogue e{scale.data_ptr<float>(), fp32_bias(bias, N, "int8w_gemm", b)};
   const auto xc = x.contiguous();
+  TORCH_CHECK(a16 <= 0 || int8w_a16_supported(), "int8w_gemm: 16-bit activations need a CPU with AVX512-VNNI");
+  if (a16 > 0 || (a16 < 0 && a16_default())) {
+    if (xc.scalar_type() == at::kBFloat16) return int8w_gemm_a16<at::BFloat16>(xc, packed, N, e);
+    return int8w_gemm_a16<float>(xc, packed, N, e);
+  }
   if (xc.scalar_type() == at::kBFloat16) return packed_gemm<Int8Weights, at::BFloat16>(xc, packed, N, e);
   return packed_gemm<Int8Weights, float>(xc, packed, N, e);
 }

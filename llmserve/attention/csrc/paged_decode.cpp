@@ -658,8 +658,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_pack", &bf16_pack, "bf16 [N, K] weight -> the block layout bf16_gemm reads");
   m.def("bf16_gemm", &bf16_gemm, "x @ W^T (+ bias), bf16 weights packed, fp32 FMAs (CPU, AVX-512)", py::arg("x"),
         py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
-  m.def("int8w_gemm", &int8w_gemm, "x @ (W * scale)^T (+ bias), int8 weights packed by w8a8_pack, fp32 FMAs (CPU, "
-        "AVX-512)", py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("bias") = py::none());
+  m.def("int8w_gemm", &int8w_gemm, "x @ (W * scale)^T (+ bias), int8 weights packed by w8a8_pack: x in int16 per row "
+        "(vpdpwssd) or fp32 (FMAs) (CPU, AVX-512)", py::arg("x"), py::arg("packed"), py::arg("scale"),
+        py::arg("bias") = py::none(), py::arg("a16") = -1);
+  m.def("int8w_a16_supported", &int8w_a16_supported, "whether int8w_gemm can take 16-bit activations (AVX512-VNNI)");
   m.def("quantize_rows_int8", &quantize_rows_int8, "weight [N, K] -> (int8 [N, K], fp32 scales [N]), symmetric per row");
   m.def("w8a8_pack", &w8a8_pack, "int8 [N, K] weight -> the VNNI block layout w8a8_linear reads");
   m.def("w8a8_linear", &w8a8_linear, "int8 weights (packed) x int8 per-row activations, VNNI GEMM (CPU)",
