@@ -147,3 +147,17 @@ template <int MaxRows, int MaxBlocks, typename F>
 inline void dispatch_tile(int mr, int nr, const F& f) {
   with_int_constant<1, MaxRows>(mr, [&](auto m) { with_int_constant<1, MaxBlocks>(nr, [&](auto n) { f(m, n); }); });
 }
+
+// for_each_tile_group with no per-thread scratch, every chunk cut into register tiles of up to MaxRows rows of x by
+// MaxBlocks blocks: tile(mr, nb, i, block) for the tile whose first row is i and first block `block` (mr, nb as
+// dispatch_tile gives them).
+template <int MaxRows, int MaxBlocks, typename Tile>
+inline void for_each_tile(int64_t M, int64_t NB, int64_t max_rows, const Tile& tile) {
+  for_each_tile_group(M, NB, max_rows, MaxRows, MaxBlocks, [&](int64_t) {
+    return [&](int64_t m0, int64_t m1, int64_t b, int nr) {
+      for (int64_t i = m0; i < m1; i += MaxRows)
+        dispatch_tile<MaxRows, MaxBlocks>(static_cast<int>(std::min<int64_t>(MaxRows, m1 - i)), nr,
+                                          [&](auto mr, auto nb) { tile(mr, nb, i, b); });
+    };
+  });
+}

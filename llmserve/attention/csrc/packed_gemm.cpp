@@ -323,14 +323,8 @@ torch::Tensor int8w_gemm_a16(const torch::Tensor& x, const torch::Tensor& packed
   const int8_t* wp = packed.data_ptr<int8_t>();
   const int64_t bb = G * 64;
   X* yp = y.data_ptr<X>();
-  for_each_tile_group(M, NB, kChunkRows, kA16TileRows, kTileBlocks, [&](int64_t) {
-    return [&](int64_t m0, int64_t m1, int64_t b, int nr) {
-      for (int64_t i = m0; i < m1; i += kA16TileRows)
-        dispatch_tile<kA16TileRows, kTileBlocks>(static_cast<int>(std::min<int64_t>(kA16TileRows, m1 - i)), nr,
-                                                 [&](auto mr, auto nb) {
-          tile_a16<decltype(mr)::value, decltype(nb)::value>(qp, K4, G, wp + b * bb, bb, i, b * kBlockRows, N, sp, e, yp);
-        });
-    };
+  for_each_tile<kA16TileRows, kTileBlocks>(M, NB, kChunkRows, [&](auto mr, auto nb, int64_t i, int64_t b) {
+    tile_a16<decltype(mr)::value, decltype(nb)::value>(qp, K4, G, wp + b * bb, bb, i, b * kBlockRows, N, sp, e, yp);
   });
   return y;
 }

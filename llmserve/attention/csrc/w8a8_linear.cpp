@@ -152,14 +152,8 @@ torch::Tensor w8a8_impl(const torch::Tensor& x, const torch::Tensor& packed, con
   const int8_t* wp = packed.data_ptr<int8_t>();
   const int64_t bb = G * 64;  // bytes per packed block
   T* yp = y.data_ptr<T>();
-  for_each_tile_group(M, NB, kChunkRows, kTileRows, kTileBlocks, [&](int64_t) {
-    return [&](int64_t m0, int64_t m1, int64_t b, int nr) {
-      for (int64_t i = m0; i < m1; i += kTileRows)
-        dispatch_tile<kTileRows, kTileBlocks>(static_cast<int>(std::min<int64_t>(kTileRows, m1 - i)), nr,
-                                              [&](auto mr, auto nb) {
-          tile<decltype(mr)::value, decltype(nb)::value, T>(qp, K4, G, wp + b * bb, bb, i, b * kBlockRows, N, e, yp);
-        });
-    };
+  for_each_tile<kTileRows, kTileBlocks>(M, NB, kChunkRows, [&](auto mr, auto nb, int64_t i, int64_t b) {
+    tile<decltype(mr)::value, decltype(nb)::value, T>(qp, K4, G, wp + b * bb, bb, i, b * kBlockRows, N, e, yp);
   });
   return y;
 }
