@@ -28,7 +28,7 @@ def default_num_threads() -> int:
     Why not the affinity mask alone: with OMP_PROC_BIND / OMP_PLACES / GOMP_CPU_AFFINITY (what vLLM-CPU's docs advise)
     the runtime pins the main thread to its first place when torch loads it, so the main thread's mask holds one CPU,
     and the engine ran single-threaded: 83-85 against 134-149 decode tokens/s (w8a8, 2-core Xeon)."""
-    if any(os.environ.get(name, "").strip() not in ("", "false", "FALSE") for name in _OPENMP_THREAD_VARS):
+    if any(os.environ.get(name, "").strip().lower() not in ("", "false") for name in _OPENMP_THREAD_VARS):
         return max(1, torch.get_num_threads())
     return len(os.sched_getaffinity(0))
 

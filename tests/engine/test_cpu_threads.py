@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from llmserve.worker.cpu_tuning import _OPENMP_THREAD_VARS
+
 _PROBE = """
 import json, os, torch
 torch.ones(1 << 20).sum()  # an OpenMP region: the runtime binds the main thread by now
@@ -19,8 +21,7 @@ print(json.dumps({"mask": len(os.sched_getaffinity(0)), "default": default_num_t
 
 
 def _probe(env: dict[str, str]) -> dict[str, int]:
-    clean = {k: v for k, v in os.environ.items()
-             if k not in ("OMP_NUM_THREADS", "OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")}
+    clean = {k: v for k, v in os.environ.items() if k not in _OPENMP_THREAD_VARS}
     out = subprocess.run([sys.executable, "-c", _PROBE], env={**clean, **env}, capture_output=True, text=True,
                          timeout=120, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
