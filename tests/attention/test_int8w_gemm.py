@@ -61,11 +61,12 @@ def test_kernel_is_the_exact_product_rounded_once(rows: int, in_f: int, out_f: i
 
 
 @pytest.mark.skipif(not native.int8w_a16_usable(), reason="16-bit activations need AVX512-VNNI")
-def test_a16_int32_sums_do_not_overflow() -> None:
+@pytest.mark.parametrize("rows", [3, 30])  # weights widened per register tile, and once per chunk of rows
+def test_a16_int32_sums_do_not_overflow(rows: int) -> None:
     """Every product at its largest, all of one sign, over 4,100 columns: 4,100 * 127 * 32,767 is 8x int32's range, so
-    the sums must be carried in fp32 between 512-column chunks."""
+    the sums must be carried in fp32 between 256-column chunks."""
     k = 4100
-    x = torch.full((3, k), 2.5)
+    x = torch.full((rows, k), 2.5)
     q = torch.full((20, k), 127, dtype=torch.int8)
     q[1] = -127
     scale = torch.full((20,), 0.01)
@@ -76,8 +77,9 @@ def test_a16_int32_sums_do_not_overflow() -> None:
 
 @pytest.mark.parametrize("a16", PATHS)
 def test_rows_do_not_depend_on_each_other(a16: bool) -> None:
-    """300 rows run chunks of 150 and 30 rows one chunk (on the fp32 path: the widened one), one row the smallest tile:
-    the same sums in the same order, so a request's logits do not depend on its batch."""
+    """300 rows run chunks of 150 and 30 rows one chunk (both with the weights widened once per chunk), one row the
+    smallest tile (widening in registers): the same sums in the same order, so a request's logits do not depend on its
+    batch."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(300, 1100, generator=g).bfloat16()  # 1,100 columns: three int32 chunks on the a16 path
     q, scale = quantize_rows(torch.randn(50, 1100, generator=g))

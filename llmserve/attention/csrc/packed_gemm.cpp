@@ -229,15 +229,23 @@ namespace {
 // to int16 (symmetric, its max |x| -> 32767) and multiplied with vpdpwssd, 32 products per instruction at the fp32
 // FMA's rate (16), so twice the FMA path's arithmetic rate and none of its widening (three ops per int8 column):
 //
-//   y[i, n] = float(sum over 512-column chunks of the int32 sums xq[i, :] . Wq[n, :]) * s[i] * w_scale[n] (+ bias)
+//   y[i, n] = float(sum over 256-column chunks of the int32 sums xq[i, :] . Wq[n, :]) * s[i] * w_scale[n] (+ bias)
 //
-// A chunk's int32 sum cannot overflow (512 * 127 * 32767 < 2^31); chunks are added in fp32 in column order, so a row's
+// A chunk's int32 sum cannot overflow (256 * 127 * 32767 < 2^31, with room
+// for 512); chunks are added in fp32 in column order, so a row's
 // result does not depend on the rows around it. 16-bit activations round x by at most max|x| / 65534 (bf16 itself
 // rounds its largest elements by max|x| / 512).
 #define LLMSERVE_VNNI16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 
-constexpr int64_t kA16ChunkGroups = 128;  // 512 columns per int32 chunk
-constexpr int kA16TileRows = 4;           // 16 int32 accumulators + 8 widened weights + broadcasts in 32 registers
+constexpr int64_t kA16ChunkGroups = 64;  // 256 columns per int32 chunk (and per widening, below)
+constexpr int kA16TileRows = 4;          // 16 int32 accumulators + 8 widened weights + broadcasts in 32 registers
+// Chunks of at least this many rows widen each block's int8 weights to int16 once per chunk (widen_blocks_a16) instead of
+// once per register tile (three ops per 64 bytes): the tiles' loop is then loads and vpdpwssd only, and with the weights
+// out of registers a tile holds 6 rows. SmolLM2's linears (8 decoders) and LM head, bf16 x, median of 15, alternated
+// (per tile / per chunk, ms): 16 rows 5.9-6.2 / 6.1-6.2; 24: 7.7-8.1 / 7.6; 48: 13.5-13.6 / 11.9-12.1; 64: 17.2-17.4
+// / 14.6-14.7; 256: 64.4-64.6 / 50.7-52.1 (4-row wide tiles: 15.0, 51.6-53.2; 5 rows: 14.8-15.1, 51.6).
+constexpr int64_t kA16WideMinRows = 24;
+constexpr int kA16WideTileRows = 6;
 
 // Whether the default (a16 < 0) takes this path: VNNI here, and LLMSERVE_INT8W_A16 is not "0" (A/B runs).
 bool a16_default() {
@@ -314,6 +322,64 @@ LLMSERVE_VNNI16 __attribute__((optimize("no-tree-pre"))) void tile_a16(const int
   store_tile<MR, NR>(out, i0, n0, N, e, y);
 }
 
+// Groups [g0, g0 + gn) of nr packed int8 blocks -> int16 wf [nr][gn][2][32]: per group the lanes' bytes 0 and 2 (the
+// register tile's `we`), then bytes 1 and 3 (`wo`).
+LLMSERVE_VNNI16 void widen_blocks_a16(const int8_t* w, int64_t block_bytes, int nr, int64_t g0, int64_t gn, int16_t* wf) {
+  for (int j = 0; j < nr; ++j)
+    for (int64_t g = 0; g < gn; ++g) {
+      const __m512i v = _mm512_loadu_si512(w + j * block_bytes + (g0 + g) * 64);
+      int16_t* o = wf + (j * gn + g) * 64;
+      _mm512_storeu_si512(o, _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8));
+      _mm512_storeu_si512(o + 32, _mm512_srai_epi16(v, 8));
+    }
+}
+
+// tile_a16 over weights widened beforehand for the int32 chunk of groups [g0, g0 + gn): the same vpdpwssd in the same
+// order, and the chunk's sum added in fp32 to the partial sums carried in acc_rows (row stride kAccStride) between
+// chunks, so the result is bit for bit tile_a16's.
+template <int MR, int NR, typename Y>
+LLMSERVE_VNNI16 __attribute__((optimize("no-tree-pre"))) void tile_wide_a16(
+    const int16_t* xq, int64_t ldx, int64_t g0, int64_t gn, const int16_t* wf, int64_t i0, float* acc_rows, bool first,
+    bool last, int64_t n0, int64_t N, const float* xs, const Epilogue& e, Y* y) {
+  const int32_t* xr[MR];
+  _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i)
+    xr[i] = reinterpret_cast<const int32_t*>(xq + (i0 + i) * ldx) + 2 * g0;
+  __m512i acc[MR][NR];
+  _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i)
+    _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_si512();
+  for (int64_t g = 0; g < gn; ++g) {
+    __m512i we[NR], wo[NR];
+    _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) {
+      we[j] = _mm512_loadu_si512(wf + (j * gn + g) * 64);
+      wo[j] = _mm512_loadu_si512(wf + (j * gn + g) * 64 + 32);
+    }
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {
+      const __m512i be = _mm512_set1_epi32(xr[i][2 * g]), bo = _mm512_set1_epi32(xr[i][2 * g + 1]);
+      _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) {
+        acc[i][j] = _mm512_dpwssd_epi32(acc[i][j], be, we[j]);
+        acc[i][j] = _mm512_dpwssd_epi32(acc[i][j], bo, wo[j]);
+      }
+    }
+  }
+  __m512 out[MR][NR];
+  _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i)
+    _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) {
+      const __m512 c = _mm512_cvtepi32_ps(acc[i][j]);
+      out[i][j] = first ? c : _mm512_add_ps(_mm512_loadu_ps(acc_rows + i * kAccStride + j * kBlockRows), c);
+    }
+  if (!last) {
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i)
+      _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j)
+        _mm512_storeu_ps(acc_rows + i * kAccStride + j * kBlockRows, out[i][j]);
+    return;
+  }
+  _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {
+    const __m512 sv = _mm512_set1_ps(xs[i0 + i]);
+    _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) out[i][j] = _mm512_mul_ps(out[i][j], sv);
+  }
+  store_tile<MR, NR>(out, i0, n0, N, e, y);
+}
+
 template <typename X>
 torch::Tensor int8w_gemm_a16(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const Epilogue& e) {
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), G = packed.size(1), K4 = G * 4;
@@ -329,8 +395,33 @@ torch::Tensor int8w_gemm_a16(const torch::Tensor& x, const torch::Tensor& packed
   const int8_t* wp = packed.data_ptr<int8_t>();
   const int64_t bb = G * 64;
   X* yp = y.data_ptr<X>();
-  for_each_tile<kA16TileRows, kTileBlocks>(M, NB, kChunkRows, [&](auto mr, auto nb, int64_t i, int64_t b) {
-    tile_a16<decltype(mr)::value, decltype(nb)::value>(qp, K4, G, wp + b * bb, bb, i, b * kBlockRows, N, sp, e, yp);
+  for_each_tile_group(M, NB, kChunkRows, kA16TileRows, kTileBlocks, [&](int64_t rows) {
+    // per thread: a tile's blocks widened to int16 for one int32 chunk, and the chunk's partial sums between chunks
+    const bool wide = rows >= kA16WideMinRows;
+    return [&, wf = std::vector<int16_t>(wide ? kTileBlocks * kA16ChunkGroups * 64 : 0),
+            acc = std::vector<float>(wide ? rows * kAccStride : 0)](int64_t m0, int64_t m1, int64_t blk,
+                                                                     int nr) mutable {
+      if (m1 - m0 < kA16WideMinRows) {  // widen in registers, each tile on its own
+        for (int64_t i = m0; i < m1; i += kA16TileRows)
+          dispatch_tile<kA16TileRows, kTileBlocks>(static_cast<int>(std::min<int64_t>(kA16TileRows, m1 - i)), nr,
+                                                   [&](auto mr, auto nb) {
+            tile_a16<decltype(mr)::value, decltype(nb)::value>(qp, K4, G, wp + blk * bb, bb, i, blk * kBlockRows, N, sp,
+                                                               e, yp);
+          });
+        return;
+      }
+      for (int64_t g0 = 0; g0 < G; g0 += kA16ChunkGroups) {
+        const int64_t gn = std::min(kA16ChunkGroups, G - g0);
+        widen_blocks_a16(wp + blk * bb, bb, nr, g0, gn, wf.data());
+        for (int64_t i = m0; i < m1; i += kA16WideTileRows)
+          dispatch_tile<kA16WideTileRows, kTileBlocks>(static_cast<int>(std::min<int64_t>(kA16WideTileRows, m1 - i)),
+                                                       nr, [&](auto mr, auto nb) {
+            tile_wide_a16<decltype(mr)::value, decltype(nb)::value>(qp, K4, g0, gn, wf.data(), i,
+                                                                    acc.data() + (i - m0) * kAccStride, g0 == 0,
+                                                                    g0 + gn >= G, blk * kBlockRows, N, sp, e, yp);
+          });
+      }
+    };
   });
   return y;
 }
