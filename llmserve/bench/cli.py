@@ -111,13 +111,13 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
         finally:
             if profile is not None:
                 profile.restore()
-        int8 = engine.config.quantization == "w8a8"
-        peak_dtype, peak_kind = peak_matmul_kind(engine.loaded.dtype, engine.loaded.device, int8)
+        quantization = engine.config.quantization
+        peak_dtype, peak_kind = peak_matmul_kind(engine.loaded.dtype, engine.loaded.device, quantization)
         cfg, model_dir, dtype, device = (engine.loaded.hf_config, engine.loaded.model_dir, engine.loaded.dtype,
                                          engine.loaded.device)
         # a model-shaped matmul (the MLP's up projection): 256 rows on CPU, 4096 on a GPU, which needs that many to fill
         peak = matmul_peak_gflops(peak_dtype, device, m=4096 if device.type == "cuda" else 256, k=cfg.hidden_size,
-                                  n=cfg.intermediate_size, int8=int8)
+                                  n=cfg.intermediate_size, kind=peak_kind)
         pad = pipe.tokenizer.pad_token_id if pipe.tokenizer.pad_token_id is not None else 0
         dummy = engine.config.load_format == "dummy"
         del engine  # the pipeline's close drops the last other reference: weights and KV pool are freed
@@ -130,21 +130,30 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
             torch.cuda.empty_cache()
         results.append(run_transformers_throughput(model_dir, dtype, device, requests, args.baseline_batch_size,
                                                    pad, dummy=dummy))
-    precision = str(dtype).removeprefix("torch.") + (", w8a8" if int8 else "")
+    precision = str(dtype).removeprefix("torch.") + (f", {quantization}" if quantization else "")
     _report(results, peak, precision, args.json, profile, peak_kind)
     return 0
 
 
-def peak_matmul_kind(dtype: torch.dtype, device: torch.device, int8: bool) -> tuple[torch.dtype, str]:
-    """Which matmul the run's FLOPs are read against: the one its large matmuls run. w8a8: the int8 matmul;
-    bf16 on a CPU where large bf16 matmuls run in fp32 (no AMX, see fp32_compute_for_bf16): fp32, the faster
-    one (read against the bf16 peak the fraction passed 100%)."""
+def peak_matmul_kind(dtype: torch.dtype, device: torch.device,
+                     quantization: str | None = None) -> tuple[torch.dtype, str]:
+    """Which matmul the run's FLOPs are read against: the one its large matmuls run.
+    - w8a8: the int8 matmul.
+    - Weight-only int8 on a CPU where int8w_gemm rounds x to int16 (VNNI): that GEMM itself ("int16 x int8 matmul"),
+      whose products run at up to twice the fp32 FMA rate (read against the fp32 peak the fraction passed 100%).
+    - bf16 on a CPU where large bf16 matmuls run in fp32 (no AMX, see fp32_compute_for_bf16): fp32, the faster one
+      (read against the bf16 peak the fraction passed 100%)."""
     import torch
 
     from llmserve.cpu_features import fp32_compute_for_bf16
 
-    if int8:
+    if quantization == "w8a8":
         return dtype, "int8 matmul"
+    if quantization == "int8" and device.type == "cpu" and dtype in (torch.bfloat16, torch.float32):
+        from llmserve.attention import native
+
+        if native.packed_gemm_usable() and native.int8w_a16_usable():
+            return dtype, "int16 x int8 matmul"
     if dtype == torch.bfloat16 and device.type == "cpu" and fp32_compute_for_bf16():
         return torch.float32, "fp32 matmul"
     return dtype, "matmul"

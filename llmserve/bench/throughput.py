@@ -115,10 +115,21 @@ def peak_device_mb(device: torch.device) -> float | None:
 
 
 def matmul_peak_gflops(dtype: torch.dtype, device: torch.device, m: int = 256, k: int = 576, n: int = 1536,
-                       seconds: float = 1.0, int8: bool = False) -> float:
-    """What this device does on a model-shaped matmul: the 'peak' the achieved figure is read against.
-    int8: the s8 x s8 -> s32 matmul that w8a8 linear layers run (GOP/s)."""
-    if int8:
+                       seconds: float = 1.0, kind: str = "matmul") -> float:
+    """What this device does on a model-shaped matmul: the 'peak' the achieved figure is read against. kind (as
+    bench.cli.peak_matmul_kind names it): "int8 matmul", the s8 x s8 -> s32 matmul that w8a8 linear layers run
+    (GOP/s); "int16 x int8 matmul", the weight-only int8 GEMM with x rounded to int16 (native.int8w_gemm); otherwise a
+    matmul in dtype."""
+    if kind == "int16 x int8 matmul":
+        from llmserve.attention import native
+
+        a = torch.randn(m, k, dtype=dtype, device=device)
+        packed = native.w8a8_pack(torch.randint(-127, 128, (n, k), dtype=torch.int8))
+        scale = torch.full((n,), 0.01)
+
+        def matmul() -> None:
+            native.int8w_gemm(a, packed, scale, None, a16=True)
+    elif kind == "int8 matmul":
         a = torch.randint(-128, 128, (m, k), dtype=torch.int8, device=device)
         w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device)
 

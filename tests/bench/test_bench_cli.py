@@ -117,15 +117,18 @@ def test_throughput_of_a_weightless_shape_against_transformers(tiny_model_dir: C
     assert ours["peak_device_mb"] is None  # a CPU run
 
 
-@pytest.mark.skipif(not native.w8a8_usable(), reason="w8a8 needs a CPU with AVX-512 and VNNI")
-def test_throughput_of_w8a8_is_read_against_the_int8_matmul(tiny_model_dir: Callable[[str], str],
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.skipif(not native.w8a8_usable(), reason="w8a8 and int16 activations need a CPU with AVX-512 and VNNI")
+@pytest.mark.parametrize("quantization,kind", [("w8a8", "int8 matmul"), ("int8", "int16 x int8 matmul")])
+def test_throughput_of_int8_is_read_against_the_matmul_it_runs(quantization: str, kind: str,
+                                                               tiny_model_dir: Callable[[str], str],
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["bench", "throughput", tiny_model_dir("llama"), "--num-prompts", "2", "--input-len", "20:30",
                "--output-len", "3", "--ignore-eos", "--num-blocks", "32", "--dtype", "float32", "--quantization",
-               "w8a8", "--profile-steps", "--json"])
+               quantization, "--profile-steps", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0
-    assert (out["dtype"], out["matmul_peak_kind"]) == ("float32, w8a8", "int8 matmul") and out["matmul_peak_gflops"] > 0
+    assert (out["dtype"], out["matmul_peak_kind"]) == (f"float32, {quantization}", kind)
+    assert out["matmul_peak_gflops"] > 0
     assert out["results"][0]["output_tokens"] == 6
     # the decode steps ran in the native decoder stack, whose own timers split them
     phases = out["step_profile"]["phases"]
@@ -166,9 +169,27 @@ def test_bf16_is_read_against_the_matmul_its_large_matmuls_run(fp32_faster: bool
     monkeypatch.setattr(cpu_features, "fp32_compute_for_bf16", lambda: fp32_faster)
     cpu = torch.device("cpu")
     want = (torch.float32, "fp32 matmul") if fp32_faster else (torch.bfloat16, "matmul")
-    assert peak_matmul_kind(torch.bfloat16, cpu, int8=False) == want
-    assert peak_matmul_kind(torch.float32, cpu, int8=False) == (torch.float32, "matmul")
-    assert peak_matmul_kind(torch.bfloat16, cpu, int8=True) == (torch.bfloat16, "int8 matmul")
+    assert peak_matmul_kind(torch.bfloat16, cpu) == want
+    assert peak_matmul_kind(torch.float32, cpu) == (torch.float32, "matmul")
+    assert peak_matmul_kind(torch.bfloat16, cpu, "w8a8") == (torch.bfloat16, "int8 matmul")
+
+
+def test_weight_only_int8_is_read_against_the_int16_gemm_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On VNNI CPUs weight-only int8 runs int8w_gemm with x rounded to int16, up to twice the fp32 FMA rate: read
+    against fp32 the fraction passed 100%. Without VNNI it runs fp32 FMAs and is read as bf16 is."""
+    from llmserve import cpu_features
+    from llmserve.attention import native
+    from llmserve.bench.cli import peak_matmul_kind
+    from llmserve.bench.throughput import matmul_peak_gflops
+
+    monkeypatch.setattr(cpu_features, "fp32_compute_for_bf16", lambda: True)
+    cpu = torch.device("cpu")
+    if native.packed_gemm_usable() and native.int8w_a16_usable():
+        want = (torch.bfloat16, "int16 x int8 matmul")
+        assert matmul_peak_gflops(torch.bfloat16, cpu, m=8, k=64, n=32, seconds=0.01, kind=want[1]) > 0
+    else:
+        want = (torch.float32, "fp32 matmul")
+    assert peak_matmul_kind(torch.bfloat16, cpu, "int8") == want
 
 
 def test_throughput_reads_sharegpt_and_runs_the_transformers_baseline(
