@@ -231,10 +231,9 @@ namespace {
 //
 //   y[i, n] = float(sum over 256-column chunks of the int32 sums xq[i, :] . Wq[n, :]) * s[i] * w_scale[n] (+ bias)
 //
-// A chunk's int32 sum cannot overflow (256 * 127 * 32767 < 2^31, with room
-// for 512); chunks are added in fp32 in column order, so a row's
-// result does not depend on the rows around it. 16-bit activations round x by at most max|x| / 65534 (bf16 itself
-// rounds its largest elements by max|x| / 512).
+// A chunk's int32 sum cannot overflow (256 * 127 * 32767 < 2^31; 512 columns would fit too); chunks are added in fp32
+// in column order, so a row's result does not depend on the rows around it. 16-bit activations round x by at most
+// max|x| / 65534 (bf16 itself rounds its largest elements by max|x| / 512).
 #define LLMSERVE_VNNI16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 
 constexpr int64_t kA16ChunkGroups = 64;  // 256 columns per int32 chunk (and per widening, below)
