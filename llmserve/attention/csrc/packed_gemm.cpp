@@ -171,6 +171,41 @@ LLMSERVE_AVX512 void widen_rows(const X* x, int64_t M, int64_t K, int64_t ld, fl
   }
 }
 
+// The driver both GEMMs here share: for_each_tile_group, each chunk of rows cut into register tiles (of kTileBlocks
+// blocks at most).
+// - Chunks of fewer than min_wide rows: narrow(mr, nb, i, block) for tiles of up to NarrowRows rows, which widen the
+//   weights in registers.
+// - Larger chunks, per column chunk of groups [g0, g0 + gn) (up to chunk_groups): widen(block, nr, g0, gn, buf) widens
+//   those weights once into the thread's buffer (buf_elems of W), then wide(mr, nb, i, block, g0, gn, buf, acc_rows,
+//   first, last) runs tiles of up to WideRows rows over it, carrying their partial sums in acc_rows (kAccStride floats
+//   per row) from one column chunk to the next.
+template <int NarrowRows, int WideRows, typename W, typename Narrow, typename Widen, typename Wide>
+void for_each_tile_widened(int64_t M, int64_t NB, int64_t G, int64_t min_wide, int64_t chunk_groups,
+                           int64_t buf_elems, const Narrow& narrow, const Widen& widen, const Wide& wide) {
+  for_each_tile_group(M, NB, kChunkRows, NarrowRows, kTileBlocks, [&](int64_t rows) {
+    const bool any_wide = rows >= min_wide;
+    return [&, buf = std::vector<W>(any_wide ? buf_elems : 0),
+            acc = std::vector<float>(any_wide ? rows * kAccStride : 0)](int64_t m0, int64_t m1, int64_t blk,
+                                                                        int nr) mutable {
+      if (m1 - m0 < min_wide) {
+        for (int64_t i = m0; i < m1; i += NarrowRows)
+          dispatch_tile<NarrowRows, kTileBlocks>(static_cast<int>(std::min<int64_t>(NarrowRows, m1 - i)), nr,
+                                                 [&](auto mr, auto nb) { narrow(mr, nb, i, blk); });
+        return;
+      }
+      for (int64_t g0 = 0; g0 < G; g0 += chunk_groups) {
+        const int64_t gn = std::min(chunk_groups, G - g0);
+        widen(blk, nr, g0, gn, buf.data());
+        for (int64_t i = m0; i < m1; i += WideRows)
+          dispatch_tile<WideRows, kTileBlocks>(static_cast<int>(std::min<int64_t>(WideRows, m1 - i)), nr,
+                                               [&](auto mr, auto nb) {
+            wide(mr, nb, i, blk, g0, gn, buf.data(), acc.data() + (i - m0) * kAccStride, g0 == 0, g0 + gn >= G);
+          });
+      }
+    };
+  });
+}
+
 // y = (x @ W^T) (* scale) (+ bias) over a packed weight of format F: x [M, K] (X = float or bf16) -> [M, N] in X.
 template <typename F, typename X>
 torch::Tensor packed_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const Epilogue& e) {
@@ -187,34 +222,17 @@ torch::Tensor packed_gemm(const torch::Tensor& x, const torch::Tensor& packed, i
   const auto* wp = reinterpret_cast<const typename F::T*>(packed.data_ptr());
   const int64_t be = G * 16 * kG;  // elements per packed block
   X* yp = y.data_ptr<X>();
-  for_each_tile_group(M, NB, kChunkRows, kTileRows, kTileBlocks, [&](int64_t rows) {
-    // per thread: widened weights of a tile's blocks, and the chunk's partial sums between column chunks
-    const bool wide = rows >= F::kWideMinRows;
-    return [&, wf = std::vector<float>(wide ? kTileBlocks * kWideColumns * kBlockRows : 0),
-            acc = std::vector<float>(wide ? rows * kAccStride : 0)](int64_t m0, int64_t m1, int64_t blk,
-                                                                     int nr) mutable {
-      if (m1 - m0 < F::kWideMinRows) {  // widen in registers, each tile on its own
-        for (int64_t i = m0; i < m1; i += kTileRows)
-          dispatch_tile<kTileRows, kTileBlocks>(static_cast<int>(std::min<int64_t>(kTileRows, m1 - i)), nr,
-                                                [&](auto mr, auto nb) {
-            tile<decltype(mr)::value, decltype(nb)::value, F>(xp, ld, G, wp + blk * be, be, i, blk * kBlockRows, N, e,
-                                                             yp);
-          });
-        return;
-      }
-      for (int64_t g0 = 0; g0 < G; g0 += kWideGroups) {
-        const int64_t gn = std::min(kWideGroups, G - g0);
-        widen_blocks<F>(wp + blk * be, be, nr, g0, gn, wf.data());
-        for (int64_t i = m0; i < m1; i += kTileRows)
-          dispatch_tile<kTileRows, kTileBlocks>(static_cast<int>(std::min<int64_t>(kTileRows, m1 - i)), nr,
-                                                [&](auto mr, auto nb) {
-            tile_wide<decltype(mr)::value, decltype(nb)::value>(xp, ld, kG * g0, kG * gn, wf.data(), kG * gn * kBlockRows,
-                                                                i, acc.data() + (i - m0) * kAccStride, g0 == 0,
-                                                                g0 + gn >= G, blk * kBlockRows, N, e, yp);
-          });
-      }
-    };
-  });
+  for_each_tile_widened<kTileRows, kTileRows, float>(
+      M, NB, G, F::kWideMinRows, kWideGroups, kTileBlocks * kWideColumns * kBlockRows,
+      [&](auto mr, auto nb, int64_t i, int64_t blk) {
+        tile<decltype(mr)::value, decltype(nb)::value, F>(xp, ld, G, wp + blk * be, be, i, blk * kBlockRows, N, e, yp);
+      },
+      [&](int64_t blk, int nr, int64_t g0, int64_t gn, float* wf) { widen_blocks<F>(wp + blk * be, be, nr, g0, gn, wf); },
+      [&](auto mr, auto nb, int64_t i, int64_t blk, int64_t g0, int64_t gn, const float* wf, float* acc, bool first,
+          bool last) {
+        tile_wide<decltype(mr)::value, decltype(nb)::value>(xp, ld, kG * g0, kG * gn, wf, kG * gn * kBlockRows, i, acc,
+                                                            first, last, blk * kBlockRows, N, e, yp);
+      });
   return y;
 }
 
@@ -394,34 +412,20 @@ torch::Tensor int8w_gemm_a16(const torch::Tensor& x, const torch::Tensor& packed
   const int8_t* wp = packed.data_ptr<int8_t>();
   const int64_t bb = G * 64;
   X* yp = y.data_ptr<X>();
-  for_each_tile_group(M, NB, kChunkRows, kA16TileRows, kTileBlocks, [&](int64_t rows) {
-    // per thread: a tile's blocks widened to int16 for one int32 chunk, and the chunk's partial sums between chunks
-    const bool wide = rows >= kA16WideMinRows;
-    return [&, wf = std::vector<int16_t>(wide ? kTileBlocks * kA16ChunkGroups * 64 : 0),
-            acc = std::vector<float>(wide ? rows * kAccStride : 0)](int64_t m0, int64_t m1, int64_t blk,
-                                                                     int nr) mutable {
-      if (m1 - m0 < kA16WideMinRows) {  // widen in registers, each tile on its own
-        for (int64_t i = m0; i < m1; i += kA16TileRows)
-          dispatch_tile<kA16TileRows, kTileBlocks>(static_cast<int>(std::min<int64_t>(kA16TileRows, m1 - i)), nr,
-                                                   [&](auto mr, auto nb) {
-            tile_a16<decltype(mr)::value, decltype(nb)::value>(qp, K4, G, wp + blk * bb, bb, i, blk * kBlockRows, N, sp,
-                                                               e, yp);
-          });
-        return;
-      }
-      for (int64_t g0 = 0; g0 < G; g0 += kA16ChunkGroups) {
-        const int64_t gn = std::min(kA16ChunkGroups, G - g0);
-        widen_blocks_a16(wp + blk * bb, bb, nr, g0, gn, wf.data());
-        for (int64_t i = m0; i < m1; i += kA16WideTileRows)
-          dispatch_tile<kA16WideTileRows, kTileBlocks>(static_cast<int>(std::min<int64_t>(kA16WideTileRows, m1 - i)),
-                                                       nr, [&](auto mr, auto nb) {
-            tile_wide_a16<decltype(mr)::value, decltype(nb)::value>(qp, K4, g0, gn, wf.data(), i,
-                                                                    acc.data() + (i - m0) * kAccStride, g0 == 0,
-                                                                    g0 + gn >= G, blk * kBlockRows, N, sp, e, yp);
-          });
-      }
-    };
-  });
+  for_each_tile_widened<kA16TileRows, kA16WideTileRows, int16_t>(
+      M, NB, G, kA16WideMinRows, kA16ChunkGroups, kTileBlocks * kA16ChunkGroups * 64,
+      [&](auto mr, auto nb, int64_t i, int64_t blk) {
+        tile_a16<decltype(mr)::value, decltype(nb)::value>(qp, K4, G, wp + blk * bb, bb, i, blk * kBlockRows, N, sp, e,
+                                                           yp);
+      },
+      [&](int64_t blk, int nr, int64_t g0, int64_t gn, int16_t* wf) {
+        widen_blocks_a16(wp + blk * bb, bb, nr, g0, gn, wf);
+      },
+      [&](auto mr, auto nb, int64_t i, int64_t blk, int64_t g0, int64_t gn, const int16_t* wf, float* acc, bool first,
+          bool last) {
+        tile_wide_a16<decltype(mr)::value, decltype(nb)::value>(qp, K4, g0, gn, wf, i, acc, first, last,
+                                                                blk * kBlockRows, N, sp, e, yp);
+      });
   return y;
 }
 
