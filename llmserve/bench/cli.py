@@ -13,7 +13,13 @@ import time
 from typing import TYPE_CHECKING
 
 from llmserve.bench.datasets import BenchRequest, sharegpt, synthetic_chat
-from llmserve.bench.throughput import ThroughputResult, matmul_peak_gflops, run_engine_throughput
+from llmserve.bench.throughput import (
+    INT8_MATMUL,
+    INT16_INT8_MATMUL,
+    ThroughputResult,
+    matmul_peak_gflops,
+    run_engine_throughput,
+)
 from llmserve.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -139,7 +145,7 @@ def peak_matmul_kind(dtype: torch.dtype, device: torch.device,
                      quantization: str | None = None) -> tuple[torch.dtype, str]:
     """Which matmul the run's FLOPs are read against: the one its large matmuls run.
     - w8a8: the int8 matmul.
-    - Weight-only int8 on a CPU where int8w_gemm rounds x to int16 (VNNI): that GEMM itself ("int16 x int8 matmul"),
+    - Weight-only int8 on a CPU where int8w_gemm rounds x to int16 (VNNI): that GEMM itself (INT16_INT8_MATMUL),
       whose products run at up to twice the fp32 FMA rate (read against the fp32 peak the fraction passed 100%).
     - bf16 on a CPU where large bf16 matmuls run in fp32 (no AMX, see fp32_compute_for_bf16): fp32, the faster one
       (read against the bf16 peak the fraction passed 100%)."""
@@ -148,12 +154,12 @@ def peak_matmul_kind(dtype: torch.dtype, device: torch.device,
     from llmserve.cpu_features import fp32_compute_for_bf16
 
     if quantization == "w8a8":
-        return dtype, "int8 matmul"
+        return dtype, INT8_MATMUL
     if quantization == "int8" and device.type == "cpu" and dtype in (torch.bfloat16, torch.float32):
         from llmserve.attention import native
 
         if native.packed_gemm_usable() and native.int8w_a16_usable():
-            return dtype, "int16 x int8 matmul"
+            return dtype, INT16_INT8_MATMUL
     if dtype == torch.bfloat16 and device.type == "cpu" and fp32_compute_for_bf16():
         return torch.float32, "fp32 matmul"
     return dtype, "matmul"

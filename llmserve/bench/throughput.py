@@ -114,13 +114,16 @@ def peak_device_mb(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
 
 
+# The kinds of matmul a run is read against (bench.cli.peak_matmul_kind picks one; printed, and in --json)
+INT8_MATMUL = "int8 matmul"  # s8 x s8 -> s32, what w8a8 linears run
+INT16_INT8_MATMUL = "int16 x int8 matmul"  # native.int8w_gemm with x rounded to int16, what weight-only int8 runs
+
+
 def matmul_peak_gflops(dtype: torch.dtype, device: torch.device, m: int = 256, k: int = 576, n: int = 1536,
                        seconds: float = 1.0, kind: str = "matmul") -> float:
     """What this device does on a model-shaped matmul: the 'peak' the achieved figure is read against. kind (as
-    bench.cli.peak_matmul_kind names it): "int8 matmul", the s8 x s8 -> s32 matmul that w8a8 linear layers run
-    (GOP/s); "int16 x int8 matmul", the weight-only int8 GEMM with x rounded to int16 (native.int8w_gemm); otherwise a
-    matmul in dtype."""
-    if kind == "int16 x int8 matmul":
+    bench.cli.peak_matmul_kind names it): INT8_MATMUL or INT16_INT8_MATMUL (GOP/s), otherwise a matmul in dtype."""
+    if kind == INT16_INT8_MATMUL:
         from llmserve.attention import native
 
         a = torch.randn(m, k, dtype=dtype, device=device)
@@ -129,7 +132,7 @@ def matmul_peak_gflops(dtype: torch.dtype, device: torch.device, m: int = 256, k
 
         def matmul() -> None:
             native.int8w_gemm(a, packed, scale, None, a16=True)
-    elif kind == "int8 matmul":
+    elif kind == INT8_MATMUL:
         a = torch.randint(-128, 128, (m, k), dtype=torch.int8, device=device)
         w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device)
 
