@@ -2,8 +2,8 @@
 
 Only what some row uses is built: an all-greedy batch without logits processors carries no
 tensors at all, so the sampler's hot path is one argmax. Python work per step is O(batch) with
-small constants, except that rows using penalties pay O(their prompt + output length) to build
-the [B, V] masks, and rows with bad words pay O(total bad-word length).
+small constants, except that rows using penalties pay O(their prompt + output length) to list
+their (row, token) pairs, and rows with bad words pay O(total bad-word length).
 
 Row conventions: every per-row tensor has one entry per sequence, in `seqs` order. Rows that do
 not use a filter hold its neutral value (temperature 1, top_k = V, top_p = inf, min_p 0), so
@@ -49,13 +49,15 @@ class SparseEntries:
 
 @dataclass
 class Penalties:
-    """Inputs of the repetition / presence / frequency penalties; a part is None when no row uses it."""
+    """Inputs of the repetition / presence / frequency penalties; a part is None when no row uses it. The tokens
+    are listed as distinct (row, token) pairs, not as [B, V] masks: applying them touches only those logits
+    (measured 20 ms against ~0.5 for 64 rows of 49,152 with 400 tokens each on a 2-core CPU)."""
 
-    repetition: Tensor | None  # [B, 1] float32, 1.0 where unused
-    seen: Tensor | None  # [B, V] bool: token occurs in the prompt or output (repetition rows only)
-    presence: Tensor | None  # [B, 1] float32, 0.0 where unused
-    frequency: Tensor | None  # [B, 1] float32, 0.0 where unused
-    output_counts: Tensor | None  # [B, V] float32: occurrences in the output (presence/frequency rows only)
+    repetition: Tensor | None  # [B] float32, 1.0 where unused
+    seen: SparseEntries | None  # tokens in the prompt or output (repetition rows only); values None
+    presence: Tensor | None  # [B] float32, 0.0 where unused
+    frequency: Tensor | None  # [B] float32, 0.0 where unused
+    output_counts: SparseEntries | None  # tokens in the output, values their occurrences (presence/frequency rows)
 
 
 @dataclass
@@ -168,17 +170,14 @@ def _penalties(seqs: list[SequenceState], vocab_size: int, device: torch.device)
         return None
     seen = counts = None
     if rep_rows:
-        seen = torch.zeros(len(seqs), vocab_size, dtype=torch.bool, device=device)
-        rows, ids = _row_token_ids(seqs, rep_rows, with_prompt=True, device=device)
-        seen[rows, ids] = True
+        pairs = _distinct_tokens(seqs, rep_rows, with_prompt=True, vocab_size=vocab_size, device=device)
+        seen = SparseEntries(rows=pairs.rows, cols=pairs.cols, values=None)
     if count_rows:
-        counts = torch.zeros(len(seqs), vocab_size, dtype=torch.float32, device=device)
-        rows, ids = _row_token_ids(seqs, count_rows, with_prompt=False, device=device)
-        counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+        counts = _distinct_tokens(seqs, count_rows, with_prompt=False, vocab_size=vocab_size, device=device)
 
     def column(name: str, used: bool) -> Tensor | None:
         values = [getattr(s.params, name) for s in seqs]
-        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1) if used else None
+        return torch.tensor(values, dtype=torch.float32, device=device) if used else None
 
     return Penalties(
         repetition=column("repetition_penalty", bool(rep_rows)),
@@ -189,11 +188,11 @@ def _penalties(seqs: list[SequenceState], vocab_size: int, device: torch.device)
     )
 
 
-def _row_token_ids(
-    seqs: list[SequenceState], rows: list[int], with_prompt: bool, device: torch.device
-) -> tuple[Tensor, Tensor]:
-    # Flattened (row, token id) pairs of the given rows. Prompt ids are < V (the engine embedded
-    # them) and output ids came from this sampler, so no range check is needed.
+def _distinct_tokens(
+    seqs: list[SequenceState], rows: list[int], with_prompt: bool, vocab_size: int, device: torch.device
+) -> SparseEntries:
+    # The distinct (row, token id) pairs of the given rows, values their occurrences (float32). Prompt ids are < V
+    # (the engine embedded them) and output ids came from this sampler, so no range check is needed.
     ids: list[int] = []
     lengths: list[int] = []
     for i in rows:
@@ -202,7 +201,9 @@ def _row_token_ids(
         ids.extend(tokens)
         lengths.append(len(tokens))
     row_ids = torch.tensor(rows, device=device).repeat_interleave(torch.tensor(lengths, device=device))
-    return row_ids, torch.tensor(ids, dtype=torch.int64, device=device)
+    keys, occurrences = (row_ids * vocab_size + torch.tensor(ids, dtype=torch.int64, device=device)).unique(
+        return_counts=True)
+    return SparseEntries(rows=keys // vocab_size, cols=keys % vocab_size, values=occurrences.to(torch.float32))
 
 
 def _filters(

@@ -29,16 +29,18 @@ def apply_logits_processors(logits: Tensor, batch: SamplingBatch) -> Tensor:
 
 
 def apply_penalties(logits: Tensor, penalties: Penalties) -> Tensor:
+    # Only the listed (row, token) logits change, each pair once (the pairs are distinct).
     # Repetition (transformers): a seen token's logit is divided by the penalty when positive and
     # multiplied when negative, so a penalty > 1 always makes it less likely. -inf stays -inf.
     if penalties.seen is not None:
-        scaled = torch.where(logits > 0, logits / penalties.repetition, logits * penalties.repetition)
-        logits.copy_(torch.where(penalties.seen, scaled, logits))
+        rows, cols = penalties.seen.rows, penalties.seen.cols
+        values, factor = logits[rows, cols], penalties.repetition[rows]
+        logits[rows, cols] = torch.where(values > 0, values / factor, values * factor)
     # Presence / frequency (OpenAI): logit -= frequency * count + presence * (count > 0).
     if penalties.output_counts is not None:
-        counts = penalties.output_counts
-        logits -= penalties.frequency * counts
-        logits -= penalties.presence * (counts > 0)
+        rows, cols, counts = penalties.output_counts.rows, penalties.output_counts.cols, penalties.output_counts.values
+        values = logits[rows, cols] - penalties.frequency[rows] * counts
+        logits[rows, cols] = values - penalties.presence[rows]
     return logits
 
 

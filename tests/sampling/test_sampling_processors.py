@@ -59,6 +59,25 @@ def test_penalties_per_row() -> None:
     assert out[1][1] == -0.5 and out[2][3] == 0.5 and out[3][7] == 0.25 - 2.0
 
 
+def test_penalties_touch_only_the_listed_tokens_of_each_row() -> None:
+    # Rows of different lengths and knobs over a larger vocabulary, tokens repeated and shared between prompt and
+    # output, logits of both signs and -inf: every logit equals the formula, untouched ones bit for bit.
+    rng = torch.Generator().manual_seed(0)
+    vocab = 64
+    logits = (torch.randint(-64, 64, (5, vocab), generator=rng) / 8.0)
+    logits[1, :4] = NEG_INF
+    rows, seqs = [], []
+    for i, knobs in enumerate([dict(repetition_penalty=4.0), dict(frequency_penalty=0.5, presence_penalty=0.25),
+                               dict(), dict(repetition_penalty=0.5, frequency_penalty=-1.0), dict(presence_penalty=2.0)]):
+        prompt = torch.randint(0, vocab, (3 + 7 * i,), generator=rng).tolist() + [1, 1]
+        output = torch.randint(0, vocab, (2 + 5 * i,), generator=rng).tolist() + [1] + prompt[:2]
+        seqs.append(seq(prompt, output, **knobs))
+        rep, pres, freq = (knobs.get(k, d) for k, d in
+                           [("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)])
+        rows.append([penalised(x, t, prompt, output, rep, pres, freq) for t, x in enumerate(logits[i].tolist())])
+    assert process(seqs, logits.tolist()) == rows
+
+
 def test_logit_bias_applies_before_penalties() -> None:
     out = process([seq([], [5], logit_bias={5: 1.0, 1: -0.5}, repetition_penalty=2.0), seq([], [5])])
     assert out[0] == [1.5, -1.5, 2.0, -0.5, 0.0, (3.0 + 1.0) / 2.0, -2.0, 0.25]
@@ -110,4 +129,5 @@ def test_unused_processors_are_not_built() -> None:
     assert (batch.greedy, batch.filters, batch.logprob_rows) == (None, None, None)
     only_presence = SamplingBatch.build([seq([1], [2], presence_penalty=0.5)], 8, CPU).penalties
     assert only_presence.seen is None and only_presence.repetition is None
-    assert only_presence.output_counts.tolist() == [[0, 0, 1, 0, 0, 0, 0, 0]]
+    counts = only_presence.output_counts
+    assert (counts.rows.tolist(), counts.cols.tolist(), counts.values.tolist()) == ([0], [2], [1.0])
