@@ -1,8 +1,8 @@
 """The C++ CPU kernels, compiled lazily on first use: the paged decode kernel (csrc/paged_decode.cpp),
 the fused rotary / add+RMSNorm ops of the decoder layer (csrc/fused_ops.cpp), the int8-activation linear
 (csrc/w8a8_linear.cpp), the GEMMs over packed bf16 or int8 weights (csrc/packed_gemm.cpp), the K/V
-writers (csrc/kv_int8.cpp), prefill attention (csrc/prefill_attention.cpp) and a step's decoder layers
-in one call (csrc/decoder_stack.cpp), one extension.
+writers (csrc/kv_int8.cpp), prefill attention (csrc/prefill_attention.cpp), a step's decoder layers
+in one call (csrc/decoder_stack.cpp) and the sampler's token choice (csrc/sampling.cpp), one extension.
 
 Compiling takes tens of seconds, so it never happens at import: `load()` builds on first call
 (torch caches the build under ~/.cache/torch_extensions, so later processes only link it) and is
@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_decode.cpp", "fused_ops.cpp", "w8a8_linear.cpp",
-                         "packed_gemm.cpp", "kv_int8.cpp", "prefill_attention.cpp", "decoder_stack.cpp")]
+                         "packed_gemm.cpp", "kv_int8.cpp", "prefill_attention.cpp", "decoder_stack.cpp",
+                         "sampling.cpp")]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed = False
@@ -227,3 +228,17 @@ def int8w_a16_usable() -> bool:
 def packed_gemm_usable() -> bool:
     """Whether the packed GEMMs (bf16_gemm, int8w_gemm) run here: the extension builds and the CPU has AVX-512."""
     return load() is not None and _module.packed_gemm_supported()
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of logits [B, V] fp32 (not changed): x = logits / temperature, then top-k (top_k >= V: off),
+    top-p (>= 1 or inf: off) and min-p (0: off) as the torch sampler applies them, then the first token in id order
+    whose cumulative probability exceeds u times the total; temperature 0 is the argmax. [B] parameters (top_k
+    int64, the rest fp32) -> [B] int64, -1 for a row holding a NaN or no finite logit. Needs load()."""
+    return _module.sample_rows(logits, temperature, top_k, top_p, min_p, u)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """The first maximum of each row of logits [B, V] fp32 -> [B] int64, -1 for a row holding a NaN. Needs load()."""
+    return _module.argmax_rows(logits)

@@ -16,16 +16,24 @@ the whole vocabulary: its [B, V] exponential draws took 70 ms per step at 64 row
 2-core CPU, and top-p's full sort 150 ms; the default top-k 50 now takes ~5 ms. Speculative
 verification (`verify`) still uses the race for its residual distribution.
 
+On CPU the token choice (argmax, or the filters and the draw) runs in the native kernel
+(attention/csrc/sampling.cpp), row-parallel and without [B, V] intermediates, from the same u, so it
+picks the reference's token except where float rounding of a sum decides. At 64 rows of 49,152 on 2
+cores: top_p 0.9 28 -> ~2 ms per step, top_k 50 6 -> ~1, greedy 1.7 -> ~0.4 (BENCHMARKS.md).
+LLMSERVE_SAMPLER=torch keeps the torch path (the reference; A/B runs).
+
 `logits` is overwritten in place.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from llmserve.attention import native
 from llmserve.sampling.batch import SamplingBatch, SequenceState
 from llmserve.sampling.logits_processors import (
     apply_logits_processors,
@@ -71,9 +79,7 @@ class Sampler:
         if batch.beam_rows is not None:  # beams are greedy rows: filters never touch them
             rows = torch.tensor(batch.beam_rows, device=logits.device)
             beams = dict(zip(batch.beam_rows, logits.index_select(0, rows).log_softmax(dim=-1).cpu()))
-        # max(dim).indices: the same first-maximum (and NaN) semantics as argmax, and measured 1.8 ms against
-        # 3.2 for argmax over [64, 49152] fp32 logits on 2 CPU cores.
-        token_ids = logits.max(dim=-1).indices if batch.all_greedy else self._choose(logits, batch)
+        token_ids = self._argmax(logits) if batch.all_greedy else self._choose(logits, batch)
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=self._logprobs(raw_logprobs, token_ids, batch),
                              beam_logprobs=beams)
 
@@ -123,11 +129,25 @@ class Sampler:
             u[row : row + 1].uniform_(generator=generator)
         return u
 
+    @staticmethod
+    def _argmax(logits: Tensor) -> Tensor:
+        if _native_sampling(logits):
+            ids = native.argmax_rows(logits)
+            if not bool((ids < 0).any()):  # a row holding a NaN: torch's choice (the NaN's index)
+                return ids
+        # max(dim).indices: the same first-maximum (and NaN) semantics as argmax, and measured 1.8 ms against
+        # 3.2 for argmax over [64, 49152] fp32 logits on 2 CPU cores.
+        return logits.max(dim=-1).indices
+
     def _choose(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
         if batch.all_greedy:
-            return logits.argmax(dim=-1)
-        greedy_ids = logits.argmax(dim=-1) if batch.greedy is not None else None  # before filtering
+            return self._argmax(logits)
         u = self._uniform(batch, logits.device)  # one draw per row, whichever path takes it
+        if _native_sampling(logits):
+            ids = _native_choice(logits, batch, u)
+            if ids is not None:
+                return ids
+        greedy_ids = logits.argmax(dim=-1) if batch.greedy is not None else None  # before filtering
         full_rows = None  # rows left for the whole-vocabulary path; None: all
         found = truncated_candidates(logits, batch.filters)
         if found is not None:
@@ -173,6 +193,28 @@ class Sampler:
         for row, value in zip(rows, per_row, strict=True):
             result[row] = value
         return result
+
+
+def _native_sampling(logits: Tensor) -> bool:
+    """Whether the native kernel chooses tokens for these logits: fp32 on the CPU, the extension built, the torch
+    path not forced."""
+    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and os.environ.get("LLMSERVE_SAMPLER") != "torch" and native.load() is not None)
+
+
+def _native_choice(logits: Tensor, batch: SamplingBatch, u: Tensor) -> Tensor | None:
+    """Every row's token from the native kernel (greedy rows: their argmax), or None when it left a row to the
+    torch path (a NaN, or no finite logit)."""
+    filters, (rows, vocab) = batch.filters, logits.shape
+    assert filters is not None
+    temperature = (torch.ones(rows) if filters.temperature is None else filters.temperature.squeeze(1))
+    if batch.greedy is not None:
+        temperature = temperature.masked_fill(batch.greedy, 0.0)
+    top_k = torch.full((rows,), vocab) if filters.top_k is None else filters.top_k
+    top_p = torch.full((rows,), float("inf")) if filters.top_p is None else filters.top_p
+    min_p = torch.zeros(rows) if filters.min_p is None else filters.min_p
+    ids = native.sample_rows(logits, temperature, top_k, top_p, min_p, u)
+    return None if bool((ids < 0).any()) else ids
 
 
 def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:

@@ -10,6 +10,8 @@ from llmserve.sampling import Sampler, SamplingBatch, SamplingParams, SequenceSt
 from llmserve.sampling.logits_processors import MAX_CANDIDATES, apply_sampling_filters, truncated_candidates
 
 CPU = torch.device("cpu")
+# The torch path's two ways of drawing, compared: the native kernel (test_sampling_native.py) is kept out.
+pytestmark = pytest.mark.usefixtures("torch_sampler")
 VOCAB = 3 * MAX_CANDIDATES + 17
 
 # Per row: (params, logit scale). Peaked rows keep a few tokens; the flat ones' top-p nucleus is wider than the

@@ -12,6 +12,8 @@ from llmserve.sampling import Sampler, SamplingBatch, SamplingParams, SequenceSt
 from llmserve.sampling.logits_processors import apply_sampling_filters
 
 CPU = torch.device("cpu")
+# Every test on both token-choice paths (conftest.py).
+pytestmark = pytest.mark.usefixtures("sampler_path")
 NEG_INF = float("-inf")
 # Distinct values, deliberately not sorted, so a filter that confuses ranks with ids shows.
 LOGITS = [0.3, 2.0, -0.9, 1.2, 0.8, -1.5, 1.7, 0.0, 1.5, -0.4, 0.5, 1.0]

@@ -10,6 +10,8 @@ import torch
 from llmserve.sampling import Sampler, SamplingBatch, SamplingParams, SequenceState, seeded_generator
 
 CPU = torch.device("cpu")
+# Every test on both token-choice paths (conftest.py).
+pytestmark = pytest.mark.usefixtures("sampler_path")
 
 
 def sample(seqs: list[SequenceState], logits: torch.Tensor, sampler: Sampler | None = None) -> list[int]:

@@ -37,6 +37,10 @@ torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::o
 torch::Tensor int8w_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, c10::optional<torch::Tensor> bias,
                          int64_t a16);
 bool int8w_a16_supported();
+// sampling.cpp
+torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
+                          torch::Tensor min_p, torch::Tensor u);
+torch::Tensor argmax_rows(torch::Tensor logits);
 
 // decoder_stack.cpp
 void bind_decoder_stack(pybind11::module_& m);

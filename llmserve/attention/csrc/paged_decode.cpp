@@ -666,5 +666,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a8_pack", &w8a8_pack, "int8 [N, K] weight -> the VNNI block layout w8a8_linear reads");
   m.def("w8a8_linear", &w8a8_linear, "int8 weights (packed) x int8 per-row activations, VNNI GEMM (CPU)",
         py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("wsum"), py::arg("bias") = py::none());
+  m.def("sample_rows", &sample_rows, "per row: temperature, top-k, top-p, min-p, then one inverse-CDF draw from u; "
+        "temperature 0 is argmax; -1 for rows left to the torch path (CPU)", py::arg("logits"), py::arg("temperature"),
+        py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("u"));
+  m.def("argmax_rows", &argmax_rows, "first maximum of each row; -1 for rows holding a NaN (CPU)");
   bind_decoder_stack(m);
 }
