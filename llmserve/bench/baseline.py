@@ -9,6 +9,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from llmserve.bench.datasets import BenchRequest
+from llmserve.bench.sampling import SamplingKnobs
 from llmserve.bench.throughput import (
     ThroughputResult,
     peak_device_mb,
@@ -21,8 +22,9 @@ from llmserve.bench.throughput import (
 
 def run_transformers_throughput(model_dir: str, dtype: torch.dtype, device: torch.device,
                                 requests: list[BenchRequest], batch_size: int, pad_token_id: int,
-                                dummy: bool = False) -> ThroughputResult:
-    """dummy: random weights from config.json alone (the engine ran with load_format=dummy)."""
+                                dummy: bool = False, sampling: SamplingKnobs = SamplingKnobs()) -> ThroughputResult:
+    """dummy: random weights from config.json alone (the engine ran with load_format=dummy). sampling: as the
+    engine's requests (greedy by default)."""
     if dummy:
         config = AutoConfig.from_pretrained(model_dir)
         with torch.device(device):
@@ -43,7 +45,7 @@ def run_transformers_throughput(model_dir: str, dtype: torch.dtype, device: torc
         new = max(r.output_len for r in batch)
         with torch.inference_mode():
             model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False, pad_token_id=pad_token_id)
+                           pad_token_id=pad_token_id, **sampling.hf_generate_kwargs())
         output_tokens += sum(r.output_len for r in batch)
     synchronize(device)
     elapsed = time.perf_counter() - start

@@ -13,6 +13,7 @@ import time
 from typing import TYPE_CHECKING
 
 from llmserve.bench.datasets import BenchRequest, sharegpt, synthetic_chat
+from llmserve.bench.sampling import SamplingKnobs, add_sampling_flags, knobs_from_args
 from llmserve.bench.throughput import (
     INT8_MATMUL,
     INT16_INT8_MATMUL,
@@ -43,6 +44,7 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_engine_flags) -> None:
     tp.add_argument("--profile-steps", action="store_true",
                     help="time each part of the engine's steps (schedule, inputs, linear, attention, LM head, "
                          "sampling, outputs) and print the split")
+    add_sampling_flags(tp)
     add_engine_flags(tp)
     tp.set_defaults(func=_cmd_throughput)
     _add_latency_parser(kinds, add_engine_flags)
@@ -59,6 +61,7 @@ def _add_latency_parser(kinds: argparse._SubParsersAction, add_engine_flags) -> 
     lat.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                      help="always generate --output-len tokens (default: yes, so decode rates compare)")
     lat.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_sampling_flags(lat)
     add_engine_flags(lat)
     lat.set_defaults(func=_cmd_latency)
 
@@ -89,6 +92,7 @@ def _add_serving_parser(kinds: argparse._SubParsersAction) -> None:
                     help="sent as a bearer token (default: $OPENAI_API_KEY)")
     sv.add_argument("--timeout", type=float, default=600.0, help="seconds to wait on a connect or read")
     sv.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_sampling_flags(sv)
     sv.set_defaults(func=_cmd_serving)
 
 
@@ -102,6 +106,7 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     from llmserve.cli import dataclass_from_args
     from llmserve.config import EngineConfig
 
+    sampling = knobs_from_args(args)
     with pipeline(args.model, backend_config=dataclass_from_args(EngineConfig, args), log_level=args.log_level) as pipe:
         engine = pipe.engine
         requests = _workload(args, pipe)
@@ -113,7 +118,7 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
 
             profile = instrument(engine)
         try:
-            results = [run_engine_throughput(engine, requests, args.ignore_eos)]
+            results = [run_engine_throughput(engine, requests, args.ignore_eos, sampling)]
         finally:
             if profile is not None:
                 profile.restore()
@@ -135,9 +140,9 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
 
             torch.cuda.empty_cache()
         results.append(run_transformers_throughput(model_dir, dtype, device, requests, args.baseline_batch_size,
-                                                   pad, dummy=dummy))
+                                                   pad, dummy=dummy, sampling=sampling))
     precision = str(dtype).removeprefix("torch.") + (f", {quantization}" if quantization else "")
-    _report(results, peak, precision, args.json, profile, peak_kind)
+    _report(results, peak, precision, args.json, profile, peak_kind, sampling)
     return 0
 
 
@@ -174,10 +179,11 @@ def _workload(args: argparse.Namespace, pipe) -> list[BenchRequest]:
 
 
 def _report(results: list[ThroughputResult], peak_gflops: float, dtype: str, as_json: bool, profile=None,
-            peak_kind: str = "matmul") -> None:
+            peak_kind: str = "matmul", sampling: SamplingKnobs = SamplingKnobs()) -> None:
     """`peak_kind`: what the peak was measured on (the int8 matmul for w8a8, whose figure is in GOP/s)."""
     if as_json:
-        out = {"dtype": dtype, "matmul_peak_gflops": peak_gflops, "matmul_peak_kind": peak_kind,
+        out = {"dtype": dtype, "sampling": sampling.describe(), "matmul_peak_gflops": peak_gflops,
+               "matmul_peak_kind": peak_kind,
                "results": [r.as_dict() for r in results], "ratio_vs_baseline": _ratio(results)}
         if profile is not None:
             out["step_profile"] = profile.as_dict()
@@ -186,7 +192,8 @@ def _report(results: list[ThroughputResult], peak_gflops: float, dtype: str, as_
         return
     r0 = results[0]
     print(f"workload: {r0.num_requests} requests, {r0.prompt_tokens} prompt tokens, {r0.output_tokens} output "
-          f"tokens, {r0.gflop:.0f} GFLOP; dtype {dtype}; {peak_kind} peak here {peak_gflops:.0f} GFLOP/s")
+          f"tokens, {r0.gflop:.0f} GFLOP; dtype {dtype}; {sampling.describe()}; {peak_kind} peak here "
+          f"{peak_gflops:.0f} GFLOP/s")
     print(f"{'engine':<26}{'req/s':>8}{'out tok/s':>11}{'total tok/s':>13}{'elapsed s':>11}{'% peak':>8}"
           f"{'hit rate':>10}{'peak RSS MB':>13}")
     for r in results:
@@ -216,7 +223,7 @@ def _cmd_latency(args: argparse.Namespace) -> int:
     from llmserve.config import EngineConfig
 
     plan = LatencyPlan(input_len=args.input_len, output_len=args.output_len, num_iters=args.num_iters,
-                       warmup=args.warmup, ignore_eos=args.ignore_eos)
+                       warmup=args.warmup, ignore_eos=args.ignore_eos, sampling=knobs_from_args(args))
     start = time.perf_counter()
     with pipeline(args.model, backend_config=dataclass_from_args(EngineConfig, args), log_level=args.log_level) as pipe:
         result = run_latency(pipe.engine, plan, load_s=time.perf_counter() - start)
@@ -255,7 +262,7 @@ def _cmd_serving(args: argparse.Namespace) -> int:
     plan = serving.ServingPlan(base_url=args.base_url, model=model, endpoint=args.endpoint,
                                concurrency=args.concurrency, request_rate=args.request_rate,
                                ignore_eos=args.ignore_eos, api_key=args.api_key, seed=args.seed,
-                               timeout_s=args.timeout)
+                               timeout_s=args.timeout, sampling=knobs_from_args(args))
     result = asyncio.run(serving.run_serving(plan, serving.serving_requests(bench, tokenizer, args.endpoint)))
     if args.json:
         json.dump(result.as_dict(), sys.stdout, indent=2)

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from llmserve.bench.sampling import SamplingKnobs
 from llmserve.bench.stats import Summary, summarize
-from llmserve.config import GenerationConfig
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.errors import InvalidRequestError
 
@@ -44,6 +44,7 @@ class LatencyPlan:
     num_iters: int = 5  # measured
     warmup: int = 1  # run first, not measured (first-call allocations, lazy init)
     ignore_eos: bool = True  # a decode rate needs a fixed length; vLLM's benchmark_latency ignores EOS too
+    sampling: SamplingKnobs = SamplingKnobs()  # greedy
 
 
 @dataclass
@@ -59,6 +60,7 @@ class LatencyResult:
     decode_tokens_per_s: Summary | None
     e2e_ms: Summary
     output_tokens: list[int]  # per measured iteration
+    sampling: str = "greedy"
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -73,7 +75,7 @@ def run_latency(engine: LLMEngine, plan: LatencyPlan, load_s: float) -> LatencyR
     samples: list[LatencySample] = []
     ready: float | None = None
     for i, prompt in enumerate(prompts):
-        sample = time_request(engine, f"latency-{i}", prompt, plan.output_len, plan.ignore_eos)
+        sample = time_request(engine, f"latency-{i}", prompt, plan.output_len, plan.ignore_eos, plan.sampling)
         if i == 0:
             ready = process_age_s()
         if i >= plan.warmup:
@@ -83,7 +85,7 @@ def run_latency(engine: LLMEngine, plan: LatencyPlan, load_s: float) -> LatencyR
         prompt_tokens=plan.input_len, output_len=plan.output_len, num_iters=plan.num_iters,
         dtype=str(engine.loaded.dtype).removeprefix("torch."), device=str(engine.loaded.device), load_s=load_s,
         start_to_ready_s=ready, ttft_ms=ttft, decode_tokens_per_s=decode, e2e_ms=e2e,
-        output_tokens=[s.output_tokens for s in samples])
+        output_tokens=[s.output_tokens for s in samples], sampling=plan.sampling.describe())
 
 
 def random_prompts(tokenizer: PreTrainedTokenizerBase, num: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -100,9 +102,9 @@ def random_prompts(tokenizer: PreTrainedTokenizerBase, num: int, length: int, se
 
 
 def time_request(engine: LLMEngine, request_id: str, prompt: list[int], output_len: int,
-                 ignore_eos: bool) -> LatencySample:
+                 ignore_eos: bool, sampling: SamplingKnobs = SamplingKnobs()) -> LatencySample:
     """Run one request alone through `engine` (which must be idle) and time it from the caller's side."""
-    gen = GenerationConfig(temperature=0.0, max_new_tokens=output_len, ignore_eos=ignore_eos)
+    gen = sampling.generation_config(max_new_tokens=output_len, ignore_eos=ignore_eos)
     start = time.perf_counter()
     engine.add_request(request_id, prompt, gen)
     first: float | None = None
@@ -143,7 +145,7 @@ def format_latency(r: LatencyResult) -> str:
     decode = r.decode_tokens_per_s
     lines = [
         f"single request: {r.prompt_tokens} prompt tokens, {r.output_len} output tokens requested, "
-        f"{r.num_iters} iterations; {r.dtype} on {r.device}",
+        f"{r.num_iters} iterations; {r.dtype} on {r.device}; {r.sampling}",
         f"{'':<24}{'mean':>10}{'p50':>10}",
         f"{'TTFT (ms)':<24}{r.ttft_ms.mean:>10.1f}{r.ttft_ms.p50:>10.1f}",
         f"{'decode (tokens/s)':<24}" + (f"{decode.mean:>10.1f}{decode.p50:>10.1f}" if decode else f"{'-':>10}{'-':>10}"),

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from llmserve.bench.datasets import BenchRequest
+from llmserve.bench.sampling import SamplingKnobs
 from llmserve.bench.stats import Summary, summarize
 from llmserve.errors import InvalidRequestError
 
@@ -50,6 +51,7 @@ class ServingPlan:
     api_key: str | None = None
     seed: int = 0  # of the arrival times
     timeout_s: float = 600.0  # per connect/read, not per request
+    sampling: SamplingKnobs = SamplingKnobs()  # greedy
 
     @property
     def url(self) -> str:
@@ -153,6 +155,7 @@ class ServingResult:
     prompt_tokens: int  # of completed requests
     output_tokens: int
     output_tokens_source: str  # 'usage', 'content events', 'mixed' or 'none'
+    sampling: str  # SamplingKnobs.describe()
     request_throughput: float  # completed requests/s
     output_throughput: float  # tokens/s
     total_token_throughput: float  # (prompt + output) tokens/s
@@ -178,6 +181,7 @@ def summarize_run(records: list[RequestRecord], duration_s: float, plan: Serving
         endpoint=plan.endpoint, model=plan.model, num_requests=len(records), completed=len(ok),
         failed=len(failed), first_error=failed[0].error if failed else None, concurrency=plan.concurrency,
         request_rate=plan.request_rate, duration_s=duration_s, prompt_tokens=prompt_tokens,
+        sampling=plan.sampling.describe(),
         output_tokens=output_tokens, output_tokens_source=source, request_throughput=len(ok) * per_s,
         output_throughput=output_tokens * per_s, total_token_throughput=(prompt_tokens + output_tokens) * per_s,
         ttft_ms=summarize([r.ttft_s for r in ok if r.ttft_s is not None], 1000.0),
@@ -190,7 +194,7 @@ def summarize_run(records: list[RequestRecord], duration_s: float, plan: Serving
 
 
 def request_body(plan: ServingPlan, req: ServingRequest) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": plan.model, "max_tokens": req.output_len, "temperature": 0.0,
+    body: dict[str, Any] = {"model": plan.model, "max_tokens": req.output_len, **plan.sampling.request_fields(),
                             "stream": True, "stream_options": {"include_usage": True}}
     if plan.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": req.prompt}]
@@ -323,7 +327,7 @@ def format_serving(r: ServingResult) -> str:
     load = (f"concurrency {r.concurrency}" if r.concurrency else "no concurrency limit") + ", " + (
         f"Poisson arrivals at {r.request_rate:g} req/s" if r.request_rate else "all requests ready at the start")
     lines = [
-        f"serving: {r.num_requests} requests to {r.model} ({ENDPOINTS[r.endpoint]}), {load}",
+        f"serving: {r.num_requests} requests to {r.model} ({ENDPOINTS[r.endpoint]}), {load}; {r.sampling}",
         f"completed {r.completed}, failed {r.failed} in {r.duration_s:.2f} s",
     ]
     if r.first_error:

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from llmserve.bench.datasets import BenchRequest
-from llmserve.config import GenerationConfig
+from llmserve.bench.sampling import SamplingKnobs
 from llmserve.engine.llm_engine import LLMEngine
 
 
@@ -38,8 +38,9 @@ class ThroughputResult:
         return asdict(self)
 
 
-def run_engine_throughput(engine: LLMEngine, requests: list[BenchRequest], ignore_eos: bool) -> ThroughputResult:
-    gen = GenerationConfig(temperature=0.0, max_new_tokens=1, ignore_eos=ignore_eos)
+def run_engine_throughput(engine: LLMEngine, requests: list[BenchRequest], ignore_eos: bool,
+                          sampling: SamplingKnobs = SamplingKnobs()) -> ThroughputResult:
+    gen = sampling.generation_config(max_new_tokens=1, ignore_eos=ignore_eos)
     for i, r in enumerate(requests):
         engine.add_request(f"bench-{i}", r.prompt_token_ids, gen.replace(max_new_tokens=r.output_len))
     hits_before = engine.kv.prefix_stats.hit_tokens, engine.kv.prefix_stats.queried_tokens

@@ -32,10 +32,29 @@ def test_latency_table_and_without_ignore_eos(tiny_model_dir: Callable[[str], st
                "2", "--warmup", "0", "--num-blocks", "16", "--no-ignore-eos", "--dtype", "float32"])
     lines = capsys.readouterr().out.splitlines()
     assert rc == 0
-    assert lines[0] == "single request: 8 prompt tokens, 4 output tokens requested, 2 iterations; float32 on cpu"
+    assert lines[0] == ("single request: 8 prompt tokens, 4 output tokens requested, 2 iterations; float32 on cpu; "
+                        "greedy")
     assert [line.split()[0] for line in lines[2:5]] == ["TTFT", "decode", "end"]
     counts = [int(c) for c in lines[5].removeprefix("output tokens per iteration: ").split(", ")]
     assert len(counts) == 2 and all(1 <= c <= 4 for c in counts)
+
+
+def test_latency_samples_with_the_flags_it_is_given(tiny_model_dir: Callable[[str], str],
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", "latency", tiny_model_dir("llama"), "--input-len", "8", "--output-len", "5", "--num-iters",
+               "2", "--warmup", "0", "--num-blocks", "16", "--temperature", "0.7", "--top-p", "0.9", "--top-k", "20",
+               "--min-p", "0.05", "--repetition-penalty", "1.1", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["output_tokens"] == [5, 5]
+    assert out["sampling"] == "temperature 0.7, top_p 0.9, top_k 20, min_p 0.05, repetition_penalty 1.1"
+
+
+@pytest.mark.parametrize("flag, value", [("--top-p", "0"), ("--temperature", "-1"), ("--top-k", "-2"),
+                                         ("--min-p", "1.5"), ("--repetition-penalty", "0")])
+def test_bench_refuses_sampling_knobs_out_of_range(flag: str, value: str, tiny_model_dir: Callable[[str], str],
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "latency", tiny_model_dir("llama"), "--num-blocks", "16", flag, value]) == 2
+    assert "need --temperature >= 0, 0 < --top-p <= 1" in capsys.readouterr().err
 
 
 def test_latency_refuses_zero_iterations(tiny_model_dir: Callable[[str], str],
@@ -212,6 +231,27 @@ def test_throughput_reads_sharegpt_and_runs_the_transformers_baseline(
     # ignore_eos: each reply's token count is its output length (5 replies of 1..5 x "an answer ")
     assert ours["output_tokens"] >= 15
     assert out["ratio_vs_baseline"] == pytest.approx(ours["output_tokens_per_s"] / theirs["output_tokens_per_s"])
+    assert out["sampling"] == "greedy"
+
+
+def test_sampled_throughput_samples_on_both_sides(tiny_model_dir: Callable[[str], str], monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    # The same knobs reach the engine's requests and transformers' generate().
+    import transformers
+
+    seen = []
+    generate = transformers.GenerationMixin.generate
+    monkeypatch.setattr(transformers.GenerationMixin, "generate",
+                        lambda self, *a, **kw: seen.append(kw) or generate(self, *a, **kw))
+    rc = main(["bench", "throughput", tiny_model_dir("llama"), "--num-prompts", "3", "--input-len", "12",
+               "--output-len", "4", "--ignore-eos", "--num-blocks", "32", "--dtype", "float32", "--temperature",
+               "0.8", "--top-p", "0.95", "--top-k", "40", "--baseline", "transformers", "--baseline-batch-size", "3"])
+    lines = capsys.readouterr().out.splitlines()
+    assert rc == 0
+    assert "; temperature 0.8, top_p 0.95, top_k 40; " in lines[0]
+    assert [line.split()[0] for line in lines[2:4]] == ["llmserve", "transformers"]
+    assert len(seen) == 1 and {k: seen[0][k] for k in ("do_sample", "temperature", "top_p", "top_k")} == {
+        "do_sample": True, "temperature": 0.8, "top_p": 0.95, "top_k": 40}
 
 
 def test_throughput_table_and_profile_text(tiny_model_dir: Callable[[str], str],

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from llmserve.bench.latency import LatencySample, random_prompts, summarize_latency
+from llmserve.bench.sampling import SamplingKnobs
 from llmserve.bench.serving import (
     RequestRecord,
     ServingPlan,
@@ -129,6 +130,11 @@ def test_request_body_for_each_endpoint() -> None:
     assert request_body(plan, req) == {"model": "m", "max_tokens": 7, "temperature": 0.0, "stream": True,
                                        "stream_options": {"include_usage": True}, "prompt": "hi there"}
     assert plan.url == "http://h:1/v1/completions"
+    knobs = SamplingKnobs(temperature=0.7, top_p=0.9, top_k=20, repetition_penalty=1.1)
+    sampled = request_body(ServingPlan(base_url="http://h:1", model="m", sampling=knobs), req)
+    assert {k: sampled[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty")} == {
+        "temperature": 0.7, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1}
+    assert "min_p" not in sampled  # knobs left at their neutral values are not sent
 
 
 def test_arrival_offsets_are_poisson_and_seeded() -> None:
