@@ -19,7 +19,8 @@ verification (`verify`) still uses the race for its residual distribution.
 On CPU the token choice (argmax, or the filters and the draw) runs in the native kernel
 (attention/csrc/sampling.cpp), row-parallel and without [B, V] intermediates, from the same u, so it
 picks the reference's token except where float rounding of a sum decides. At 64 rows of 49,152 on 2
-cores: top_p 0.9 28 -> ~2 ms per step, top_k 50 6 -> ~1, greedy 1.7 -> ~0.4 (BENCHMARKS.md).
+cores, with the batch's build: top_p 0.9 32 -> 3.1 ms per step, top_k 50 6.2 -> 1.8, greedy 2.4 -> 0.7
+(BENCHMARKS.md).
 LLMSERVE_SAMPLER=torch keeps the torch path (the reference; A/B runs).
 
 `logits` is overwritten in place.
