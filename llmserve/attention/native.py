@@ -239,6 +239,12 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     return _module.sample_rows(logits, temperature, top_k, top_p, min_p, u)
 
 
+def sampling_usable() -> bool:
+    """Whether the sampler takes sample_rows / argmax_rows here: the extension builds and their passes run on AVX-512
+    (asked each time: tests turn it off with LLMSERVE_SAMPLING_AVX512=0)."""
+    return load() is not None and _module.sampling_avx512()
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """The first maximum of each row of logits [B, V] fp32 -> [B] int64, -1 for a row holding a NaN. Needs load()."""
     return _module.argmax_rows(logits)

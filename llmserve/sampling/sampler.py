@@ -16,7 +16,7 @@ the whole vocabulary: its [B, V] exponential draws took 70 ms per step at 64 row
 2-core CPU, and top-p's full sort 150 ms; the default top-k 50 now takes ~5 ms. Speculative
 verification (`verify`) still uses the race for its residual distribution.
 
-On CPU the token choice (argmax, or the filters and the draw) runs in the native kernel
+On AVX-512 CPUs the token choice (argmax, or the filters and the draw) runs in the native kernel
 (attention/csrc/sampling.cpp), row-parallel and without [B, V] intermediates, from the same u, so it
 picks the reference's token except where float rounding of a sum decides. At 64 rows of 49,152 on 2
 cores, with the batch's build: top_p 0.9 32 -> 3.1 ms per step, top_k 50 6.2 -> 1.8, greedy 2.4 -> 0.7
@@ -197,10 +197,10 @@ class Sampler:
 
 
 def _native_sampling(logits: Tensor) -> bool:
-    """Whether the native kernel chooses tokens for these logits: fp32 on the CPU, the extension built, the torch
-    path not forced."""
+    """Whether the native kernel chooses tokens for these logits: fp32 on the CPU, the extension built, an AVX-512
+    CPU, the torch path not forced."""
     return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
-            and os.environ.get("LLMSERVE_SAMPLER") != "torch" and native.load() is not None)
+            and os.environ.get("LLMSERVE_SAMPLER") != "torch" and native.sampling_usable())
 
 
 def _native_choice(logits: Tensor, batch: SamplingBatch, u: Tensor) -> Tensor | None:

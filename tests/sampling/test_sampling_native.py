@@ -16,6 +16,16 @@ from llmserve.sampling.sampler import _native_choice
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(native.load() is None, reason="the native CPU kernels do not build here")
 
+
+@pytest.fixture(autouse=True, params=["avx512", "scalar"])
+def passes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test on both versions of the kernel's passes over a row (scalar: CPUs without AVX-512)."""
+    if request.param == "scalar":
+        monkeypatch.setenv("LLMSERVE_SAMPLING_AVX512", "0")
+    else:
+        monkeypatch.delenv("LLMSERVE_SAMPLING_AVX512", raising=False)
+    return request.param
+
 PARAMS = [
     SamplingParams(temperature=0.8, top_k=50),
     SamplingParams(top_p=0.9),
@@ -127,8 +137,10 @@ def test_rows_the_kernel_leaves_go_to_the_torch_path_whole() -> None:
     assert out[0] in logits[0].topk(20).indices.tolist() and out[3] == logits[3].argmax().item()
 
 
-def test_the_sampler_picks_the_same_tokens_on_both_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Seeded unseeded rows alike: the same u per row, so the same tokens (rounding decides nothing here).
+def test_the_sampler_picks_the_same_tokens_on_both_paths(passes: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The same u per row, so the same tokens (rounding decides nothing here).
+    if passes == "scalar" or not native.sampling_usable():
+        pytest.skip("the sampler takes the kernel only where its passes run on AVX-512")
     logits = torch.cat([logits_of("peaked", len(PARAMS), 4096, seed=9), logits_of("tied", len(PARAMS), 4096, seed=9)])
     seqs = [SequenceState(p, [], []) for p in PARAMS * 2]
 

@@ -41,6 +41,7 @@ bool int8w_a16_supported();
 torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
                           torch::Tensor min_p, torch::Tensor u);
 torch::Tensor argmax_rows(torch::Tensor logits);
+bool sampling_avx512();
 
 // decoder_stack.cpp
 void bind_decoder_stack(pybind11::module_& m);

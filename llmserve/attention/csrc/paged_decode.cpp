@@ -670,5 +670,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "temperature 0 is argmax; -1 for rows left to the torch path (CPU)", py::arg("logits"), py::arg("temperature"),
         py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("u"));
   m.def("argmax_rows", &argmax_rows, "first maximum of each row; -1 for rows holding a NaN (CPU)");
+  m.def("sampling_avx512", &sampling_avx512, "whether sample_rows and argmax_rows run on AVX-512 here "
+        "(LLMSERVE_SAMPLING_AVX512=0: the scalar passes)");
   bind_decoder_stack(m);
 }
