@@ -239,6 +239,17 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     return _module.sample_rows(logits, temperature, top_k, top_p, min_p, u)
 
 
+def verify_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                min_p: torch.Tensor, u: torch.Tensor, drafts: torch.Tensor, u2: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                                   torch.Tensor]:
+    """Speculative verification per row, under sample_rows' filters: a draft token d (drafts [B] int64, -1: none) is
+    accepted when u < p(d) (greedy rows: when it is the argmax); a rejected one is replaced by a draw from p without d,
+    renormalised, with u2; rows without a draft draw from p with u. -> (tokens [B] int64, -1 for a row holding a NaN
+    or no finite logit; accepted [B] bool). Needs load()."""
+    tokens, accepted = _module.verify_rows(logits, temperature, top_k, top_p, min_p, u, drafts, u2)
+    return tokens, accepted
+
+
 def sampling_usable() -> bool:
     """Whether the sampler takes sample_rows / argmax_rows here: the extension builds and their passes run on AVX-512
     (asked each time: tests turn it off with LLMSERVE_SAMPLING_AVX512=0)."""

@@ -13,14 +13,15 @@ tokens out in id order, so a row draws the same token from the same u either way
 its u from its own generator, so its tokens do not depend on its companions; unseeded rows share one
 batch-wide draw from the sampler's generator. Why not the exponential race (argmax(p_i / E_i)) over
 the whole vocabulary: its [B, V] exponential draws took 70 ms per step at 64 rows of 49,152 on a
-2-core CPU, and top-p's full sort 150 ms; the default top-k 50 now takes ~5 ms. Speculative
-verification (`verify`) still uses the race for its residual distribution.
+2-core CPU, and top-p's full sort 150 ms; the default top-k 50 now takes ~5 ms. The torch path's
+speculative verification (`verify`) still uses the race for its residual distribution.
 
 On AVX-512 CPUs the token choice (argmax, or the filters and the draw) runs in the native kernel
 (attention/csrc/sampling.cpp), row-parallel and without [B, V] intermediates, from the same u, so it
 picks the reference's token except where float rounding of a sum decides. At 64 rows of 49,152 on 2
 cores, with the batch's build: top_p 0.9 32 -> 3.1 ms per step, top_k 50 6.2 -> 1.8, greedy 2.4 -> 0.7
-(BENCHMARKS.md).
+(BENCHMARKS.md). Speculative verification too: the kernel accepts a draft d when u < p(d) and replaces a
+rejected one by an inverse-CDF draw (a second u) over p without d, the same distribution as the race.
 LLMSERVE_SAMPLER=torch keeps the torch path (the reference; A/B runs).
 
 `logits` is overwritten in place.
@@ -103,7 +104,14 @@ class Sampler:
         draft = torch.tensor(drafts, dtype=torch.long, device=logits.device)
         has_draft = draft >= 0
         logits = apply_logits_processors(logits, batch) if batch.has_processors else logits
-        token_ids = logits.argmax(dim=-1)
+        if not batch.all_greedy and _native_sampling(logits):
+            u, u2 = self._uniform(batch, logits.device), self._uniform(batch, logits.device)
+            token_ids, accepted = native.verify_rows(logits, *_native_filters(logits, batch), u, draft, u2)
+            if not bool((token_ids < 0).any()):  # else: the torch path below for the batch
+                return SamplerOutput(token_ids=token_ids.tolist(),
+                                     logprobs=self._logprobs(raw_logprobs, token_ids, batch),
+                                     accepted=accepted.tolist())
+        token_ids = self._argmax(logits)
         accepted = has_draft & (token_ids == draft)
         if not batch.all_greedy:
             probs = apply_sampling_filters(logits, batch.filters).softmax(dim=-1)  # [B, V]
@@ -203,9 +211,9 @@ def _native_sampling(logits: Tensor) -> bool:
             and os.environ.get("LLMSERVE_SAMPLER") != "torch" and native.sampling_usable())
 
 
-def _native_choice(logits: Tensor, batch: SamplingBatch, u: Tensor) -> Tensor | None:
-    """Every row's token from the native kernel (greedy rows: their argmax), or None when it left a row to the
-    torch path (a NaN, or no finite logit)."""
+def _native_filters(logits: Tensor, batch: SamplingBatch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The kernel's per-row (temperature, top_k, top_p, min_p): neutral where a filter is unused, temperature 0 on
+    greedy rows."""
     filters, (rows, vocab) = batch.filters, logits.shape
     assert filters is not None
     temperature = (torch.ones(rows) if filters.temperature is None else filters.temperature.squeeze(1))
@@ -214,7 +222,13 @@ def _native_choice(logits: Tensor, batch: SamplingBatch, u: Tensor) -> Tensor | 
     top_k = torch.full((rows,), vocab) if filters.top_k is None else filters.top_k
     top_p = torch.full((rows,), float("inf")) if filters.top_p is None else filters.top_p
     min_p = torch.zeros(rows) if filters.min_p is None else filters.min_p
-    ids = native.sample_rows(logits, temperature, top_k, top_p, min_p, u)
+    return temperature, top_k, top_p, min_p
+
+
+def _native_choice(logits: Tensor, batch: SamplingBatch, u: Tensor) -> Tensor | None:
+    """Every row's token from the native kernel (greedy rows: their argmax), or None when it left a row to the
+    torch path (a NaN, or no finite logit)."""
+    ids = native.sample_rows(logits, *_native_filters(logits, batch), u)
     return None if bool((ids < 0).any()) else ids
 
 

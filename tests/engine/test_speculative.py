@@ -131,6 +131,20 @@ def test_ngram_lookup_takes_latest_longest_match():
 # --- rejection sampling ------------------------------------------------------------------------
 
 
+@pytest.fixture(params=["native", "torch"])
+def verify_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The sampler's verification on both paths: the native kernel (AVX-512 CPUs) and the torch reference."""
+    from llmserve.attention import native
+
+    if request.param == "native":
+        if not native.sampling_usable():
+            pytest.skip("the sampler takes the native kernel only where it builds and the CPU has AVX-512")
+        monkeypatch.delenv("LLMSERVE_SAMPLER", raising=False)
+    else:
+        monkeypatch.setenv("LLMSERVE_SAMPLER", "torch")
+    return request.param
+
+
 def _batch(params: SamplingParams, rows: int) -> SamplingBatch:
     states = [SequenceState(params, [1], []) for _ in range(rows)]
     return SamplingBatch.build(states, 8, torch.device("cpu"))
@@ -147,10 +161,11 @@ def _target(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
                                     SamplingParams(temperature=0.7, top_k=5),
                                     SamplingParams(temperature=1.3, top_p=0.8)],
                          ids=["t1", "t0.7-topk5", "t1.3-topp0.8"])
-@pytest.mark.parametrize("draft", [0, 3, 7])
-def test_verify_follows_target_distribution(params, draft):
+@pytest.mark.parametrize("draft", [0, 3, 7, -1])
+def test_verify_follows_target_distribution(params, draft, verify_path):
     """Whatever the (deterministic) draft, the emitted token of a verified row is distributed as the
-    target: accepted with probability p(draft), otherwise drawn from the residual."""
+    target: accepted with probability p(draft), otherwise drawn from the residual. A row without a draft (-1)
+    samples from the target and accepts nothing."""
     torch.manual_seed(0)
     logits = torch.tensor([2.0, 1.0, 0.5, 0.2, -0.3, -1.0, 1.5, 0.0])
     p = _target(logits, params)
@@ -158,7 +173,7 @@ def test_verify_follows_target_distribution(params, draft):
     out = Sampler(seed=1).verify(logits.repeat(rows, 1), _batch(params, rows), [draft] * rows)
     counts = torch.bincount(torch.tensor(out.token_ids), minlength=8).double()
     accepted = torch.tensor(out.accepted)
-    assert accepted.double().mean().item() == pytest.approx(p[draft].item(), abs=0.015)
+    assert accepted.double().mean().item() == pytest.approx(p[draft].item() if draft >= 0 else 0.0, abs=0.015)
     # Accepted rows emit the draft; rejected rows never do.
     assert (torch.tensor(out.token_ids)[accepted] == draft).all()
     assert (torch.tensor(out.token_ids)[~accepted] != draft).all()
@@ -169,9 +184,25 @@ def test_verify_follows_target_distribution(params, draft):
     assert chi2 < 30.0  # 7 degrees of freedom at most: p ~ 1e-4
 
 
-def test_verify_greedy_rows_accept_the_argmax():
+def test_verify_greedy_rows_accept_the_argmax(verify_path):
     logits = torch.tensor([[0.0, 3.0, 1.0], [0.0, 3.0, 1.0], [0.0, 3.0, 1.0]])
     states = [SequenceState(SamplingParams(temperature=0.0), [1], []) for _ in range(3)]
     out = Sampler().verify(logits, SamplingBatch.build(states, 3, torch.device("cpu")), [1, 2, -1])
     assert out.token_ids == [1, 1, 1]
     assert out.accepted == [True, False, False]
+
+
+def test_verify_mixed_batch_and_a_row_left_to_torch(verify_path):
+    # Greedy and sampled rows, with and without drafts, in one batch; then the same batch with a NaN row, which the
+    # kernel leaves to the torch path for the batch: either way every row's token is one its rule allows.
+    logits = torch.tensor([[0.0, 3.0, 1.0, -1.0]] * 5)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=2),
+              SamplingParams(temperature=0.0), SamplingParams(top_p=0.5), SamplingParams(temperature=0.9)]
+    states = [SequenceState(p, [1], []) for p in params]
+    for nan_row in (None, 4):
+        rows = logits.clone()
+        if nan_row is not None:
+            rows[nan_row, 2] = float("nan")
+        out = Sampler(seed=3).verify(rows, SamplingBatch.build(states, 4, torch.device("cpu")), [1, 2, 0, 1, -1])
+        assert out.token_ids[:4] == [1, out.token_ids[1], 1, 1] and out.token_ids[1] in (1, 2)
+        assert out.accepted[:4] == [True, out.token_ids[1] == 2, False, True] and out.accepted[4] is False

@@ -11,7 +11,7 @@ import torch
 from llmserve.attention import native
 from llmserve.sampling import Sampler, SamplingBatch, SamplingParams, SequenceState
 from llmserve.sampling.logits_processors import apply_sampling_filters
-from llmserve.sampling.sampler import _native_choice
+from llmserve.sampling.sampler import _native_choice, _native_filters
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(native.load() is None, reason="the native CPU kernels do not build here")
@@ -159,3 +159,31 @@ def test_all_greedy_argmax_matches_torch() -> None:
     assert native.argmax_rows(logits).tolist() == logits.argmax(dim=-1).tolist()
     short = logits[:, :21].contiguous()
     assert native.argmax_rows(short).tolist() == short.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("kind", ["peaked", "flat", "tied"])
+def test_a_rejected_draft_is_replaced_from_the_rest_of_the_distribution(kind: str) -> None:
+    # u just below 1 rejects every draft (no token here holds all the mass); the replacement drawn with u2 must hold
+    # u2 in the reference's cumulative distribution with the draft's probability taken out, in id order.
+    params = [p for p in PARAMS if p.temperature > 0 and p.top_k != 1 and p.top_k != 2 and p.top_p > 0.3]
+    vocab = 1000 + 7
+    logits = logits_of(kind, len(params), vocab, seed=11)
+    batch = SamplingBatch.build([SequenceState(p, [], []) for p in params], vocab, CPU)
+    probs = reference_probs(logits, batch)
+    drafts = probs.argmax(dim=-1)  # the most likely token: its removal moves every later boundary
+    drafts[::2] = probs[::2].argsort(dim=-1, descending=True)[:, 1]  # and the second most likely on half the rows
+    residual = probs.scatter(1, drafts.unsqueeze(1), 0.0)
+    cdf = residual.cumsum(dim=-1)
+    for u2 in (0.0, 0.3, 0.61, 0.999):
+        tokens, accepted = native.verify_rows(logits, *_native_filters(logits, batch), torch.full((len(params),), 1.0 - 2 ** -24),
+                                              drafts, torch.full((len(params),), u2))
+        assert not accepted.any()
+        for row, token in enumerate(tokens.tolist()):
+            assert token != drafts[row].item() and residual[row, token].item() > 0.0, (row, token)
+            target, hi = u2 * cdf[row, -1].item(), cdf[row, token].item()
+            assert hi - residual[row, token].item() - 1e-5 <= target <= hi + 1e-5, (row, u2, token)
+    # u = 0 accepts exactly the drafts the filters keep (a peaked row's nucleus can hold the top token alone)
+    tokens, accepted = native.verify_rows(logits, *_native_filters(logits, batch), torch.zeros(len(params)), drafts,
+                                          torch.zeros(len(params)))
+    kept = probs.gather(1, drafts.unsqueeze(1)).squeeze(1) > 0
+    assert accepted.tolist() == kept.tolist() and tokens[kept].tolist() == drafts[kept].tolist()

@@ -42,6 +42,9 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch
                           torch::Tensor min_p, torch::Tensor u);
 torch::Tensor argmax_rows(torch::Tensor logits);
 bool sampling_avx512();
+std::vector<torch::Tensor> verify_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k,
+                                       torch::Tensor top_p, torch::Tensor min_p, torch::Tensor u, torch::Tensor drafts,
+                                       torch::Tensor u2);
 
 // decoder_stack.cpp
 void bind_decoder_stack(pybind11::module_& m);

@@ -30,6 +30,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -231,36 +233,32 @@ inline double draw_target(float u, double total) {
   return std::min(static_cast<double>(u) * total, std::nextafter(total, 0.0));
 }
 
-// The last candidate of nonzero weight: where rounding left a cumulative sum short of its target.
-inline int64_t last_positive(const std::vector<Candidate>& kept, const std::vector<double>& w) {
-  for (int64_t i = static_cast<int64_t>(kept.size()) - 1; i > 0; --i)
-    if (w[i] > 0.0) return kept[i].id;
-  return kept[0].id;
-}
-
 // Orders a candidate list as the reference's stable descending sort: x descending, ids ascending among equals.
 inline bool before(const Candidate& a, const Candidate& b) { return a.x > b.x || (a.x == b.x && a.id < b.id); }
 
 struct Scratch {
   bool wide;  // the AVX-512 passes
-  std::vector<float> xs;
+  std::vector<float> xs;  // the row / temperature
+  float m;                // its max
+  double total;           // the support's total weight (filter_row)
   std::vector<Candidate> cands;
   std::vector<double> w;
 };
 
-int64_t sample_row(const float* logits, int64_t V, const RowParams& p, Scratch& s) {
-  if (p.temperature == 0.f) return argmax_row(s.wide, logits, V);
+// Where a row's distribution lives after its filters: nowhere for a row the kernel leaves to the caller (a NaN, no
+// finite maximum), the whole vocabulary (s.xs, no filter truncates), or the kept tokens (s.cands in id order, their
+// weights exp(x - m) in s.w, summing to s.total).
+enum class Support { kLeft, kVocabulary, kKept };
+
+Support filter_row(const float* logits, int64_t V, const RowParams& p, Scratch& s) {
   float* xs = s.xs.data();
   const float m = scale_and_max(s.wide, logits, V, p.temperature, xs);
-  if (!std::isfinite(m)) return -1;  // NaN, everything -inf, or +inf (whose softmax is NaN in the reference)
+  s.m = m;
+  if (!std::isfinite(m)) return Support::kLeft;  // NaN, everything -inf, or +inf (its softmax is NaN in the reference)
   const bool has_k = p.top_k < V, has_p = p.top_p < 1.f, has_min = p.min_p > 0.f;
-  if (!has_k && !has_p && !has_min) {  // the whole vocabulary, in id order
-    const double z = exp_sum(s.wide, xs, V, m);
-    const int64_t i = scan_cdf(s.wide, xs, V, m, draw_target(p.u, z));
-    if (i >= 0) return i;
-    for (int64_t j = V - 1; j > 0; --j)
-      if (exp_diff(xs[j], m) > 0.f) return j;
-    return 0;
+  if (!has_k && !has_p && !has_min) {
+    s.total = exp_sum(s.wide, xs, V, m);
+    return Support::kVocabulary;
   }
   // Top-p alone reads probabilities over the whole vocabulary; with top-k, over what top-k kept.
   const double z_all = has_p && !has_k ? exp_sum(s.wide, xs, V, m) : 0.0;
@@ -310,16 +308,68 @@ int64_t sample_row(const float* logits, int64_t V, const RowParams& p, Scratch& 
     kept.resize(end);
     w.resize(end);
     std::sort(kept.begin(), kept.end(), [](const Candidate& a, const Candidate& b) { return a.id < b.id; });
-    double total = 0.0;
-    for (int64_t i = 0; i < end; ++i) total += (w[i] = exp_diff(kept[i].x, m));
-    const double target = draw_target(p.u, total);
-    double cum = 0.0;
-    for (int64_t i = 0; i < end; ++i) {
-      cum += w[i];
-      if (cum > target) return kept[i].id;
-    }
-    return last_positive(kept, w);
+    s.total = 0.0;
+    for (int64_t i = 0; i < end; ++i) s.total += (w[i] = exp_diff(kept[i].x, m));
+    return Support::kKept;
   }
+}
+
+// The draw over a row's support (filter_row's kVocabulary or kKept) with target share u, leaving token `skip` out
+// (-1: none; its weight w_skip is then 0): the first token in id order whose cumulative weight, without skip's,
+// exceeds u times the total without it. Rounding that leaves every sum short takes the last token of nonzero weight.
+int64_t draw(Support support, int64_t V, float u, int64_t skip, double w_skip, const Scratch& s) {
+  const double target = draw_target(u, s.total - w_skip);
+  if (support == Support::kVocabulary) {
+    const float* xs = s.xs.data();
+    // Tokens before skip keep their cumulative sums; from skip on, each is w_skip larger than without it.
+    const double before_skip = skip > 0 ? exp_sum(s.wide, xs, skip, s.m) : 0.0;
+    const int64_t i = scan_cdf(s.wide, xs, V, s.m, skip >= 0 && target >= before_skip ? target + w_skip : target);
+    if (i >= 0 && i != skip) return i;
+    for (int64_t j = V - 1; j >= 0; --j)
+      if (j != skip && exp_diff(xs[j], s.m) > 0.f) return j;
+    return skip >= 0 ? skip : 0;
+  }
+  double cum = 0.0;
+  int64_t last = -1;
+  for (size_t i = 0; i < s.cands.size(); ++i) {
+    if (s.cands[i].id == skip) continue;
+    cum += s.w[i];
+    if (s.w[i] > 0.0) last = s.cands[i].id;
+    if (cum > target) return s.cands[i].id;
+  }
+  return last >= 0 ? last : s.cands[0].id;
+}
+
+int64_t sample_row(const float* logits, int64_t V, const RowParams& p, Scratch& s) {
+  if (p.temperature == 0.f) return argmax_row(s.wide, logits, V);
+  const Support support = filter_row(logits, V, p, s);
+  return support == Support::kLeft ? -1 : draw(support, V, p.u, -1, 0.0, s);
+}
+
+// Speculative verification of one row's draft token d (-1: none): the token and whether d was accepted. Greedy rows
+// accept d when it is the argmax and emit the argmax. Sampled rows accept d with probability p(d) (u < p(d)); on
+// rejection they draw from the residual max(p - q, 0) with q the draft's point mass, which is p without d,
+// renormalised, by inverse CDF from u2. Rows without a draft draw from p with u. Token -1: left to the caller.
+std::pair<int64_t, bool> verify_row(const float* logits, int64_t V, const RowParams& p, int64_t d, float u2,
+                                    Scratch& s) {
+  if (p.temperature == 0.f) {
+    const int64_t t = argmax_row(s.wide, logits, V);
+    return {t, t >= 0 && t == d};
+  }
+  const Support support = filter_row(logits, V, p, s);
+  if (support == Support::kLeft) return {-1, false};
+  if (d < 0 || d >= V) return {draw(support, V, p.u, -1, 0.0, s), false};
+  double w_d = 0.0;
+  if (support == Support::kVocabulary) {
+    w_d = exp_diff(s.xs[d], s.m);
+  } else {
+    const auto it = std::lower_bound(s.cands.begin(), s.cands.end(), d,
+                                     [](const Candidate& c, int64_t id) { return c.id < id; });
+    if (it != s.cands.end() && it->id == d) w_d = s.w[it - s.cands.begin()];
+  }
+  if (static_cast<double>(p.u) * s.total < w_d) return {d, true};  // u < p(d)
+  if (!(s.total - w_d > 0.0)) return {d, true};  // d holds all the mass: nothing else can be drawn
+  return {draw(support, V, u2, d, w_d, s), false};
 }
 
 }  // namespace
@@ -371,4 +421,41 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
     for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(wide, lp + r * V, V);
   });
   return out;
+}
+
+// Speculative verification (verify_row) of each row of logits [B, V] fp32 against drafts [B] int64 (-1: none), with
+// the parameters of sample_rows and a second uniform u2 [B] for rejected rows -> (token ids [B] int64, -1 for rows
+// left to the torch path; accepted [B] bool).
+std::vector<torch::Tensor> verify_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k,
+                                       torch::Tensor top_p, torch::Tensor min_p, torch::Tensor u, torch::Tensor drafts,
+                                       torch::Tensor u2) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2,
+              "logits: [B, V] float32 on the CPU");
+  const int64_t B = logits.size(0), V = logits.size(1);
+  for (const auto& t : {temperature, top_p, min_p, u, u2})
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == B && t.device().is_cpu(), "[B] float32 parameters");
+  TORCH_CHECK(top_k.scalar_type() == at::kLong && top_k.numel() == B, "top_k: [B] int64");
+  TORCH_CHECK(drafts.scalar_type() == at::kLong && drafts.numel() == B, "drafts: [B] int64");
+  TORCH_CHECK(V > 0 && V < std::numeric_limits<int32_t>::max(), "vocabulary size out of range");
+  logits = logits.contiguous();
+  const auto tc = temperature.contiguous(), kc = top_k.contiguous(), pc = top_p.contiguous(), mc = min_p.contiguous(),
+             uc = u.contiguous(), dc = drafts.contiguous(), u2c = u2.contiguous();
+  const float *lp = logits.data_ptr<float>(), *tp = tc.data_ptr<float>(), *pp = pc.data_ptr<float>(),
+              *mp = mc.data_ptr<float>(), *up = uc.data_ptr<float>(), *u2p = u2c.data_ptr<float>();
+  const int64_t *kp = kc.data_ptr<int64_t>(), *dp = dc.data_ptr<int64_t>();
+  auto out = torch::empty({B}, logits.options().dtype(at::kLong));
+  auto accepted = torch::empty({B}, logits.options().dtype(at::kBool));
+  int64_t* op = out.data_ptr<int64_t>();
+  bool* ap = accepted.data_ptr<bool>();
+  const bool wide = sampling_avx512();
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    Scratch s;
+    s.wide = wide;
+    s.xs.resize(V);
+    for (int64_t r = begin; r < end; ++r) {
+      const RowParams p{tp[r], std::max<int64_t>(kp[r], 1), pp[r], mp[r], up[r]};
+      std::tie(op[r], ap[r]) = verify_row(lp + r * V, V, p, dp[r], u2p[r], s);
+    }
+  });
+  return {out, accepted};
 }
