@@ -250,6 +250,15 @@ def verify_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     return tokens, accepted
 
 
+def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                             torch.Tensor, torch.Tensor]:
+    """Log-probabilities (log_softmax) of raw logits [R, V] fp32: per row the token's (tokens [R] int64), its rank (1 +
+    tokens strictly more likely), and the top_n most likely as values [R, top_n] and ids [R, top_n], most likely
+    first (ties in no set order). Rank -1 for a row holding a NaN or no finite logit. Needs load()."""
+    token_lp, rank, top_lp, top_ids = _module.logprob_rows(logits, tokens, top_n)
+    return token_lp, rank, top_lp, top_ids
+
+
 def sampling_usable() -> bool:
     """Whether the sampler takes sample_rows / argmax_rows here: the extension builds and their passes run on AVX-512
     (asked each time: tests turn it off with LLMSERVE_SAMPLING_AVX512=0)."""

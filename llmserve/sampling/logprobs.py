@@ -4,13 +4,21 @@ The distribution is log_softmax of the logits as the model produced them, before
 bans, penalties, temperature and truncation (vLLM's default, and what OpenAI's API returns):
 it answers "how likely did the model find this token", and it does not change with the
 request's sampling knobs. Greedy and sampled rows are treated alike.
+
+On AVX-512 CPUs `logprobs_of_logits` takes them from the native kernel (attention/csrc/sampling.cpp):
+a max, an exp-sum and a counting pass per row and the candidates near the max, instead of a [R, V]
+log_softmax, comparison and topk (64 rows of 49,152 with top-5 on 2 cores: 27 -> ~2 ms per step).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
+
+from llmserve.attention import native
 
 
 @dataclass
@@ -35,3 +43,20 @@ def gather_logprobs(logprobs: Tensor, token_ids: Tensor, num_top: list[int]) -> 
             top_ids.tolist(), top_values.tolist(), num_top, strict=True,
         )
     ]
+
+
+def logprobs_of_logits(logits: Tensor, token_ids: Tensor, num_top: list[int]) -> list[TokenLogprobs]:
+    """logits [R, V] float32: the rows' raw logits (not processed); token_ids [R] int64, num_top R values >= 0."""
+    top_n = min(max(num_top), logits.shape[-1])
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and os.environ.get("LLMSERVE_SAMPLER") != "torch"
+            and native.sampling_usable()):
+        token_lp, ranks, top_values, top_ids = native.logprob_rows(logits, token_ids, top_n)
+        if not bool((ranks < 0).any()):  # else a row holding a NaN or no finite logit: log_softmax's answer
+            return [
+                TokenLogprobs(token_id=t, logprob=lp, rank=r, top=list(zip(ids[:n], values[:n], strict=True)))
+                for t, lp, r, ids, values, n in zip(
+                    token_ids.tolist(), token_lp.tolist(), ranks.tolist(), top_ids.tolist(), top_values.tolist(),
+                    num_top, strict=True,
+                )
+            ]
+    return gather_logprobs(logits.log_softmax(dim=-1), token_ids, num_top)

@@ -43,7 +43,7 @@ from llmserve.sampling.logits_processors import (
     select_filters,
     truncated_candidates,
 )
-from llmserve.sampling.logprobs import TokenLogprobs, gather_logprobs
+from llmserve.sampling.logprobs import TokenLogprobs, logprobs_of_logits
 
 # Exponential draws are clamped away from 0: p / 0 would be inf (or NaN for p == 0, which
 # argmax would pick, i.e. a banned token).
@@ -72,9 +72,9 @@ class Sampler:
 
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits [B, V] float32, one row per sequence of `batch`."""
-        raw_logprobs = None
-        if batch.logprob_rows is not None:  # before processing, which works in place
-            raw_logprobs = logits.index_select(0, batch.logprob_rows).log_softmax(dim=-1)  # [R, V]
+        raw_rows = None
+        if batch.logprob_rows is not None:  # a copy before processing, which works in place
+            raw_rows = logits.index_select(0, batch.logprob_rows)  # [R, V]
         if batch.has_processors:
             apply_logits_processors(logits, batch)
         beams = None
@@ -82,7 +82,7 @@ class Sampler:
             rows = torch.tensor(batch.beam_rows, device=logits.device)
             beams = dict(zip(batch.beam_rows, logits.index_select(0, rows).log_softmax(dim=-1).cpu()))
         token_ids = self._argmax(logits) if batch.all_greedy else self._choose(logits, batch)
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=self._logprobs(raw_logprobs, token_ids, batch),
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=self._logprobs(raw_rows, token_ids, batch),
                              beam_logprobs=beams)
 
     def verify(self, logits: Tensor, batch: SamplingBatch, drafts: list[int]) -> SamplerOutput:
@@ -98,9 +98,9 @@ class Sampler:
         the argmax and emit the argmax. Rows without a draft sample as usual. The caller emits the
         tokens of a sequence's rows up to its first rejected row, inclusive.
         """
-        raw_logprobs = None
+        raw_rows = None
         if batch.logprob_rows is not None:
-            raw_logprobs = logits.index_select(0, batch.logprob_rows).log_softmax(dim=-1)
+            raw_rows = logits.index_select(0, batch.logprob_rows)
         draft = torch.tensor(drafts, dtype=torch.long, device=logits.device)
         has_draft = draft >= 0
         logits = apply_logits_processors(logits, batch) if batch.has_processors else logits
@@ -109,7 +109,7 @@ class Sampler:
             token_ids, accepted = native.verify_rows(logits, *_native_filters(logits, batch), u, draft, u2)
             if not bool((token_ids < 0).any()):  # else: the torch path below for the batch
                 return SamplerOutput(token_ids=token_ids.tolist(),
-                                     logprobs=self._logprobs(raw_logprobs, token_ids, batch),
+                                     logprobs=self._logprobs(raw_rows, token_ids, batch),
                                      accepted=accepted.tolist())
         token_ids = self._argmax(logits)
         accepted = has_draft & (token_ids == draft)
@@ -127,7 +127,7 @@ class Sampler:
             else:
                 token_ids = torch.where(batch.greedy, token_ids, sampled_ids)
                 accepted = torch.where(batch.greedy, accepted, sampled_accept)
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=self._logprobs(raw_logprobs, token_ids, batch),
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=self._logprobs(raw_rows, token_ids, batch),
                              accepted=accepted.tolist())
 
     def _uniform(self, batch: SamplingBatch, device: torch.device) -> Tensor:
@@ -191,14 +191,15 @@ class Sampler:
         return self._generator
 
     def _logprobs(
-        self, raw_logprobs: Tensor | None, token_ids: Tensor, batch: SamplingBatch
+        self, raw_rows: Tensor | None, token_ids: Tensor, batch: SamplingBatch
     ) -> list[TokenLogprobs | None]:
+        """raw_rows: the raw logits of the rows that ask for logprobs (batch.logprob_rows)."""
         result: list[TokenLogprobs | None] = [None] * batch.size
-        if raw_logprobs is None:
+        if raw_rows is None:
             return result
         num_top = [n for n in batch.num_logprobs if n is not None]
         rows = [i for i, n in enumerate(batch.num_logprobs) if n is not None]
-        per_row = gather_logprobs(raw_logprobs, token_ids.index_select(0, batch.logprob_rows), num_top)
+        per_row = logprobs_of_logits(raw_rows, token_ids.index_select(0, batch.logprob_rows), num_top)
         for row, value in zip(rows, per_row, strict=True):
             result[row] = value
         return result

@@ -42,6 +42,7 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch
                           torch::Tensor min_p, torch::Tensor u);
 torch::Tensor argmax_rows(torch::Tensor logits);
 bool sampling_avx512();
+std::vector<torch::Tensor> logprob_rows(torch::Tensor logits, torch::Tensor tokens, int64_t top_n);
 std::vector<torch::Tensor> verify_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k,
                                        torch::Tensor top_p, torch::Tensor min_p, torch::Tensor u, torch::Tensor drafts,
                                        torch::Tensor u2);

@@ -674,6 +674,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "sample_rows, a rejected draft's replacement drawn from u2 over the rest; token -1 for rows left to the torch "
         "path (CPU)", py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"),
         py::arg("u"), py::arg("drafts"), py::arg("u2"));
+  m.def("logprob_rows", &logprob_rows, "log-probabilities of raw logits per row: (the token's, its rank, top_n values, "
+        "top_n ids); rank -1 for rows left to log_softmax (CPU)", py::arg("logits"), py::arg("tokens"),
+        py::arg("top_n"));
   m.def("sampling_avx512", &sampling_avx512, "whether sample_rows and argmax_rows run on AVX-512 here "
         "(LLMSERVE_SAMPLING_AVX512=0: the scalar passes)");
   bind_decoder_stack(m);

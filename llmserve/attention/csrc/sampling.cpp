@@ -184,6 +184,27 @@ int64_t scan_cdf(bool wide, const float* xs, int64_t V, float m, double target) 
   return wide ? scan_cdf_512(xs, V, m, target) : scan_cdf_scalar(xs, V, m, target);
 }
 
+// How many elements exceed v (a token's rank is one more).
+int64_t count_above_scalar(const float* xs, int64_t V, float v) {
+  int64_t n = 0;
+  for (int64_t i = 0; i < V; ++i) n += xs[i] > v;
+  return n;
+}
+
+LLMSERVE_AVX512 int64_t count_above_512(const float* xs, int64_t V, float v) {
+  const __m512 vv = _mm512_set1_ps(v);
+  int64_t n = 0;
+  for (int64_t i = 0; i < V; i += 16) {
+    const __mmask16 k = tail_mask16(V - i);
+    n += __builtin_popcount(_mm512_mask_cmp_ps_mask(k, _mm512_maskz_loadu_ps(k, xs + i), vv, _CMP_GT_OQ));
+  }
+  return n;
+}
+
+int64_t count_above(bool wide, const float* xs, int64_t V, float v) {
+  return wide ? count_above_512(xs, V, v) : count_above_scalar(xs, V, v);
+}
+
 }  // namespace
 
 // Whether the passes run on AVX-512 here; the sampler takes this kernel only then (the scalar passes, which tests run
@@ -458,4 +479,60 @@ std::vector<torch::Tensor> verify_rows(torch::Tensor logits, torch::Tensor tempe
     }
   });
   return {out, accepted};
+}
+
+// Log-probabilities of raw logits [R, V] fp32 (log_softmax, as the API reports them): per row the chosen token's
+// (tokens [R] int64), its rank (1 + tokens strictly more likely) and the top_n most likely (ids and values, most
+// likely first; ties in no set order). One max pass, one exp-sum pass, one counting pass and a gather of the
+// candidates near the max, instead of log_softmax's [R, V] output, a [R, V] comparison and a topk over it. Rows
+// holding a NaN or no finite logit get rank -1 (the caller takes torch's log_softmax for the batch).
+std::vector<torch::Tensor> logprob_rows(torch::Tensor logits, torch::Tensor tokens, int64_t top_n) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2,
+              "logits: [R, V] float32 on the CPU");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.numel() == R, "tokens: [R] int64");
+  TORCH_CHECK(top_n >= 0 && top_n <= V && V < std::numeric_limits<int32_t>::max(), "top_n out of range");
+  logits = logits.contiguous();
+  const auto tc = tokens.contiguous();
+  const float* lp = logits.data_ptr<float>();
+  const int64_t* tp = tc.data_ptr<int64_t>();
+  auto token_lp = torch::empty({R}, logits.options());
+  auto rank = torch::empty({R}, logits.options().dtype(at::kLong));
+  auto top_lp = torch::empty({R, top_n}, logits.options());
+  auto top_ids = torch::empty({R, top_n}, logits.options().dtype(at::kLong));
+  float *olp = token_lp.data_ptr<float>(), *otl = top_lp.data_ptr<float>();
+  int64_t *ork = rank.data_ptr<int64_t>(), *oti = top_ids.data_ptr<int64_t>();
+  const bool wide = sampling_avx512();
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    Scratch s;
+    s.wide = wide;
+    s.xs.resize(V);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = lp + r * V;
+      const int64_t t = tp[r];
+      const float m = scale_and_max(wide, x, V, 1.f, s.xs.data());
+      if (!std::isfinite(m) || t < 0 || t >= V) {
+        ork[r] = -1;
+        continue;
+      }
+      const double lse = m + std::log(exp_sum(wide, x, V, m));
+      olp[r] = static_cast<float>(x[t] - lse);
+      ork[r] = 1 + count_above(wide, x, V, x[t]);
+      if (top_n == 0) continue;
+      std::vector<Candidate>& c = s.cands;
+      for (float delta = 1.f;; delta *= 2.f) {  // the top_n largest lie within delta of the max once that many do
+        const bool all = delta > 64.f;
+        gather(wide, x, V, all ? -std::numeric_limits<float>::infinity() : m - delta, c);
+        if (all || static_cast<int64_t>(c.size()) >= top_n) break;
+      }
+      const int64_t n = std::min<int64_t>(top_n, static_cast<int64_t>(c.size()));
+      std::partial_sort(c.begin(), c.begin() + n, c.end(), [](const Candidate& a, const Candidate& b) { return a.x > b.x; });
+      for (int64_t j = 0; j < top_n; ++j) {  // fewer than top_n finite logits: the rest are -inf, any id
+        const bool real = j < n;
+        otl[r * top_n + j] = real ? static_cast<float>(c[j].x - lse) : -std::numeric_limits<float>::infinity();
+        oti[r * top_n + j] = real ? c[j].id : 0;
+      }
+    }
+  });
+  return {token_lp, rank, top_lp, top_ids};
 }
