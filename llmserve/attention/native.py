@@ -265,6 +265,13 @@ def sampling_usable() -> bool:
     return load() is not None and _module.sampling_avx512()
 
 
+def sampling_enabled(logits: torch.Tensor) -> bool:
+    """Whether the sampler's kernels (sample_rows, verify_rows, argmax_rows, logprob_rows) take these logits: [B, V]
+    fp32 on the CPU, sampling_usable(), and the torch path not forced (LLMSERVE_SAMPLER=torch)."""
+    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and os.environ.get("LLMSERVE_SAMPLER") != "torch" and sampling_usable())
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """The first maximum of each row of logits [B, V] fp32 -> [B] int64, -1 for a row holding a NaN. Needs load()."""
     return _module.argmax_rows(logits)

@@ -12,10 +12,8 @@ log_softmax, comparison and topk (64 rows of 49,152 with top-5 on 2 cores: 27 ->
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from llmserve.attention import native
@@ -48,8 +46,7 @@ def gather_logprobs(logprobs: Tensor, token_ids: Tensor, num_top: list[int]) -> 
 def logprobs_of_logits(logits: Tensor, token_ids: Tensor, num_top: list[int]) -> list[TokenLogprobs]:
     """logits [R, V] float32: the rows' raw logits (not processed); token_ids [R] int64, num_top R values >= 0."""
     top_n = min(max(num_top), logits.shape[-1])
-    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and os.environ.get("LLMSERVE_SAMPLER") != "torch"
-            and native.sampling_usable()):
+    if native.sampling_enabled(logits):
         token_lp, ranks, top_values, top_ids = native.logprob_rows(logits, token_ids, top_n)
         if not bool((ranks < 0).any()):  # else a row holding a NaN or no finite logit: log_softmax's answer
             return [

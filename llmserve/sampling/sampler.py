@@ -29,7 +29,6 @@ LLMSERVE_SAMPLER=torch keeps the torch path (the reference; A/B runs).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -104,7 +103,7 @@ class Sampler:
         draft = torch.tensor(drafts, dtype=torch.long, device=logits.device)
         has_draft = draft >= 0
         logits = apply_logits_processors(logits, batch) if batch.has_processors else logits
-        if not batch.all_greedy and _native_sampling(logits):
+        if not batch.all_greedy and native.sampling_enabled(logits):
             u, u2 = self._uniform(batch, logits.device), self._uniform(batch, logits.device)
             token_ids, accepted = native.verify_rows(logits, *_native_filters(logits, batch), u, draft, u2)
             if not bool((token_ids < 0).any()):  # else: the torch path below for the batch
@@ -140,7 +139,7 @@ class Sampler:
 
     @staticmethod
     def _argmax(logits: Tensor) -> Tensor:
-        if _native_sampling(logits):
+        if native.sampling_enabled(logits):
             ids = native.argmax_rows(logits)
             if not bool((ids < 0).any()):  # a row holding a NaN: torch's choice (the NaN's index)
                 return ids
@@ -152,7 +151,7 @@ class Sampler:
         if batch.all_greedy:
             return self._argmax(logits)
         u = self._uniform(batch, logits.device)  # one draw per row, whichever path takes it
-        if _native_sampling(logits):
+        if native.sampling_enabled(logits):
             ids = _native_choice(logits, batch, u)
             if ids is not None:
                 return ids
@@ -203,13 +202,6 @@ class Sampler:
         for row, value in zip(rows, per_row, strict=True):
             result[row] = value
         return result
-
-
-def _native_sampling(logits: Tensor) -> bool:
-    """Whether the native kernel chooses tokens for these logits: fp32 on the CPU, the extension built, an AVX-512
-    CPU, the torch path not forced."""
-    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
-            and os.environ.get("LLMSERVE_SAMPLER") != "torch" and native.sampling_usable())
 
 
 def _native_filters(logits: Tensor, batch: SamplingBatch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
