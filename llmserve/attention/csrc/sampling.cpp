@@ -17,6 +17,10 @@
 // Why: the reference sorts or top-k's the whole [B, V] logits each step. At 64 rows of 49,152 on a 2-core CPU,
 // top_p=0.9 took 28 ms per step (a tenth of a decode step), top_k=50 6 ms, greedy argmax 1.7 ms.
 //
+// The same per-row filters serve speculative verification (verify_rows: accept a draft d when u < p(d), else draw
+// from p without d), and logprob_rows computes the API's log-probabilities of raw logits the same way (passes over
+// the row, then the candidates near the max).
+//
 // A row whose logits hold a NaN or no finite maximum (everything banned, or +inf) is not chosen here: its result is
 // -1, and the caller takes the reference path for the batch.
 
@@ -393,47 +397,66 @@ std::pair<int64_t, bool> verify_row(const float* logits, int64_t V, const RowPar
   return {draw(support, V, u2, d, w_d, s), false};
 }
 
-}  // namespace
+// The checked inputs shared by sample_rows and verify_rows: logits [B, V] fp32 (not changed), and per row the
+// filters (temperature, top_p, min_p fp32; top_k int64) and the uniform u (fp32).
+struct FilteredRows {
+  torch::Tensor logits, temperature, top_k, top_p, min_p, u;
+  int64_t B, V;
 
-// logits [B, V] fp32 (not changed); temperature, top_p, min_p, u: [B] fp32; top_k [B] int64 -> token ids [B] int64,
-// -1 for rows not chosen here (see the top of this file). temperature 0 is greedy (argmax).
-torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
-                          torch::Tensor min_p, torch::Tensor u) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2,
-              "logits: [B, V] float32 on the CPU");
-  const int64_t B = logits.size(0), V = logits.size(1);
-  for (const auto& t : {temperature, top_p, min_p, u})
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == B && t.device().is_cpu(), "[B] float32 parameters");
-  TORCH_CHECK(top_k.scalar_type() == at::kLong && top_k.numel() == B, "top_k: [B] int64");
-  TORCH_CHECK(V > 0 && V < std::numeric_limits<int32_t>::max(), "vocabulary size out of range");
-  logits = logits.contiguous();
-  const auto tc = temperature.contiguous(), kc = top_k.contiguous(), pc = top_p.contiguous(), mc = min_p.contiguous(),
-             uc = u.contiguous();
-  const float *lp = logits.data_ptr<float>(), *tp = tc.data_ptr<float>(), *pp = pc.data_ptr<float>(),
-              *mp = mc.data_ptr<float>(), *up = uc.data_ptr<float>();
-  const int64_t* kp = kc.data_ptr<int64_t>();
-  auto out = torch::empty({B}, logits.options().dtype(at::kLong));
-  int64_t* op = out.data_ptr<int64_t>();
+  FilteredRows(torch::Tensor l, torch::Tensor t, torch::Tensor k, torch::Tensor p, torch::Tensor m, torch::Tensor uu)
+      : logits(checked_logits(l)), B(logits.size(0)), V(logits.size(1)) {
+    temperature = row_floats(t, "temperature");
+    top_p = row_floats(p, "top_p");
+    min_p = row_floats(m, "min_p");
+    u = row_floats(uu, "u");
+    TORCH_CHECK(k.scalar_type() == at::kLong && k.numel() == B && k.device().is_cpu(), "top_k: [B] int64");
+    top_k = k.contiguous();
+  }
+  RowParams row(int64_t r) const {
+    return {temperature.data_ptr<float>()[r], std::max<int64_t>(top_k.data_ptr<int64_t>()[r], 1),
+            top_p.data_ptr<float>()[r], min_p.data_ptr<float>()[r], u.data_ptr<float>()[r]};
+  }
+  const float* logits_row(int64_t r) const { return logits.data_ptr<float>() + r * V; }
+  torch::Tensor row_floats(const torch::Tensor& t, const char* name) const {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == B && t.device().is_cpu(), name, ": [B] float32");
+    return t.contiguous();
+  }
+  static torch::Tensor checked_logits(const torch::Tensor& l) {
+    TORCH_CHECK(l.device().is_cpu() && l.scalar_type() == at::kFloat && l.dim() == 2, "logits: [B, V] float32 on the CPU");
+    TORCH_CHECK(l.size(1) > 0 && l.size(1) < std::numeric_limits<int32_t>::max(), "vocabulary size out of range");
+    return l.contiguous();
+  }
+};
+
+// f(r, scratch) for each row r of B, rows split over threads, each thread with its own scratch (V floats).
+template <typename F>
+void for_each_row(int64_t B, int64_t V, const F& f) {
   const bool wide = sampling_avx512();
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     Scratch s;
     s.wide = wide;
     s.xs.resize(V);
-    for (int64_t r = begin; r < end; ++r) {
-      const RowParams p{tp[r], std::max<int64_t>(kp[r], 1), pp[r], mp[r], up[r]};
-      op[r] = sample_row(lp + r * V, V, p, s);
-    }
+    for (int64_t r = begin; r < end; ++r) f(r, s);
   });
+}
+
+}  // namespace
+
+// One token per row (sample_row): -> token ids [B] int64, -1 for rows not chosen here (see the top of this file).
+// temperature 0 is greedy (argmax).
+torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
+                          torch::Tensor min_p, torch::Tensor u) {
+  const FilteredRows in(logits, temperature, top_k, top_p, min_p, u);
+  auto out = torch::empty({in.B}, in.logits.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  for_each_row(in.B, in.V, [&](int64_t r, Scratch& s) { op[r] = sample_row(in.logits_row(r), in.V, in.row(r), s); });
   return out;
 }
 
 // The first maximum of each row of [B, V] fp32 logits (torch.argmax), -1 for rows holding a NaN.
 torch::Tensor argmax_rows(torch::Tensor logits) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2,
-              "logits: [B, V] float32 on the CPU");
-  logits = logits.contiguous();
+  logits = FilteredRows::checked_logits(logits);
   const int64_t B = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(V > 0, "empty rows");
   auto out = torch::empty({B}, logits.options().dtype(at::kLong));
   const float* lp = logits.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
@@ -444,39 +467,23 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   return out;
 }
 
-// Speculative verification (verify_row) of each row of logits [B, V] fp32 against drafts [B] int64 (-1: none), with
-// the parameters of sample_rows and a second uniform u2 [B] for rejected rows -> (token ids [B] int64, -1 for rows
-// left to the torch path; accepted [B] bool).
+// Speculative verification (verify_row) of each row against drafts [B] int64 (-1: none), with sample_rows'
+// inputs and a second uniform u2 [B] for rejected rows -> (token ids [B] int64, -1 for rows left to the torch path;
+// accepted [B] bool).
 std::vector<torch::Tensor> verify_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k,
                                        torch::Tensor top_p, torch::Tensor min_p, torch::Tensor u, torch::Tensor drafts,
                                        torch::Tensor u2) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2,
-              "logits: [B, V] float32 on the CPU");
-  const int64_t B = logits.size(0), V = logits.size(1);
-  for (const auto& t : {temperature, top_p, min_p, u, u2})
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == B && t.device().is_cpu(), "[B] float32 parameters");
-  TORCH_CHECK(top_k.scalar_type() == at::kLong && top_k.numel() == B, "top_k: [B] int64");
-  TORCH_CHECK(drafts.scalar_type() == at::kLong && drafts.numel() == B, "drafts: [B] int64");
-  TORCH_CHECK(V > 0 && V < std::numeric_limits<int32_t>::max(), "vocabulary size out of range");
-  logits = logits.contiguous();
-  const auto tc = temperature.contiguous(), kc = top_k.contiguous(), pc = top_p.contiguous(), mc = min_p.contiguous(),
-             uc = u.contiguous(), dc = drafts.contiguous(), u2c = u2.contiguous();
-  const float *lp = logits.data_ptr<float>(), *tp = tc.data_ptr<float>(), *pp = pc.data_ptr<float>(),
-              *mp = mc.data_ptr<float>(), *up = uc.data_ptr<float>(), *u2p = u2c.data_ptr<float>();
-  const int64_t *kp = kc.data_ptr<int64_t>(), *dp = dc.data_ptr<int64_t>();
-  auto out = torch::empty({B}, logits.options().dtype(at::kLong));
-  auto accepted = torch::empty({B}, logits.options().dtype(at::kBool));
+  const FilteredRows in(logits, temperature, top_k, top_p, min_p, u);
+  TORCH_CHECK(drafts.scalar_type() == at::kLong && drafts.numel() == in.B, "drafts: [B] int64");
+  const auto dc = drafts.contiguous(), u2c = in.row_floats(u2, "u2");
+  const int64_t* dp = dc.data_ptr<int64_t>();
+  const float* u2p = u2c.data_ptr<float>();
+  auto out = torch::empty({in.B}, in.logits.options().dtype(at::kLong));
+  auto accepted = torch::empty({in.B}, in.logits.options().dtype(at::kBool));
   int64_t* op = out.data_ptr<int64_t>();
   bool* ap = accepted.data_ptr<bool>();
-  const bool wide = sampling_avx512();
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    Scratch s;
-    s.wide = wide;
-    s.xs.resize(V);
-    for (int64_t r = begin; r < end; ++r) {
-      const RowParams p{tp[r], std::max<int64_t>(kp[r], 1), pp[r], mp[r], up[r]};
-      std::tie(op[r], ap[r]) = verify_row(lp + r * V, V, p, dp[r], u2p[r], s);
-    }
+  for_each_row(in.B, in.V, [&](int64_t r, Scratch& s) {
+    std::tie(op[r], ap[r]) = verify_row(in.logits_row(r), in.V, in.row(r), dp[r], u2p[r], s);
   });
   return {out, accepted};
 }
@@ -487,12 +494,10 @@ std::vector<torch::Tensor> verify_rows(torch::Tensor logits, torch::Tensor tempe
 // candidates near the max, instead of log_softmax's [R, V] output, a [R, V] comparison and a topk over it. Rows
 // holding a NaN or no finite logit get rank -1 (the caller takes torch's log_softmax for the batch).
 std::vector<torch::Tensor> logprob_rows(torch::Tensor logits, torch::Tensor tokens, int64_t top_n) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2,
-              "logits: [R, V] float32 on the CPU");
+  logits = FilteredRows::checked_logits(logits);
   const int64_t R = logits.size(0), V = logits.size(1);
   TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.numel() == R, "tokens: [R] int64");
-  TORCH_CHECK(top_n >= 0 && top_n <= V && V < std::numeric_limits<int32_t>::max(), "top_n out of range");
-  logits = logits.contiguous();
+  TORCH_CHECK(top_n >= 0 && top_n <= V, "top_n out of range");
   const auto tc = tokens.contiguous();
   const float* lp = logits.data_ptr<float>();
   const int64_t* tp = tc.data_ptr<int64_t>();
@@ -502,36 +507,30 @@ std::vector<torch::Tensor> logprob_rows(torch::Tensor logits, torch::Tensor toke
   auto top_ids = torch::empty({R, top_n}, logits.options().dtype(at::kLong));
   float *olp = token_lp.data_ptr<float>(), *otl = top_lp.data_ptr<float>();
   int64_t *ork = rank.data_ptr<int64_t>(), *oti = top_ids.data_ptr<int64_t>();
-  const bool wide = sampling_avx512();
-  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
-    Scratch s;
-    s.wide = wide;
-    s.xs.resize(V);
-    for (int64_t r = begin; r < end; ++r) {
-      const float* x = lp + r * V;
-      const int64_t t = tp[r];
-      const float m = scale_and_max(wide, x, V, 1.f, s.xs.data());
-      if (!std::isfinite(m) || t < 0 || t >= V) {
-        ork[r] = -1;
-        continue;
-      }
-      const double lse = m + std::log(exp_sum(wide, x, V, m));
-      olp[r] = static_cast<float>(x[t] - lse);
-      ork[r] = 1 + count_above(wide, x, V, x[t]);
-      if (top_n == 0) continue;
-      std::vector<Candidate>& c = s.cands;
-      for (float delta = 1.f;; delta *= 2.f) {  // the top_n largest lie within delta of the max once that many do
-        const bool all = delta > 64.f;
-        gather(wide, x, V, all ? -std::numeric_limits<float>::infinity() : m - delta, c);
-        if (all || static_cast<int64_t>(c.size()) >= top_n) break;
-      }
-      const int64_t n = std::min<int64_t>(top_n, static_cast<int64_t>(c.size()));
-      std::partial_sort(c.begin(), c.begin() + n, c.end(), [](const Candidate& a, const Candidate& b) { return a.x > b.x; });
-      for (int64_t j = 0; j < top_n; ++j) {  // fewer than top_n finite logits: the rest are -inf, any id
-        const bool real = j < n;
-        otl[r * top_n + j] = real ? static_cast<float>(c[j].x - lse) : -std::numeric_limits<float>::infinity();
-        oti[r * top_n + j] = real ? c[j].id : 0;
-      }
+  for_each_row(R, V, [&](int64_t r, Scratch& s) {
+    const float* x = lp + r * V;
+    const int64_t t = tp[r];
+    const float m = scale_and_max(s.wide, x, V, 1.f, s.xs.data());
+    if (!std::isfinite(m) || t < 0 || t >= V) {
+      ork[r] = -1;
+      return;
+    }
+    const double lse = m + std::log(exp_sum(s.wide, x, V, m));
+    olp[r] = static_cast<float>(x[t] - lse);
+    ork[r] = 1 + count_above(s.wide, x, V, x[t]);
+    if (top_n == 0) return;
+    std::vector<Candidate>& c = s.cands;
+    for (float delta = 1.f;; delta *= 2.f) {  // the top_n largest lie within delta of the max once that many do
+      const bool all = delta > 64.f;
+      gather(s.wide, x, V, all ? -std::numeric_limits<float>::infinity() : m - delta, c);
+      if (all || static_cast<int64_t>(c.size()) >= top_n) break;
+    }
+    const int64_t n = std::min<int64_t>(top_n, static_cast<int64_t>(c.size()));
+    std::partial_sort(c.begin(), c.begin() + n, c.end(), [](const Candidate& a, const Candidate& b) { return a.x > b.x; });
+    for (int64_t j = 0; j < top_n; ++j) {  // fewer than top_n finite logits: the rest are -inf, any id
+      const bool real = j < n;
+      otl[r * top_n + j] = real ? static_cast<float>(c[j].x - lse) : -std::numeric_limits<float>::infinity();
+      oti[r * top_n + j] = real ? c[j].id : 0;
     }
   });
   return {token_lp, rank, top_lp, top_ids};
