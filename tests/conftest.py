@@ -1,3 +1,21 @@
 """Fixtures shared by every test directory."""
 
+from __future__ import annotations
+
+import pytest
+
+from llmserve.attention import native
 from tests.tiny_models import tiny_model_dir  # noqa: F401  (registers the session fixture)
+
+
+@pytest.fixture(params=["native", "torch"])
+def sampler_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The sampler on both of its CPU paths: the native kernels (attention/csrc/sampling.cpp, AVX-512 CPUs) and the
+    torch reference (LLMSERVE_SAMPLER=torch)."""
+    if request.param == "native":
+        if not native.sampling_usable():
+            pytest.skip("the sampler takes the native kernel only where it builds and the CPU has AVX-512")
+        monkeypatch.delenv("LLMSERVE_SAMPLER", raising=False)
+    else:
+        monkeypatch.setenv("LLMSERVE_SAMPLER", "torch")
+    return request.param

@@ -131,20 +131,6 @@ def test_ngram_lookup_takes_latest_longest_match():
 # --- rejection sampling ------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["native", "torch"])
-def verify_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The sampler's verification on both paths: the native kernel (AVX-512 CPUs) and the torch reference."""
-    from llmserve.attention import native
-
-    if request.param == "native":
-        if not native.sampling_usable():
-            pytest.skip("the sampler takes the native kernel only where it builds and the CPU has AVX-512")
-        monkeypatch.delenv("LLMSERVE_SAMPLER", raising=False)
-    else:
-        monkeypatch.setenv("LLMSERVE_SAMPLER", "torch")
-    return request.param
-
-
 def _batch(params: SamplingParams, rows: int) -> SamplingBatch:
     states = [SequenceState(params, [1], []) for _ in range(rows)]
     return SamplingBatch.build(states, 8, torch.device("cpu"))
@@ -162,7 +148,7 @@ def _target(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
                                     SamplingParams(temperature=1.3, top_p=0.8)],
                          ids=["t1", "t0.7-topk5", "t1.3-topp0.8"])
 @pytest.mark.parametrize("draft", [0, 3, 7, -1])
-def test_verify_follows_target_distribution(params, draft, verify_path):
+def test_verify_follows_target_distribution(params, draft, sampler_path):
     """Whatever the (deterministic) draft, the emitted token of a verified row is distributed as the
     target: accepted with probability p(draft), otherwise drawn from the residual. A row without a draft (-1)
     samples from the target and accepts nothing."""
@@ -184,7 +170,7 @@ def test_verify_follows_target_distribution(params, draft, verify_path):
     assert chi2 < 30.0  # 7 degrees of freedom at most: p ~ 1e-4
 
 
-def test_verify_greedy_rows_accept_the_argmax(verify_path):
+def test_verify_greedy_rows_accept_the_argmax(sampler_path):
     logits = torch.tensor([[0.0, 3.0, 1.0], [0.0, 3.0, 1.0], [0.0, 3.0, 1.0]])
     states = [SequenceState(SamplingParams(temperature=0.0), [1], []) for _ in range(3)]
     out = Sampler().verify(logits, SamplingBatch.build(states, 3, torch.device("cpu")), [1, 2, -1])
@@ -192,7 +178,7 @@ def test_verify_greedy_rows_accept_the_argmax(verify_path):
     assert out.accepted == [True, False, False]
 
 
-def test_verify_mixed_batch_and_a_row_left_to_torch(verify_path):
+def test_verify_mixed_batch_and_a_row_left_to_torch(sampler_path):
     # Greedy and sampled rows, with and without drafts, in one batch; then the same batch with a NaN row, which the
     # kernel leaves to the torch path for the batch: either way every row's token is one its rule allows.
     logits = torch.tensor([[0.0, 3.0, 1.0, -1.0]] * 5)
