@@ -29,31 +29,29 @@ class TokenLogprobs:
 
 def gather_logprobs(logprobs: Tensor, token_ids: Tensor, num_top: list[int]) -> list[TokenLogprobs]:
     """logprobs [R, V] float32 (log_softmax of raw logits), token_ids [R] int64, num_top R values >= 0."""
-    token_logprobs = logprobs.gather(1, token_ids.unsqueeze(1))  # [R, 1]
-    ranks = (logprobs > token_logprobs).sum(dim=-1) + 1  # [R]
+    token_logprobs = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [R]
+    ranks = (logprobs > token_logprobs.unsqueeze(1)).sum(dim=-1) + 1  # [R]
     top_n = min(max(num_top), logprobs.shape[-1])
     top_values, top_ids = logprobs.topk(top_n, dim=-1)  # [R, top_n], most likely first
-    # One device-to-host copy per tensor; the rest is O(R * N) Python.
-    return [
-        TokenLogprobs(token_id=t, logprob=lp, rank=r, top=list(zip(ids[:n], values[:n], strict=True)))
-        for t, lp, r, ids, values, n in zip(
-            token_ids.tolist(), token_logprobs.squeeze(1).tolist(), ranks.tolist(),
-            top_ids.tolist(), top_values.tolist(), num_top, strict=True,
-        )
-    ]
+    return _token_logprobs(token_ids, token_logprobs, ranks, top_ids, top_values, num_top)
 
 
 def logprobs_of_logits(logits: Tensor, token_ids: Tensor, num_top: list[int]) -> list[TokenLogprobs]:
     """logits [R, V] float32: the rows' raw logits (not processed); token_ids [R] int64, num_top R values >= 0."""
-    top_n = min(max(num_top), logits.shape[-1])
     if native.sampling_enabled(logits):
-        token_lp, ranks, top_values, top_ids = native.logprob_rows(logits, token_ids, top_n)
+        token_lp, ranks, top_values, top_ids = native.logprob_rows(logits, token_ids, min(max(num_top), logits.shape[-1]))
         if not bool((ranks < 0).any()):  # else a row holding a NaN or no finite logit: log_softmax's answer
-            return [
-                TokenLogprobs(token_id=t, logprob=lp, rank=r, top=list(zip(ids[:n], values[:n], strict=True)))
-                for t, lp, r, ids, values, n in zip(
-                    token_ids.tolist(), token_lp.tolist(), ranks.tolist(), top_ids.tolist(), top_values.tolist(),
-                    num_top, strict=True,
-                )
-            ]
+            return _token_logprobs(token_ids, token_lp, ranks, top_ids, top_values, num_top)
     return gather_logprobs(logits.log_softmax(dim=-1), token_ids, num_top)
+
+
+def _token_logprobs(token_ids: Tensor, token_logprobs: Tensor, ranks: Tensor, top_ids: Tensor, top_values: Tensor,
+                    num_top: list[int]) -> list[TokenLogprobs]:
+    # One device-to-host copy per tensor; the rest is O(R * N) Python.
+    return [
+        TokenLogprobs(token_id=t, logprob=lp, rank=r, top=list(zip(ids[:n], values[:n], strict=True)))
+        for t, lp, r, ids, values, n in zip(
+            token_ids.tolist(), token_logprobs.tolist(), ranks.tolist(), top_ids.tolist(), top_values.tolist(), num_top,
+            strict=True,
+        )
+    ]
