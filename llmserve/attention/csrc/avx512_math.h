@@ -10,9 +10,16 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #define LLMSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+
+// Whether the environment variable `name` is exactly "0": the kernels' switches back to another path (tests, A/B).
+inline bool env_is_zero(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && v[0] == '0' && v[1] == '\0';
+}
 
 // Whether this CPU runs LLMSERVE_AVX512 code (F, BW, DQ and VL); asked once.
 inline bool cpu_has_avx512() {

@@ -266,10 +266,7 @@ constexpr int kA16WideTileRows = 6;
 
 // Whether the default (a16 < 0) takes this path: VNNI here, and LLMSERVE_INT8W_A16 is not "0" (A/B runs).
 bool a16_default() {
-  static const bool ok = [] {
-    const char* off = std::getenv("LLMSERVE_INT8W_A16");
-    return int8w_a16_supported() && !(off != nullptr && off[0] == '0' && off[1] == 0);
-  }();
+  static const bool ok = int8w_a16_supported() && !env_is_zero("LLMSERVE_INT8W_A16");
   return ok;
 }
 

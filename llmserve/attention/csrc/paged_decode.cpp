@@ -400,8 +400,7 @@ LLMSERVE_AVX512 void attend_one_512(const float* qs, const CacheView<T>& kv, con
 }
 
 bool avx512_decode_supported() {
-  const char* off = std::getenv("LLMSERVE_DECODE_AVX512");  // "0": the AVX2 path (tests, A/B)
-  return cpu_has_avx512() && !(off != nullptr && off[0] == '0' && off[1] == '\0');
+  return cpu_has_avx512() && !env_is_zero("LLMSERVE_DECODE_AVX512");  // "0": the AVX2 path (tests, A/B)
 }
 #else
 bool avx512_decode_supported() { return false; }

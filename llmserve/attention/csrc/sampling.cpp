@@ -61,7 +61,7 @@ struct RowParams {
 // Passes over a row of V floats: AVX-512 where `wide` (the CPU has it, and LLMSERVE_SAMPLING_AVX512 is not "0": tests
 // run both), plain loops otherwise.
 
-// xs = logits / t (t == 1: a copy); returns the max, NaN if any element is NaN.
+// xs = logits / t (t == 1: a copy; xs null: nothing stored); returns the max, NaN if any element is NaN.
 float scale_and_max(bool wide, const float* logits, int64_t V, float t, float* xs);
 // sum of exp(xs - m) over the row (0 for -inf and for differences below kExpFloor), in double.
 double exp_sum(bool wide, const float* xs, int64_t V, float m);
@@ -81,7 +81,7 @@ float scale_and_max_scalar(const float* logits, int64_t V, float t, float* xs) {
   bool nan = false;
   for (int64_t i = 0; i < V; ++i) {
     const float x = t == 1.f ? logits[i] : logits[i] / t;
-    xs[i] = x;
+    if (xs != nullptr) xs[i] = x;
     nan |= std::isnan(x);
     m = std::max(m, x);
   }
@@ -117,7 +117,7 @@ LLMSERVE_AVX512 float scale_and_max_512(const float* logits, int64_t V, float t,
     const __mmask16 k = tail_mask16(V - i);
     __m512 x = _mm512_maskz_loadu_ps(k, logits + i);
     if (t != 1.f) x = _mm512_div_ps(x, tv);
-    _mm512_mask_storeu_ps(xs + i, k, x);
+    if (xs != nullptr) _mm512_mask_storeu_ps(xs + i, k, x);
     nan |= _mm512_mask_cmp_ps_mask(k, x, x, _CMP_UNORD_Q);
     mx = _mm512_mask_max_ps(mx, k, mx, x);
   }
@@ -214,43 +214,33 @@ int64_t count_above(bool wide, const float* xs, int64_t V, float v) {
 // Whether the passes run on AVX-512 here; the sampler takes this kernel only then (the scalar passes, which tests run
 // on AVX-512 CPUs too, took 23 ms against torch's 9.5 for 64 rows of 49,152 without truncation).
 bool sampling_avx512() {
-  const char* off = std::getenv("LLMSERVE_SAMPLING_AVX512");
-  return cpu_has_avx512() && !(off != nullptr && off[0] == '0' && off[1] == '\0');
+  return cpu_has_avx512() && !env_is_zero("LLMSERVE_SAMPLING_AVX512");
 }
 
 namespace {
 
-// The first maximum's index (torch.argmax's choice); -1 for a row holding a NaN.
-int64_t argmax_row_scalar(const float* x, int64_t V) {
-  int64_t best = 0;
-  for (int64_t i = 0; i < V; ++i) {
-    if (std::isnan(x[i])) return -1;
-    if (x[i] > x[best]) best = i;
-  }
-  return best;
+// The first index holding v (0 if none).
+int64_t first_equal_scalar(const float* x, int64_t V, float v) {
+  for (int64_t i = 0; i < V; ++i)
+    if (x[i] == v) return i;
+  return 0;
 }
 
-LLMSERVE_AVX512 int64_t argmax_row_512(const float* x, int64_t V) {
-  __m512 mx = _mm512_set1_ps(kNegInf);
-  __mmask16 nan = 0;
+LLMSERVE_AVX512 int64_t first_equal_512(const float* x, int64_t V, float v) {
+  const __m512 vv = _mm512_set1_ps(v);
   for (int64_t i = 0; i < V; i += 16) {
     const __mmask16 k = tail_mask16(V - i);
-    const __m512 v = _mm512_maskz_loadu_ps(k, x + i);
-    nan |= _mm512_mask_cmp_ps_mask(k, v, v, _CMP_UNORD_Q);
-    mx = _mm512_mask_max_ps(mx, k, mx, v);
-  }
-  if (nan) return -1;
-  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-  for (int64_t i = 0; i < V; i += 16) {
-    const __mmask16 hit = _mm512_mask_cmp_ps_mask(tail_mask16(V - i), _mm512_maskz_loadu_ps(tail_mask16(V - i), x + i),
-                                                  m, _CMP_EQ_OQ);
+    const __mmask16 hit = _mm512_mask_cmp_ps_mask(k, _mm512_maskz_loadu_ps(k, x + i), vv, _CMP_EQ_OQ);
     if (hit) return i + __builtin_ctz(hit);
   }
-  return 0;  // every element -inf: the first (torch's choice too)
+  return 0;
 }
 
+// The first maximum's index (torch.argmax's choice; every element -inf: the first); -1 for a row holding a NaN.
 int64_t argmax_row(bool wide, const float* x, int64_t V) {
-  return wide ? argmax_row_512(x, V) : argmax_row_scalar(x, V);
+  const float m = scale_and_max(wide, x, V, 1.f, nullptr);
+  if (std::isnan(m)) return -1;
+  return wide ? first_equal_512(x, V, m) : first_equal_scalar(x, V, m);
 }
 
 // A target strictly below total (as the reference's nextafter), for u in [0, 1).
@@ -510,7 +500,7 @@ std::vector<torch::Tensor> logprob_rows(torch::Tensor logits, torch::Tensor toke
   for_each_row(R, V, [&](int64_t r, Scratch& s) {
     const float* x = lp + r * V;
     const int64_t t = tp[r];
-    const float m = scale_and_max(s.wide, x, V, 1.f, s.xs.data());
+    const float m = scale_and_max(s.wide, x, V, 1.f, nullptr);
     if (!std::isfinite(m) || t < 0 || t >= V) {
       ork[r] = -1;
       return;
