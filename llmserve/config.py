@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmserve.errors import InvalidRequestError
+from llmserve.structured.spec import StructuredOutput, parse_response_format
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -69,6 +70,11 @@ class GenerationConfig:
     early_stopping: bool | str = _f(False, "Beam search: True stops once beam_width beams finished; False stops "
                                            "when no live beam can still win at its current length; 'never' "
                                            "judges that at the longest possible length.")
+    response_format: dict | StructuredOutput | None = _f(
+        None, "Constrain the output (LMDeploy's and OpenAI's shape): {'type': 'json_schema', 'json_schema': "
+              "{'name': ..., 'schema': {...}}}, {'type': 'json_object'}, {'type': 'regex_schema', 'regex_schema': "
+              "'...'}, {'type': 'choice', 'choice': [...]}, {'type': 'grammar', 'grammar': 'EBNF'}, or a pydantic "
+              "model class. The sequence ends ('stop') when the grammar is complete.")
 
     def __post_init__(self) -> None:
         _check_type(self.n, (int,), "n")
@@ -99,6 +105,7 @@ class GenerationConfig:
         _check_type(self.logprobs, (int,), "logprobs", optional=True)
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
                f"must be in [0, 20], got {self.logprobs}")
+        self.response_format = parse_response_format(self.response_format)
         self._check_best_of_and_beams()
         self.stop_words = _string_list(self.stop_words, "stop_words")
         self.bad_words = _string_list(self.bad_words, "bad_words")
@@ -131,6 +138,8 @@ class GenerationConfig:
             _check(width >= 1, "beam_width", f"must be >= 1, got {width}")
             _check(width >= self.n, "beam_width", f"must be >= n ({self.n}) to return n beams, got {width}")
             _check(self.logprobs is None, "logprobs", "is not supported with beam search")
+            _check(self.response_format is None, "response_format",
+                   "structured output is not supported with beam search; use sampling or greedy decoding")
 
     @property
     def num_beams(self) -> int:

@@ -8,6 +8,10 @@ together by the one engine (continuous batching across HTTP requests).
 
 Failure rules: a request the engine refuses raises in its caller only; an exception inside a step
 aborts the requests of that step with the error (their blocks freed) and the loop goes on.
+
+Structured output: a request's grammar is compiled on a worker thread before the request is queued
+(a refused schema raises in its caller), so the engine thread finds it cached and a slow compile never
+delays other requests' steps.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +110,7 @@ class AsyncEngine:
         self._stats = self._read_stats()
         self.on_step: Callable[[list[SequenceOutput]], None] | None = None  # engine thread; for metrics
         self._stopping = False
+        self._grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmserve-grammar")
         self._thread = threading.Thread(target=self._run, name="llmserve-engine", daemon=True)
         self._thread.start()
 
@@ -135,6 +141,7 @@ class AsyncEngine:
         turn stores nothing in its session). `session_id`: see LLMEngine.add_request."""
         if self._stopping:
             raise RuntimeError("the engine is shutting down")
+        await self.compile_grammar(gen)
         stream = _Stream(asyncio.get_running_loop())
         self._commands.put(_Add(request_id, prompt_token_ids, gen, stream, session_id))
         unfinished = gen.n
@@ -149,6 +156,17 @@ class AsyncEngine:
             if unfinished:
                 self._commands.put(_Abort(request_id))
 
+    async def compile_grammar(self, gen: GenerationConfig) -> None:
+        """Compile the request's grammar (if any, and not cached) off the engine thread; raises
+        InvalidRequestError for a schema, regex or grammar that does not compile."""
+        spec, grammars = gen.response_format, self.engine.grammars
+        if spec is not None and not grammars.is_cached(spec):
+            await asyncio.get_running_loop().run_in_executor(self._grammar_pool, grammars.compile, spec)
+
+    def warm_up_grammars(self) -> None:
+        """Read the vocabulary for structured output in the background (the first such request then waits less)."""
+        self._grammar_pool.submit(self.engine.grammars.warm_up)
+
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
@@ -157,6 +175,7 @@ class AsyncEngine:
         self._stopping = True
         self._commands.put(None)
         self._thread.join(timeout)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     # --- engine thread -------------------------------------------------------------------
 

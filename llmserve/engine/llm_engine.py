@@ -29,6 +29,8 @@ from llmserve.errors import InvalidRequestError, PromptTooLongError
 from llmserve.models.loader import LoadedModel, load_model
 from llmserve.sampling.params import SamplingParams
 from llmserve.sampling.sampler import SamplerOutput
+from llmserve.structured.compiler import GrammarCompiler
+from llmserve.structured.matcher import GrammarState
 from llmserve.worker.model_runner import GraphOptions, ModelRunner, num_blocks_for
 
 logger = logging.getLogger(__name__)
@@ -74,6 +76,8 @@ class LLMEngine:
         self._beams: dict[str, BeamSearch] = {}  # caller's request id -> its beam search
         self._best_of: dict[str, BestOf] = {}  # caller's request id -> its held-back samples
         self._seed_gen = torch.Generator(device="cpu").manual_seed(config.seed)
+        # Structured output: xgrammar is imported and the vocabulary read at the first structured request.
+        self.grammars = GrammarCompiler(self.tokenizer, loaded.hf_config.vocab_size, loaded.eos_token_ids)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens in all, up to %d tokens per sequence)",
                     num_blocks, config.block_size, num_blocks * config.block_size, self.session_len)
 
@@ -94,6 +98,8 @@ class LLMEngine:
         params = self._sampling_params(gen)
         if gen.use_beam_search:
             return self._add_beam_search(request_id, prompt_token_ids, gen, params)
+        # Compiled on this thread unless already cached (the async engine compiles on a worker thread first).
+        compiled = self.grammars.compile(gen.response_format) if gen.response_format is not None else None
         num_seqs = gen.n
         if gen.best_of is not None and gen.best_of > gen.n:
             num_seqs = gen.best_of
@@ -110,7 +116,7 @@ class LLMEngine:
                 max_new_tokens=gen.max_new_tokens, max_total_tokens=self.session_len,
                 parent_id=request_id, index=i, generator=self._generator(seq_params),
                 prompt_source=seqs[0] if seqs else None,  # the prompt is computed once, then shared
-                session_id=session_id))
+                session_id=session_id, grammar=self._grammar_state(compiled)))
         for r in seqs:
             self.scheduler.add_request(r)  # first one may refuse (too big for the pool): nothing queued yet
             self._tracked[r.request_id] = _Tracked(r, IncrementalDetokenizer(
@@ -204,6 +210,9 @@ class LLMEngine:
             return
         drafts = self.proposer.propose(wanting, {s.request: self.kv.block_table(s.request.request_id)
                                                  for s in wanting})
+        for r, d in drafts.items():  # a draft the grammar refuses could never be accepted: not verified
+            if r.grammar is not None and d:
+                drafts[r] = r.grammar.valid_prefix(list(d))
         plan.scheduled = [
             dataclasses.replace(s, num_new_tokens=s.num_new_tokens + len(d), draft_token_ids=tuple(d))
             if (d := drafts.get(s.request)) else s
@@ -296,8 +305,8 @@ class LLMEngine:
         reason = stop = None
         for token, lp in zip(tokens, logprobs):
             request.append_token(token)
-            reason, stop = self._stop_reason(request, token)
-            text += "" if reason == "stop" else t.detok.add(token)
+            reason, stop = self._grammar_end(request, token) or self._stop_reason(request, token)
+            text += "" if reason == "stop" and stop == token else t.detok.add(token)
             if t.detok.stop_hit is not None:
                 reason, stop = "stop", t.detok.stop_hit
             if not (stop == token and reason == "stop"):
@@ -312,6 +321,21 @@ class LLMEngine:
         else:
             self.kv.cache_full_blocks(request)  # accepted drafts may have filled blocks
         return self._output(t, new_ids, text, new_lp, reason, stop)
+
+    def _grammar_end(self, r: Request, token: int) -> tuple[str, int | None] | None:
+        """Advance the sequence's grammar by `token`: ("stop", token) when the token is the EOS that ends it,
+        ("stop", None) when the grammar is complete and only EOS could follow, None to go on."""
+        g = r.grammar
+        if g is None:
+            return None
+        if not g.accept(token):
+            # The sampler masks every row with its grammar, so this means a NaN logit or a bug: end the
+            # sequence rather than emit output that does not match.
+            logger.error("%s: token %d does not match the request's grammar; sequence aborted", r.request_id, token)
+            return "abort", None
+        if g.finished:
+            return "stop", (token if token in self.loaded.eos_token_ids else None)
+        return None
 
     def _stop_reason(self, r: Request, token: int) -> tuple[str | None, str | int | None]:
         if token in r.sampling.stop_token_ids and r.num_output_tokens > r.sampling.min_tokens:
@@ -406,6 +430,11 @@ class LLMEngine:
                 if ids and ids not in out:
                     out.append(ids)
         return out
+
+    def _grammar_state(self, compiled: object | None) -> GrammarState | None:
+        if compiled is None:
+            return None
+        return GrammarState(compiled, self.loaded.eos_token_ids, self.loaded.hf_config.vocab_size)
 
     def _generator(self, params: SamplingParams) -> torch.Generator | None:
         if params.seed is None:

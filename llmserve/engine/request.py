@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from llmserve.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from llmserve.structured.matcher import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -49,6 +53,8 @@ class Request:
     # Its finished KV is kept for the next request with this id (engine/sessions.py); n == 1 only.
     session_id: str | None = None
     generator: torch.Generator | None = None  # per-request sampling stream when seeded
+    # Structured output: where the output stands in its grammar; it has accepted exactly output_token_ids.
+    grammar: GrammarState | None = None
     first_token_time: float | None = None
     first_scheduled_time: float | None = None
 

@@ -33,6 +33,9 @@ class SequenceState:
     # Seeded from params.seed by the engine (see `seeded_generator`) and kept across steps, so a
     # seeded sequence draws the same noise whatever else is in the batch. None when unseeded.
     generator: torch.Generator | None = None
+    # Structured output: the tokens the grammar allows next, a bitmask row ([ceil(V / 32)] int32, bit t of
+    # word t // 32 = token t); None for an unconstrained row.
+    token_mask: Tensor | None = None
 
 
 def seeded_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -73,6 +76,14 @@ class SamplingFilters:
 
 
 @dataclass
+class GrammarMasks:
+    """The rows under a grammar and what each may produce next."""
+
+    rows: list[int]  # ascending
+    bitmask: Tensor  # [B, ceil(V / 32)] int32 on the CPU; rows not listed are all ones (everything allowed)
+
+
+@dataclass
 class SamplingBatch:
     size: int
     vocab_size: int
@@ -86,6 +97,7 @@ class SamplingBatch:
     num_logprobs: list[int | None]  # per row: top-N logprobs to return, None = none
     logprob_rows: Tensor | None  # [R] int64: rows whose num_logprobs is not None
     beam_rows: list[int] | None = None  # rows of beam-search beams: the sampler returns their log-probabilities
+    grammar: GrammarMasks | None = None  # structured-output rows and their allowed tokens
 
     @property
     def has_processors(self) -> bool:
@@ -110,6 +122,7 @@ class SamplingBatch:
             num_logprobs=[p.logprobs for p in params],
             logprob_rows=torch.tensor(logprob_rows, device=device) if logprob_rows else None,
             beam_rows=[i for i, p in enumerate(params) if p.beam_width] or None,
+            grammar=_grammar_masks(seqs),
         )
 
 
@@ -230,6 +243,16 @@ def _filters(
         top_p=column(top_p, any(p < 1.0 for p in top_p)),
         min_p=column(min_p, any(p > 0.0 for p in min_p)),
     )
+
+
+def _grammar_masks(seqs: list[SequenceState]) -> GrammarMasks | None:
+    rows = [i for i, s in enumerate(seqs) if s.token_mask is not None]
+    if not rows:
+        return None
+    bitmask = torch.full((len(seqs), seqs[rows[0]].token_mask.shape[-1]), -1, dtype=torch.int32)
+    for i in rows:
+        bitmask[i] = seqs[i].token_mask
+    return GrammarMasks(rows, bitmask)
 
 
 def _generators(seqs: list[SequenceState], greedy: list[bool]) -> dict[int, torch.Generator]:

@@ -1,7 +1,8 @@
 """Turns one step's logits into one token per sequence (plus logprobs where asked).
 
 Steps, all vectorised over the batch with per-row parameters:
-  raw logprobs (rows that ask) -> logits processors (bias, bans, penalties) -> greedy rows: argmax
+  raw logprobs (rows that ask) -> logits processors (bias, bans, penalties) -> grammar masks (structured
+  output rows: forbidden tokens to -inf, sampling/grammar.py) -> greedy rows: argmax
   -> sampled rows: temperature, top-k, top-p, min-p -> inverse CDF.
 An all-greedy batch without processors is one argmax (the benchmark hot path).
 
@@ -36,6 +37,7 @@ from torch import Tensor
 
 from llmserve.attention import native
 from llmserve.sampling.batch import SamplingBatch, SequenceState
+from llmserve.sampling.grammar import apply_grammar_masks, rows_before_processors
 from llmserve.sampling.logits_processors import (
     apply_logits_processors,
     apply_sampling_filters,
@@ -74,8 +76,7 @@ class Sampler:
         raw_rows = None
         if batch.logprob_rows is not None:  # a copy before processing, which works in place
             raw_rows = logits.index_select(0, batch.logprob_rows)  # [R, V]
-        if batch.has_processors:
-            apply_logits_processors(logits, batch)
+        _process(logits, batch)
         beams = None
         if batch.beam_rows is not None:  # beams are greedy rows: filters never touch them
             rows = torch.tensor(batch.beam_rows, device=logits.device)
@@ -102,7 +103,7 @@ class Sampler:
             raw_rows = logits.index_select(0, batch.logprob_rows)
         draft = torch.tensor(drafts, dtype=torch.long, device=logits.device)
         has_draft = draft >= 0
-        logits = apply_logits_processors(logits, batch) if batch.has_processors else logits
+        _process(logits, batch)
         if not batch.all_greedy and native.sampling_enabled(logits):
             u, u2 = self._uniform(batch, logits.device), self._uniform(batch, logits.device)
             token_ids, accepted = native.verify_rows(logits, *_native_filters(logits, batch), u, draft, u2)
@@ -202,6 +203,15 @@ class Sampler:
         for row, value in zip(rows, per_row, strict=True):
             result[row] = value
         return result
+
+
+def _process(logits: Tensor, batch: SamplingBatch) -> None:
+    """Logits processors (bias, bans, penalties), then the grammar masks, in place."""
+    before = rows_before_processors(logits, batch)
+    if batch.has_processors:
+        apply_logits_processors(logits, batch)
+    if batch.grammar is not None:
+        apply_grammar_masks(logits, batch.grammar, before)
 
 
 def _native_filters(logits: Tensor, batch: SamplingBatch) -> tuple[Tensor, Tensor, Tensor, Tensor]:

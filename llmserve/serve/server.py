@@ -77,7 +77,9 @@ class _Loader(threading.Thread):
         except BaseException as e:  # noqa: BLE001  (reported by the main thread)
             self.error = e
             return
-        self.state.attach(AsyncEngine(engine), served)
+        async_engine = AsyncEngine(engine)
+        self.state.attach(async_engine, served)
+        async_engine.warm_up_grammars()  # structured output's vocabulary, read in the background
         c = self.config
         logger.info("serving %s (%s, %s on %s) at http://%s:%d  [OpenAI: /v1, TGI: /generate, metrics: /metrics, "
                     "chat page: /]", served.name, loaded.model_dir, served.dtype, served.device, c.server_name,

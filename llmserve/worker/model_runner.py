@@ -107,8 +107,9 @@ class ModelRunner:
             spans.append(Span(r.token_ids[start:start + num_real] + list(s.draft_token_ids), start, table,
                               1 + len(s.draft_token_ids) if s.samples else 0))
             if s.samples:
+                masks = r.grammar.masks_with_drafts(s.draft_token_ids) if r.grammar is not None else None
                 for i in range(len(s.draft_token_ids) + 1):
-                    states.append(_sequence_state(r, s.draft_token_ids[:i]))
+                    states.append(_sequence_state(r, s.draft_token_ids[:i], None if masks is None else masks[i]))
                     drafts.append(s.draft_token_ids[i] if i < len(s.draft_token_ids) else -1)
         logits = self.forward(spans)
         if logits is None:
@@ -172,11 +173,12 @@ class Span:
     num_logits: int
 
 
-def _sequence_state(r: Request, drafts: tuple[int, ...] = ()) -> SequenceState:
-    # A draft row sees the drafts before it as generated (penalties, bans and min_tokens count them).
+def _sequence_state(r: Request, drafts: tuple[int, ...] = (), token_mask: torch.Tensor | None = None) -> SequenceState:
+    # A draft row sees the drafts before it as generated (penalties, bans and min_tokens count them), and its
+    # grammar mask is the one after them.
     output = r.output_token_ids + list(drafts) if drafts else r.output_token_ids
     return SequenceState(params=r.sampling, prompt_token_ids=r.prompt_token_ids,
-                         output_token_ids=output, generator=r.generator)
+                         output_token_ids=output, generator=r.generator, token_mask=token_mask)
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
