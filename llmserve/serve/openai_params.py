@@ -13,8 +13,15 @@ from typing import Any, NamedTuple
 from llmserve.config import GenerationConfig
 from llmserve.errors import InvalidRequestError
 from llmserve.serve.errors import ApiError
-from llmserve.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
+from llmserve.serve.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingRequest,
+    unknown_fields,
+)
 from llmserve.serve.state import ServedModel
+from llmserve.serve.structured_params import openai_structured_output
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20
@@ -108,6 +115,7 @@ def check_prompt_length(model: ServedModel, num_tokens: int, max_tokens: int | N
 
 
 def chat_generation_config(model: ServedModel, req: ChatCompletionRequest, max_tokens: int) -> GenerationConfig:
+    check_chat_fields(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -135,6 +143,7 @@ def _generation_config(model: ServedModel, req: SamplingRequest, max_tokens: int
         "bad_words": req.bad_words, "include_stop_str_in_output": req.include_stop_str_in_output,
         "logprobs": logprobs, "best_of": req.best_of, "use_beam_search": req.use_beam_search,
         "length_penalty": req.length_penalty, "early_stopping": req.early_stopping,
+        "response_format": openai_structured_output(req),
     }
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         if getattr(req, name) is not None:
@@ -149,6 +158,11 @@ MAX_N = 128  # OpenAI's limit; each sample is a sequence in the engine
 
 
 def _check_unsupported(req: SamplingRequest) -> None:
+    unknown = unknown_fields(req)
+    if unknown:
+        raise ApiError(400, f"{unknown[0]}: unknown field; llmserve does not know what it asks for, so it refuses "
+                            "it rather than ignore it (the fields it takes are listed in docs/serving.md)",
+                       param=unknown[0])
     if req.n > MAX_N:
         raise ApiError(400, f"n: must be <= {MAX_N}, got {req.n}", param="n")
     if req.best_of is not None and req.best_of > MAX_N:
@@ -169,3 +183,38 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
                            param="logit_bias")
         out[int(key)] = value
     return out
+
+
+# Chat fields OpenAI documents that llmserve cannot honour: refused when they ask for something.
+_CHAT_REFUSALS: dict[str, str] = {
+    "audio": "audio output is not supported",
+    "functions": "the deprecated functions API is not supported; send tools (and tool_choice)",
+    "function_call": "the deprecated functions API is not supported; send tool_choice",
+    "prediction": "predicted outputs are not supported (speculative decoding is an engine setting: "
+                  "--speculative-method ngram)",
+    "web_search_options": "web search is not available",
+    "reasoning_effort": "this server's models take no reasoning effort",
+    "verbosity": "this server's models take no verbosity setting",
+}
+
+
+def check_chat_fields(req: ChatCompletionRequest) -> None:
+    """Refuse what we cannot do (docs/serving.md lists every field). Accepted with no effect on the output:
+    user, metadata, safety_identifier, prompt_cache_key (prefix caching is automatic), service_tier,
+    store=false, stream_options.include_obfuscation."""
+    for name, reason in _CHAT_REFUSALS.items():
+        value = getattr(req, name)
+        if value not in (None, [], {}):
+            raise ApiError(400, f"{name}: {reason}", param=name)
+    if req.modalities not in (None, [], ["text"]):
+        raise ApiError(400, f"modalities: only [\"text\"] is supported, got {req.modalities}", param="modalities")
+    if req.store:
+        raise ApiError(400, "store: this server does not store completions", param="store")
+    if req.tools:
+        raise ApiError(400, "tools: tool calling is not supported yet", param="tools")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise ApiError(400, "tool_choice: requires tools", param="tool_choice")
+    for i, m in enumerate(req.messages):
+        if m.tool_calls or m.function_call or m.audio:
+            raise ApiError(400, f"messages[{i}]: assistant tool calls, function calls and audio in messages are not "
+                                "supported yet", param="messages")

@@ -1,25 +1,65 @@
 """OpenAI request bodies (/v1/chat/completions, /v1/completions) as pydantic models.
 
 Strict types (a string where a number belongs is a 400, as OpenAI answers; ints are accepted for
-floats), unknown fields ignored (as vLLM does: clients send fields we do not know, e.g. `tools`
-with an empty list or `parallel_tool_calls`). Value checks (ranges, consistency) happen when the
-request is turned into a GenerationConfig (openai_params.py), which names the offending field.
-Responses are built as plain dicts (openai_format.py): one per streamed chunk, on the hot path.
+floats). Every field OpenAI documents is declared here, and so are the vLLM extras we take: each is
+honoured, refused with a 400 naming it, or (where it cannot change the output, e.g. `user`) accepted
+and ignored, as docs/serving.md's table says. A field we do not know is refused when it carries a
+value (`unknown_fields`): a client asking for something we would silently not do gets told. Value
+checks (ranges, consistency) happen when the request is turned into a GenerationConfig
+(openai_params.py), which names the offending field. Responses are built as plain dicts
+(openai_format.py): one per streamed chunk, on the hot path.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # Unknown fields are kept (not validated) so that `unknown_fields` can refuse the ones with a value.
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+
+
+def unknown_fields(body: BaseModel, prefix: str = "") -> list[str]:
+    """Dotted names of the fields of `body` (and its nested bodies) that the model does not declare and that
+    carry a value; null, [] and {} count as not sent (several clients send every field they know, unset ones
+    empty)."""
+    names = [prefix + k for k, v in (body.model_extra or {}).items() if not _empty(v)]
+    for name in type(body).model_fields:
+        value = getattr(body, name)
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            if isinstance(item, BaseModel):
+                where = f"{name}[{i}]" if isinstance(value, list) else name
+                names.extend(unknown_fields(item, f"{prefix}{where}."))
+    return names
+
+
+def _empty(value: Any) -> bool:
+    return value is None or (isinstance(value, (list, dict, str)) and not value)
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # OpenAI's side-channel padding of chunks: no effect on the text
+
+
+class StructuredOutputsParams(_Body):
+    """vLLM's `structured_outputs` extra field: exactly one of json, regex, choice, grammar, json_object,
+    structural_tag."""
+
+    json_schema: dict[str, Any] | str | bool | None = Field(None, alias="json")  # a JSON schema
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF
+    json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    disable_fallback: bool = False  # one backend, no fallback: nothing to disable
+    disable_any_whitespace: bool = False  # JSON in its compact form only
+    disable_additional_properties: bool = False  # the grammar never adds properties a schema does not list
+    whitespace_pattern: str | None = None  # refused: xgrammar has no custom whitespace
 
 
 class SamplingRequest(_Body):
@@ -55,6 +95,15 @@ class SamplingRequest(_Body):
     # ours: keep this conversation's KV for its next request (LMDeploy's session_id). The client still
     # sends the whole history; the session only saves the prefill of what was already computed.
     session_id: str | int | None = None
+    # structured output: OpenAI's response_format, and vLLM's names for the same (structured_params.py)
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | bool | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
 
 class ContentPart(_Body):
@@ -66,6 +115,14 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # What clients send back of an earlier assistant turn, and tool results.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    function_call: dict[str, Any] | None = None
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: dict[str, Any] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -73,6 +130,23 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
     logprobs: bool = False
     top_logprobs: int | None = None
+    # OpenAI's other documented fields: see openai_params.check_chat_fields for what each one gets
+    audio: dict[str, Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    metadata: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    parallel_tool_calls: bool | None = None
+    prediction: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
+    reasoning_effort: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingRequest):

@@ -1,7 +1,8 @@
 """TGI request bodies (POST /generate, /generate_stream and /), as TGI's router names the fields.
 
-Strict types as in protocol.py; unknown fields ignored. TGI's `text_generation` client sends every
-parameter, None where unset, so None must always mean "not set".
+Strict types as in protocol.py; every parameter TGI documents is declared (tgi_routes.py honours or refuses
+each), and an unknown one that carries a value is refused (protocol.unknown_fields). TGI's `text_generation`
+client sends every parameter, None where unset, so None must always mean "not set".
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ TGI_DEFAULT_MAX_NEW_TOKENS = 100  # TGI 2.x's default
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="allow")
 
 
 class TgiParameters(_Body):

@@ -11,9 +11,11 @@ TGI's semantics, not ours, where they differ:
   `stop_sequence`; the EOS token is the last entry of `details.tokens` (special, logprob null:
   the engine does not keep the logprob of the token that stopped it) and counts in
   `generated_tokens`;
+- `grammar` (`{"type": "json" | "regex" | "json_schema", "value": ...}`) constrains the output
+  (structured_params.py);
 - `decoder_input_details` lists the prompt tokens with `logprob: null` (prompt logprobs are not
-  computed yet); `typical_p` (other than 1), `watermark`, `grammar`, `best_of` > 1 and
-  `adapter_id` are refused with 400.
+  computed yet); `typical_p` (other than 1), `watermark`, `best_of` > 1, `adapter_id` and any
+  parameter TGI does not document are refused with 400.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ from llmserve.engine.output import SequenceOutput
 from llmserve.errors import InvalidRequestError
 from llmserve.serve.errors import ApiError
 from llmserve.serve.generation import EngineRequest, new_request_id, open_request
+from llmserve.serve.protocol import unknown_fields
 from llmserve.serve.state import ServedModel, ServerState
 from llmserve.serve.streaming import REQUEST_ID_HEADER, SSEResponse, sse_event, until_disconnected
+from llmserve.serve.structured_params import tgi_structured_output
 from llmserve.serve.tgi_protocol import TGI_DEFAULT_MAX_NEW_TOKENS, TgiParameters, TgiRequest
 
 router = APIRouter()
@@ -98,7 +102,7 @@ class _Job:
 
 def _job(model: ServedModel, body: TgiRequest, stream: bool) -> _Job:
     p = body.parameters
-    _refuse_unsupported(p, stream)
+    _refuse_unsupported(body, stream)
     if not body.inputs:
         raise ApiError(400, "`inputs` cannot be empty", param="inputs")
     ids = model.tokenizer.encode(body.inputs)
@@ -122,7 +126,7 @@ def _job(model: ServedModel, body: TgiRequest, stream: bool) -> _Job:
             top_k=p.top_k or 0, top_p=1.0 if p.top_p is None else p.top_p,
             repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
             frequency_penalty=p.frequency_penalty or 0.0, stop_words=p.stop or None, include_stop_str_in_output=True,
-            random_seed=seed, logprobs=p.top_n_tokens or 0)
+            random_seed=seed, logprobs=p.top_n_tokens or 0, response_format=tgi_structured_output(p.grammar))
     except InvalidRequestError as e:
         raise ApiError.from_invalid(e, PARAM_NAMES) from None
     return _Job(EngineRequest(new_request_id("generate"), ids, gen, PARAM_NAMES), p, seed)
@@ -137,11 +141,14 @@ def _max_new_tokens(model: ServedModel, p: TgiParameters, num_inputs: int) -> in
     return p.max_new_tokens
 
 
-def _refuse_unsupported(p: TgiParameters, stream: bool) -> None:
+def _refuse_unsupported(body: TgiRequest, stream: bool) -> None:
+    unknown = unknown_fields(body)
+    if unknown:
+        raise ApiError(400, f"`{unknown[0]}`: unknown parameter; refused rather than ignored", param=unknown[0])
+    p = body.parameters
     refusals = [
         (p.typical_p is not None and p.typical_p != 1.0, "typical_p", "typical sampling is not supported"),
         (p.watermark, "watermark", "watermarking is not supported"),
-        (p.grammar is not None, "grammar", "grammar-constrained generation is not supported yet"),
         (p.best_of is not None and p.best_of != 1, "best_of", "only best_of = 1 is supported"),
         (p.adapter_id is not None, "adapter_id", "adapters are not supported"),
         (stream and p.decoder_input_details, "decoder_input_details",

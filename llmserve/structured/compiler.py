@@ -129,7 +129,7 @@ class GrammarCompiler:
             if spec.kind == "structural_tag":
                 return compiler.compile_structural_tag(spec.source)
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse errors, and its Invalid*Error
-            raise InvalidRequestError(f"the {spec.describe()} could not be compiled: {xgrammar_reason(e)}",
+            raise InvalidRequestError(f"{spec.param}: the {spec.describe()} could not be compiled: {xgrammar_reason(e)}",
                                       param=spec.param) from None
         raise AssertionError(f"unknown structured output kind {spec.kind!r}")
 

@@ -71,7 +71,7 @@ def json_schema(schema: Any, param: str, any_whitespace: bool = True) -> Structu
         raise InvalidRequestError(f"{param}: a JSON schema must be an object, got {type(schema).__name__}",
                                   param=param)
     try:
-        source = json.dumps(schema, sort_keys=True, ensure_ascii=False)
+        source = json.dumps(schema, ensure_ascii=False)  # key order kept: properties are generated in it
     except (TypeError, ValueError) as e:
         raise InvalidRequestError(f"{param}: the JSON schema cannot be serialized: {e}", param=param) from None
     return StructuredOutput("json", _bounded(source, param), any_whitespace, param)
@@ -125,7 +125,7 @@ def structural_tag(tag: Any, param: str) -> StructuredOutput:
         raise InvalidRequestError(f"{param}: a structural tag is an object with a `format` object (or `structures` "
                                   "and `triggers`)", param=param)
     tag = {"type": "structural_tag", "format": tag["format"]}
-    return StructuredOutput("structural_tag", _bounded(json.dumps(tag, sort_keys=True, ensure_ascii=False), param),
+    return StructuredOutput("structural_tag", _bounded(json.dumps(tag, ensure_ascii=False), param),
                             param=param)
 
 

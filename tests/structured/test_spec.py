@@ -20,9 +20,12 @@ def test_response_format_shapes():
     assert parse_response_format({"type": "json_object"}) == StructuredOutput("json", "")
     js = parse_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}})
     assert js.kind == "json" and json.loads(js.source) == SCHEMA
-    # the key is canonical: the same schema with keys in another order compiles once
-    reordered = {"required": ["a"], "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}, "type": "object"}
-    assert spec.json_schema(reordered, "p").key == js.key
+    # the schema's key order is kept (properties are generated in it), so the same text compiles once
+    assert list(json.loads(js.source)["properties"]) == ["b", "a"]
+    assert spec.json_schema(json.loads(json.dumps(SCHEMA)), "p").key == js.key
+    reordered = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}}
+    assert spec.json_schema(reordered, "p").key != spec.json_schema({**reordered, "properties": {
+        "b": {"type": "integer"}, "a": {"type": "string"}}}, "p").key
     assert parse_response_format({"type": "regex_schema", "regex_schema": "a+"}) == StructuredOutput("regex", "a+")
     assert parse_response_format({"type": "regex", "regex": "a+"}) == StructuredOutput("regex", "a+")
     assert parse_response_format({"type": "choice", "choice": ["x", "y"]}).choices == ["x", "y"]
