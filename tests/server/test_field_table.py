@@ -1,0 +1,141 @@
+"""docs/serving.md's field tables are true: every field they list is sent to the server with a value that asks for
+something, and the server honours it (200), refuses it (400 naming the field) or accepts it with no effect, as its
+row says. Every field has an example here and every example a row there, so neither can drift."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server.harness import RunningServer
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+CHAT = {
+    "messages": [{"role": "user", "content": "Hi"}], "model": "tiny-llama", "frequency_penalty": 0.5,
+    "logit_bias": {"5": 3.0}, "logprobs": True, "top_logprobs": 2, "max_completion_tokens": 3, "max_tokens": 3,
+    "n": 2, "presence_penalty": 0.5, "response_format": {"type": "json_object"}, "seed": 1, "stop": ["x"],
+    "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.5, "top_p": 0.9,
+    "parallel_tool_calls": False, "tool_choice": "required", "tools": [TOOL], "audio": {"voice": "alloy"},
+    "function_call": "auto", "functions": [TOOL["function"]], "modalities": ["text", "audio"],
+    "prediction": {"type": "content", "content": "Hello"}, "reasoning_effort": "low", "verbosity": "low",
+    "web_search_options": {"search_context_size": "low"}, "store": True, "metadata": {"k": "v"},
+    "prompt_cache_key": "abc", "safety_identifier": "u1", "service_tier": "auto", "user": "u1",
+}
+COMPLETIONS = {
+    "model": "tiny-llama", "prompt": "Hi", "best_of": 2, "echo": True, "frequency_penalty": 0.5,
+    "logit_bias": {"5": 3.0}, "logprobs": 2, "max_tokens": 3, "n": 2, "presence_penalty": 0.5, "seed": 1,
+    "stop": ["x"], "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.5, "top_p": 0.9,
+    "suffix": "end", "user": "u1",
+}
+EXTRAS = {
+    "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "min_tokens": 1, "ignore_eos": True,
+    "skip_special_tokens": False, "stop_token_ids": [7], "bad_words": ["Paris"], "include_stop_str_in_output": True,
+    "use_beam_search": True, "length_penalty": 0.5, "early_stopping": True, "session_id": "table-test",
+    "response_format": {"type": "json_object"}, "guided_json": {"type": "object"}, "guided_regex": "[a-z]+",
+    "guided_choice": ["yes", "no"], "guided_grammar": 'root ::= "yes"', "structured_outputs": {"regex": "[a-z]+"},
+    "guided_decoding_backend": "outlines", "guided_whitespace_pattern": " *",
+}
+TGI = {
+    "inputs": "The capital of France is", "stream": True, "do_sample": True, "max_new_tokens": 3, "temperature": 0.5,
+    "top_k": 5, "top_p": 0.9, "repetition_penalty": 1.2, "frequency_penalty": 0.5, "stop": ["x"], "seed": 1,
+    "truncate": 4, "return_full_text": True, "details": True, "decoder_input_details": True, "top_n_tokens": 2,
+    "grammar": {"type": "regex", "value": "[a-z ]+"}, "typical_p": 0.5, "watermark": True, "best_of": 2,
+    "adapter_id": "lora-1",
+}
+
+# Fields that only mean something beside another one: sent together.
+NEEDS = {"top_logprobs": {"logprobs": True}, "stream_options": {"stream": True}}
+
+
+def table(title: str) -> dict[str, str]:
+    """field -> status of the table under the heading that starts with `title`."""
+    text = DOC.read_text()
+    section = text.split("\n## " + title, 1)[1].split("\n## ", 1)[0]
+    return {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \| (honoured|refused|no effect) \|", section,
+                                                        re.MULTILINE)}
+
+
+def test_every_field_has_an_example_and_a_row() -> None:
+    assert table("OpenAI chat").keys() == CHAT.keys()
+    assert table("OpenAI completions").keys() == COMPLETIONS.keys()
+    assert table("Extra fields").keys() == EXTRAS.keys()
+    assert table("TGI").keys() == TGI.keys()
+
+
+def _post(server: RunningServer, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=60)
+
+
+def _check(r: httpx.Response, field: str, status: str, param_of: Any) -> None:
+    if status == "refused":
+        assert r.status_code == 400, (field, r.text)
+        assert param_of(r.json()) == field, (field, r.text)
+    else:
+        assert r.status_code == 200, (field, r.text)
+
+
+def _openai_param(body: dict[str, Any]) -> str:
+    return body["error"]["param"]
+
+
+def _tgi_param(body: dict[str, Any]) -> str:
+    match = re.match(r"`(\w+)`", body["error"])
+    return match.group(1) if match else body["error"]
+
+
+@pytest.mark.parametrize("field", list(CHAT))
+def test_chat_field(server: RunningServer, field: str) -> None:
+    body = {"messages": CHAT["messages"], "max_tokens": 2, "temperature": 0, **NEEDS.get(field, {}), field: CHAT[field]}
+    _check(_post(server, "/v1/chat/completions", body), field, table("OpenAI chat")[field], _openai_param)
+
+
+@pytest.mark.parametrize("field", list(COMPLETIONS))
+def test_completions_field(server: RunningServer, field: str) -> None:
+    body = {"prompt": "Hi", "max_tokens": 2, "temperature": 0, **NEEDS.get(field, {}), field: COMPLETIONS[field]}
+    _check(_post(server, "/v1/completions", body), field, table("OpenAI completions")[field], _openai_param)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("field", list(EXTRAS))
+def test_extra_field(server: RunningServer, path: str, field: str) -> None:
+    base = {"messages": CHAT["messages"]} if "chat" in path else {"prompt": "Hi"}
+    body = {**base, "max_tokens": 2, "temperature": 0, field: EXTRAS[field]}
+    if field == "use_beam_search":
+        body["best_of"] = 2
+    _check(_post(server, path, body), field, table("Extra fields")[field], _openai_param)
+    if field == "session_id":
+        httpx.delete(server.url + "/v1/sessions/table-test")
+
+
+@pytest.mark.parametrize("field", list(TGI))
+def test_tgi_field(server: RunningServer, field: str) -> None:
+    parameters = {"max_new_tokens": 2}
+    body: dict[str, Any] = {"inputs": TGI["inputs"], "parameters": parameters}
+    if field in ("inputs", "stream"):
+        body[field] = TGI[field]
+        path = "/" if field == "stream" else "/generate"
+    else:
+        parameters[field] = TGI[field]
+        path = "/generate"
+    _check(_post(server, path, body), field, table("TGI")[field], _tgi_param)
+
+
+def test_unknown_fields_with_a_value_are_refused(server: RunningServer) -> None:
+    r = _post(server, "/v1/chat/completions", {"messages": CHAT["messages"], "max_tokens": 2, "temprature": 0.2,
+                                               "made_up": None, "other": []})
+    assert r.status_code == 400 and _openai_param(r.json()) == "temprature"
+    assert "unknown field" in r.json()["error"]["message"]
+    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi", "mood": "happy"}],
+                                               "max_tokens": 2})
+    assert r.status_code == 400 and _openai_param(r.json()) == "messages[0].mood"
+    r = _post(server, "/generate", {"inputs": "Hi", "parameters": {"max_new_tokens": 2, "typo_p": 0.4}})
+    assert r.status_code == 400 and "parameters.typo_p" in r.json()["error"]
+    ok = _post(server, "/v1/chat/completions", {"messages": CHAT["messages"], "max_tokens": 2, "made_up": None,
+                                                "tools": [], "functions": None})
+    assert ok.status_code == 200, ok.text
