@@ -58,14 +58,48 @@ def dataclass_from_args(cls: type, args: argparse.Namespace, base: Any = None) -
 def _cmd_generate(args: argparse.Namespace) -> int:
     from llmserve.api import pipeline
 
+    response_format = response_format_from_args(args)
     with pipeline(args.model, backend_config=dataclass_from_args(EngineConfig, args), log_level=args.log_level,
                   chat_template_config=chat_template_config_from_args(args)) as pipe:
         gen = dataclass_from_args(GenerationConfig, args, base=pipe.default_gen_config)
+        gen = gen.replace(response_format=response_format) if response_format is not None else gen
         for response in pipe.stream_infer(args.prompt, gen_config=gen, do_preprocess=not args.no_chat_template):
             sys.stdout.write(response.text)
             sys.stdout.flush()
         sys.stdout.write("\n")
     return 0
+
+
+def add_structured_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("structured output (one of)").add_mutually_exclusive_group()
+    group.add_argument("--json-schema", metavar="FILE", help="the output is JSON matching the schema in FILE")
+    group.add_argument("--json", action="store_true", help="the output is a JSON object")
+    group.add_argument("--regex", metavar="REGEX", help="the whole output matches REGEX")
+    group.add_argument("--choice", metavar="TEXT", nargs="+", help="the output is one of these strings")
+    group.add_argument("--grammar", metavar="FILE", help="the output matches the EBNF grammar in FILE (root rule `root`)")
+
+
+def response_format_from_args(args: argparse.Namespace) -> Any:
+    from llmserve.structured import spec
+
+    def read(path: str, what: str) -> str:
+        try:
+            with open(path) as f:
+                return f.read()
+        except OSError as e:
+            raise InvalidRequestError(f"--{what}: cannot read {path}: {e.strerror}") from None
+
+    if getattr(args, "json_schema", None):
+        return spec.json_schema(read(args.json_schema, "json-schema"), "--json-schema")
+    if getattr(args, "json", False):
+        return spec.any_json("--json")
+    if getattr(args, "regex", None):
+        return spec.regex(args.regex, "--regex")
+    if getattr(args, "choice", None):
+        return spec.choice(args.choice, "--choice")
+    if getattr(args, "grammar", None):
+        return spec.grammar(read(args.grammar, "grammar"), "--grammar")
+    return None
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
@@ -149,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     add_model_flags(gen)
     add_dataclass_flags(gen, GenerationConfig, _GEN_FLAGS, group_title="generation")
+    add_structured_flags(gen)
     gen.set_defaults(func=_cmd_generate)
 
     lst = sub.add_parser("list", help="list supported architectures and built-in chat templates")
