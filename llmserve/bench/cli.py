@@ -88,6 +88,9 @@ def _add_serving_parser(kinds: argparse._SubParsersAction) -> None:
     load.add_argument("--request-rate", type=float, help="requests/s, Poisson arrivals (seeded by --seed)")
     sv.add_argument("--seed", type=int, default=0, help="of the workload and the arrival times")
     sv.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM's and our extra field)")
+    sv.add_argument("--structured", choices=["json-schema", "regex", "choice"],
+                    help="every request constrains its output: a JSON schema (response_format), a regex or a choice "
+                         "(vLLM's guided_regex / guided_choice); see bench/serving.py STRUCTURED")
     sv.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                     help="sent as a bearer token (default: $OPENAI_API_KEY)")
     sv.add_argument("--timeout", type=float, default=600.0, help="seconds to wait on a connect or read")
@@ -262,7 +265,7 @@ def _cmd_serving(args: argparse.Namespace) -> int:
     plan = serving.ServingPlan(base_url=args.base_url, model=model, endpoint=args.endpoint,
                                concurrency=args.concurrency, request_rate=args.request_rate,
                                ignore_eos=args.ignore_eos, api_key=args.api_key, seed=args.seed,
-                               timeout_s=args.timeout, sampling=knobs_from_args(args))
+                               timeout_s=args.timeout, sampling=knobs_from_args(args), structured=args.structured)
     result = asyncio.run(serving.run_serving(plan, serving.serving_requests(bench, tokenizer, args.endpoint)))
     if args.json:
         json.dump(result.as_dict(), sys.stdout, indent=2)

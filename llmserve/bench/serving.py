@@ -30,6 +30,21 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+# --structured: the constraint each request carries (the same for all, so the server compiles it once). The JSON
+# schema's free-text field and the regex let a request run to max_tokens like an unconstrained one, so output
+# tokens/s compare; a choice ends after a few tokens and measures the per-request cost instead.
+STRUCTURED: dict[str, dict[str, Any]] = {
+    "json-schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "record", "schema": {
+        "type": "object", "properties": {
+            "title": {"type": "string", "maxLength": 60},
+            "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 5},
+            "rating": {"enum": ["good", "average", "bad"]},
+            "summary": {"type": "string", "maxLength": 2000}},
+        "required": ["title", "year", "tags", "rating", "summary"], "additionalProperties": False}}}},
+    "regex": {"guided_regex": "[A-Z][A-Za-z0-9 ,.;'-]{0,2000}"},
+    "choice": {"guided_choice": ["positive", "negative", "neutral"]},
+}
 _ERROR_CHARS = 300  # of a failed response's body kept in the error message
 
 
@@ -52,6 +67,7 @@ class ServingPlan:
     seed: int = 0  # of the arrival times
     timeout_s: float = 600.0  # per connect/read, not per request
     sampling: SamplingKnobs = SamplingKnobs()  # greedy
+    structured: str | None = None  # a key of STRUCTURED: every request carries that constraint
 
     @property
     def url(self) -> str:
@@ -163,6 +179,7 @@ class ServingResult:
     tpot_ms: Summary | None
     itl_ms: Summary | None
     e2e_ms: Summary | None
+    structured: str | None = None  # the --structured constraint every request carried
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -187,7 +204,7 @@ def summarize_run(records: list[RequestRecord], duration_s: float, plan: Serving
         ttft_ms=summarize([r.ttft_s for r in ok if r.ttft_s is not None], 1000.0),
         tpot_ms=summarize([r.tpot_s for r in ok if r.tpot_s is not None], 1000.0),
         itl_ms=summarize([gap for r in ok for gap in r.itl_s], 1000.0),
-        e2e_ms=summarize([r.e2e_s for r in ok], 1000.0))
+        e2e_ms=summarize([r.e2e_s for r in ok], 1000.0), structured=plan.structured)
 
 
 # --- sending -------------------------------------------------------------------------------
@@ -202,6 +219,8 @@ def request_body(plan: ServingPlan, req: ServingRequest) -> dict[str, Any]:
         body["prompt"] = req.prompt
     if plan.ignore_eos:
         body["ignore_eos"] = True  # not OpenAI's: an extra field that vLLM, SGLang and we accept
+    if plan.structured is not None:
+        body.update(STRUCTURED[plan.structured])
     return body
 
 
@@ -327,7 +346,8 @@ def format_serving(r: ServingResult) -> str:
     load = (f"concurrency {r.concurrency}" if r.concurrency else "no concurrency limit") + ", " + (
         f"Poisson arrivals at {r.request_rate:g} req/s" if r.request_rate else "all requests ready at the start")
     lines = [
-        f"serving: {r.num_requests} requests to {r.model} ({ENDPOINTS[r.endpoint]}), {load}; {r.sampling}",
+        f"serving: {r.num_requests} requests to {r.model} ({ENDPOINTS[r.endpoint]}), {load}; {r.sampling}"
+        + (f"; every output constrained ({r.structured})" if r.structured else ""),
         f"completed {r.completed}, failed {r.failed} in {r.duration_s:.2f} s",
     ]
     if r.first_error:

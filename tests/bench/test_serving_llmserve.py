@@ -69,3 +69,14 @@ def test_bench_serving_against_llmserve(served: str, tiny_model_dir: Callable[[s
     assert (out["output_tokens"], out["output_tokens_source"]) == (32, "usage")
     assert out["prompt_tokens"] == sum(len(r.prompt_token_ids) for r in expected)
     assert out["ttft_ms"]["mean"] > 0 and out["tpot_ms"]["mean"] > 0 and out["itl_ms"]["mean"] > 0
+
+
+@pytest.mark.parametrize("structured", ["json-schema", "regex", "choice"])
+def test_bench_serving_structured(served: str, tiny_model_dir: Callable[[str], str], structured: str,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", "serving", "--base-url", served, "--tokenizer", tiny_model_dir("llama"), "--num-prompts", "3",
+               "--input-len", "20:30", "--output-len", "8", "--structured", structured, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["structured"] == structured
+    assert (out["completed"], out["failed"]) == (3, 0)
+    assert 3 <= out["output_tokens"] <= 24  # a choice ends early; the others may run to max_tokens

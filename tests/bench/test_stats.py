@@ -11,6 +11,7 @@ import pytest
 from llmserve.bench.latency import LatencySample, random_prompts, summarize_latency
 from llmserve.bench.sampling import SamplingKnobs
 from llmserve.bench.serving import (
+    STRUCTURED,
     RequestRecord,
     ServingPlan,
     ServingRequest,
@@ -135,6 +136,8 @@ def test_request_body_for_each_endpoint() -> None:
     assert {k: sampled[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty")} == {
         "temperature": 0.7, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1}
     assert "min_p" not in sampled  # knobs left at their neutral values are not sent
+    constrained = request_body(ServingPlan(base_url="http://h:1", model="m", structured="regex"), req)
+    assert constrained["guided_regex"] == STRUCTURED["regex"]["guided_regex"]
 
 
 def test_arrival_offsets_are_poisson_and_seeded() -> None:
