@@ -45,10 +45,19 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_engine_flags) -> None:
                     help="time each part of the engine's steps (schedule, inputs, linear, attention, LM head, "
                          "sampling, outputs) and print the split")
     add_sampling_flags(tp)
+    add_structured_flag(tp)
     add_engine_flags(tp)
     tp.set_defaults(func=_cmd_throughput)
     _add_latency_parser(kinds, add_engine_flags)
     _add_serving_parser(kinds)
+
+
+def add_structured_flag(parser: argparse.ArgumentParser) -> None:
+    from llmserve.bench.structured import KINDS
+
+    parser.add_argument("--structured", choices=KINDS,
+                        help="every request constrains its output: a JSON schema, a regex or a choice "
+                             "(llmserve/bench/structured.py)")
 
 
 def _add_latency_parser(kinds: argparse._SubParsersAction, add_engine_flags) -> None:
@@ -88,9 +97,7 @@ def _add_serving_parser(kinds: argparse._SubParsersAction) -> None:
     load.add_argument("--request-rate", type=float, help="requests/s, Poisson arrivals (seeded by --seed)")
     sv.add_argument("--seed", type=int, default=0, help="of the workload and the arrival times")
     sv.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM's and our extra field)")
-    sv.add_argument("--structured", choices=["json-schema", "regex", "choice"],
-                    help="every request constrains its output: a JSON schema (response_format), a regex or a choice "
-                         "(vLLM's guided_regex / guided_choice); see bench/serving.py STRUCTURED")
+    add_structured_flag(sv)
     sv.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                     help="sent as a bearer token (default: $OPENAI_API_KEY)")
     sv.add_argument("--timeout", type=float, default=600.0, help="seconds to wait on a connect or read")
@@ -110,6 +117,9 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     from llmserve.config import EngineConfig
 
     sampling = knobs_from_args(args)
+    if args.structured and args.baseline:
+        raise InvalidRequestError("--structured has no transformers baseline (its generate takes no grammar): run "
+                                  "the same workload without --structured for the unconstrained figure")
     with pipeline(args.model, backend_config=dataclass_from_args(EngineConfig, args), log_level=args.log_level) as pipe:
         engine = pipe.engine
         requests = _workload(args, pipe)
@@ -121,7 +131,7 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
 
             profile = instrument(engine)
         try:
-            results = [run_engine_throughput(engine, requests, args.ignore_eos, sampling)]
+            results = [run_engine_throughput(engine, requests, args.ignore_eos, sampling, args.structured)]
         finally:
             if profile is not None:
                 profile.restore()

@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from llmserve.bench import structured
 from llmserve.bench.datasets import BenchRequest
 from llmserve.bench.sampling import SamplingKnobs
 from llmserve.bench.stats import Summary, summarize
@@ -30,21 +31,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
-# --structured: the constraint each request carries (the same for all, so the server compiles it once). The JSON
-# schema's free-text field and the regex let a request run to max_tokens like an unconstrained one, so output
-# tokens/s compare; a choice ends after a few tokens and measures the per-request cost instead.
-STRUCTURED: dict[str, dict[str, Any]] = {
-    "json-schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "record", "schema": {
-        "type": "object", "properties": {
-            "title": {"type": "string", "maxLength": 60},
-            "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
-            "tags": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 5},
-            "rating": {"enum": ["good", "average", "bad"]},
-            "summary": {"type": "string", "maxLength": 2000}},
-        "required": ["title", "year", "tags", "rating", "summary"], "additionalProperties": False}}}},
-    "regex": {"guided_regex": "[A-Z][A-Za-z0-9 ,.;'-]{0,2000}"},
-    "choice": {"guided_choice": ["positive", "negative", "neutral"]},
-}
 _ERROR_CHARS = 300  # of a failed response's body kept in the error message
 
 
@@ -67,7 +53,7 @@ class ServingPlan:
     seed: int = 0  # of the arrival times
     timeout_s: float = 600.0  # per connect/read, not per request
     sampling: SamplingKnobs = SamplingKnobs()  # greedy
-    structured: str | None = None  # a key of STRUCTURED: every request carries that constraint
+    structured: str | None = None  # bench/structured.py KINDS: every request carries that constraint
 
     @property
     def url(self) -> str:
@@ -220,7 +206,7 @@ def request_body(plan: ServingPlan, req: ServingRequest) -> dict[str, Any]:
     if plan.ignore_eos:
         body["ignore_eos"] = True  # not OpenAI's: an extra field that vLLM, SGLang and we accept
     if plan.structured is not None:
-        body.update(STRUCTURED[plan.structured])
+        body.update(structured.request_fields(plan.structured))
     return body
 
 

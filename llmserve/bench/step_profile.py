@@ -13,6 +13,9 @@ forward) is counted there, not in the enclosing phase. The phases:
   embedding, norms, rotary, activation, residual adds;
 - LM head: logits of the sampled rows;
 - sampling: logits processors, choosing tokens, logprobs;
+- grammar: structured output's share: masking the logits of constrained rows, gathering their masks into
+  the step's bitmask, and advancing each constrained sequence's matcher by its new token (which fills the
+  next mask);
 - outputs: advancing the requests, detokenization, stop checks, building outputs;
 - rest of step: the engine's step outside all of the above (session expiry, speculative drafts).
 
@@ -34,12 +37,15 @@ from llmserve.attention.layer import Attention
 from llmserve.bench.throughput import synchronize
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.layers.linear import Linear
+from llmserve.sampling import batch as batch_module
+from llmserve.sampling import sampler as sampler_module
 from llmserve.sampling.sampler import Sampler
+from llmserve.structured.matcher import GrammarState
 
 # csrc/decoder_stack.cpp's timers, in its order, as phases here (None: its other ops, already other model ops)
 STACK_PHASES = ("linear", "decode attention", "attention", None)
 PHASES = ("schedule", "prepare inputs", "linear", "decode attention", "attention", "other model ops", "LM head",
-          "sampling", "outputs", "rest of step")
+          "sampling", "grammar", "outputs", "rest of step")
 
 
 class StepProfile:
@@ -136,6 +142,10 @@ def instrument(engine: LLMEngine) -> StepProfile:
     prof.wrap(model, "compute_logits", "LM head")
     runner.sampler = _TimedSampler(runner.sampler, prof)
     prof.wrap_module_function(native, "paged_decode", "decode attention")
+    prof.wrap_module_function(sampler_module, "apply_grammar_masks", "grammar")
+    prof.wrap_module_function(batch_module, "_grammar_masks", "grammar")
+    prof.wrap_module_function(GrammarState, "accept", "grammar")
+    prof.wrap_module_function(GrammarState, "masks_with_drafts", "grammar")
     for module in model.modules():
         if hasattr(module, "run_decoder_stack"):
             prof.wrap_decoder_stack(module)

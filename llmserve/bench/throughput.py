@@ -39,8 +39,13 @@ class ThroughputResult:
 
 
 def run_engine_throughput(engine: LLMEngine, requests: list[BenchRequest], ignore_eos: bool,
-                          sampling: SamplingKnobs = SamplingKnobs()) -> ThroughputResult:
+                          sampling: SamplingKnobs = SamplingKnobs(), structured: str | None = None) -> ThroughputResult:
+    """`structured`: a bench/structured.py kind every request is constrained by."""
     gen = sampling.generation_config(max_new_tokens=1, ignore_eos=ignore_eos)
+    if structured is not None:
+        from llmserve.bench.structured import response_format
+
+        gen = gen.replace(response_format=response_format(structured))
     for i, r in enumerate(requests):
         engine.add_request(f"bench-{i}", r.prompt_token_ids, gen.replace(max_new_tokens=r.output_len))
     hits_before = engine.kv.prefix_stats.hit_tokens, engine.kv.prefix_stats.queried_tokens

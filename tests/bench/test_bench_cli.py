@@ -107,13 +107,30 @@ def test_throughput_json_counts_the_workload_and_profiles_every_step(tiny_model_
     assert prof["steps"] >= 5  # at least one step per output token
     phases = prof["phases"]
     assert set(phases) == {"schedule", "prepare inputs", "linear", "decode attention", "attention", "other model ops",
-                           "LM head", "sampling", "outputs", "rest of step"}
+                           "LM head", "sampling", "grammar", "outputs", "rest of step"}
+    assert phases["grammar"]["share"] < 0.01  # no request was constrained: an empty check per step
     for name in ("schedule", "prepare inputs", "linear", "decode attention", "attention", "LM head", "sampling",
                  "outputs"):
         assert phases[name]["seconds"] > 0, name
     assert sum(p["share"] for p in phases.values()) == pytest.approx(1.0, abs=1e-5)
     # exclusive timing: the phases add up to the steps' wall time, which the run's elapsed time contains
     assert sum(p["seconds"] for p in phases.values()) <= r["elapsed_s"] + 1e-5
+
+
+def test_structured_throughput_profiles_the_grammar(tiny_model_dir: Callable[[str], str],
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", "throughput", tiny_model_dir("llama"), "--num-prompts", "4", "--input-len", "20:30",
+               "--output-len", "6", "--num-blocks", "64", "--dtype", "float32", "--structured", "regex",
+               "--profile-steps", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and 4 <= out["results"][0]["output_tokens"] <= 24
+    assert out["step_profile"]["phases"]["grammar"]["seconds"] > 0
+    from llmserve.structured.matcher import GrammarState
+
+    assert not hasattr(GrammarState.accept, "__wrapped__")  # the profiler's wrappers were taken off again
+    assert main(["bench", "throughput", tiny_model_dir("llama"), "--structured", "json-schema", "--baseline",
+                 "transformers"]) == 2
+    assert "--structured has no transformers baseline" in capsys.readouterr().err
 
 
 def test_throughput_of_a_weightless_shape_against_transformers(tiny_model_dir: Callable[[str], str], tmp_path,
@@ -263,7 +280,7 @@ def test_throughput_table_and_profile_text(tiny_model_dir: Callable[[str], str],
     assert lines[0].startswith("workload: 3 requests, ") and lines[2].split()[0] == "llmserve"
     split = lines.index(next(line for line in lines if line.startswith("step time split (")))
     assert [line.split()[0] for line in lines[split + 1:]] == ["schedule", "prepare", "linear", "decode", "attention",
-                                                               "other", "LM", "sampling", "outputs", "rest"]
+                                                               "other", "LM", "sampling", "grammar", "outputs", "rest"]
     assert not hasattr(native.paged_decode, "__wrapped__")  # the profiler's wrapper was taken off again
 
 

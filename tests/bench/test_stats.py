@@ -8,10 +8,10 @@ import random
 import numpy as np
 import pytest
 
+from llmserve.bench import structured
 from llmserve.bench.latency import LatencySample, random_prompts, summarize_latency
 from llmserve.bench.sampling import SamplingKnobs
 from llmserve.bench.serving import (
-    STRUCTURED,
     RequestRecord,
     ServingPlan,
     ServingRequest,
@@ -137,7 +137,7 @@ def test_request_body_for_each_endpoint() -> None:
         "temperature": 0.7, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1}
     assert "min_p" not in sampled  # knobs left at their neutral values are not sent
     constrained = request_body(ServingPlan(base_url="http://h:1", model="m", structured="regex"), req)
-    assert constrained["guided_regex"] == STRUCTURED["regex"]["guided_regex"]
+    assert constrained["guided_regex"] == structured.REGEX
 
 
 def test_arrival_offsets_are_poisson_and_seeded() -> None:
