@@ -37,6 +37,8 @@ class Response:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None  # per generated token: {token id: logprob}
     index: int = 0  # position of the prompt in the call's batch
+    # GenerationConfig.prompt_logprobs: per prompt token {token id: logprob, top-N...}; None for the first one
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def __str__(self) -> str:
         return self.text
@@ -263,10 +265,15 @@ def engine_session_id(session: Session, gen: GenerationConfig | None = None) -> 
 
 
 def _response(out: SequenceOutput, index: int, session_id: int) -> Response:
-    logprobs = [{lp.token_id: lp.logprob, **dict(lp.top)} for lp in out.new_logprobs]
+    logprobs = [_logprob_dict(lp) for lp in out.new_logprobs]
+    prompt = None if out.prompt_logprobs is None else [lp and _logprob_dict(lp) for lp in out.prompt_logprobs]
     return Response(text=out.new_text, generate_token_len=out.num_output_tokens, input_token_len=out.num_prompt_tokens,
                     session_id=session_id, finish_reason=out.finish_reason, token_ids=list(out.new_token_ids),
-                    logprobs=logprobs or None, index=index)
+                    logprobs=logprobs or None, index=index, prompt_logprobs=prompt)
+
+
+def _logprob_dict(lp: Any) -> dict[int, float]:
+    return {lp.token_id: lp.logprob, **dict(lp.top)}
 
 
 def _accumulate(acc: Response, delta: Response) -> None:
@@ -276,3 +283,4 @@ def _accumulate(acc: Response, delta: Response) -> None:
         acc.logprobs.extend(delta.logprobs)
     acc.generate_token_len = delta.generate_token_len
     acc.finish_reason = delta.finish_reason
+    acc.prompt_logprobs = acc.prompt_logprobs or delta.prompt_logprobs

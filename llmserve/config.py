@@ -62,6 +62,9 @@ class GenerationConfig:
     skip_special_tokens: bool = _f(True, "Leave special tokens out of the decoded text.")
     logprobs: int | None = _f(None, "Return the log-probabilities of the top-N tokens at each step "
                                     "(and of the sampled token).")
+    prompt_logprobs: int | None = _f(None, "Return the log-probability of each prompt token (and the top-N at each "
+                                           "position), from the same prefill (vLLM's name). The prompt is computed "
+                                           "in full, without prefix-cache or session reuse.")
     best_of: int | None = _f(None, "Sample best_of sequences and return the n with the highest cumulative "
                                    "log-probability (>= n; results come at the end, not streamed token by token).")
     use_beam_search: bool = _f(False, "Beam search instead of sampling (temperature, top-k/p and seeds are ignored).")
@@ -105,6 +108,9 @@ class GenerationConfig:
         _check_type(self.logprobs, (int,), "logprobs", optional=True)
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
                f"must be in [0, 20], got {self.logprobs}")
+        _check_type(self.prompt_logprobs, (int,), "prompt_logprobs", optional=True)
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+               f"must be in [0, 20], got {self.prompt_logprobs}")
         self.response_format = parse_response_format(self.response_format)
         self._check_best_of_and_beams()
         self.stop_words = _string_list(self.stop_words, "stop_words")
@@ -138,6 +144,7 @@ class GenerationConfig:
             _check(width >= 1, "beam_width", f"must be >= 1, got {width}")
             _check(width >= self.n, "beam_width", f"must be >= n ({self.n}) to return n beams, got {width}")
             _check(self.logprobs is None, "logprobs", "is not supported with beam search")
+            _check(self.prompt_logprobs is None, "prompt_logprobs", "is not supported with beam search")
             _check(self.response_format is None, "response_format",
                    "structured output is not supported with beam search; use sampling or greedy decoding")
 

@@ -48,7 +48,8 @@ def merge_outputs(parts: list[SequenceOutput]) -> SequenceOutput:
     return SequenceOutput(
         last.request_id, last.index, [t for p in parts for t in p.new_token_ids], "".join(p.new_text for p in parts),
         last.num_prompt_tokens, last.num_output_tokens, last.finished, last.finish_reason, last.stop_reason,
-        [lp for p in parts for lp in p.new_logprobs], last.times)
+        [lp for p in parts for lp in p.new_logprobs], last.times,
+        next((p.prompt_logprobs for p in parts if p.prompt_logprobs is not None), None))
 
 
 @dataclass

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 class _Tracked:
     request: Request
     detok: IncrementalDetokenizer
+    prompt_logprobs_sent: bool = False  # they go out with the sequence's first output
 
 
 # Session ids are keys the engine keeps while the session lives: bounded, like any client-chosen key.
@@ -100,6 +101,7 @@ class LLMEngine:
             return self._add_beam_search(request_id, prompt_token_ids, gen, params)
         # Compiled on this thread unless already cached (the async engine compiles on a worker thread first).
         compiled = self.grammars.compile(gen.response_format) if gen.response_format is not None else None
+        prompt_logprobs = [None] * len(prompt_token_ids) if gen.prompt_logprobs is not None else None
         num_seqs = gen.n
         if gen.best_of is not None and gen.best_of > gen.n:
             num_seqs = gen.best_of
@@ -116,7 +118,7 @@ class LLMEngine:
                 max_new_tokens=gen.max_new_tokens, max_total_tokens=self.session_len,
                 parent_id=request_id, index=i, generator=self._generator(seq_params),
                 prompt_source=seqs[0] if seqs else None,  # the prompt is computed once, then shared
-                session_id=session_id, grammar=self._grammar_state(compiled)))
+                session_id=session_id, grammar=self._grammar_state(compiled), prompt_logprobs=prompt_logprobs))
         for r in seqs:
             self.scheduler.add_request(r)  # first one may refuse (too big for the pool): nothing queued yet
             self._tracked[r.request_id] = _Tracked(r, IncrementalDetokenizer(
@@ -320,7 +322,10 @@ class LLMEngine:
             self._finish(t, reason)
         else:
             self.kv.cache_full_blocks(request)  # accepted drafts may have filled blocks
-        return self._output(t, new_ids, text, new_lp, reason, stop)
+        out = self._output(t, new_ids, text, new_lp, reason, stop)
+        if request.prompt_logprobs is not None and not t.prompt_logprobs_sent:
+            out.prompt_logprobs, t.prompt_logprobs_sent = request.prompt_logprobs, True
+        return out
 
     def _grammar_end(self, r: Request, token: int) -> tuple[str, int | None] | None:
         """Advance the sequence's grammar by `token`: ("stop", token) when the token is the EOS that ends it,
@@ -418,7 +423,8 @@ class LLMEngine:
             repetition_penalty=float(gen.repetition_penalty), presence_penalty=float(gen.presence_penalty),
             frequency_penalty=float(gen.frequency_penalty), logit_bias=gen.logit_bias,
             bad_words_ids=self._bad_words_ids(gen.bad_words or []), min_tokens=gen.min_new_tokens,
-            stop_token_ids=frozenset(stop_ids), seed=gen.random_seed, logprobs=gen.logprobs)
+            stop_token_ids=frozenset(stop_ids), seed=gen.random_seed, logprobs=gen.logprobs,
+            prompt_logprobs=gen.prompt_logprobs)
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
         # A word is produced either at the start of a text or after a space, and the two tokenize

@@ -38,6 +38,9 @@ class SequenceOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
     times: RequestTimes | None = None
+    # With the sequence's first output, when asked (GenerationConfig.prompt_logprobs): one entry per prompt token,
+    # the first None (nothing precedes it).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class IncrementalDetokenizer:

@@ -12,6 +12,7 @@ import torch
 from llmserve.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
+    from llmserve.sampling.logprobs import TokenLogprobs
     from llmserve.structured.matcher import GrammarState
 
 
@@ -55,8 +56,18 @@ class Request:
     generator: torch.Generator | None = None  # per-request sampling stream when seeded
     # Structured output: where the output stands in its grammar; it has accepted exactly output_token_ids.
     grammar: GrammarState | None = None
+    # sampling.prompt_logprobs set: entry p is prompt token p's logprob given tokens < p (entry 0 stays None),
+    # written by the runner as the prefill computes position p - 1. Shared by the n sequences of a request, which
+    # share the prompt; a recompute (preemption) writes the same values again.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     first_token_time: float | None = None
     first_scheduled_time: float | None = None
+
+    @property
+    def computing_prompt_logprobs(self) -> bool:
+        """Still in its first prefill with prompt logprobs to compute: it must compute every prompt position itself
+        (no prefix-cache or session reuse), since a position's logprob comes from computing the one before it."""
+        return self.prompt_logprobs is not None and self.num_output_tokens == 0
 
     @property
     def num_tokens(self) -> int:

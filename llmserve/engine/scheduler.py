@@ -170,7 +170,10 @@ class Scheduler:
         most block_size prompt tokens per sibling. If the first sibling is no longer running
         (finished or aborted; a preempted one is back ahead of it in the queue), it prefills normally.
         """
-        if self.sessions is not None and request.session_id is not None:
+        # Prompt logprobs come from computing each position: no reuse of a cached prefix or a session's KV (a
+        # sibling's fork is fine: its source computes the same prompt into the list they share).
+        own_prompt = request.computing_prompt_logprobs
+        if self.sessions is not None and request.session_id is not None and not own_prompt:
             reuse = self.sessions.reuse_for(request)
             if reuse is not None:
                 return _Start(reuse.block_ids, reuse.num_tokens, "session")
@@ -178,7 +181,7 @@ class Scheduler:
         num_shared = self.kv.num_shareable_blocks(request)
         bs = self.kv.block_size
         if source is None or num_shared == 0 or source.status != RequestStatus.RUNNING:
-            hits = self.kv.find_cached_prefix(request)
+            hits = [] if own_prompt else self.kv.find_cached_prefix(request)
             return _Start(hits, len(hits) * bs, "cache")
         if source.num_computed_tokens < num_shared * bs:
             return None  # the source is running, so it gets budget before any waiting request: the wait ends

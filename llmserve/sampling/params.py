@@ -23,6 +23,7 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = frozenset()  # EOS ids (unless ignore_eos) + user stop ids
     seed: int | None = None  # per-sequence generator seed
     logprobs: int | None = None  # top-N logprobs to return (0 => only the sampled token's)
+    prompt_logprobs: int | None = None  # top-N logprobs at each prompt position (0 => only the prompt token's)
     beam_width: int = 0  # > 0: a beam of a beam search; the engine chooses its tokens from `beam_logprobs`
 
     @property

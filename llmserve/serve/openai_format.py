@@ -54,17 +54,17 @@ class CompletionLogprobs:
         self.tt = tt
         self.offset = offset
 
-    def prompt(self, token_ids: list[int]) -> dict[str, Any]:
-        # Logprobs of prompt tokens would need prompt logprobs from the engine: null for now.
-        return self._shape([(t, None, None) for t in token_ids])
+    def prompt(self, token_ids: list[int], lps: list[TokenLogprobs | None]) -> dict[str, Any]:
+        """The echoed prompt's tokens: the first has no logprob (nothing precedes it), as in vLLM."""
+        return self._shape([(t, None, None) if lp is None else self._row(lp) for t, lp in zip(token_ids, lps)])
 
     def generated(self, lps: list[TokenLogprobs]) -> dict[str, Any]:
-        rows = []
-        for lp in lps:
-            top = {self.tt.text(t): v for t, v in lp.top}
-            top.setdefault(self.tt.text(lp.token_id), lp.logprob)
-            rows.append((lp.token_id, lp.logprob, top))
-        return self._shape(rows)
+        return self._shape([self._row(lp) for lp in lps])
+
+    def _row(self, lp: TokenLogprobs) -> tuple[int, float, dict[str, float]]:
+        top = {self.tt.text(t): v for t, v in lp.top}
+        top.setdefault(self.tt.text(lp.token_id), lp.logprob)
+        return lp.token_id, lp.logprob, top
 
     def _shape(self, rows: list[tuple[int, float | None, dict[str, float] | None]]) -> dict[str, Any]:
         out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -76,6 +76,20 @@ class CompletionLogprobs:
             out["text_offset"].append(self.offset)
             self.offset += len(text)
         return out
+
+
+def vllm_prompt_logprobs(tt: TokenText, lps: list[TokenLogprobs | None]) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}},
+    the prompt token and the top-N."""
+    out: list[dict[str, Any] | None] = []
+    for lp in lps:
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(t): {"logprob": v, "rank": i + 1, "decoded_token": tt.text(t)} for i, (t, v) in enumerate(lp.top)}
+        entry[str(lp.token_id)] = {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": tt.text(lp.token_id)}
+        out.append(entry)
+    return out
 
 
 def merge_completion_logprobs(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:

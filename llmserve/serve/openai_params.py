@@ -121,7 +121,9 @@ def chat_generation_config(model: ServedModel, req: ChatCompletionRequest, max_t
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise ApiError(400, f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got {logprobs}", param="top_logprobs")
-    return _generation_config(model, req, max_tokens, logprobs, {"logprobs": "top_logprobs"})
+    if req.prompt_logprobs is not None and req.stream:
+        raise ApiError(400, "prompt_logprobs: not available when streaming a chat completion", param="prompt_logprobs")
+    return _generation_config(model, req, max_tokens, logprobs, {"logprobs": "top_logprobs"}, req.prompt_logprobs)
 
 
 def completion_generation_config(model: ServedModel, req: CompletionRequest, max_tokens: int) -> GenerationConfig:
@@ -129,11 +131,14 @@ def completion_generation_config(model: ServedModel, req: CompletionRequest, max
         raise ApiError(400, "suffix: not supported", param="suffix")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise ApiError(400, f"logprobs: must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", param="logprobs")
-    return _generation_config(model, req, max_tokens, req.logprobs, {})
+    # echo with logprobs returns the prompt's too, as vLLM does (lm-eval's loglikelihood tasks read them)
+    echoed = req.logprobs if req.echo and req.logprobs is not None else None
+    wanted = [n for n in (echoed, req.prompt_logprobs) if n is not None]
+    return _generation_config(model, req, max_tokens, req.logprobs, {}, max(wanted) if wanted else None)
 
 
 def _generation_config(model: ServedModel, req: SamplingRequest, max_tokens: int, logprobs: int | None,
-                       names: dict[str, str]) -> GenerationConfig:
+                       names: dict[str, str], prompt_logprobs: int | None = None) -> GenerationConfig:
     _check_unsupported(req)
     changes: dict[str, Any] = {
         "n": req.n, "max_new_tokens": max_tokens, "min_new_tokens": req.min_tokens, "stop_words": req.stop,
@@ -143,7 +148,7 @@ def _generation_config(model: ServedModel, req: SamplingRequest, max_tokens: int
         "bad_words": req.bad_words, "include_stop_str_in_output": req.include_stop_str_in_output,
         "logprobs": logprobs, "best_of": req.best_of, "use_beam_search": req.use_beam_search,
         "length_penalty": req.length_penalty, "early_stopping": req.early_stopping,
-        "response_format": openai_structured_output(req),
+        "response_format": openai_structured_output(req), "prompt_logprobs": prompt_logprobs,
     }
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         if getattr(req, name) is not None:

@@ -11,6 +11,7 @@ together by the engine; choice i*n + j is sample j of prompt i (as vLLM numbers 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -20,6 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from llmserve.engine.output import SequenceOutput
+from llmserve.sampling.logprobs import TokenLogprobs
 from llmserve.serve.errors import ApiError, error_body
 from llmserve.serve.generation import EngineRequest, Primed, new_request_id, open_request
 from llmserve.serve.openai_format import (
@@ -28,6 +30,7 @@ from llmserve.serve.openai_format import (
     chat_logprobs,
     merge_completion_logprobs,
     usage,
+    vllm_prompt_logprobs,
 )
 from llmserve.serve.openai_params import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -94,14 +97,19 @@ class _ChatReply:
 
     async def collect(self, outputs: AsyncIterator[SequenceOutput]) -> dict[str, Any]:
         choices = [Choice(i) for i in range(self.req.gen.n)]
+        prompt_lps = None
         async with aclosing(outputs):
             async for out in outputs:
                 choices[out.index].add(out)
-        return {**self._envelope("chat.completion"), "choices": [
+                prompt_lps = prompt_lps or out.prompt_logprobs
+        reply = {**self._envelope("chat.completion"), "choices": [
             {"index": c.index, "message": {"role": "assistant", "content": c.text},
              "logprobs": chat_logprobs(self.model.token_text, c.logprobs) if self.body.logprobs else None,
              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices],
             "usage": usage(len(self.req.prompt_token_ids), sum(c.num_tokens for c in choices))}
+        if self.body.prompt_logprobs is not None:  # vLLM puts them beside the choices
+            reply["prompt_logprobs"] = vllm_prompt_logprobs(self.model.token_text, prompt_lps or [])
+        return reply
 
     async def stream(self, outputs: AsyncIterator[SequenceOutput]) -> AsyncIterator[str]:
         head = self._envelope("chat.completion.chunk")
@@ -139,6 +147,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     with state.admit() as permit:
         prompts = completion_prompts(model, body.prompt)
         max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+        prompt_only = max_tokens == 0 and body.echo  # the prompt (and its logprobs) only, as vLLM answers it
+        max_tokens = 1 if prompt_only else max_tokens
         for prompt in prompts:
             check_prompt_length(model, len(prompt.token_ids), max_tokens, "prompt")
         gen = completion_generation_config(model, body, max_tokens)
@@ -149,7 +159,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
                 for i, p in enumerate(prompts)]
         streams = await until_disconnected(request, _open_all(state, reqs))
         echoes = [p.echo(model.tokenizer) if body.echo else "" for p in prompts]
-        reply = _CompletionReply(model, rid, reqs, echoes, body)
+        reply = _CompletionReply(model, rid, reqs, echoes, body, prompt_only)
         merged = _Merged(streams)
         if body.stream:
             return SSEResponse(reply.stream(merged), on_close=permit.hand_over(), request_id=rid, source=merged)
@@ -194,18 +204,40 @@ class _Merged:
 
 
 class _CompletionReply:
+    """Choice i*n + j is sample j of prompt i. Echo puts the prompt before the text (and, with logprobs, the prompt
+    tokens' logprobs, which come with each choice's first output); `prompt_only` (max_tokens 0 with echo) answers
+    the prompt and its logprobs alone: the engine's one sampled token is dropped."""
+
     def __init__(self, model: ServedModel, rid: str, reqs: list[EngineRequest], echoes: list[str],
-                 body: CompletionRequest) -> None:
+                 body: CompletionRequest, prompt_only: bool = False) -> None:
         self.model, self.rid, self.reqs, self.body = model, rid, reqs, body
         self.n = body.n
+        self.prompt_only = prompt_only
         self.created = int(time.time())
         self.choices = [Choice(p * self.n + j, prefix=echoes[p]) for p in range(len(reqs)) for j in range(self.n)]
         self.offsets = [CompletionLogprobs(model.token_text, len(c.prefix)) for c in self.choices]
+        self.started: set[int] = set()  # choices whose first output (with the prompt's logprobs) has come
 
-    def _echo_logprobs(self, i: int) -> dict[str, Any] | None:
-        if not (self.body.echo and self.body.logprobs is not None):
-            return None
-        return CompletionLogprobs(self.model.token_text).prompt(self.reqs[i // self.n].prompt_token_ids)
+    def _prompt_fields(self, i: int, out: SequenceOutput) -> dict[str, Any]:
+        """What a choice says about its prompt, from its first output: the echoed prompt's logprobs, and vLLM's
+        `prompt_logprobs` when asked."""
+        fields: dict[str, Any] = {}
+        lps = out.prompt_logprobs or [None] * out.num_prompt_tokens
+        if self.body.echo and self.body.logprobs is not None:
+            lps_top = [lp if lp is None else _top(lp, self.body.logprobs) for lp in lps]
+            fields["logprobs"] = CompletionLogprobs(self.model.token_text).prompt(
+                self.reqs[i // self.n].prompt_token_ids, lps_top)
+        if self.body.prompt_logprobs is not None:
+            fields["prompt_logprobs"] = vllm_prompt_logprobs(
+                self.model.token_text, [lp if lp is None else _top(lp, self.body.prompt_logprobs) for lp in lps])
+        return fields
+
+    def _generated(self, out: SequenceOutput) -> SequenceOutput:
+        """The output as the client sees it: without the sampled token when only the prompt was asked for."""
+        if not self.prompt_only:
+            return out
+        return dataclasses.replace(out, new_token_ids=[], new_text="", num_output_tokens=0, new_logprobs=[],
+                                   finish_reason="length" if out.finished else None, stop_reason=None)
 
     def _envelope(self) -> dict[str, Any]:
         return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model.name}
@@ -214,27 +246,38 @@ class _CompletionReply:
         return usage(sum(len(r.prompt_token_ids) for r in self.reqs), sum(c.num_tokens for c in self.choices))
 
     async def collect(self, merged: AsyncIterator[tuple[int, SequenceOutput]]) -> dict[str, Any]:
-        lps: list[dict[str, Any] | None] = [self._echo_logprobs(c.index) for c in self.choices]
+        lps: list[dict[str, Any] | None] = [None] * len(self.choices)
+        prompt_info: list[dict[str, Any]] = [{} for _ in self.choices]
         async with aclosing(merged):
-            async for p, out in merged:
-                i = p * self.n + out.index
+            async for p, raw in merged:
+                i = p * self.n + raw.index
+                if i not in self.started:
+                    self.started.add(i)
+                    prompt_info[i] = self._prompt_fields(i, raw)
+                    lps[i] = prompt_info[i].pop("logprobs", None)
+                out = self._generated(raw)
                 self.choices[i].add(out)
                 if self.body.logprobs is not None:
                     lps[i] = merge_completion_logprobs(lps[i], self.offsets[i].generated(out.new_logprobs))
         return {**self._envelope(), "choices": [
             {"index": c.index, "text": c.prefix + c.text, "logprobs": lp, "finish_reason": c.finish_reason,
-             "stop_reason": c.stop_reason} for c, lp in zip(self.choices, lps)], "usage": self._usage()}
+             "stop_reason": c.stop_reason, **info} for c, lp, info in zip(self.choices, lps, prompt_info)],
+            "usage": self._usage()}
 
     async def stream(self, merged: AsyncIterator[tuple[int, SequenceOutput]]) -> AsyncIterator[str]:
         head = self._envelope()
         include_usage = self.body.stream_options is not None and self.body.stream_options.include_usage
-        for c in self.choices if self.body.echo else []:
-            yield sse_event({**head, "choices": [{"index": c.index, "text": c.prefix, "finish_reason": None,
-                                                  "logprobs": self._echo_logprobs(c.index)}]})
         try:
             async with aclosing(merged):
-                async for p, out in merged:
-                    i = p * self.n + out.index
+                async for p, raw in merged:
+                    i = p * self.n + raw.index
+                    if i not in self.started:  # the echo (and the prompt's logprobs) first
+                        self.started.add(i)
+                        info = self._prompt_fields(i, raw)
+                        if self.body.echo or info:
+                            yield sse_event({**head, "choices": [{"index": i, "text": self.choices[i].prefix,
+                                                                  "finish_reason": None, "logprobs": None, **info}]})
+                    out = self._generated(raw)
                     self.choices[i].num_tokens = out.num_output_tokens
                     if not (out.new_text or out.finished or (out.new_logprobs and self.body.logprobs is not None)):
                         continue
@@ -249,3 +292,6 @@ class _CompletionReply:
             yield sse_event({**head, "choices": [], "usage": self._usage()})
         yield DONE
 
+
+def _top(lp: TokenLogprobs, n: int) -> TokenLogprobs:
+    return lp if len(lp.top) <= n else dataclasses.replace(lp, top=lp.top[:n])

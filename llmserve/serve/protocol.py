@@ -104,6 +104,7 @@ class SamplingRequest(_Body):
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs (and top-N), in the response
 
 
 class ContentPart(_Body):

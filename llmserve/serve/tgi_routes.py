@@ -13,9 +13,10 @@ TGI's semantics, not ours, where they differ:
   `generated_tokens`;
 - `grammar` (`{"type": "json" | "regex" | "json_schema", "value": ...}`) constrains the output
   (structured_params.py);
-- `decoder_input_details` lists the prompt tokens with `logprob: null` (prompt logprobs are not
-  computed yet); `typical_p` (other than 1), `watermark`, `best_of` > 1, `adapter_id` and any
-  parameter TGI does not document are refused with 400.
+- `decoder_input_details` lists the prompt tokens with their logprobs (the first one null), computed in
+  the same prefill (the prompt is then computed in full: no prefix-cache reuse);
+- `typical_p` (other than 1), `watermark`, `best_of` > 1, `adapter_id` and any parameter TGI does not
+  document are refused with 400.
 """
 
 from __future__ import annotations
@@ -126,7 +127,8 @@ def _job(model: ServedModel, body: TgiRequest, stream: bool) -> _Job:
             top_k=p.top_k or 0, top_p=1.0 if p.top_p is None else p.top_p,
             repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
             frequency_penalty=p.frequency_penalty or 0.0, stop_words=p.stop or None, include_stop_str_in_output=True,
-            random_seed=seed, logprobs=p.top_n_tokens or 0, response_format=tgi_structured_output(p.grammar))
+            random_seed=seed, logprobs=p.top_n_tokens or 0, response_format=tgi_structured_output(p.grammar),
+            prompt_logprobs=0 if p.decoder_input_details and p.details else None)
     except InvalidRequestError as e:
         raise ApiError.from_invalid(e, PARAM_NAMES) from None
     return _Job(EngineRequest(new_request_id("generate"), ids, gen, PARAM_NAMES), p, seed)
@@ -167,11 +169,13 @@ class _TgiReply:
         self.top_tokens: list[list[dict[str, Any]]] = []
         self.text = ""
         self.last: SequenceOutput | None = None
+        self.prompt_logprobs: list | None = None  # with the first output, when decoder_input_details asked
 
     def _add(self, out: SequenceOutput) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
         """Record one output; its tokens as (token, top tokens) pairs (the EOS one made up)."""
         self.text += out.new_text
         self.last = out
+        self.prompt_logprobs = self.prompt_logprobs or out.prompt_logprobs
         new = []
         for i, (tid, lp) in enumerate(zip(out.new_token_ids, out.new_logprobs or [None] * len(out.new_token_ids))):
             text = out.new_text if i == len(out.new_token_ids) - 1 else ""
@@ -206,7 +210,9 @@ class _TgiReply:
         answer: dict[str, Any] = {"generated_text": self.prefix + self.text}
         details = self._details()  # raises for an aborted request
         if p.details:
-            prefill = [{"id": t, "text": self.tt.text(t), "logprob": None} for t in self.job.req.prompt_token_ids]
+            lps = self.prompt_logprobs or [None] * len(self.job.req.prompt_token_ids)
+            prefill = [{"id": t, "text": self.tt.text(t), "logprob": lp.logprob if lp is not None else None}
+                       for t, lp in zip(self.job.req.prompt_token_ids, lps)]
             answer["details"] = {**details, "prefill": prefill if p.decoder_input_details else [],
                                  "tokens": self.tokens, "top_tokens": self.top_tokens if p.top_n_tokens else None,
                                  "best_of_sequences": None}

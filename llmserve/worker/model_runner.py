@@ -19,6 +19,7 @@ from llmserve.attention.metadata import Workspace
 from llmserve.engine.request import Request
 from llmserve.engine.scheduler import ScheduledRequest
 from llmserve.models.loader import LoadedModel
+from llmserve.sampling.logprobs import logprobs_of_logits
 from llmserve.sampling.sampler import Sampler, SamplerOutput, SamplingBatch, SequenceState
 from llmserve.worker.cpu_tuning import configure_cpu, use_onednn
 
@@ -105,7 +106,7 @@ class ModelRunner:
             r, start = s.request, s.request.num_computed_tokens
             num_real = s.num_new_tokens - len(s.draft_token_ids)
             spans.append(Span(r.token_ids[start:start + num_real] + list(s.draft_token_ids), start, table,
-                              1 + len(s.draft_token_ids) if s.samples else 0))
+                              1 + len(s.draft_token_ids) if s.samples else 0, _prompt_logprobs(r, start, num_real)))
             if s.samples:
                 masks = r.grammar.masks_with_drafts(s.draft_token_ids) if r.grammar is not None else None
                 for i in range(len(s.draft_token_ids) + 1):
@@ -152,15 +153,43 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, meta)
+        self._prompt_logprobs(hidden, spans)
         if not logit_rows:
             return None
         return self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, spans: list[Span]) -> None:
+        """Fill the prompt logprobs the spans ask for, from the step's hidden states: the LM head and logprobs over
+        PROMPT_LOGPROB_ROWS rows at a time, so a long prefill chunk never holds its [tokens, V] logits at once."""
+        offset = 0
+        for span in spans:
+            task = span.prompt_logprobs
+            if task is not None:
+                for lo in range(0, len(task.rows), PROMPT_LOGPROB_ROWS):
+                    rows = task.rows[lo:lo + PROMPT_LOGPROB_ROWS]
+                    index = torch.tensor([offset + i for i in rows], device=self.device)
+                    logits = self.model.compute_logits(hidden[index]).float()
+                    targets = torch.tensor(task.targets[lo:lo + PROMPT_LOGPROB_ROWS], device=self.device)
+                    for pos, lp in zip(rows, logprobs_of_logits(logits, targets, [task.num_top] * len(rows))):
+                        task.sink[span.start + pos + 1] = lp
+            offset += len(span.token_ids)
 
     def _graph_step(self, spans: list[Span]) -> bool:
         """Whether a captured graph runs this step: decodes only (one token, its logits), within the sizes."""
         assert self.graphs is not None
         return (bool(spans) and all(len(s.token_ids) == 1 and s.num_logits == 1 for s in spans)
                 and self.graphs.fits(len(spans), max(len(s.block_table) for s in spans)))
+
+
+@dataclass(frozen=True)
+class PromptLogprobTask:
+    """Prompt logprobs a span computes: at each of `rows` (offsets in the span), the logprob of the next prompt
+    token (`targets`), written to sink[start + row + 1]."""
+
+    rows: list[int]
+    targets: list[int]
+    num_top: int
+    sink: list  # Request.prompt_logprobs
 
 
 @dataclass(frozen=True)
@@ -171,7 +200,23 @@ class Span:
     start: int
     block_table: list[int]
     num_logits: int
+    prompt_logprobs: PromptLogprobTask | None = None
 
+
+# Rows of prompt logprobs computed together: [256, V] fp32 logits is 50 MB at a 49k vocabulary.
+PROMPT_LOGPROB_ROWS = 256
+
+
+def _prompt_logprobs(r: Request, start: int, num_real: int) -> PromptLogprobTask | None:
+    """The prompt positions this step computes whose next token is a prompt token (the last prompt position's
+    logits are the first sampled token's)."""
+    if r.prompt_logprobs is None:
+        return None
+    end = min(start + num_real, r.num_prompt_tokens - 1)
+    if end <= start:
+        return None
+    return PromptLogprobTask(list(range(end - start)), r.token_ids[start + 1:end + 1], r.sampling.prompt_logprobs or 0,
+                             r.prompt_logprobs)
 
 def _sequence_state(r: Request, drafts: tuple[int, ...] = (), token_mask: torch.Tensor | None = None) -> SequenceState:
     # A draft row sees the drafts before it as generated (penalties, bans and min_tokens count them), and its

@@ -39,7 +39,7 @@ EXTRAS = {
     "use_beam_search": True, "length_penalty": 0.5, "early_stopping": True, "session_id": "table-test",
     "response_format": {"type": "json_object"}, "guided_json": {"type": "object"}, "guided_regex": "[a-z]+",
     "guided_choice": ["yes", "no"], "guided_grammar": 'root ::= "yes"', "structured_outputs": {"regex": "[a-z]+"},
-    "guided_decoding_backend": "outlines", "guided_whitespace_pattern": " *",
+    "prompt_logprobs": 1, "guided_decoding_backend": "outlines", "guided_whitespace_pattern": " *",
 }
 TGI = {
     "inputs": "The capital of France is", "stream": True, "do_sample": True, "max_new_tokens": 3, "temperature": 0.5,

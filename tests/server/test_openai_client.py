@@ -126,8 +126,8 @@ def test_completions_echo_and_logprobs(client: openai.OpenAI, tiny: EngineHandle
     lp = choice.logprobs
     n_prompt = len(tiny.tokenizer.encode(prompt))
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n_prompt + 4
-    assert lp.token_logprobs[:n_prompt] == [None] * n_prompt  # prompt logprobs are not computed
-    assert all(isinstance(v, float) for v in lp.token_logprobs[n_prompt:])
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing precedes the first token
+    assert all(isinstance(v, float) for v in lp.token_logprobs[1:])  # the prompt's (tests/server/test_prompt_logprobs.py)
     # Top entries hold the 2 most likely tokens plus the sampled one (here the same: greedy).
     assert all(len(top) == 2 for top in lp.top_logprobs[n_prompt:])
     offsets = [len(prompt)] + [len(prompt) + sum(len(t) for t in lp.tokens[n_prompt:n_prompt + i]) for i in (1, 2, 3)]

@@ -27,7 +27,7 @@ def test_generate_details_count_tokens_and_list_the_prompt(client: Client, tiny:
     assert d.seed is None  # greedy (do_sample false, no sampling knob)
     assert r.generated_text == "".join(t.text for t in d.tokens)
     assert [t.id for t in d.prefill] == tiny.tokenizer.encode(PROMPT)
-    assert all(t.logprob is None for t in d.prefill)  # prompt logprobs are not computed
+    assert d.prefill[0].logprob is None and all(t.logprob < 0 for t in d.prefill[1:])  # the prompt's logprobs
     assert all(t.logprob is not None and t.logprob <= 0 and not t.special for t in d.tokens)
     # Greedy is the same through the OpenAI route.
     body = {"prompt": tiny.tokenizer.encode(PROMPT), "max_tokens": 7, "temperature": 0, "ignore_eos": True}
