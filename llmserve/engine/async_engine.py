@@ -99,6 +99,9 @@ class EngineStats:
     session_blocks: int = 0  # KV blocks they hold (idle sessions; a running turn's are its own)
     session_hit_tokens: int = 0  # prompt tokens served from sessions, since start
     sessions_evicted: int = 0  # sessions evicted (count bound, TTL or memory), since start
+    grammars_compiled: int = 0  # structured output: distinct grammars compiled, since start
+    grammar_cache_hits: int = 0  # requests whose grammar was already compiled
+    grammar_compile_seconds: float = 0.0  # total compile time
 
 
 class AsyncEngine:
@@ -259,9 +262,11 @@ class AsyncEngine:
     def _read_stats(self) -> EngineStats:
         sched, kv, spec = self.engine.scheduler, self.engine.kv, self.engine.spec_stats
         sessions = self.engine.sessions.stats()
+        grammars = self.engine.grammars.stats
         return EngineStats(len(sched.running), len(sched.waiting), kv.num_blocks,
                            kv.num_blocks - kv.num_free_blocks, kv.prefix_stats.hit_rate, self._num_steps,
                            kv.prefix_stats.queried_tokens, kv.prefix_stats.hit_tokens, spec.num_draft_tokens,
                            spec.num_accepted_tokens, spec.num_drafts, spec.num_emitted_tokens,
                            sched.num_prefill_tokens, sessions.num_sessions, sessions.num_blocks,
-                           sessions.hit_tokens, sessions.num_evicted)
+                           sessions.hit_tokens, sessions.num_evicted, grammars.compiled, grammars.cache_hits,
+                           grammars.seconds)

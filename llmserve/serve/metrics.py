@@ -137,5 +137,10 @@ class _EngineGauges(Collector):
                 ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_accepted_tokens),
                 ("spec_decode_num_drafts", "Request-steps that verified draft tokens.", s.spec_verify_steps),
                 ("spec_decode_num_emitted_tokens", "Tokens emitted by verify steps (accepted + 1 each).",
-                 s.spec_emitted_tokens)):
+                 s.spec_emitted_tokens),
+                ("structured_output_grammars_compiled", "Distinct grammars (schemas, regexes, ...) compiled.",
+                 s.grammars_compiled),
+                ("structured_output_grammar_cache_hits", "Structured requests whose grammar was already compiled.",
+                 s.grammar_cache_hits),
+                ("structured_output_compile_seconds", "Time spent compiling grammars.", s.grammar_compile_seconds)):
             yield CounterMetricFamily(f"llmserve:{name}", doc, value=float(value))

@@ -174,6 +174,10 @@ def test_32_concurrent_mixed_with_unconstrained(smol: tuple[EngineHandle, Runnin
         jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS[name][0])
     assert [r.choices[0].message.content for r in plain[:4]] == [r.choices[0].message.content for r in alone]
     assert smol[1].kv()["in_use"] == 0
+    # each schema compiled once (the module's earlier tests compiled them first), every later request a hit
+    assert 0 < smol[1].metric("llmserve:structured_output_grammars_compiled_total") < 20
+    assert smol[1].metric("llmserve:structured_output_grammar_cache_hits_total") >= 16
+    assert smol[1].metric("llmserve:structured_output_compile_seconds_total") > 0
 
 
 def test_tgi_grammar_with_its_client(smol: tuple[EngineHandle, RunningServer]) -> None:
