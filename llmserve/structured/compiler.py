@@ -117,9 +117,9 @@ class GrammarCompiler:
         compiler = self._xgr_compiler()
         try:
             if spec.kind == "json":
-                if not spec.source:
-                    return compiler.compile_builtin_json_grammar()
-                return compiler.compile_json_schema(spec.source, any_whitespace=spec.any_whitespace)
+                # json_object means an object (xgrammar's builtin JSON grammar also takes arrays: `[false]`)
+                schema = spec.source or '{"type": "object"}'
+                return compiler.compile_json_schema(schema, any_whitespace=spec.any_whitespace)
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.source)
             if spec.kind == "choice":

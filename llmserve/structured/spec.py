@@ -25,7 +25,7 @@ KINDS = ("json", "regex", "choice", "grammar", "structural_tag")
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """kind "json": `source` is a JSON schema (canonical JSON text), or "" for any JSON object
+    """kind "json": `source` is a JSON schema (JSON text), or "" for any JSON object
     (OpenAI's json_object). "regex": a regular expression the whole output matches. "choice": a JSON
     list of the allowed strings. "grammar": an EBNF grammar (xgrammar's / GBNF syntax, root rule
     `root`). "structural_tag": xgrammar's structural tag (JSON), e.g. tool calls inside free text.

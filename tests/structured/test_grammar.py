@@ -121,3 +121,9 @@ def test_drafts_cut_and_masks_equal_step_by_step(compiler):
     for t in good:
         assert state.accept(t)
     assert state.finished
+
+
+def test_json_object_means_an_object(compiler):
+    tok = tiny_tokenizer()
+    state = GrammarState(compiler.compile(spec.any_json("response_format")), [EOS], VOCAB_SIZE)
+    assert not any(state.allows(t) for t in tok.encode("[")) and state.allows(tok.encode("{")[0])
