@@ -56,7 +56,7 @@ NEEDS = {"top_logprobs": {"logprobs": True}, "stream_options": {"stream": True}}
 def table(title: str) -> dict[str, str]:
     """field -> status of the table under the heading that starts with `title`."""
     text = DOC.read_text()
-    section = text.split("\n## " + title, 1)[1].split("\n## ", 1)[0]
+    section = text.split("\n### " + title, 1)[1].split("\n##", 1)[0]
     return {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \| (honoured|refused|no effect) \|", section,
                                                         re.MULTILINE)}
 
