@@ -1,7 +1,21 @@
-"""Chat templates: the tokenizer's own jinja template, or a named built-in one, or a user's string."""
+"""Chat templates: the tokenizer's own jinja template, or a named built-in one, or a user's string.
+
+Tool calling (OpenAI's shapes): `tools` reach the template as `apply_chat_template(tools=...)`; assistant
+messages may carry `tool_calls` (content then null or empty) and `role: "tool"` messages the results
+(`tool_call_id`, string content). Templates expect a call's `function.arguments` as a dict, while OpenAI sends a
+JSON string: it is parsed here, as vLLM does (a string that is not a JSON object is the client's error here,
+where vLLM quietly sends `{}`). Mistral's templates refuse ids that are not 9 characters: ids are cut to their
+last 9, as vLLM does for Mistral.
+
+A template that never reads `tools` (plain ChatML, the built-ins) would drop them without a word, as vLLM lets
+happen. Here such a conversation is written in the Hermes/Qwen2.5 format instead, which the `hermes` parser
+(chosen for such templates) reads back: the tools described in the system message, past calls as
+`<tool_call>` blocks in the assistant's text, results as `<tool_response>` blocks in a user turn.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -9,6 +23,7 @@ from transformers import PreTrainedTokenizerBase
 
 from llmserve.config import ChatTemplateConfig
 from llmserve.errors import InvalidRequestError
+from llmserve.tools.registry import detect_tool_parser, template_supports_tools
 
 Messages = list[dict[str, Any]]
 
@@ -44,13 +59,22 @@ class ChatTemplate:
         self.tokenizer = tokenizer
         self.meta_instruction = config.meta_instruction
         self.template = _pick_template(tokenizer, config)
+        self.supports_tools = template_supports_tools(self.template)
+        self._short_ids = detect_tool_parser(self.template) == "mistral"
 
-    def messages_to_prompt(self, messages: Messages) -> str:
+    def messages_to_prompt(self, messages: Messages, tools: list[dict[str, Any]] | None = None) -> str:
+        """`tools`: OpenAI function tools ({"type": "function", "function": {...}}), already checked (see
+        llmserve.tools.parse_tool_request); None or empty for none."""
         _check_messages(messages)
+        messages = [_template_message(m, i, self._short_ids) for i, m in enumerate(messages)]
         if self.meta_instruction and messages[0].get("role") != "system":
             messages = [{"role": "system", "content": self.meta_instruction}, *messages]
+        if not self.supports_tools:
+            messages = _hermes_conversation(messages, tools)
+            tools = None
         try:
-            return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
+            return self.tokenizer.apply_chat_template(messages, tools=tools or None, chat_template=self.template,
+                                                      tokenize=False,
                                                       add_generation_prompt=messages[-1]["role"] != "assistant")
         except Exception as e:  # jinja raises for messages the template refuses (e.g. role order)
             raise InvalidRequestError(f"the chat template could not format these messages: {e}",
@@ -76,9 +100,94 @@ def _check_messages(messages: Any) -> None:
         raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} objects",
                                   param="messages")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise InvalidRequestError(f"messages[{i}] must be an object with string 'role' and 'content', "
                                       f"got {m!r}", param="messages")
         if m["role"] not in ("system", "user", "assistant", "tool"):
             raise InvalidRequestError(f"messages[{i}].role must be system, user, assistant or tool, "
                                       f"got {m['role']!r}", param="messages")
+        calls = m.get("tool_calls") if m["role"] == "assistant" else None
+        if not isinstance(m.get("content"), str) and not (calls and m.get("content") is None):
+            raise InvalidRequestError(f"messages[{i}].content must be a string (it may be null only beside "
+                                      f"tool_calls), got {m.get('content')!r}", param="messages")
+        if m["role"] == "tool" and not isinstance(m.get("tool_call_id", ""), str):
+            raise InvalidRequestError(f"messages[{i}].tool_call_id must be a string", param="messages")
+
+
+def _template_message(m: dict[str, Any], i: int, short_ids: bool) -> dict[str, Any]:
+    """A copy in the shape templates expect: tool_calls with dict arguments (or no tool_calls key at all: Llama's
+    template tests `'tool_calls' in message`), content "" for null."""
+    m = dict(m)
+    if m["role"] == "tool" and short_ids and "tool_call_id" in m:
+        m["tool_call_id"] = m["tool_call_id"][-9:]
+    if m["role"] != "assistant" or "tool_calls" not in m:
+        return m
+    calls = m.pop("tool_calls")
+    if calls is None or calls == []:
+        return m
+    if not isinstance(calls, list):
+        raise InvalidRequestError(f"messages[{i}].tool_calls must be a list", param="messages")
+    m["tool_calls"] = [_template_call(c, f"messages[{i}].tool_calls[{j}]", short_ids) for j, c in enumerate(calls)]
+    if m.get("content") is None:
+        m["content"] = ""
+    return m
+
+
+def _template_call(call: Any, where: str, short_ids: bool) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if (not isinstance(function, dict) or call.get("type", "function") != "function"
+            or not isinstance(function.get("name"), str)):
+        raise InvalidRequestError(f'{where} must be {{"id": ..., "type": "function", "function": {{"name": ..., '
+                                  f'"arguments": "<JSON object>"}}}}, got {call!r}', param="messages")
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"{where}.function.arguments: not valid JSON: {e}", param="messages") from None
+    elif arguments is None:
+        arguments = {}
+    if not isinstance(arguments, dict):
+        raise InvalidRequestError(f"{where}.function.arguments: must encode a JSON object, got {arguments!r}",
+                                  param="messages")
+    out = {**call, "type": "function", "function": {**function, "arguments": arguments}}
+    if short_ids and isinstance(call.get("id"), str):
+        out["id"] = call["id"][-9:]
+    return out
+
+
+HERMES_TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}}\n</tool_call>"
+)
+
+
+def _hermes_conversation(messages: Messages, tools: list[dict[str, Any]] | None) -> Messages:
+    """For a template without tool support: tools, calls and results written into plain role/content messages."""
+    out: Messages = []
+    if tools:
+        preamble = HERMES_TOOLS_PREAMBLE.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        if messages[0]["role"] == "system":
+            first, messages = messages[0], messages[1:]
+            out.append({**first, "content": first["content"] + "\n\n" + preamble})
+        else:
+            out.append({"role": "system", "content": preamble})
+    for m in messages:
+        if m["role"] == "tool":
+            response = f"<tool_response>\n{m['content']}\n</tool_response>"
+            if out and out[-1].get("_tool_results"):  # consecutive results share one user turn, as in Qwen's
+                out[-1]["content"] += "\n" + response
+            else:
+                out.append({"role": "user", "content": response, "_tool_results": True})
+        elif m.get("tool_calls"):
+            blocks = [f'<tool_call>\n{{"name": {json.dumps(c["function"]["name"])}, "arguments": '
+                      f'{json.dumps(c["function"]["arguments"], ensure_ascii=False)}}}\n</tool_call>'
+                      for c in m["tool_calls"]]
+            text = "\n".join(([m["content"]] if m["content"] else []) + blocks)
+            out.append({k: v for k, v in m.items() if k != "tool_calls"} | {"content": text})
+        else:
+            out.append(m)
+    return [{k: v for k, v in m.items() if k != "_tool_results"} for m in out]
