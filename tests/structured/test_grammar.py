@@ -127,3 +127,24 @@ def test_json_object_means_an_object(compiler):
     tok = tiny_tokenizer()
     state = GrammarState(compiler.compile(spec.any_json("response_format")), [EOS], VOCAB_SIZE)
     assert not any(state.allows(t) for t in tok.encode("[")) and state.allows(tok.encode("{")[0])
+
+
+def test_length_bounded_strings_are_valid_json(compiler):
+    """xgrammar 0.2.8 lets such strings hold raw control characters (invalid JSON); the compiler patches it."""
+    import json
+
+    import jsonschema
+
+    tok = tiny_tokenizer()
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 8},
+                                               "t": {"type": "string", "minLength": 1, "maxLength": 3}},
+              "required": ["s", "t"], "additionalProperties": False}
+    compiled = compiler.compile(spec.json_schema(schema, "response_format", any_whitespace=False))
+    rng = random.Random(3)
+    for _ in range(30):
+        text = tok.decode(walk(GrammarState(compiled, [EOS], VOCAB_SIZE), rng, limit=400))
+        value = json.loads(text)
+        # A random walk over byte tokens can spell a UTF-8-encoded surrogate (ED A5 BB), one character to xgrammar
+        # and three replacement characters to Python: only such outputs may look longer than maxLength.
+        if "\ufffd" not in text:
+            jsonschema.validate(value, schema)
