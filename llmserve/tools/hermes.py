@@ -23,6 +23,7 @@ from llmserve.tools.parser import (
     Scanner,
     Step,
     ToolParser,
+    arguments_format,
     call_from_object,
     content_up_to,
     load_json,
@@ -75,4 +76,4 @@ class HermesParser(ToolParser):
     def call_tag(self, tool: Tool, schema: dict[str, Any]) -> dict[str, Any]:
         # Exactly what Qwen2.5's template writes for a call in the conversation.
         return {"type": "tag", "begin": f'{START}\n{{"name": {json.dumps(tool.name)}, "arguments": ',
-                "content": {"type": "json_schema", "json_schema": schema}, "end": f"}}\n{END}"}
+                "content": arguments_format(schema), "end": f"}}\n{END}"}

@@ -19,6 +19,7 @@ from llmserve.tools.parser import (
     Scanner,
     Step,
     ToolParser,
+    arguments_format,
     call_from_object,
     load_json,
     skip_ws,
@@ -82,4 +83,4 @@ class Llama3JsonParser(ToolParser):
     def call_tag(self, tool: Tool, schema: dict[str, Any]) -> dict[str, Any]:
         # As Meta's template writes a call in the conversation: {"name": "f", "parameters": {...}}.
         return {"type": "tag", "begin": f'{{"name": {json.dumps(tool.name)}, "parameters": ',
-                "content": {"type": "json_schema", "json_schema": schema}, "end": "}"}
+                "content": arguments_format(schema), "end": "}"}

@@ -25,6 +25,7 @@ from llmserve.tools.parser import (
     Scanner,
     Step,
     ToolParser,
+    arguments_format,
     call_from_object,
     content_up_to,
     load_json,
@@ -101,7 +102,7 @@ class MistralParser(ToolParser):
         return MistralScanner()
 
     def call_tag(self, tool: Tool, schema: dict[str, Any]) -> dict[str, Any]:
-        content = {"type": "json_schema", "json_schema": schema}
+        content = arguments_format(schema)
         if self.args_marker:
             return {"type": "tag", "begin": f"{MARKER}{tool.name}{ARGS}", "content": content, "end": ""}
         return {"type": "tag", "begin": f'{{"name": {json.dumps(tool.name)}, "arguments": ', "content": content,

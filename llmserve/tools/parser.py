@@ -92,6 +92,17 @@ class ToolParser(ABC):
         return self.call_tag(tool, schema)
 
 
+# Consecutive whitespace characters a forced call's arguments may hold between JSON tokens. JSON allows any amount,
+# and a model that prefers whitespace (small or random ones do) would write it until max_tokens, never finishing the
+# call; 16 still takes arguments indented a few levels deep. xgrammar recommends such a bound for tool arguments.
+MAX_ARGUMENT_WHITESPACE = 16
+
+
+def arguments_format(schema: dict[str, Any]) -> dict[str, Any]:
+    """xgrammar's format for a call's arguments: JSON matching `schema`, in the schema's key order."""
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_ARGUMENT_WHITESPACE}
+
+
 class ToolCallStream:
     def __init__(self, scanner: Scanner, new_id: Callable[[], str]) -> None:
         self._scanner = scanner

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import jsonschema
 import pytest
@@ -57,8 +58,10 @@ def allowed(state: GrammarState) -> list[int]:
     return bits.nonzero().flatten().tolist()
 
 
-def walk(compiler: GrammarCompiler, grammar: StructuredOutput, seed: int, prefix: str = "", limit: int = 2000) -> str:
-    """`prefix` accepted token by token, then random allowed tokens until the grammar is finished."""
+def walk(compiler: GrammarCompiler, grammar: StructuredOutput, seed: int, prefix: str = "", limit: int = 2000,
+         prefer: set[int] | None = None) -> str:
+    """`prefix` accepted token by token, then random allowed tokens until the grammar is finished (a token of
+    `prefer` whenever one is allowed)."""
     tok = tiny_tokenizer()
     state = GrammarState(compiler.compile(grammar), [EOS], VOCAB_SIZE)
     tokens = tok.encode(prefix)
@@ -67,7 +70,9 @@ def walk(compiler: GrammarCompiler, grammar: StructuredOutput, seed: int, prefix
     rng = random.Random(seed)
     while not state.finished:
         assert len(tokens) < limit, tok.decode(tokens)
-        token = rng.choice(allowed(state))
+        options = allowed(state)
+        preferred = [t for t in options if t in (prefer or ())]
+        token = rng.choice(preferred or options)
         assert state.accept(token)
         if token != EOS:
             tokens.append(token)
@@ -103,6 +108,22 @@ def test_forced_calls_always_parse_and_validate(compiler, family, choice, parall
         check_calls(out, names)
         seen_names |= {c.name for c in out.tool_calls}
     assert len(seen_names) > 1 or len(names) == 1  # the walks reach more than one tool
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_model_that_prefers_whitespace_still_finishes_the_call(compiler, family):
+    # JSON takes any whitespace between tokens: a model that always writes it where allowed (small and random models
+    # do) would never finish a forced call without the bound on consecutive whitespace
+    tok = tiny_tokenizer()
+    whitespace = {i for i in range(len(tok)) if tok.decode([i]) and not tok.decode([i]).strip()}
+    parser: ToolParser = FAMILIES[family]()
+    grammar = tool_call_grammar(parser, parse_tool_request([WEATHER], "required", False))
+    text = walk(compiler, grammar, 0, limit=400, prefer=whitespace)
+    out = parser.parse(text)
+    assert len(out.tool_calls) == 1, text
+    check_calls(out, {"get_weather"})
+    # 16 between JSON tokens, and the space the call's opening ends with
+    assert max(len(run) for run in re.findall(r"\s+", text)) <= 17, text
 
 
 def test_parallel_walks_do_write_several_calls(compiler):
