@@ -11,6 +11,10 @@ A template that never reads `tools` (plain ChatML, the built-ins) would drop the
 happen. Here such a conversation is written in the Hermes/Qwen2.5 format instead, which the `hermes` parser
 (chosen for such templates) reads back: the tools described in the system message, past calls as
 `<tool_call>` blocks in the assistant's text, results as `<tool_response>` blocks in a user turn.
+
+Template variables (vLLM's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`; OpenAI's `reasoning_effort`,
+which gpt-oss's template reads) are taken only where the template reads them: a variable it never reads would
+change nothing, so `check_kwargs` refuses it rather than let a request believe it was honoured.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import json
 import os
 from typing import Any
 
+from jinja2 import meta
 from transformers import PreTrainedTokenizerBase
 
 from llmserve.config import ChatTemplateConfig
@@ -26,6 +31,14 @@ from llmserve.errors import InvalidRequestError
 from llmserve.tools.registry import detect_tool_parser, template_supports_tools
 
 Messages = list[dict[str, Any]]
+
+# apply_chat_template's own parameters (and what this class passes itself): a template variable of one of these
+# names would change how the prompt is built rather than reach the template.
+RESERVED_VARIABLES = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
+})
 
 BUILTIN_TEMPLATES: dict[str, str] = {
     "chatml": (
@@ -61,10 +74,28 @@ class ChatTemplate:
         self.template = _pick_template(tokenizer, config)
         self.supports_tools = template_supports_tools(self.template)
         self._short_ids = detect_tool_parser(self.template) == "mistral"
+        self.variables = template_variables(self.template)
 
-    def messages_to_prompt(self, messages: Messages, tools: list[dict[str, Any]] | None = None) -> str:
+    def check_kwargs(self, kwargs: dict[str, Any], where: str) -> None:
+        """Refuse (naming `where`.key) a variable the template never reads, or one apply_chat_template sets."""
+        for key in kwargs:
+            name = f"{where}.{key}" if where != key else key
+            if key in RESERVED_VARIABLES:
+                raise InvalidRequestError(f"{name}: set by the server from the request, not a template variable",
+                                          param=where)
+            if self.variables is None:
+                raise InvalidRequestError(f"{name}: the chat template's variables could not be read, so whether it "
+                                          "uses this one is unknown", param=where)
+            if key not in self.variables:
+                readable = ", ".join(sorted(self.variables - RESERVED_VARIABLES)) or "none"
+                raise InvalidRequestError(f"{name}: this model's chat template never reads `{key}`, so it would "
+                                          f"change nothing (variables it reads: {readable})", param=where)
+
+    def messages_to_prompt(self, messages: Messages, tools: list[dict[str, Any]] | None = None,
+                           variables: dict[str, Any] | None = None) -> str:
         """`tools`: OpenAI function tools ({"type": "function", "function": {...}}), already checked (see
-        llmserve.tools.parse_tool_request); None or empty for none."""
+        llmserve.tools.parse_tool_request); None or empty for none. `variables`: passed to the template, already
+        checked with `check_kwargs`."""
         _check_messages(messages)
         messages = [_template_message(m, i, self._short_ids) for i, m in enumerate(messages)]
         if self.meta_instruction and messages[0].get("role") != "system":
@@ -75,10 +106,24 @@ class ChatTemplate:
         try:
             return self.tokenizer.apply_chat_template(messages, tools=tools or None, chat_template=self.template,
                                                       tokenize=False,
-                                                      add_generation_prompt=messages[-1]["role"] != "assistant")
+                                                      add_generation_prompt=messages[-1]["role"] != "assistant",
+                                                      **(variables or {}))
         except Exception as e:  # jinja raises for messages the template refuses (e.g. role order)
             raise InvalidRequestError(f"the chat template could not format these messages: {e}",
                                       param="messages") from e
+
+
+def template_variables(source: str) -> frozenset[str] | None:
+    """The variables a jinja template reads from its context; None if it cannot be parsed here. Parsed in the
+    environment transformers renders with (its `generation` tag, loop controls), a private function of transformers,
+    hence the broad fallback."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        environment = _compile_jinja_template(source).environment
+        return frozenset(meta.find_undeclared_variables(environment.parse(source)))
+    except Exception:  # noqa: BLE001  (a template that does not parse fails when rendered, with its reason)
+        return None
 
 
 def _pick_template(tokenizer: PreTrainedTokenizerBase, config: ChatTemplateConfig) -> str:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmserve.config import _check, _f
+from llmserve.tools.reasoning import REASONING_PARSERS
+from llmserve.tools.registry import TOOL_PARSERS
 
 
 @dataclass
@@ -29,6 +31,13 @@ class ServerConfig:
     shutdown_timeout: float = _f(5.0, "On SIGINT/SIGTERM, seconds in-flight requests may take to finish before "
                                       "they are aborted.")
     enable_debug_routes: bool = _f(False, "Serve GET /debug/kv (KV-pool block counts and an invariant check).")
+    tool_call_parser: str | None = _f(None, "How the model writes tool calls (vLLM's names): hermes (Hermes, Qwen2.5, "
+                                            "Qwen3), llama3_json (Llama 3.x, also llama4_json), mistral. Default: "
+                                            "read from the chat template; hermes for a template without tools. "
+                                            "See docs/tools.md.")
+    reasoning_parser: str | None = _f(None, "Split <think>...</think> off each chat answer into `reasoning_content`: "
+                                            "qwen3 (the model writes both tags) or deepseek_r1 (the prompt opens "
+                                            "the reasoning). Default: none, the text is all content.")
     access_log: bool = _f(False, "Log every HTTP request (uvicorn's access log); finished generations are "
                                  "logged either way.")
 
@@ -38,3 +47,7 @@ class ServerConfig:
                f"must be >= 1, got {self.max_concurrent_requests}")
         _check(self.shutdown_timeout >= 0, "shutdown_timeout", f"must be >= 0, got {self.shutdown_timeout}")
         _check(not self.api_keys or all(self.api_keys), "api_keys", "must not contain empty keys")
+        _check(self.tool_call_parser is None or self.tool_call_parser in TOOL_PARSERS, "tool_call_parser",
+               f"unknown parser {self.tool_call_parser!r}; choose one of {', '.join(TOOL_PARSERS)}")
+        _check(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS, "reasoning_parser",
+               f"unknown parser {self.reasoning_parser!r}; choose one of {', '.join(REASONING_PARSERS)}")

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from llmserve.chat_template import ChatTemplate
 from llmserve.config import GenerationConfig
 from llmserve.errors import InvalidRequestError
+from llmserve.serve.chat_tools import ChatOutput
 from llmserve.serve.errors import ApiError
 from llmserve.serve.protocol import (
     ChatCompletionRequest,
@@ -22,6 +24,7 @@ from llmserve.serve.protocol import (
 )
 from llmserve.serve.state import ServedModel
 from llmserve.serve.structured_params import openai_structured_output
+from llmserve.tools import ToolRequest
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20
@@ -37,15 +40,44 @@ def check_model(model: ServedModel, requested: str | None) -> None:
                        param="model", code="model_not_found")
 
 
-def chat_prompt_ids(model: ServedModel, messages: list[ChatMessage]) -> list[int]:
-    plain = [{"role": "system" if m.role == "developer" else m.role, "content": _content_text(m, i)}
-             for i, m in enumerate(messages)]
+class ChatPrompt(NamedTuple):
+    text: str  # as the template rendered it (whether it opened the reasoning is read from its end)
+    token_ids: list[int]
+
+
+def chat_prompt(model: ServedModel, req: ChatCompletionRequest, tools: ToolRequest | None) -> ChatPrompt:
+    """The messages through the chat template, with the tools the model may call and the template variables the
+    request sets (chat_template_kwargs, reasoning_effort)."""
+    messages = [_template_message(m, i) for i, m in enumerate(req.messages)]
+    template = model.chat_template
     try:
-        text = model.chat_template.messages_to_prompt(plain)
+        variables = template_variables(template, req)
+        text = template.messages_to_prompt(messages, tools.template_tools if tools else None, variables)
     except InvalidRequestError as e:
         raise ApiError.from_invalid(e) from None
     # The template writes the special tokens (BOS included) itself.
-    return model.tokenizer.encode(text, add_special_tokens=False)
+    return ChatPrompt(text, model.tokenizer.encode(text, add_special_tokens=False))
+
+
+def template_variables(template: ChatTemplate, req: ChatCompletionRequest) -> dict[str, Any]:
+    """vLLM's chat_template_kwargs and OpenAI's reasoning_effort, each refused where the template never reads it."""
+    variables = dict(req.chat_template_kwargs or {})
+    template.check_kwargs(variables, "chat_template_kwargs")
+    if req.reasoning_effort is not None:
+        template.check_kwargs({"reasoning_effort": req.reasoning_effort}, "reasoning_effort")
+        variables["reasoning_effort"] = req.reasoning_effort
+    return variables
+
+
+def _template_message(m: ChatMessage, i: int) -> dict[str, Any]:
+    """role and content, and what tool calling adds (tool_calls, tool_call_id, name) and reasoning models read back
+    (reasoning_content) where the client sent it."""
+    message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": _content_text(m, i)}
+    for key in ("tool_calls", "tool_call_id", "name", "reasoning_content"):
+        value = getattr(m, key)
+        if value is not None:
+            message[key] = value
+    return message
 
 
 def _content_text(m: ChatMessage, i: int) -> str:
@@ -114,8 +146,10 @@ def check_prompt_length(model: ServedModel, num_tokens: int, max_tokens: int | N
     return max_tokens
 
 
-def chat_generation_config(model: ServedModel, req: ChatCompletionRequest, max_tokens: int) -> GenerationConfig:
+def chat_generation_config(model: ServedModel, req: ChatCompletionRequest, max_tokens: int,
+                           output: ChatOutput) -> GenerationConfig:
     check_chat_fields(req)
+    _check_unsupported(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -123,10 +157,15 @@ def chat_generation_config(model: ServedModel, req: ChatCompletionRequest, max_t
         raise ApiError(400, f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got {logprobs}", param="top_logprobs")
     if req.prompt_logprobs is not None and req.stream:
         raise ApiError(400, "prompt_logprobs: not available when streaming a chat completion", param="prompt_logprobs")
-    return _generation_config(model, req, max_tokens, logprobs, {"logprobs": "top_logprobs"}, req.prompt_logprobs)
+    changes: dict[str, Any] = {"logprobs": logprobs, "prompt_logprobs": req.prompt_logprobs,
+                               "response_format": output.constraint(openai_structured_output(req))}
+    if output.uses_tools:  # Mistral's [TOOL_CALLS] is a special token: the parser must see it in the text
+        changes["skip_special_tokens"] = False
+    return _generation_config(model, req, max_tokens, {"logprobs": "top_logprobs"}, changes)
 
 
 def completion_generation_config(model: ServedModel, req: CompletionRequest, max_tokens: int) -> GenerationConfig:
+    _check_unsupported(req)
     if req.suffix:
         raise ApiError(400, "suffix: not supported", param="suffix")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
@@ -134,21 +173,23 @@ def completion_generation_config(model: ServedModel, req: CompletionRequest, max
     # echo with logprobs returns the prompt's too, as vLLM does (lm-eval's loglikelihood tasks read them)
     echoed = req.logprobs if req.echo and req.logprobs is not None else None
     wanted = [n for n in (echoed, req.prompt_logprobs) if n is not None]
-    return _generation_config(model, req, max_tokens, req.logprobs, {}, max(wanted) if wanted else None)
+    return _generation_config(model, req, max_tokens, {}, {
+        "logprobs": req.logprobs, "prompt_logprobs": max(wanted) if wanted else None,
+        "response_format": openai_structured_output(req)})
 
 
-def _generation_config(model: ServedModel, req: SamplingRequest, max_tokens: int, logprobs: int | None,
-                       names: dict[str, str], prompt_logprobs: int | None = None) -> GenerationConfig:
-    _check_unsupported(req)
+def _generation_config(model: ServedModel, req: SamplingRequest, max_tokens: int, names: dict[str, str],
+                       route_changes: dict[str, Any]) -> GenerationConfig:
+    """`route_changes`: what the route decides itself (logprobs, prompt_logprobs, response_format, ...), over the
+    fields both routes share."""
     changes: dict[str, Any] = {
         "n": req.n, "max_new_tokens": max_tokens, "min_new_tokens": req.min_tokens, "stop_words": req.stop,
         "random_seed": req.seed, "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
         "logit_bias": _logit_bias(req.logit_bias), "ignore_eos": req.ignore_eos,
         "skip_special_tokens": req.skip_special_tokens, "stop_token_ids": req.stop_token_ids,
         "bad_words": req.bad_words, "include_stop_str_in_output": req.include_stop_str_in_output,
-        "logprobs": logprobs, "best_of": req.best_of, "use_beam_search": req.use_beam_search,
-        "length_penalty": req.length_penalty, "early_stopping": req.early_stopping,
-        "response_format": openai_structured_output(req), "prompt_logprobs": prompt_logprobs,
+        "best_of": req.best_of, "use_beam_search": req.use_beam_search,
+        "length_penalty": req.length_penalty, "early_stopping": req.early_stopping, **route_changes,
     }
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         if getattr(req, name) is not None:
@@ -198,7 +239,6 @@ _CHAT_REFUSALS: dict[str, str] = {
     "prediction": "predicted outputs are not supported (speculative decoding is an engine setting: "
                   "--speculative-method ngram)",
     "web_search_options": "web search is not available",
-    "reasoning_effort": "this server's models take no reasoning effort",
     "verbosity": "this server's models take no verbosity setting",
 }
 
@@ -215,11 +255,7 @@ def check_chat_fields(req: ChatCompletionRequest) -> None:
         raise ApiError(400, f"modalities: only [\"text\"] is supported, got {req.modalities}", param="modalities")
     if req.store:
         raise ApiError(400, "store: this server does not store completions", param="store")
-    if req.tools:
-        raise ApiError(400, "tools: tool calling is not supported yet", param="tools")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise ApiError(400, "tool_choice: requires tools", param="tool_choice")
     for i, m in enumerate(req.messages):
-        if m.tool_calls or m.function_call or m.audio:
-            raise ApiError(400, f"messages[{i}]: assistant tool calls, function calls and audio in messages are not "
-                                "supported yet", param="messages")
+        if m.function_call or m.audio:
+            raise ApiError(400, f"messages[{i}]: function_call (the deprecated functions API: send tool_calls) and "
+                                "audio in messages are not supported", param="messages")

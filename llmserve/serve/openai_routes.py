@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 
 from llmserve.engine.output import SequenceOutput
 from llmserve.sampling.logprobs import TokenLogprobs
+from llmserve.serve.chat_tools import ChatOutput, ChoiceOutput, chat_output, chat_tool_request
 from llmserve.serve.errors import ApiError, error_body
 from llmserve.serve.generation import EngineRequest, Primed, new_request_id, open_request
 from llmserve.serve.openai_format import (
@@ -36,7 +37,7 @@ from llmserve.serve.openai_params import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     PARAM_NAMES,
     chat_generation_config,
-    chat_prompt_ids,
+    chat_prompt,
     check_model,
     check_prompt_length,
     completion_generation_config,
@@ -69,14 +70,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     engine, model = state.ready()
     check_model(model, body.model)
     with state.admit() as permit:
-        prompt_ids = chat_prompt_ids(model, body.messages)
+        tools = chat_tool_request(model, body)
+        prompt = chat_prompt(model, body, tools)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        max_tokens = check_prompt_length(model, len(prompt_ids), requested, "messages")
-        gen = chat_generation_config(model, body, max_tokens)
-        req = EngineRequest(new_request_id("chatcmpl"), prompt_ids, gen, {**PARAM_NAMES, "logprobs": "top_logprobs"},
-                            session_id=session_id_of(body))
+        max_tokens = check_prompt_length(model, len(prompt.token_ids), requested, "messages")
+        output = chat_output(model, tools, prompt.text)
+        gen = chat_generation_config(model, body, max_tokens, output)
+        req = EngineRequest(new_request_id("chatcmpl"), prompt.token_ids, gen,
+                            {**PARAM_NAMES, "logprobs": "top_logprobs"}, session_id=session_id_of(body))
         outputs = await until_disconnected(request, open_request(state, engine, req))
-        reply = _ChatReply(model, req, body)
+        reply = _ChatReply(model, req, body, output)
         if body.stream:
             return SSEResponse(reply.stream(outputs), on_close=permit.hand_over(), request_id=req.request_id,
                                source=outputs)
@@ -85,9 +88,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
 
 class _ChatReply:
-    def __init__(self, model: ServedModel, req: EngineRequest, body: ChatCompletionRequest) -> None:
+    """Each choice's text goes through its own ChoiceOutput (reasoning and tool calls split off, chat_tools.py)."""
+
+    def __init__(self, model: ServedModel, req: EngineRequest, body: ChatCompletionRequest,
+                 output: ChatOutput) -> None:
         self.model, self.req, self.body = model, req, body
         self.created = int(time.time())
+        self.outputs = [ChoiceOutput(output) for _ in range(req.gen.n)]
 
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.req.request_id, "object": obj, "created": self.created, "model": self.model.name}
@@ -103,9 +110,10 @@ class _ChatReply:
                 choices[out.index].add(out)
                 prompt_lps = prompt_lps or out.prompt_logprobs
         reply = {**self._envelope("chat.completion"), "choices": [
-            {"index": c.index, "message": {"role": "assistant", "content": c.text},
+            {"index": c.index, "message": self.outputs[c.index].message(c.text),
              "logprobs": chat_logprobs(self.model.token_text, c.logprobs) if self.body.logprobs else None,
-             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices],
+             "finish_reason": self.outputs[c.index].finish_reason(c.finish_reason), "stop_reason": c.stop_reason}
+            for c in choices],
             "usage": usage(len(self.req.prompt_token_ids), sum(c.num_tokens for c in choices))}
         if self.body.prompt_logprobs is not None:  # vLLM puts them beside the choices
             reply["prompt_logprobs"] = vllm_prompt_logprobs(self.model.token_text, prompt_lps or [])
@@ -124,10 +132,12 @@ class _ChatReply:
             async with aclosing(outputs):
                 async for out in outputs:
                     tokens[out.index] = out.num_output_tokens
-                    if not (out.new_text or out.finished or (out.new_logprobs and self.body.logprobs)):
+                    choice_output = self.outputs[out.index]
+                    delta = choice_output.delta(out.new_text, out.finished)
+                    if not (delta or out.finished or (out.new_logprobs and self.body.logprobs)):
                         continue
-                    choice = {"index": out.index, "delta": {"content": out.new_text} if out.new_text else {},
-                              "logprobs": self._logprobs(out), "finish_reason": out.finish_reason}
+                    choice = {"index": out.index, "delta": delta, "logprobs": self._logprobs(out),
+                              "finish_reason": choice_output.finish_reason(out.finish_reason)}
                     if out.finished:
                         choice["stop_reason"] = out.stop_reason
                     yield sse_event({**head, "choices": [choice]})

@@ -148,6 +148,8 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     verbosity: str | None = None
     web_search_options: dict[str, Any] | None = None
+    # vLLM's: variables for the chat template (Qwen3's enable_thinking), taken only where the template reads them
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingRequest):

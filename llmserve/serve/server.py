@@ -73,7 +73,7 @@ class _Loader(threading.Thread):
             loaded = load_model(self.model, self.engine_config)
             engine = LLMEngine(loaded, self.engine_config)
             served = ServedModel.of(engine, default_generation_config(loaded), self.config.model_name,
-                                    self.chat_template)
+                                    self.chat_template, self.config.tool_call_parser, self.config.reasoning_parser)
         except BaseException as e:  # noqa: BLE001  (reported by the main thread)
             self.error = e
             return
@@ -87,6 +87,17 @@ class _Loader(threading.Thread):
         logger.info("KV cache: %d blocks of %d tokens = %d tokens; up to %d tokens per sequence, %d sequences per "
                     "step", engine.kv.num_blocks, engine.kv.block_size, served.kv_tokens, served.session_len,
                     served.max_batch_size)
+        logger.info("%s", _tools_line(served))
+
+
+def _tools_line(served: ServedModel) -> str:
+    if served.tool_parser is None:
+        tools = "none (the chat template takes tools in a format llmserve cannot tell: name one with --tool-call-parser)"
+    elif served.chat_template.supports_tools:
+        tools = served.tool_parser.name
+    else:
+        tools = f"{served.tool_parser.name} (the chat template shows no tools: they are written in Hermes' format)"
+    return f"tool calls: {tools}; reasoning parser: {served.reasoning.name if served.reasoning else 'none'}"
 
 
 class _Server(uvicorn.Server):

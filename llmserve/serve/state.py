@@ -17,10 +17,12 @@ from llmserve.chat_template import ChatTemplate
 from llmserve.config import ChatTemplateConfig, GenerationConfig
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.llm_engine import LLMEngine
+from llmserve.errors import InvalidRequestError
 from llmserve.serve.config import ServerConfig
 from llmserve.serve.errors import ApiError
 from llmserve.serve.metrics import ServerMetrics
 from llmserve.serve.token_text import TokenText
+from llmserve.tools import ReasoningParser, ToolParser, reasoning_parser, resolve_tool_parser, tool_parser
 
 
 @dataclass
@@ -37,17 +39,34 @@ class ServedModel:
     device: str
     created: int  # unix seconds, for /v1/models
     token_text: TokenText  # single-token text/bytes, cached (logprobs, TGI details)
+    # How the model writes tool calls; None when its template takes tools in a format llmserve cannot tell and no
+    # --tool-call-parser names one (requests with tools are then refused, saying so).
+    tool_parser: ToolParser | None = None
+    reasoning: ReasoningParser | None = None  # --reasoning-parser: <think> split off every chat answer
 
     @classmethod
     def of(cls, engine: LLMEngine, defaults: GenerationConfig, name: str | None = None,
-           chat_template: ChatTemplateConfig | None = None) -> ServedModel:
+           chat_template: ChatTemplateConfig | None = None, tool_call_parser: str | None = None,
+           reasoning_parser_name: str | None = None) -> ServedModel:
         loaded = engine.loaded
+        template = ChatTemplate(loaded.tokenizer, chat_template)
         return cls(name=name or loaded.served_name, tokenizer=loaded.tokenizer,
-                   chat_template=ChatTemplate(loaded.tokenizer, chat_template), defaults=defaults,
+                   chat_template=template, defaults=defaults,
                    session_len=engine.session_len, eos_token_ids=frozenset(loaded.eos_token_ids),
                    max_batch_size=engine.config.max_batch_size, kv_tokens=engine.kv.num_blocks * engine.kv.block_size,
                    dtype=str(loaded.dtype).removeprefix("torch."), device=str(loaded.device), created=int(time.time()),
-                   token_text=TokenText(loaded.tokenizer))
+                   token_text=TokenText(loaded.tokenizer), tool_parser=model_tool_parser(tool_call_parser, template),
+                   reasoning=reasoning_parser(reasoning_parser_name) if reasoning_parser_name else None)
+
+
+def model_tool_parser(name: str | None, template: ChatTemplate) -> ToolParser | None:
+    """The parser named, or the template's (see resolve_tool_parser); None where the template's format is unknown."""
+    if name is not None:
+        return tool_parser(name, template.template)
+    try:
+        return resolve_tool_parser(None, template.template)
+    except InvalidRequestError:
+        return None
 
 
 class Permit:
