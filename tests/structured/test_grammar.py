@@ -130,7 +130,7 @@ def test_json_object_means_an_object(compiler):
 
 
 def test_length_bounded_strings_are_valid_json(compiler):
-    """xgrammar 0.2.8 lets such strings hold raw control characters (invalid JSON); the compiler patches it."""
+    """xgrammar 0.2.8 lets such strings hold raw control characters (invalid JSON); the compiler patches that."""
     import json
 
     import jsonschema
