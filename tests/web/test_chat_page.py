@@ -3,6 +3,9 @@ on a tiny random model.
 
 Greedy answers are a function of the messages, so what the page shows is compared with what the
 same request returns through the HTTP API, and the requests the page sends are read off the wire.
+The server runs with a ChatML template that also shows tools (and renders plain conversations exactly
+as the tiny model's own) and --reasoning-parser qwen3, so the page's reasoning and tool-call blocks
+show what a real stream carries.
 Chromium is Debian's package (scripts/setup.sh installs it when it can); Playwright drives it
 through `executable_path`, so nothing is downloaded.
 """
@@ -61,9 +64,20 @@ STOP_AFTER_FIRST_CHUNK = """() => {
 }"""
 
 
-def _serve_command(model: str, port: int) -> list[str]:
+# The tiny model's ChatML, and a short tools section when there are tools (the Hermes preamble a template without
+# tools gets does not fit the tiny model's 256 positions); `<tool_call>` makes the server pick the hermes parser.
+TOOLS_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\nTools: ' }}{% for t in tools %}{{ t.function.name + ' ' }}{% endfor %}"
+    "{{ 'Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n' }}{% endif %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] }}{% if m.tool_calls %}"
+    "{% for c in m.tool_calls %}{{ '<tool_call>' + c.function | tojson + '</tool_call>' }}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _serve_command(model: str, port: int, template: Path) -> list[str]:
     return [sys.executable, "-m", "llmserve.cli", "serve", model, "--server-name", "127.0.0.1",
-            "--server-port", str(port)]
+            "--server-port", str(port), "--chat-template", str(template), "--reasoning-parser", "qwen3"]
 
 
 def _free_port() -> int:
@@ -76,8 +90,11 @@ def _free_port() -> int:
 def server(tiny_model_dir: Callable[[str], str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = _free_port()
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    template = log_path.with_name("template.jinja")
+    template.write_text(TOOLS_TEMPLATE)
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(_serve_command(tiny_model_dir("llama"), port), stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(_serve_command(tiny_model_dir("llama"), port, template), stdout=log,
+                                stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -273,3 +290,73 @@ def test_keyboard_errors_stop_api_key_and_new_chat(page: Any, server: str) -> No
     answer = _ask(page, Q2, 0)
     assert _request(page, 3)[0]["messages"] == only_q2
     assert answer.locator(".body").text_content() == _api_answer(server, model, only_q2)["choices"][0]["message"]["content"]
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+# What the model writes, scripted on the wire: the page's request gets a guided_choice added on its way out, so the
+# server streams a real reasoning block, text and call through its parsers.
+SCRIPT = ('<think>\nThe user wants the weather.\n</think>\n\nLet me look.\n<tool_call>\n{"name": "get_weather", '
+          '"arguments": {"city": "Paris"}}\n</tool_call>')
+
+
+def _scripted(route: Any) -> None:
+    route.continue_(post_data=json.dumps({**route.request.post_data_json, "guided_choice": [SCRIPT]}))
+
+
+def test_reasoning_and_tool_calls_are_shown_apart(page: Any, server: str, tmp_path: Path) -> None:
+    model = _model_id(server)
+    page.wait_for_function("m => document.getElementById('model-name').textContent === m", arg=model)
+    _configure(page, MAX_TOKENS)
+    page.fill("#max-tokens", "")  # the scripted answer is longer than MAX_TOKENS: what fits
+
+    # Tools that are not a JSON list are refused on the page, before any request.
+    page.fill("#tools", "{not json")
+    page.fill("#prompt", Q1)
+    page.press("#prompt", "Enter")
+    page.wait_for_selector("#error:not([hidden])")
+    assert page.text_content("#error-text").startswith("Tools: not valid JSON")
+    assert page.sent == [] and page.input_value("#prompt") == Q1
+
+    page.fill("#tools", json.dumps([WEATHER]))
+    page.route(f"{server}/v1/chat/completions", _scripted)
+    answer = _ask(page, Q1, 0)
+    page.unroute(f"{server}/v1/chat/completions")
+    body, _ = _request(page, 0)
+    assert body["tools"] == [WEATHER] and body["messages"] == [{"role": "user", "content": Q1}]
+
+    expected = httpx.post(f"{server}/v1/chat/completions", timeout=60, json={
+        "model": model, "messages": body["messages"], "tools": [WEATHER], "temperature": 0,
+        "guided_choice": [SCRIPT]}).json()["choices"][0]
+    message = expected["message"]
+    assert (message["reasoning_content"], message["content"]) == ("The user wants the weather.", "Let me look.")
+    assert expected["finish_reason"] == "tool_calls"
+    # the reasoning in its own block, folded once the answer began; the text; the call with its arguments
+    thinking = answer.locator("details.thinking")
+    assert thinking.locator("summary").text_content() == "Thinking"
+    assert thinking.locator(".reasoning").text_content() == message["reasoning_content"]
+    assert thinking.get_attribute("open") is None
+    assert answer.locator(".body").text_content() == message["content"]
+    calls = answer.locator(".tool-call")
+    assert calls.count() == 1
+    assert calls.locator(".tool-name").text_content() == "Tool call: get_weather"
+    arguments = message["tool_calls"][0]["function"]["arguments"]
+    assert calls.locator(".tool-args").text_content() == json.dumps(json.loads(arguments), indent=2)
+    assert answer.locator(".stats").text_content().endswith(" · 1 tool call")
+    assert page.locator("#error").is_hidden()
+
+    # The call goes back in the conversation as OpenAI's tool_calls (with the id the stream gave it), the
+    # reasoning does not.
+    _ask(page, Q2, 1)
+    sent = _request(page, 1)[0]["messages"]
+    call = sent[1]["tool_calls"][0]
+    assert re.fullmatch(r"call_[0-9a-f]{24}", call["id"])
+    assert sent[1] == {"role": "assistant", "content": "Let me look.", "tool_calls": [
+        {"id": call["id"], "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]}
+    assert sent[2] == {"role": "user", "content": Q2}
+
+    answer.locator("details.thinking summary").click()  # a click opens the reasoning again
+    assert thinking.get_attribute("open") is not None
+    shot = tmp_path / "chat_page_tools.png"
+    page.screenshot(path=str(shot))
+    print(f"screenshot: {shot}")

@@ -1,11 +1,13 @@
 // The chat page: talks to the server's OpenAI routes (GET v1/models, POST v1/chat/completions
 // with stream: true). Model output is only ever put in the page through textContent, never as HTML.
+// An answer shows its reasoning (`reasoning_content`, with --reasoning-parser) in a collapsible block
+// above the text, and its tool calls (when the Tools setting offers some) in blocks below it.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 
 const state = {
-  history: [],       // the conversation sent with each request: {role, content} (no system prompt)
+  history: [],       // the conversation sent with each request (no system prompt); reasoning is not sent back
   controller: null,  // AbortController of the answer being generated; null when idle
   model: null,       // id from v1/models, sent as `model`
   conversation: 0,   // bumped by "New chat", so a turn that ends afterwards stays out of the new one
@@ -22,12 +24,14 @@ function loadSettings() {
   if (typeof saved.system === "string") $("system-prompt").value = saved.system;
   if (typeof saved.temperature === "string") $("temperature").value = saved.temperature;
   if (typeof saved.maxTokens === "string") $("max-tokens").value = saved.maxTokens;
+  if (typeof saved.tools === "string") $("tools").value = saved.tools;
   $("api-key").value = sessionStorage.getItem(API_KEY_KEY) || "";
 }
 
 function saveSettings() {
   localStorage.setItem(SETTINGS_KEY, JSON.stringify({
     system: $("system-prompt").value, temperature: $("temperature").value, maxTokens: $("max-tokens").value,
+    tools: $("tools").value,
   }));
   sessionStorage.setItem(API_KEY_KEY, $("api-key").value);
 }
@@ -38,6 +42,16 @@ function numberField(id, parse) {
   if (el.value.trim() === "" || !el.checkValidity()) return undefined;
   const value = parse(el.value);
   return Number.isFinite(value) ? value : undefined;
+}
+
+// The Tools setting: empty for none, else a JSON list (the server checks each tool and says what is wrong).
+function toolsField() {
+  const text = $("tools").value.trim();
+  if (!text) return undefined;
+  let tools;
+  try { tools = JSON.parse(text); } catch (e) { throw new Error(`Tools: not valid JSON (${e.message})`); }
+  if (!Array.isArray(tools)) throw new Error("Tools: expected a JSON list of tools");
+  return tools.length ? tools : undefined;
 }
 
 function headers() {
@@ -96,6 +110,11 @@ async function readEvents(resp, onData) {
 
 // --- conversation view --------------------------------------------------------------------
 
+// A call's arguments indented when they are JSON (they are once the call is complete), else as they came.
+function prettyJson(text) {
+  try { return JSON.stringify(JSON.parse(text), null, 2); } catch { return text; }
+}
+
 function addMessage(role, text) {
   $("empty-hint").hidden = true;
   const article = document.createElement("article");
@@ -142,6 +161,9 @@ class Answer {
     this.article = article;
     this.body = article.querySelector(".body");
     this.text = "";
+    this.reasoning = "";
+    this.thinking = null;      // the reasoning's <details>, made when the first reasoning arrives
+    this.calls = [];           // {id, name, arguments, el}, by the index the server gives each call
     this.chunks = 0;           // SSE chunks that carried text
     this.usageTokens = null;   // completion_tokens from the usage chunk, when the server sends it
     this.finishReason = null;
@@ -158,15 +180,76 @@ class Answer {
     const choice = (chunk.choices || [])[0];
     if (!choice) return;
     if (choice.finish_reason) this.finishReason = choice.finish_reason;
-    const delta = choice.delta?.content;
-    if (!delta) return;
+    const delta = choice.delta || {};
+    if (!delta.content && !delta.reasoning_content && !delta.tool_calls?.length) return;
     this.last = performance.now();
     this.first ??= this.last;
-    this.text += delta;
-    this.chunks += 1;
-    this.body.textContent = this.text;
-    this.article.dataset.chunks = String(this.chunks);
+    if (delta.reasoning_content) this.addReasoning(delta.reasoning_content);
+    if (delta.content) {
+      this.text += delta.content;
+      this.chunks += 1;
+      this.body.textContent = this.text;
+      this.article.dataset.chunks = String(this.chunks);
+    }
+    for (const call of delta.tool_calls || []) this.addCall(call);
+    // The answer has begun: the reasoning folds away (a click opens it again).
+    if (this.thinking && (delta.content || delta.tool_calls?.length)) this.thinking.open = false;
     scrollToEnd(false);
+  }
+
+  addReasoning(text) {
+    if (!this.thinking) {
+      this.thinking = document.createElement("details");
+      this.thinking.className = "thinking";
+      this.thinking.open = true;
+      const summary = document.createElement("summary");
+      summary.textContent = "Thinking";
+      const reasoning = document.createElement("div");
+      reasoning.className = "reasoning";
+      this.thinking.append(summary, reasoning);
+      this.body.before(this.thinking);
+    }
+    this.reasoning += text;
+    this.thinking.querySelector(".reasoning").textContent = this.reasoning;
+  }
+
+  // OpenAI's tool-call deltas: the first of a call has its id and name, later ones append arguments.
+  addCall(delta) {
+    let call = this.calls[delta.index];
+    if (!call) {
+      const el = document.createElement("div");
+      el.className = "tool-call";
+      const name = document.createElement("div");
+      name.className = "tool-name";
+      const args = document.createElement("pre");
+      args.className = "tool-args";
+      el.append(name, args);
+      let list = this.article.querySelector(".tool-calls");
+      if (!list) {
+        list = document.createElement("div");
+        list.className = "tool-calls";
+        this.body.after(list);
+      }
+      list.append(el);
+      call = this.calls[delta.index] = { id: delta.id, name: "", arguments: "", el };
+    }
+    call.name += delta.function?.name || "";
+    call.arguments += delta.function?.arguments || "";
+    call.el.querySelector(".tool-name").textContent = `Tool call: ${call.name}`;
+    call.el.querySelector(".tool-args").textContent = prettyJson(call.arguments);
+  }
+
+  // What goes back in the conversation: the text, and the calls as OpenAI's tool_calls.
+  message() {
+    if (!this.calls.length) return { role: "assistant", content: this.text };
+    return {
+      role: "assistant", content: this.text || null,
+      tool_calls: this.calls.map((c) => ({ id: c.id, type: "function", function: { name: c.name, arguments: c.arguments } })),
+    };
+  }
+
+  get empty() {
+    return !this.text && !this.reasoning && !this.calls.length;
   }
 
   finish(stateName) {
@@ -180,6 +263,7 @@ class Answer {
     if (this.first !== null) parts.push(`TTFT ${Math.round(this.first - this.start)} ms`);
     if (stateName === "stopped") parts.push("stopped");
     else if (this.finishReason === "length") parts.push("cut at max tokens");
+    if (this.calls.length) parts.push(`${this.calls.length} tool call${this.calls.length === 1 ? "" : "s"}`);
     const stats = document.createElement("div");
     stats.className = "stats";
     stats.textContent = parts.join(" · ");
@@ -189,6 +273,8 @@ class Answer {
 
 function requestBody(messages) {
   const body = { messages, stream: true, stream_options: { include_usage: true } };
+  const tools = toolsField();
+  if (tools) body.tools = tools;
   if (state.model) body.model = state.model;
   const temperature = numberField("temperature", parseFloat);
   if (temperature !== undefined) body.temperature = temperature;
@@ -223,7 +309,7 @@ async function send(text) {
     const stopped = e.name === "AbortError";
     if (conversation !== state.conversation) return;
     if (!stopped) showError(e.message);
-    if (!answer.text) {
+    if (answer.empty) {
       // Nothing came back: take the turn out again and give the question back for a retry.
       userArticle.remove();
       answer.article.remove();
@@ -238,8 +324,8 @@ async function send(text) {
       setBusy(false);
     }
   }
-  // A turn with any answer text stays in the conversation, stopped or not: the user saw it.
-  if (conversation === state.conversation) state.history.push(user, { role: "assistant", content: answer.text });
+  // A turn with any answer stays in the conversation, stopped or not: the user saw it.
+  if (conversation === state.conversation) state.history.push(user, answer.message());
 }
 
 function newChat() {
@@ -288,7 +374,7 @@ document.addEventListener("DOMContentLoaded", () => {
   $("stop").addEventListener("click", () => { state.controller?.abort(); $("prompt").focus(); });
   $("new-chat").addEventListener("click", newChat);
   $("error-close").addEventListener("click", hideError);
-  for (const id of ["system-prompt", "temperature", "max-tokens", "api-key"]) {
+  for (const id of ["system-prompt", "temperature", "max-tokens", "tools", "api-key"]) {
     $(id).addEventListener("change", saveSettings);
   }
   $("api-key").addEventListener("change", async () => {
