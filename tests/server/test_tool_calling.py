@@ -451,7 +451,8 @@ def test_smollm2_calls_a_tool_and_answers_from_its_result(smol: RunningServer) -
     message = first.choices[0].message
     assert first.choices[0].finish_reason == "tool_calls"
     check_calls(message.tool_calls, {"get_weather"}, ID_PATTERNS["hermes"])
-    messages = [*QUESTION, message.model_dump(exclude_none=True),
+    # the client's message object itself goes back, as OpenAI's examples (and docs/tools.md's) do
+    messages = [*QUESTION, message,
                 {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "22 degrees celsius, sunny"}]
     second = c.chat.completions.create(model=name, messages=messages, tools=[WEATHER], temperature=0, max_tokens=60)
     assert second.choices[0].finish_reason == "stop" and second.choices[0].message.content
