@@ -161,7 +161,9 @@ def chat_generation_config(model: ServedModel, req: ChatCompletionRequest, max_t
                                "response_format": output.constraint(openai_structured_output(req))}
     if output.uses_tools:  # Mistral's [TOOL_CALLS] is a special token: the parser must see it in the text
         changes["skip_special_tokens"] = False
-    return _generation_config(model, req, max_tokens, {"logprobs": "top_logprobs"}, changes)
+    # a grammar the tools asked for is refused (beam search) under the name of the field that asked
+    names = {"logprobs": "top_logprobs", **({"response_format": "tool_choice"} if output.grammar else {})}
+    return _generation_config(model, req, max_tokens, names, changes)
 
 
 def completion_generation_config(model: ServedModel, req: CompletionRequest, max_tokens: int) -> GenerationConfig:

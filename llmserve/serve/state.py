@@ -22,7 +22,8 @@ from llmserve.serve.config import ServerConfig
 from llmserve.serve.errors import ApiError
 from llmserve.serve.metrics import ServerMetrics
 from llmserve.serve.token_text import TokenText
-from llmserve.tools import ReasoningParser, ToolParser, reasoning_parser, resolve_tool_parser, tool_parser
+from llmserve.tools import ReasoningParser, ToolParser, resolve_tool_parser, tool_parser
+from llmserve.tools.reasoning import reasoning_parser as named_reasoning_parser
 
 
 @dataclass
@@ -47,7 +48,7 @@ class ServedModel:
     @classmethod
     def of(cls, engine: LLMEngine, defaults: GenerationConfig, name: str | None = None,
            chat_template: ChatTemplateConfig | None = None, tool_call_parser: str | None = None,
-           reasoning_parser_name: str | None = None) -> ServedModel:
+           reasoning_parser: str | None = None) -> ServedModel:
         loaded = engine.loaded
         template = ChatTemplate(loaded.tokenizer, chat_template)
         return cls(name=name or loaded.served_name, tokenizer=loaded.tokenizer,
@@ -56,7 +57,7 @@ class ServedModel:
                    max_batch_size=engine.config.max_batch_size, kv_tokens=engine.kv.num_blocks * engine.kv.block_size,
                    dtype=str(loaded.dtype).removeprefix("torch."), device=str(loaded.device), created=int(time.time()),
                    token_text=TokenText(loaded.tokenizer), tool_parser=model_tool_parser(tool_call_parser, template),
-                   reasoning=reasoning_parser(reasoning_parser_name) if reasoning_parser_name else None)
+                   reasoning=named_reasoning_parser(reasoning_parser) if reasoning_parser else None)
 
 
 def model_tool_parser(name: str | None, template: ChatTemplate) -> ToolParser | None:

@@ -377,6 +377,8 @@ BAD_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type":
     ("hermes", {"tools": "get_weather"}, "tools", "tools: Input should be a valid list"),
     ("hermes", {"tools": [BAD_TOOL], "tool_choice": "required"}, "tools", "could not be compiled"),
     ("hermes", {"tools": TOOLS, "parallel_tool_calls": "no"}, "parallel_tool_calls", "valid boolean"),
+    ("hermes", {"tools": TOOLS, "tool_choice": "required", "use_beam_search": True, "best_of": 2}, "tool_choice",
+     "tool_choice: structured output is not supported with beam search"),
     ("hermes", {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "response_format", "response_format and tool_choice both constrain the output"),
     ("hermes", {"tools": [STRICT_WEATHER], "guided_regex": "a+"}, "guided_regex",  # a grammar under auto too

@@ -1,5 +1,6 @@
 """Tools, assistant tool_calls and tool results through chat templates: Qwen2.5-, Llama-3.1- and Mistral-style
-templates, and the Hermes-format fallback for a template without tool support."""
+templates, and the Hermes-format fallback for a template without tool support; template variables (Qwen3's
+enable_thinking) taken only where the template reads them."""
 
 from __future__ import annotations
 
@@ -126,3 +127,36 @@ def test_the_callers_messages_are_not_changed():
     messages = json.loads(json.dumps(CONVERSATION))
     template(MISTRAL_V03).messages_to_prompt(messages, [WEATHER])
     assert messages == CONVERSATION
+
+
+# Qwen3's switch: the template closes the reasoning in the prompt when told not to think.
+QWEN3 = QWEN25 + ("{%- if add_generation_prompt and enable_thinking is defined and enable_thinking is false %}"
+                  "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}")
+
+
+def test_the_variables_a_template_reads():
+    assert template(QWEN25).variables == {"messages", "tools", "add_generation_prompt"}
+    assert {"enable_thinking", "tools"} <= template(QWEN3).variables
+    assert {"date_string", "tools_in_user_message", "custom_tools"} <= template(LLAMA31).variables
+    assert template("{% generation %}{{ x }}{% endgeneration %}").variables == {"x"}  # transformers' own tag
+    assert template("{% for %}").variables is None  # does not parse
+
+
+def test_template_variables_reach_the_template_only_where_it_reads_them():
+    qwen3 = template(QWEN3)
+    question = [{"role": "user", "content": "Hi"}]
+    qwen3.check_kwargs({"enable_thinking": False}, "chat_template_kwargs")
+    assert qwen3.messages_to_prompt(question, None, {"enable_thinking": False}).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert qwen3.messages_to_prompt(question).endswith("<|im_start|>assistant\n")
+    with pytest.raises(InvalidRequestError, match=r"chat_template_kwargs.thinking: this model's chat template never "
+                                                  r"reads `thinking`, so it would change nothing \(variables it reads: "
+                                                  r"enable_thinking\)") as e:
+        qwen3.check_kwargs({"thinking": True}, "chat_template_kwargs")
+    assert e.value.param == "chat_template_kwargs"
+    with pytest.raises(InvalidRequestError, match="chat_template_kwargs.tools: set by the server"):
+        qwen3.check_kwargs({"tools": []}, "chat_template_kwargs")
+    with pytest.raises(InvalidRequestError, match="^reasoning_effort: this model's chat template never reads"):
+        qwen3.check_kwargs({"reasoning_effort": "low"}, "reasoning_effort")
+    with pytest.raises(InvalidRequestError, match="variables could not be read"):
+        template("{% for %}").check_kwargs({"x": 1}, "chat_template_kwargs")
