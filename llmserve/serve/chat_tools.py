@@ -102,8 +102,7 @@ class ChoiceOutput:
         parsed = self._output.parser.parse(text)
         calls = parsed.tool_calls[:self._output.max_calls]
         self._calls = len(calls)
-        message: dict[str, Any] = {"role": "assistant",
-                                   "content": parsed.content if parsed.content is not None or calls else ""}
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content if calls else parsed.content or ""}
         if self._output.has_reasoning:
             message["reasoning_content"] = parsed.reasoning
         if calls:

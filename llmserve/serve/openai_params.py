@@ -159,8 +159,8 @@ def chat_generation_config(model: ServedModel, req: ChatCompletionRequest, max_t
         raise ApiError(400, "prompt_logprobs: not available when streaming a chat completion", param="prompt_logprobs")
     changes: dict[str, Any] = {"logprobs": logprobs, "prompt_logprobs": req.prompt_logprobs,
                                "response_format": output.constraint(openai_structured_output(req))}
-    if output.uses_tools:  # Mistral's [TOOL_CALLS] is a special token: the parser must see it in the text
-        changes["skip_special_tokens"] = False
+    if output.uses_tools and "skip_special_tokens" not in req.model_fields_set:
+        changes["skip_special_tokens"] = False  # Mistral's [TOOL_CALLS] is a special token: the parser must see it
     # a grammar the tools asked for is refused (beam search) under the name of the field that asked
     names = {"logprobs": "top_logprobs", **({"response_format": "tool_choice"} if output.grammar else {})}
     return _generation_config(model, req, max_tokens, names, changes)

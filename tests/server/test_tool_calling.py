@@ -189,6 +189,11 @@ def test_auto_parses_what_each_family_writes(serve, setup: str) -> None:
     check_calls(choice.message.tool_calls, {"get_weather", "now"}, ID_PATTERNS[FAMILY_SETUPS[setup]])
     if setup == "mistral":
         assert choice.logprobs.content[0].token == "[TOOL_CALLS]"
+        # a request that asks for special tokens to be left out gets that, and the marker is gone with them
+        skipped = c.chat.completions.create(**{**body, "extra_body": {**body["extra_body"],
+                                                                      "skip_special_tokens": True}})
+        assert skipped.choices[0].message.tool_calls is None
+        assert skipped.choices[0].message.content == text.removeprefix("[TOOL_CALLS]")
     streamed = reassemble(list(c.chat.completions.create(**body, stream=True)))
     assert streamed[0] == message_of(choice)
 
