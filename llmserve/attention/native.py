@@ -272,6 +272,12 @@ def sampling_enabled(logits: torch.Tensor) -> bool:
             and os.environ.get("LLMSERVE_SAMPLER") != "torch" and sampling_usable())
 
 
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """logits [B, V] fp32: -inf wherever bit t of bitmask[r] ([B, ceil(V / 32)] int32, xgrammar's layout) is 0, for
+    each r of rows [R] int64; in place. Needs load()."""
+    _module.apply_token_bitmask_(logits, bitmask, rows)
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """The first maximum of each row of logits [B, V] fp32 -> [B] int64, -1 for a row holding a NaN. Needs load()."""
     return _module.argmax_rows(logits)

@@ -114,3 +114,29 @@ def test_verify_rows_stay_in_the_grammar(compiler, sampler_path):
             row_mask = masks[i]
             word, bit = divmod(token, 32)
             assert (int(row_mask[word]) >> bit) & 1, (i, token)
+
+
+@pytest.mark.parametrize("vocab", [320, 49152, 1007])
+@pytest.mark.parametrize("avx512", ["1", "0"])
+def test_native_mask_equals_xgrammars(vocab, avx512, monkeypatch):
+    """The sampler's native bitmask kernel against xgrammar's own, on random masks (whole words allowed or banned,
+    and mixed), a vocabulary that is not a multiple of 32, and rows left out."""
+    import xgrammar as xgr
+
+    from llmserve.attention import native
+
+    if native.load() is None:
+        pytest.skip("the native kernels need a C++ compiler")
+    monkeypatch.setenv("LLMSERVE_SAMPLING_AVX512", avx512)
+    gen = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (6, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    bitmask[1] = 0
+    bitmask[2] = -1
+    bitmask[3, : words // 2] = 0
+    logits = torch.randn(6, vocab, generator=gen)
+    rows = torch.tensor([0, 1, 2, 3, 5])
+    ours, theirs = logits.clone(), logits.clone()
+    native.apply_token_bitmask_(ours, bitmask, rows)
+    xgr.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=vocab, indices=rows.tolist())
+    assert torch.equal(ours, theirs) and torch.equal(ours[4], logits[4])

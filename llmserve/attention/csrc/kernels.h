@@ -41,6 +41,7 @@ bool int8w_a16_supported();
 torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
                           torch::Tensor min_p, torch::Tensor u);
 torch::Tensor argmax_rows(torch::Tensor logits);
+void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
 bool sampling_avx512();
 std::vector<torch::Tensor> logprob_rows(torch::Tensor logits, torch::Tensor tokens, int64_t top_n);
 std::vector<torch::Tensor> verify_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k,

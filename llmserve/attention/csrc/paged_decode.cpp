@@ -669,6 +669,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "temperature 0 is argmax; -1 for rows left to the torch path (CPU)", py::arg("logits"), py::arg("temperature"),
         py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("u"));
   m.def("argmax_rows", &argmax_rows, "first maximum of each row; -1 for rows holding a NaN (CPU)");
+  m.def("apply_token_bitmask_", &apply_token_bitmask_, "structured output: -inf where the rows' bitmask bit is 0, in "
+        "place (CPU)");
   m.def("verify_rows", &verify_rows, "speculative verification per row: (token, draft accepted) under the filters of "
         "sample_rows, a rejected draft's replacement drawn from u2 over the rest; token -1 for rows left to the torch "
         "path (CPU)", py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"),

@@ -525,3 +525,64 @@ std::vector<torch::Tensor> logprob_rows(torch::Tensor logits, torch::Tensor toke
   });
   return {token_lp, rank, top_lp, top_ids};
 }
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Structured output: logits[r, t] = -inf wherever bit t of bitmask[r] is 0, for the listed rows (xgrammar's layout:
+// bit t % 32 of int32 word t / 32; words past the vocabulary ignored). In place. Why not xgrammar's own CPU kernel:
+// it tests bit by bit, 11.6 ms for 64 rows of 49,152 whose masks allow few tokens (a JSON state), a tenth of this
+// CPU's decode step; AVX-512 masked stores take 16 lanes per instruction and skip all-allowed words.
+
+namespace {
+
+LLMSERVE_AVX512 void mask_row_512(float* x, const uint32_t* bits, int64_t V) {
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  for (int64_t w = 0; w * 32 < V; ++w) {
+    const uint32_t word = bits[w];
+    if (word == 0xFFFFFFFFu) continue;
+    for (int64_t half = 0; half < 2; ++half) {
+      const int64_t start = w * 32 + half * 16;
+      if (start >= V) break;
+      const __mmask16 kill = static_cast<__mmask16>(~(word >> (16 * half))) & tail_mask16(V - start);
+      if (kill) _mm512_mask_storeu_ps(x + start, kill, neg_inf);
+    }
+  }
+}
+
+void mask_row(float* x, const uint32_t* bits, int64_t V) {
+  for (int64_t w = 0; w * 32 < V; ++w) {
+    const uint32_t word = bits[w];
+    if (word == 0xFFFFFFFFu) continue;
+    for (int64_t j = 0; j < 32 && w * 32 + j < V; ++j) {
+      if (!((word >> j) & 1u)) x[w * 32 + j] = kNegInf;
+    }
+  }
+}
+
+}  // namespace
+
+void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
+              logits.is_contiguous(), "logits: contiguous [B, V] fp32 on the CPU");
+  TORCH_CHECK(bitmask.scalar_type() == at::kInt && bitmask.dim() == 2 && bitmask.is_contiguous() &&
+              bitmask.size(0) == logits.size(0), "bitmask: contiguous [B, words] int32");
+  const int64_t V = logits.size(1), W = bitmask.size(1);
+  TORCH_CHECK(W * 32 >= V, "bitmask: ", W, " words cover fewer than the ", V, " logits of a row");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, "rows: [R] int64");
+  const auto rc = rows.contiguous();
+  const int64_t* rp = rc.data_ptr<int64_t>();
+  const int64_t R = rc.numel(), B = logits.size(0);
+  for (int64_t i = 0; i < R; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] < B, "rows: ", rp[i], " is not in [0, ", B, ")");
+  float* lp = logits.data_ptr<float>();
+  const uint32_t* bp = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const bool wide = sampling_avx512();
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = rp[i];
+      if (wide) {
+        mask_row_512(lp + r * V, bp + r * W, V);
+      } else {
+        mask_row(lp + r * V, bp + r * W, V);
+      }
+    }
+  });
+}
