@@ -29,6 +29,7 @@ _EXPORTS = {
     "ModelLoadError": "llmserve.errors", "PromptTooLongError": "llmserve.errors",
     "Pipeline": "llmserve.api", "Response": "llmserve.api", "Session": "llmserve.api",
     "pipeline": "llmserve.api",
+    "PytorchEngineConfig": "llmserve.lmdeploy_compat", "TurbomindEngineConfig": "llmserve.lmdeploy_compat",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -16,6 +16,7 @@ from llmserve.config import ChatTemplateConfig, EngineConfig, GenerationConfig
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.output import SequenceOutput
 from llmserve.errors import InvalidRequestError
+from llmserve.lmdeploy_compat import BackendConfig, as_engine_config
 from llmserve.models.loader import LoadedModel, load_model
 
 Prompt = str | Messages | dict[str, Any]
@@ -67,14 +68,15 @@ class Session:
 
 
 class Pipeline:
-    def __init__(self, model_path: str | None = None, backend_config: EngineConfig | None = None,
+    def __init__(self, model_path: str | None = None, backend_config: BackendConfig | None = None,
                  chat_template_config: ChatTemplateConfig | None = None, log_level: str = "ERROR",
                  **engine_kwargs: Any) -> None:
         logging.getLogger("llmserve").setLevel(log_level.upper())
         unknown = set(engine_kwargs) - _ENGINE_FIELDS
         if unknown:
             raise InvalidRequestError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
-        config = dataclasses.replace(backend_config or EngineConfig(), **engine_kwargs)
+        # LMDeploy's TurbomindEngineConfig / PytorchEngineConfig become the EngineConfig they ask for.
+        config = dataclasses.replace(as_engine_config(backend_config), **engine_kwargs)
         loaded = load_model(model_path, config)
         self.model_name = loaded.served_name
         self.tokenizer = loaded.tokenizer
@@ -234,7 +236,7 @@ class Pipeline:
         return self.engine
 
 
-def pipeline(model_path: str | None = None, backend_config: EngineConfig | None = None,
+def pipeline(model_path: str | None = None, backend_config: BackendConfig | None = None,
              chat_template_config: ChatTemplateConfig | None = None, log_level: str = "ERROR",
              **engine_kwargs: Any) -> Pipeline:
     """Load a model (a local directory, a hub id, a .gguf file, or None for the embedded default)."""

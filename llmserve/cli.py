@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import sys
 import types
 import typing
@@ -119,6 +120,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from llmserve.serve.config import ServerConfig
     from llmserve.serve.server import serve
 
+    if args.backend is not None:  # LMDeploy's flag: taken so its command lines run, said so rather than ignored
+        logging.getLogger("llmserve").warning("--backend %s: llmserve has one engine, which serves either way (see "
+                                              "docs/compat.md)", args.backend)
     return serve(args.model, dataclass_from_args(EngineConfig, args), dataclass_from_args(ServerConfig, args),
                  chat_template_config_from_args(args), log_level=args.log_level)
 
@@ -175,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_argument(srv)
     add_model_flags(srv, log_level="INFO")
     add_dataclass_flags(srv, ServerConfig, group_title="server")
+    srv.add_argument("--backend", choices=("turbomind", "pytorch"), default=None,
+                     help="LMDeploy's engine choice, accepted for its command lines: llmserve has one engine")
     srv.set_defaults(func=_cmd_serve)
 
     gen = sub.add_parser("generate", help="generate text for one prompt on the terminal")
