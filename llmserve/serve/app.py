@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI and TGI routes, /health, /metrics, the chat page at GET /, and
+"""The FastAPI app: OpenAI, TGI and ColossalAI routes, /health, /metrics, the chat page at GET /, and
 optionally /debug/kv, behind API-key and CORS middleware.
 
 `create_app(config, engine, model)` serves at once; `create_app(config)` answers 503 on the model
@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import llmserve
 from llmserve.engine.async_engine import AsyncEngine
-from llmserve.serve import openai_routes, session_routes, tgi_routes
+from llmserve.serve import colossal_routes, openai_routes, session_routes, tgi_routes
 from llmserve.serve.config import ServerConfig
 from llmserve.serve.errors import error_response, install_error_handlers
 from llmserve.serve.state import ServedModel, ServerState
@@ -44,6 +44,7 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None, model: S
     app.include_router(openai_routes.router)
     app.include_router(session_routes.router)
     app.include_router(tgi_routes.router)
+    app.include_router(colossal_routes.router)  # ColossalAI-Inference's /completion, /chat, /engine_check
     _add_service_routes(app, state)
     if config.api_keys:
         app.add_middleware(ApiKeyMiddleware, keys=config.api_keys)
