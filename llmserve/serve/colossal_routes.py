@@ -32,7 +32,7 @@ import itertools
 import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -54,6 +54,11 @@ SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}  # its Infer
 ROLE = "assistant"  # its --response-role default
 # ColossalAI numbers requests 1, 2, ... Process-wide, not per app: apps sharing one engine need distinct request ids.
 _numbers = itertools.count(1)
+
+
+class _Job(NamedTuple):
+    number: int  # ColossalAI's request_id
+    req: EngineRequest
 
 
 class _Body(BaseModel):
@@ -108,13 +113,13 @@ async def completion(body: CompletionBody, request: Request) -> Response:
         _refuse_unsupported(body)
         if not body.prompt:
             raise ApiError(400, "prompt: must not be empty", param="prompt")
-        number, req = _engine_request(model, body, completion_prompts(model, body.prompt)[0].token_ids, "prompt")
-        outputs = await until_disconnected(request, open_request(state, engine, req))
+        job = _job(model, body, completion_prompts(model, body.prompt)[0].token_ids, "prompt")
+        outputs = await until_disconnected(request, open_request(state, engine, job.req))
         if stream:
-            return SSEResponse(_completion_stream(number, outputs), on_close=permit.hand_over(),
-                               request_id=req.request_id, source=outputs)
+            return SSEResponse(_completion_stream(job.number, outputs), on_close=permit.hand_over(),
+                               request_id=job.req.request_id, source=outputs)
         text = await until_disconnected(request, _collect(outputs))
-        return JSONResponse({"request_id": number, "text": text}, headers={REQUEST_ID_HEADER: req.request_id})
+        return JSONResponse({"request_id": job.number, "text": text}, headers={REQUEST_ID_HEADER: job.req.request_id})
 
 
 @router.post("/chat")
@@ -135,7 +140,7 @@ async def chat(body: ChatBody, request: Request) -> Response:
         except InvalidRequestError as e:
             raise ApiError.from_invalid(e) from None
         # The template writes the special tokens (BOS included) itself.
-        _, req = _engine_request(model, body, model.tokenizer.encode(text, add_special_tokens=False), "messages")
+        req = _job(model, body, model.tokenizer.encode(text, add_special_tokens=False), "messages").req
         last = body.messages[-1]
         prefix = (last.get("content") or "") if echo and last.get("role") == ROLE else ""
         outputs = await until_disconnected(request, open_request(state, engine, req))
@@ -174,9 +179,8 @@ def _refuse_unsupported(body: _GenerationFields) -> None:
                                     "answer is greedy, as in ColossalAI)", param=name)
 
 
-def _engine_request(model: ServedModel, body: _GenerationFields, prompt_ids: list[int],
-                    what: str) -> tuple[int, EngineRequest]:
-    """The request's number (ColossalAI's request_id) and the engine request. 400 for a prompt that does not fit."""
+def _job(model: ServedModel, body: _GenerationFields, prompt_ids: list[int], what: str) -> _Job:
+    """The engine request and its number; 400 for a prompt that does not fit or a bad parameter."""
     room = check_prompt_length(model, len(prompt_ids), None, what)
     if body.max_new_tokens is not None:
         max_new = body.max_new_tokens
@@ -197,7 +201,7 @@ def _engine_request(model: ServedModel, body: _GenerationFields, prompt_ids: lis
         raise ApiError.from_invalid(e) from None
     number = next(_numbers)
     names = {"max_new_tokens": "max_length"} if body.max_new_tokens is None and body.max_length is not None else {}
-    return number, EngineRequest(f"colossal-{number}", prompt_ids, gen, names)
+    return _Job(number, EngineRequest(f"colossal-{number}", prompt_ids, gen, names))
 
 
 def _checked(out: SequenceOutput) -> SequenceOutput:
