@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve.attention import native
+from llmserve.kernels import native
 from tests.tiny_models import tiny_model_dir  # noqa: F401  (registers the session fixture)
 
 
 @pytest.fixture(params=["native", "torch"])
 def sampler_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The sampler on both of its CPU paths: the native kernels (attention/csrc/sampling.cpp, AVX-512 CPUs) and the
+    """The sampler on both of its CPU paths: the native kernels (kernels/cpu/sampling.cpp, AVX-512 CPUs) and the
     torch reference (LLMSERVE_SAMPLER=torch)."""
     if request.param == "native":
         if not native.sampling_usable():

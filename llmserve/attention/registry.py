@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from llmserve.attention import native
 from llmserve.attention.metadata import AttentionMetadata
+from llmserve.kernels import native
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def _triton_decode_fn() -> DecodeFn | None:
 
 def triton_decode_covers(device: torch.device, head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     """Whether the Triton paged decode kernel runs decode attention on this device for these dtypes and heads (CUDA
-    only: csrc's kernels are the CPU's); it must, for CUDA graphs to capture the decode steps."""
+    only: kernels/cpu's are the CPU's); it must, for CUDA graphs to capture the decode steps."""
     return (device.type == "cuda" and os.environ.get("LLMSERVE_ATTENTION") != "torch" and head_dim <= 256
             and dtype in _NATIVE_DTYPES and (cache_dtype in _NATIVE_DTYPES or cache_dtype == torch.int8)
             and _triton_decode_fn() is not None)

@@ -2,7 +2,7 @@
 
 Decodes run as one batched SDPA call over keys gathered by slot (padded to the longest context);
 each prefill chunk runs its own SDPA call, causal over its context. On CPU the registry's native
-kernels take both where they can (csrc/paged_decode.cpp, csrc/prefill_attention.cpp).
+kernels take both where they can (kernels/cpu/paged_decode.cpp, kernels/cpu/prefill_attention.cpp).
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from llmserve.attention import native, registry
+from llmserve.attention import registry
 from llmserve.attention.metadata import AttentionMetadata
 from llmserve.cpu_features import fp32_compute_for_bf16
+from llmserve.kernels import native
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
@@ -43,7 +44,7 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (int8 [..., D], fp32 scales [...]): symmetric per row, scale = max|x| / 127, rounded half
-    to even (an all-zero row: scale 0, zeros). csrc/kv_int8.cpp does exactly this."""
+    to even (an all-zero row: scale 0, zeros). kernels/cpu/kv_int8.cpp does exactly this."""
     xf = x.float()
     scale = xf.abs().amax(-1) / 127
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))

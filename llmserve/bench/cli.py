@@ -174,7 +174,7 @@ def peak_matmul_kind(dtype: torch.dtype, device: torch.device,
     if quantization == "w8a8":
         return dtype, INT8_MATMUL
     if quantization == "int8" and device.type == "cpu" and dtype in (torch.bfloat16, torch.float32):
-        from llmserve.attention import native
+        from llmserve.kernels import native
 
         if native.packed_gemm_usable() and native.int8w_a16_usable():
             return dtype, INT16_INT8_MATMUL

@@ -32,17 +32,17 @@ import functools
 import time
 from collections import defaultdict
 
-from llmserve.attention import native
 from llmserve.attention.layer import Attention
 from llmserve.bench.throughput import synchronize
 from llmserve.engine.llm_engine import LLMEngine
+from llmserve.kernels import native
 from llmserve.layers.linear import Linear
 from llmserve.sampling import batch as batch_module
 from llmserve.sampling import sampler as sampler_module
 from llmserve.sampling.sampler import Sampler
 from llmserve.structured.matcher import GrammarState
 
-# csrc/decoder_stack.cpp's timers, in its order, as phases here (None: its other ops, already other model ops)
+# kernels/cpu/decoder_stack.cpp's timers, in its order, as phases here (None: its other ops, already other model ops)
 STACK_PHASES = ("linear", "decode attention", "attention", None)
 PHASES = ("schedule", "prepare inputs", "linear", "decode attention", "attention", "other model ops", "LM head",
           "sampling", "grammar", "outputs", "rest of step")

@@ -130,7 +130,7 @@ def matmul_peak_gflops(dtype: torch.dtype, device: torch.device, m: int = 256, k
     """What this device does on a model-shaped matmul: the 'peak' the achieved figure is read against. kind (as
     bench.cli.peak_matmul_kind names it): INT8_MATMUL or INT16_INT8_MATMUL (GOP/s), otherwise a matmul in dtype."""
     if kind == INT16_INT8_MATMUL:
-        from llmserve.attention import native
+        from llmserve.kernels import native
 
         a = torch.randn(m, k, dtype=dtype, device=device)
         packed = native.w8a8_pack(torch.randint(-127, 128, (n, k), dtype=torch.int8))

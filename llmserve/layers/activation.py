@@ -6,13 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.attention import native
+from llmserve.kernels import native
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class SiluAndMul(nn.Module):
-    """[..., 2 * I] (gate then up) -> silu(gate) * up: [..., I]. On CPU one native pass (csrc/fused_ops.cpp) where
+    """[..., 2 * I] (gate then up) -> silu(gate) * up: [..., I]. On CPU one native pass (kernels/cpu/fused_ops.cpp) where
     the extension builds, as the decoder stack, so the two paths give the same bits."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

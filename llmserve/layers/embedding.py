@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.attention import native
+from llmserve.kernels import native
 from llmserve.layers.linear import (
     bf16_gemm_ok,
     default_weight_loader,
@@ -27,11 +27,11 @@ class VocabEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.packed: torch.Tensor | None = None  # oneDNN-blocked copy for logits(), see pack_for_cpu
-        self.bf16_packed: torch.Tensor | None = None  # csrc/packed_gemm.cpp's layout for logits(), see pack_for_cpu
+        self.bf16_packed: torch.Tensor | None = None  # kernels/cpu/packed_gemm.cpp's layout for logits(), see pack_for_cpu
         self.qweight: torch.Tensor | None = None  # int8 [vocab, hidden] replacing the weight, see quantize_int8
         self.scale: torch.Tensor | None = None  # fp32 [vocab]
         self.dtype: torch.dtype | None = None  # set by quantize_int8: lookups of the int8 table come back in it
-        # int8 rows in w8a8_pack's layout for logits() (csrc/packed_gemm.cpp), with `scale`: quantize_head_int8 (the
+        # int8 rows in w8a8_pack's layout for logits() (kernels/cpu/packed_gemm.cpp), with `scale`: quantize_head_int8 (the
         # lookup keeps the plain table), or quantize_int8 where the packed kernel runs (lookups read it too)
         self.head_int8_packed: torch.Tensor | None = None
 
@@ -58,7 +58,7 @@ class VocabEmbedding(nn.Module):
         return F.linear(hidden, self.weight).float()
 
     def pack_for_cpu(self, keep_plain: bool) -> None:
-        """A packed copy for the LM-head matmul (csrc/packed_gemm.cpp's layout for bf16 where bf16_gemm_ok, else
+        """A packed copy for the LM-head matmul (kernels/cpu/packed_gemm.cpp's layout for bf16 where bf16_gemm_ok, else
         oneDNN-blocked); the plain weight stays if the lookup needs it (tied embeddings): then the vocab matrix is
         held twice. An int8 table stays as it is, and so does an int8 LM head (only the plain weight is dropped where
         the lookup does not need it)."""
@@ -77,14 +77,14 @@ class VocabEmbedding(nn.Module):
 
     def quantize_head_int8(self) -> None:
         """int8 rows with one fp32 scale each for the LM-head matmul only (weight-only: the hidden states stay in the
-        model dtype, or int16 per row on VNNI CPUs), multiplied in csrc/packed_gemm.cpp; the lookup keeps the plain
+        model dtype, or int16 per row on VNNI CPUs), multiplied in kernels/cpu/packed_gemm.cpp; the lookup keeps the plain
         table. Needs native.packed_gemm_usable() (AVX-512)."""
         qweight, self.scale = quantize_rows(self.weight)
         self.head_int8_packed = native.w8a8_pack(qweight)
 
     def quantize_int8(self) -> None:
         """int8 rows with one fp32 scale each, for the lookup and the LM head alike (the plain one is freed): packed for
-        csrc/packed_gemm.cpp where it runs (int8_packed_ok), else row-major for int8_linear's torch paths."""
+        kernels/cpu/packed_gemm.cpp where it runs (int8_packed_ok), else row-major for int8_linear's torch paths."""
         self.dtype = self.weight.dtype
         qweight, self.scale = quantize_rows(self.weight)
         if int8_packed_ok(self.weight):

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.attention import native
 from llmserve.cpu_features import fp32_compute_for_bf16
+from llmserve.kernels import native
 
 
 class ShapeMismatch(ValueError):
@@ -60,9 +60,9 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.qweight: torch.Tensor | None = None  # int8 [out, in] replacing the weight, see quantize_int8
         self.scale: torch.Tensor | None = None  # fp32 [out]: weight ~= qweight * scale[:, None]
-        self.bf16_packed: torch.Tensor | None = None  # bf16 on AVX-512 without AMX: csrc/packed_gemm.cpp's layout (only)
+        self.bf16_packed: torch.Tensor | None = None  # bf16 on AVX-512 without AMX: kernels/cpu/packed_gemm.cpp's layout (only)
         # The int8 weight in w8a8_pack's block layout (no qweight then): w8a8 (quantize_w8a8, with wsum), or weight-only
-        # int8 where csrc/packed_gemm.cpp runs (quantize_int8)
+        # int8 where kernels/cpu/packed_gemm.cpp runs (quantize_int8)
         self.int8_packed: torch.Tensor | None = None
         self.wsum: torch.Tensor | None = None  # int32 [out]: row sums of the int8 weight, for int8 activations (w8a8)
 
@@ -86,7 +86,7 @@ class Linear(nn.Module):
 
     def pack_for_cpu(self) -> None:
         """Pack the weight for the CPU's fastest matmul; the plain one is freed. bf16 on a CPU with AVX-512 and no
-        AMX: csrc/packed_gemm.cpp's block layout, for every batch size (fp32 FMAs on bf16 weights, see
+        AMX: kernels/cpu/packed_gemm.cpp's block layout, for every batch size (fp32 FMAs on bf16 weights, see
         bf16_gemm_ok). Otherwise a oneDNN-blocked copy; for bf16 on a CPU without AMX whose native kernels did not
         build, the plain weight stays too, for large matmuls widened to fp32 (FP32_COMPUTE_MIN_ROWS). Int8 layers
         stay as they are."""
@@ -102,7 +102,7 @@ class Linear(nn.Module):
 
     def quantize_int8(self) -> None:
         """Replace the weight by int8 with one symmetric fp32 scale per output row (the plain one is freed): packed for
-        csrc/packed_gemm.cpp where it runs (int8_packed_ok), else kept row-major for int8_linear's torch paths."""
+        kernels/cpu/packed_gemm.cpp where it runs (int8_packed_ok), else kept row-major for int8_linear's torch paths."""
         qweight, self.scale = quantize_rows(self.weight)
         if int8_packed_ok(self.weight):
             self.int8_packed = native.w8a8_pack(qweight)
@@ -112,7 +112,7 @@ class Linear(nn.Module):
 
     def quantize_w8a8(self) -> None:
         """int8 weights as quantize_int8, and int8 activations: every call quantizes its input per row and
-        multiplies in int8 (csrc/w8a8_linear.cpp; needs native.w8a8_usable()). The weight is kept only in the
+        multiplies in int8 (kernels/cpu/w8a8_linear.cpp; needs native.w8a8_usable()). The weight is kept only in the
         kernel's block layout (int8_packed; qweight is freed)."""
         qweight, self.scale = quantize_rows(self.weight)
         self.weight = None
@@ -138,7 +138,7 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 def bf16_gemm_ok(weight: torch.Tensor) -> bool:
-    """Whether a bf16 weight runs in csrc/packed_gemm.cpp: a CPU with AVX-512 and no AMX (fp32_compute_for_bf16),
+    """Whether a bf16 weight runs in kernels/cpu/packed_gemm.cpp: a CPU with AVX-512 and no AMX (fp32_compute_for_bf16),
     the extension built. There it beats oneDNN's bf16 matmul and the fp32-widened one at every batch size
     (SmolLM2-135M's 30 decoders, 2-core AVX512-BF16 Xeon, best of 5 interleaved, ms: M = 1: 10.7 vs 10.1 (the
     former matrix-vector kernel; memory-bound); 4: 11.9 vs 16.3; 16: 23.0 vs 36.2; 64: 71.9 vs 111.5; 95: 98
@@ -148,7 +148,7 @@ def bf16_gemm_ok(weight: torch.Tensor) -> bool:
 
 
 def int8_packed_ok(weight: torch.Tensor) -> bool:
-    """Whether weight-only int8 of this weight runs in csrc/packed_gemm.cpp (int8w_gemm): a CPU with AVX-512, the
+    """Whether weight-only int8 of this weight runs in kernels/cpu/packed_gemm.cpp (int8w_gemm): a CPU with AVX-512, the
     extension built, a bf16 or fp32 model. There it beats the former int8 matrix-vector kernel at every batch size and
     torch's int8 matmul 1.8-1.9x (SmolLM2-135M's 30 decoders, 2-core AVX512-BF16 Xeon, best of 3, ms: M = 1: 5.0 vs
     5.2 vs 9.6; 16: 19.7 vs 20.3 vs 38.9; 64: 68 vs 73 vs 124), and beyond 64 rows nothing is dequantized per call."""

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.attention import native
+from llmserve.kernels import native
 from llmserve.layers.linear import default_weight_loader
 
 

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmserve.attention import native
 from llmserve.errors import ModelLoadError
+from llmserve.kernels import native
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 

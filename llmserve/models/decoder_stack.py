@@ -1,4 +1,4 @@
-"""Steps through the native decoder stack (csrc/decoder_stack.cpp) where its kernels cover the model.
+"""Steps through the native decoder stack (kernels/cpu/decoder_stack.cpp) where its kernels cover the model.
 
 A step runs every decoder layer and the final norm in one native call, without the interpreter between the kernels
 and without the GIL: the same kernels on the same tensors in the same order as the Python layers, so the hidden
@@ -8,7 +8,7 @@ single-request decode went from 88-90 to 143-155 tokens/s in w8a8 and from 61-63
 token of a 36-token prompt from 24-26 to 19 ms in w8a8, 47-49 to 43 in bf16.
 
 It covers every architecture here (Llama, Mistral, Qwen2, Qwen3's per-head q/k norm) with: linears in
-csrc/packed_gemm.cpp's or csrc/w8a8_linear.cpp's layout (bf16 models on AVX-512 CPUs without AMX, and --quantization
+kernels/cpu/packed_gemm.cpp's or kernels/cpu/w8a8_linear.cpp's layout (bf16 models on AVX-512 CPUs without AMX, and --quantization
 int8 or w8a8 on AVX-512 CPUs), a cache paged_decode reads, for steps with prefill chunks native prefill attention (AVX-512, head_dim % 16 ==
 0), and the native kernels enabled (not LLMSERVE_ATTENTION=torch, not LLMSERVE_FUSED_OPS=0).
 `LLMSERVE_DECODER_STACK=0` turns it off. Anything else keeps the Python layers, which stay the reference.
@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from llmserve.attention import native, registry
+from llmserve.attention import registry
 from llmserve.attention.metadata import AttentionMetadata
+from llmserve.kernels import native
 from llmserve.layers.linear import Linear
 
 if TYPE_CHECKING:

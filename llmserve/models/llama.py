@@ -230,7 +230,7 @@ class LlamaForCausalLM(nn.Module):
     def quantize(self, method: str) -> None:
         """After load_weights. int8: weight-only int8 for every linear layer and the embedding / LM head.
         w8a8: int8 weights for the decoder's linear layers, which also quantize their inputs to int8 per token; the LM
-        head gets weight-only int8 where csrc/packed_gemm.cpp runs (half the bytes a decode step reads there; SmolLM2-135M
+        head gets weight-only int8 where kernels/cpu/packed_gemm.cpp runs (half the bytes a decode step reads there; SmolLM2-135M
         perplexity 6.7293 -> 6.7307 with an int8 cache, scripts/perplexity.py) and the embedding lookup stays in the
         model dtype (int8 activations in the LM head measured +0.5% perplexity, so it never takes those)."""
         for module in self.modules():

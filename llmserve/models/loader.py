@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmserve.attention import native
 from llmserve.config import EngineConfig
 from llmserve.errors import InvalidRequestError, ModelLoadError
+from llmserve.kernels import native
 from llmserve.layers.linear import int8_packed_ok
 from llmserve.layers.rotary import rope_config, rope_max_positions
 from llmserve.models import model_config

@@ -14,7 +14,7 @@ import os
 import torch
 from torch import Tensor
 
-from llmserve.attention import native
+from llmserve.kernels import native
 from llmserve.sampling.batch import GrammarMasks, SamplingBatch
 
 

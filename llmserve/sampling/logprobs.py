@@ -5,7 +5,7 @@ bans, penalties, temperature and truncation (vLLM's default, and what OpenAI's A
 it answers "how likely did the model find this token", and it does not change with the
 request's sampling knobs. Greedy and sampled rows are treated alike.
 
-On AVX-512 CPUs `logprobs_of_logits` takes them from the native kernel (attention/csrc/sampling.cpp):
+On AVX-512 CPUs `logprobs_of_logits` takes them from the native kernel (kernels/cpu/sampling.cpp):
 a max, an exp-sum and a counting pass per row and the candidates near the max, instead of a [R, V]
 log_softmax, comparison and topk (64 rows of 49,152 with top-5 on 2 cores: 27 -> ~2 ms per step).
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from llmserve.attention import native
+from llmserve.kernels import native
 
 
 @dataclass

@@ -18,7 +18,7 @@ the whole vocabulary: its [B, V] exponential draws took 70 ms per step at 64 row
 speculative verification (`verify`) still uses the race for its residual distribution.
 
 On AVX-512 CPUs the token choice (argmax, or the filters and the draw) runs in the native kernel
-(attention/csrc/sampling.cpp), row-parallel and without [B, V] intermediates, from the same u, so it
+(kernels/cpu/sampling.cpp), row-parallel and without [B, V] intermediates, from the same u, so it
 picks the reference's token except where float rounding of a sum decides. At 64 rows of 49,152 on 2
 cores, with the batch's build: top_p 0.9 32 -> 3.1 ms per step, top_k 50 6.2 -> 1.8, greedy 2.4 -> 0.7
 (BENCHMARKS.md). Speculative verification too: the kernel accepts a draft d when u < p(d) and replaces a
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from llmserve.attention import native
+from llmserve.kernels import native
 from llmserve.sampling.batch import SamplingBatch, SequenceState
 from llmserve.sampling.grammar import apply_grammar_masks, rows_before_processors
 from llmserve.sampling.logits_processors import (

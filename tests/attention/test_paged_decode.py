@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmserve.attention import native
 from llmserve.attention.metadata import AttentionMetadata, SeqSpec, build_attention_metadata
 from llmserve.attention.torch_backend import decode_attention, quantize_int8
+from llmserve.kernels import native
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,4 +1,4 @@
-"""The native prefill attention kernel (csrc/prefill_attention.cpp) against the torch reference (one SDPA call per
+"""The native prefill attention kernel (kernels/cpu/prefill_attention.cpp) against the torch reference (one SDPA call per
 span): fresh prompts (this step's K/V), later chunks and prefix hits (the cache), windows, GQA, every cache dtype."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmserve.attention import native
 from llmserve.attention.metadata import AttentionMetadata, SeqSpec, build_attention_metadata
 from llmserve.attention.torch_backend import prefill_attention, quantize_int8, write_kv
+from llmserve.kernels import native
 
 pytestmark = pytest.mark.skipif(not native.prefill_attention_usable(),
                                 reason="native prefill attention needs the extension and a CPU with AVX-512")

@@ -1,4 +1,4 @@
-"""The native K/V writer for 16- and 32-bit caches (csrc/kv_int8.cpp, write_kv): exactly what index_copy_ of the
+"""The native K/V writer for 16- and 32-bit caches (kernels/cpu/kv_int8.cpp, write_kv): exactly what index_copy_ of the
 rows converted with .to() writes, and nothing else."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmserve.attention import native
+from llmserve.kernels import native
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="the native extension did not build here")
 

@@ -9,8 +9,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from llmserve.attention import native
 from llmserve.cli import main
+from llmserve.kernels import native
 
 
 def test_latency_json_on_a_tiny_model(tiny_model_dir: Callable[[str], str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -214,9 +214,9 @@ def test_weight_only_int8_is_read_against_the_int16_gemm_it_runs(monkeypatch: py
     """On VNNI CPUs weight-only int8 runs int8w_gemm with x rounded to int16, up to twice the fp32 FMA rate: read
     against fp32 the fraction passed 100%. Without VNNI it runs fp32 FMAs and is read as bf16 is."""
     from llmserve import cpu_features
-    from llmserve.attention import native
     from llmserve.bench.cli import peak_matmul_kind
     from llmserve.bench.throughput import matmul_peak_gflops
+    from llmserve.kernels import native
 
     monkeypatch.setattr(cpu_features, "fp32_compute_for_bf16", lambda: True)
     cpu = torch.device("cpu")

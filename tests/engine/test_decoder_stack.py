@@ -1,4 +1,4 @@
-"""The native decoder stack (csrc/decoder_stack.cpp) through the whole engine: the steps it runs (decodes, chunked
+"""The native decoder stack (kernels/cpu/decoder_stack.cpp) through the whole engine: the steps it runs (decodes, chunked
 prefills, both at once) give the same bits as the Python layers (LLMSERVE_DECODER_STACK=0), batched, windowed,
 preempted, prefix-cached, over 16-bit and int8 caches; models and settings it does not cover keep the Python layers."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from llmserve import EngineConfig, GenerationConfig, pipeline
-from llmserve.attention import native
 from llmserve.cpu_features import fp32_compute_for_bf16
+from llmserve.kernels import native
 from llmserve.models.llama import LlamaModel
 
 pytestmark = pytest.mark.skipif(not native.packed_gemm_usable(), reason="the decoder stack needs the native kernels "

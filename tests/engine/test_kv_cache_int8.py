@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from llmserve import EngineConfig, GenerationConfig, pipeline
-from llmserve.attention import native
 from llmserve.attention.torch_backend import quantize_int8, write_kv
 from llmserve.errors import InvalidRequestError
+from llmserve.kernels import native
 from llmserve.models import load_model
 from llmserve.worker.model_runner import cache_spec, num_blocks_for
 

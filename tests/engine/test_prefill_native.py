@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from llmserve import EngineConfig, GenerationConfig, pipeline
-from llmserve.attention import native
+from llmserve.kernels import native
 
 pytestmark = pytest.mark.skipif(not native.prefill_attention_usable(),
                                 reason="native prefill attention needs the extension and a CPU with AVX-512")

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from llmserve import EngineConfig, GenerationConfig, pipeline
-from llmserve.attention import native
 from llmserve.errors import InvalidRequestError
+from llmserve.kernels import native
 from llmserve.layers.embedding import VocabEmbedding
 from llmserve.layers.linear import Linear
 from llmserve.models.loader import check_w8a8
@@ -24,7 +24,7 @@ def _first_logprobs(model_dir: str, **engine) -> list[dict[int, float]]:
                                                          **engine)) as pipe:
         modules = list(pipe.engine.runner.model.modules())
         method = engine.get("quantization")
-        # int8: packed for csrc/packed_gemm.cpp where it runs, else row-major int8
+        # int8: packed for kernels/cpu/packed_gemm.cpp where it runs, else row-major int8
         assert {(m.qweight is not None or m.int8_packed is not None) and m.wsum is None
                 for m in modules if isinstance(m, Linear)} == {method == "int8"}
         assert {m.int8_packed is not None and m.wsum is not None

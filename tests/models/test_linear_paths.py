@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from llmserve import cpu_features
-from llmserve.attention import native
+from llmserve.kernels import native
 from llmserve.layers import linear as lin
 from llmserve.layers.linear import Linear
 

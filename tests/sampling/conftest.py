@@ -1,4 +1,4 @@
-"""The sampler's token choice has two paths on CPU: the native kernel (attention/csrc/sampling.cpp) and the torch
+"""The sampler's token choice has two paths on CPU: the native kernel (kernels/cpu/sampling.cpp) and the torch
 reference (LLMSERVE_SAMPLER=torch). Modules that test the sampler's behaviour run on both (sampler_path, in
 tests/conftest.py); torch_sampler keeps a module on the torch path."""
 

@@ -1,4 +1,4 @@
-"""The native token choice (attention/csrc/sampling.cpp) against the torch reference's filtered distribution: for
+"""The native token choice (kernels/cpu/sampling.cpp) against the torch reference's filtered distribution: for
 every row and uniform u, the kernel's token is the one whose interval of the reference's cumulative distribution (in
 token-id order) holds u times the total, never a token the filters remove. Rows cover peaked, flat, tied and banned
 logits, vocabularies that are not a multiple of 16, and every filter alone and combined."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmserve.attention import native
+from llmserve.kernels import native
 from llmserve.sampling import Sampler, SamplingBatch, SamplingParams, SequenceState
 from llmserve.sampling.logits_processors import apply_sampling_filters
 from llmserve.sampling.logprobs import logprobs_of_logits

@@ -23,7 +23,7 @@ def tiny(tiny_model_dir: Callable[[str], str]) -> Iterator[EngineHandle]:
 @pytest.fixture(scope="session")
 def stack_tiny(tiny_model_dir: Callable[[str], str]) -> Iterator[EngineHandle]:
     """The same model in bf16 with w8a8 linears: its steps run in the native decoder stack, which releases the GIL."""
-    from llmserve.attention import native
+    from llmserve.kernels import native
 
     if not native.w8a8_usable():
         pytest.skip("the decoder stack's w8a8 path needs a CPU with AVX-512 and VNNI")

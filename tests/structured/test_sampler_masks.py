@@ -123,7 +123,7 @@ def test_native_mask_equals_xgrammars(vocab, avx512, monkeypatch):
     and mixed), a vocabulary that is not a multiple of 32, and rows left out."""
     import xgrammar as xgr
 
-    from llmserve.attention import native
+    from llmserve.kernels import native
 
     if native.load() is None:
         pytest.skip("the native kernels need a C++ compiler")

@@ -1,4 +1,4 @@
-"""Weight-only int8 linear layers: quantized per row, packed for csrc/packed_gemm.cpp where it runs, and every path
+"""Weight-only int8 linear layers: quantized per row, packed for kernels/cpu/packed_gemm.cpp where it runs, and every path
 (the packed kernel, torch's int8 matmul, the dequantized matmul) against the dequantized weight."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmserve.attention import native
+from llmserve.kernels import native
 from llmserve.layers import linear as lin
 from llmserve.layers.embedding import VocabEmbedding
 from llmserve.layers.linear import Linear, int8_linear, quantize_rows

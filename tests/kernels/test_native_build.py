@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from llmserve.attention import native
+from llmserve.kernels import native
 
 
 @pytest.mark.parametrize(("age_s", "removed"), [(native.STALE_LOCK_S + 60, True), (5, False)])

@@ -1,8 +1,8 @@
-"""The C++ CPU kernels, compiled lazily on first use: the paged decode kernel (csrc/paged_decode.cpp),
-the fused rotary / add+RMSNorm ops of the decoder layer (csrc/fused_ops.cpp), the int8-activation linear
-(csrc/w8a8_linear.cpp), the GEMMs over packed bf16 or int8 weights (csrc/packed_gemm.cpp), the K/V
-writers (csrc/kv_int8.cpp), prefill attention (csrc/prefill_attention.cpp), a step's decoder layers
-in one call (csrc/decoder_stack.cpp) and the sampler's token choice (csrc/sampling.cpp), one extension.
+"""The C++ CPU kernels, compiled lazily on first use: the paged decode kernel (kernels/cpu/paged_decode.cpp),
+the fused rotary / add+RMSNorm ops of the decoder layer (kernels/cpu/fused_ops.cpp), the int8-activation linear
+(kernels/cpu/w8a8_linear.cpp), the GEMMs over packed bf16 or int8 weights (kernels/cpu/packed_gemm.cpp), the K/V
+writers (kernels/cpu/kv_int8.cpp), prefill attention (kernels/cpu/prefill_attention.cpp), a step's decoder layers
+in one call (kernels/cpu/decoder_stack.cpp) and the sampler's token choice (kernels/cpu/sampling.cpp), one extension.
 
 Compiling takes tens of seconds, so it never happens at import: `load()` builds on first call
 (torch caches the build under ~/.cache/torch_extensions, so later processes only link it) and is
@@ -24,7 +24,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name
+_SOURCES = [Path(__file__).parent / "cpu" / name
             for name in ("paged_decode.cpp", "fused_ops.cpp", "w8a8_linear.cpp",
                          "packed_gemm.cpp", "kv_int8.cpp", "prefill_attention.cpp", "decoder_stack.cpp",
                          "sampling.cpp")]

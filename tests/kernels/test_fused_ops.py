@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmserve.attention import native
+from llmserve.kernels import native
 from llmserve.layers.activation import SiluAndMul
 from llmserve.layers.norm import RMSNorm
 from llmserve.layers.rotary import apply_rotary, rotate_

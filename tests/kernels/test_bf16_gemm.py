@@ -1,4 +1,4 @@
-"""bf16 GEMM (csrc/packed_gemm.cpp): the fp32-summed product rounded once to bf16, at any batch size, and the layers
+"""bf16 GEMM (kernels/cpu/packed_gemm.cpp): the fp32-summed product rounded once to bf16, at any batch size, and the layers
 that use it (bf16 weights on a CPU with AVX-512 and no AMX)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmserve.attention import native
+from llmserve.kernels import native
 from llmserve.layers.embedding import VocabEmbedding
 from llmserve.layers.linear import Linear, bf16_gemm_ok
 

@@ -1,4 +1,4 @@
-"""Weight-only int8 GEMM (csrc/packed_gemm.cpp, int8w_gemm): x in fp32/bf16 times int8 weights packed by w8a8_pack,
+"""Weight-only int8 GEMM (kernels/cpu/packed_gemm.cpp, int8w_gemm): x in fp32/bf16 times int8 weights packed by w8a8_pack,
 times a per-row scale; x quantized to int16 per row and summed in int32 by VNNI (a16), or kept in fp32 and summed by
 FMAs; and the w8a8 LM head that uses it."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmserve.attention import native
+from llmserve.kernels import native
 from llmserve.layers.linear import quantize_rows
 
 pytestmark = pytest.mark.skipif(not native.packed_gemm_usable(),

@@ -1,4 +1,4 @@
-"""W8A8 linear (csrc/w8a8_linear.cpp): bit for bit what the same arithmetic gives in torch ops, and close to
+"""W8A8 linear (kernels/cpu/w8a8_linear.cpp): bit for bit what the same arithmetic gives in torch ops, and close to
 the float matmul it approximates."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmserve.attention import native
+from llmserve.kernels import native
 from llmserve.layers.linear import Linear, quantize_rows
 from tests.attention.test_int8_linear import _layer as float_layer
 
