@@ -103,6 +103,31 @@ def response_format_from_args(args: argparse.Namespace) -> Any:
     return None
 
 
+def _cmd_tune(args: argparse.Namespace) -> int:
+    """Measure the kernel choices of the model's bf16 matmuls on this machine again, cache them, print the table."""
+    import torch
+
+    from llmserve.kernels import calibrate
+    from llmserve.models.loader import load_model
+    from llmserve.worker.cpu_tuning import configure_cpu
+
+    config = dataclass_from_args(EngineConfig, args)
+    loaded = load_model(args.model, config)
+    if loaded.device.type != "cpu":
+        print(f"nothing to tune: the model runs on {loaded.device}, where the choices are not measured")
+        return 0
+    threads = configure_cpu(config.num_threads)
+    with torch.inference_mode():
+        table = calibrate.plan(loaded.model, threads, config.kernel_choice, remeasure=True)
+    if table is None:
+        print(f"nothing to tune: the model has no bf16 matmuls (dtype {loaded.dtype}; try --dtype bfloat16)")
+        return 0
+    print(f"{calibrate.cpu_model()}, {threads} threads, torch {torch.__version__}")
+    print(calibrate.report(table))
+    print(f"kernel choice: {table.describe()}")
+    return 0
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
     from llmserve.chat_template import BUILTIN_TEMPLATES
     from llmserve.models.registry import supported_architectures
@@ -191,6 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_flags(gen, GenerationConfig, _GEN_FLAGS, group_title="generation")
     add_structured_flags(gen)
     gen.set_defaults(func=_cmd_generate)
+
+    tune = sub.add_parser("tune", help="time the CPU kernels the model's bf16 matmuls may take, at each batch size, "
+                                       "on this machine; cache and print the choice (serve and the rest reuse it)")
+    add_model_argument(tune)
+    add_model_flags(tune, log_level="WARNING")
+    tune.set_defaults(func=_cmd_tune)
 
     lst = sub.add_parser("list", help="list supported architectures and built-in chat templates")
     lst.set_defaults(func=_cmd_list)

@@ -227,6 +227,10 @@ class EngineConfig:
     session_ttl: float = _f(600.0, "Seconds an idle session keeps its KV before it is evicted.")
     num_threads: int | None = _f(None, "CPU threads for torch. Default: the cores this process may run on (OpenMP's "
                                     "team size where OMP_NUM_THREADS or thread binding is set).")
+    kernel_choice: str = _f("auto", "CPU kernels of bf16 matmuls: auto times the candidates on this machine at the first "
+                                    "start (cached under ~/.cache/llmserve/tuning; `llmserve tune` measures again), "
+                                    "or pin one for A/B runs: bf16_linear=fma|dot|onednn|fp32. "
+                                    "LLMSERVE_KERNEL_CHOICE sets it where this is auto.")
     revision: str | None = _f(None, "Hub revision (branch, tag or commit) of the model.")
     download_dir: str | None = _f(None, "Where hub downloads go. Default: the Hugging Face cache.")
     trust_remote_code: bool = _f(False, "Allow the tokenizer/config to run code from the model repository.")
@@ -278,6 +282,11 @@ class EngineConfig:
                "speculative_method=draft_model needs a draft model (speculative_model)")
         _check(self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min",
                f"must be <= prompt_lookup_max ({self.prompt_lookup_max}), got {self.prompt_lookup_min}")
+        _check_type(self.kernel_choice, (str,), "kernel_choice")
+        from llmserve.kernels.calibrate import KINDS
+        from llmserve.kernels.choice import parse_pins
+
+        parse_pins(self.kernel_choice, KINDS)  # raises naming kernel_choice
         _check(0 < self.cache_max_entry_count <= 1, "cache_max_entry_count",
                f"must be in (0, 1], got {self.cache_max_entry_count}")
 

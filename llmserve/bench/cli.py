@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from llmserve.bench.datasets import BenchRequest, sharegpt, synthetic_chat
 from llmserve.bench.sampling import SamplingKnobs, add_sampling_flags, knobs_from_args
 from llmserve.bench.throughput import (
+    BF16_MATMUL,
     INT8_MATMUL,
     INT16_INT8_MATMUL,
     ThroughputResult,
@@ -25,6 +26,8 @@ from llmserve.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     import torch
+
+    from llmserve.kernels.choice import ChoiceTable
 
 
 def add_bench_parser(sub: argparse._SubParsersAction, add_engine_flags) -> None:
@@ -144,6 +147,7 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
                                   n=cfg.intermediate_size, kind=peak_kind)
         pad = pipe.tokenizer.pad_token_id if pipe.tokenizer.pad_token_id is not None else 0
         dummy = engine.config.load_format == "dummy"
+        choices = engine.runner.kernel_choices
         del engine  # the pipeline's close drops the last other reference: weights and KV pool are freed
     if args.baseline == "transformers":
         from llmserve.bench.baseline import run_transformers_throughput
@@ -155,7 +159,7 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
         results.append(run_transformers_throughput(model_dir, dtype, device, requests, args.baseline_batch_size,
                                                    pad, dummy=dummy, sampling=sampling))
     precision = str(dtype).removeprefix("torch.") + (f", {quantization}" if quantization else "")
-    _report(results, peak, precision, args.json, profile, peak_kind, sampling)
+    _report(results, peak, precision, args.json, profile, peak_kind, sampling, choices)
     return 0
 
 
@@ -165,11 +169,10 @@ def peak_matmul_kind(dtype: torch.dtype, device: torch.device,
     - w8a8: the int8 matmul.
     - Weight-only int8 on a CPU where int8w_gemm rounds x to int16 (VNNI): that GEMM itself (INT16_INT8_MATMUL),
       whose products run at up to twice the fp32 FMA rate (read against the fp32 peak the fraction passed 100%).
-    - bf16 on a CPU where large bf16 matmuls run in fp32 (no AMX, see fp32_compute_for_bf16): fp32, the faster one
-      (read against the bf16 peak the fraction passed 100%)."""
+    - bf16 on CPU: the fastest bf16 matmul this machine runs (BF16_MATMUL: the best of torch's and the packed
+      kernels' paths; on a Xeon without AMX torch's bf16 matmul ran at half the packed FMA path's speed, and read
+      against it the fraction passed 100%)."""
     import torch
-
-    from llmserve.cpu_features import fp32_compute_for_bf16
 
     if quantization == "w8a8":
         return dtype, INT8_MATMUL
@@ -178,8 +181,8 @@ def peak_matmul_kind(dtype: torch.dtype, device: torch.device,
 
         if native.packed_gemm_usable() and native.int8w_a16_usable():
             return dtype, INT16_INT8_MATMUL
-    if dtype == torch.bfloat16 and device.type == "cpu" and fp32_compute_for_bf16():
-        return torch.float32, "fp32 matmul"
+    if dtype == torch.bfloat16 and device.type == "cpu":
+        return dtype, BF16_MATMUL
     return dtype, "matmul"
 
 
@@ -192,11 +195,13 @@ def _workload(args: argparse.Namespace, pipe) -> list[BenchRequest]:
 
 
 def _report(results: list[ThroughputResult], peak_gflops: float, dtype: str, as_json: bool, profile=None,
-            peak_kind: str = "matmul", sampling: SamplingKnobs = SamplingKnobs()) -> None:
-    """`peak_kind`: what the peak was measured on (the int8 matmul for w8a8, whose figure is in GOP/s)."""
+            peak_kind: str = "matmul", sampling: SamplingKnobs = SamplingKnobs(),
+            choices: ChoiceTable | None = None) -> None:
+    """`peak_kind`: what the peak was measured on (the int8 matmul for w8a8, whose figure is in GOP/s). `choices`: the
+    kernels the run's bf16 matmuls took (kernels/choice.py)."""
     if as_json:
         out = {"dtype": dtype, "sampling": sampling.describe(), "matmul_peak_gflops": peak_gflops,
-               "matmul_peak_kind": peak_kind,
+               "matmul_peak_kind": peak_kind, "kernel_choice": None if choices is None else choices.as_dict(),
                "results": [r.as_dict() for r in results], "ratio_vs_baseline": _ratio(results)}
         if profile is not None:
             out["step_profile"] = profile.as_dict()
@@ -214,6 +219,8 @@ def _report(results: list[ThroughputResult], peak_gflops: float, dtype: str, as_
               f"{r.elapsed_s:>11.2f}{100 * r.achieved_gflops / peak_gflops:>7.0f}%"
               f"{100 * r.prefix_cache_hit_rate:>9.0f}%{r.peak_rss_mb:>13.0f}"
               + (f"  (GPU peak {r.peak_device_mb:.0f} MB)" if r.peak_device_mb is not None else ""))
+    if choices is not None:
+        print(f"kernel choice: {choices.describe()}")
     if r0.spec_acceptance_rate is not None:
         print(f"speculative decoding: {100 * r0.spec_acceptance_rate:.0f}% of draft tokens accepted, "
               f"{r0.spec_tokens_per_step:.2f} tokens per verify step")

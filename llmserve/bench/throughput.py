@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -123,12 +124,15 @@ def peak_device_mb(device: torch.device) -> float | None:
 # The kinds of matmul a run is read against (bench.cli.peak_matmul_kind picks one; printed, and in --json)
 INT8_MATMUL = "int8 matmul"  # s8 x s8 -> s32, what w8a8 linears run
 INT16_INT8_MATMUL = "int16 x int8 matmul"  # native.int8w_gemm with x rounded to int16, what weight-only int8 runs
+BF16_MATMUL = "bf16 matmul"  # the fastest of the bf16 linear's paths here (kernels/calibrate.py's candidates)
 
 
 def matmul_peak_gflops(dtype: torch.dtype, device: torch.device, m: int = 256, k: int = 576, n: int = 1536,
                        seconds: float = 1.0, kind: str = "matmul") -> float:
     """What this device does on a model-shaped matmul: the 'peak' the achieved figure is read against. kind (as
     bench.cli.peak_matmul_kind names it): INT8_MATMUL or INT16_INT8_MATMUL (GOP/s), otherwise a matmul in dtype."""
+    if kind == BF16_MATMUL:
+        return max(_bf16_path_gflops(name, m, k, n, seconds) for name in _bf16_paths())
     if kind == INT16_INT8_MATMUL:
         from llmserve.kernels import native
 
@@ -150,6 +154,10 @@ def matmul_peak_gflops(dtype: torch.dtype, device: torch.device, m: int = 256, k
 
         def matmul() -> None:
             torch.nn.functional.linear(a, w)
+    return _gflops(matmul, 2 * m * k * n, device, seconds)
+
+
+def _gflops(matmul: Callable[[], object], flop: int, device: torch.device, seconds: float) -> float:
     for _ in range(3):
         matmul()
     iters, start = 0, time.perf_counter()
@@ -157,4 +165,17 @@ def matmul_peak_gflops(dtype: torch.dtype, device: torch.device, m: int = 256, k
         matmul()
         iters += 1
     synchronize(device)
-    return 2 * m * k * n * iters / (time.perf_counter() - start) / 1e9
+    return flop * iters / (time.perf_counter() - start) / 1e9
+
+
+def _bf16_paths() -> tuple[str, ...]:
+    from llmserve.kernels.calibrate import BF16_LINEAR, available
+
+    return tuple(name for name in available(BF16_LINEAR) if name != "fp32")  # fp32: not a bf16 matmul
+
+
+def _bf16_path_gflops(name: str, m: int, k: int, n: int, seconds: float) -> float:
+    from llmserve.kernels.calibrate import bf16_linear_candidates
+
+    (candidate,) = bf16_linear_candidates(n, k, (name,))
+    return _gflops(lambda: candidate.run(m), 2 * m * k * n, torch.device("cpu"), seconds / 2)

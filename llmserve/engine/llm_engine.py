@@ -31,7 +31,7 @@ from llmserve.sampling.params import SamplingParams
 from llmserve.sampling.sampler import SamplerOutput
 from llmserve.structured.compiler import GrammarCompiler
 from llmserve.structured.matcher import GrammarState
-from llmserve.worker.model_runner import GraphOptions, ModelRunner, num_blocks_for
+from llmserve.worker.model_runner import CpuOptions, GraphOptions, ModelRunner, num_blocks_for
 
 logger = logging.getLogger(__name__)
 
@@ -58,14 +58,14 @@ class LLMEngine:
                                                          config.cache_max_entry_count, draft, config.kv_cache_dtype)
         graphs = GraphOptions(not config.enforce_eager and config.quantization is None, config.max_batch_size,
                               self.session_len + config.num_speculative_tokens)
-        self.runner = ModelRunner(loaded, num_blocks, config.block_size, config.num_threads, config.kv_cache_dtype,
-                                  graphs)
+        cpu = CpuOptions(config.num_threads, config.kernel_choice)
+        self.runner = ModelRunner(loaded, num_blocks, config.block_size, cpu, config.kv_cache_dtype, graphs)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.proposer: Proposer | None = None
         if config.speculative_method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         elif draft is not None:
-            self.proposer = DraftModelProposer(ModelRunner(draft, num_blocks, config.block_size, config.num_threads,
+            self.proposer = DraftModelProposer(ModelRunner(draft, num_blocks, config.block_size, cpu,
                                                            config.kv_cache_dtype, graphs))
         self.spec_stats = SpecStats()
         lookahead = config.num_speculative_tokens if self.proposer else 0

@@ -203,10 +203,18 @@ def bf16_pack(weight: torch.Tensor) -> torch.Tensor:
     return _module.bf16_pack(weight)
 
 
-def bf16_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] bf16 @ the weight [n, K] (packed by bf16_pack) ^T (+ bias) -> [M, n] bf16: fp32 FMAs on the widened
-    weights, each output summed over k in order. Needs packed_gemm_usable()."""
-    return _module.bf16_gemm(x, packed, n, bias)
+def bf16_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None,
+              dot: bool = False) -> torch.Tensor:
+    """x [M, K] bf16 @ the weight [n, K] (packed by bf16_pack) ^T (+ bias) -> [M, n] bf16, each output summed over k in
+    order: fp32 FMAs on the widened weights, or with dot vdpbf16ps on the packed pairs (needs bf16_dot_usable()).
+    Which is faster depends on the CPU and the rows (kernels/choice.py measures it). Needs packed_gemm_usable()."""
+    return _module.bf16_gemm(x, packed, n, bias, 1 if dot else 0)
+
+
+@functools.cache
+def bf16_dot_usable() -> bool:
+    """Whether bf16_gemm's dot path runs here: the packed GEMMs do and the CPU has AVX512-BF16."""
+    return packed_gemm_usable() and _module.bf16_dot_supported()
 
 
 def int8w_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,

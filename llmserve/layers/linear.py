@@ -14,6 +14,7 @@ from torch import nn
 
 from llmserve.cpu_features import fp32_compute_for_bf16
 from llmserve.kernels import native
+from llmserve.kernels.choice import OpChoice
 
 
 class ShapeMismatch(ValueError):
@@ -55,50 +56,43 @@ class Linear(nn.Module):
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
 
-        # oneDNN-blocked copy of the weight (CPU), see pack_for_cpu; the plain weight is then freed, unless
-        # large matmuls take it to fp32 (bf16 on a CPU without AMX, see fp32_compute_for_bf16)
+        # oneDNN-blocked copy of an fp32 weight (CPU), see pack_for_cpu; the plain weight is then freed
         self.packed: torch.Tensor | None = None
         self.qweight: torch.Tensor | None = None  # int8 [out, in] replacing the weight, see quantize_int8
         self.scale: torch.Tensor | None = None  # fp32 [out]: weight ~= qweight * scale[:, None]
-        self.bf16_packed: torch.Tensor | None = None  # bf16 on AVX-512 without AMX: kernels/cpu/packed_gemm.cpp's layout (only)
+        self.bf16: Bf16Matmul | None = None  # a bf16 weight on CPU in the forms its measured kernels read
         # The int8 weight in w8a8_pack's block layout (no qweight then): w8a8 (quantize_w8a8, with wsum), or weight-only
         # int8 where kernels/cpu/packed_gemm.cpp runs (quantize_int8)
         self.int8_packed: torch.Tensor | None = None
         self.wsum: torch.Tensor | None = None  # int32 [out]: row sums of the int8 weight, for int8 activations (w8a8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int8_packed is not None or self.bf16_packed is not None:
+        if self.int8_packed is not None or self.bf16 is not None:
             x2 = x.reshape(-1, self.in_features)  # the packed-weight kernels take [M, K]
             if self.wsum is not None:
                 y = native.w8a8_linear(x2, self.int8_packed, self.scale, self.wsum, self.bias)
             elif self.int8_packed is not None:
                 y = native.int8w_gemm(x2, self.int8_packed, self.scale, self.bias)
             else:
-                y = native.bf16_gemm(x2, self.bf16_packed, self.out_features, self.bias)
+                y = self.bf16(x2, self.bias)
             return y.reshape(*x.shape[:-1], self.out_features)
         if self.qweight is not None:
             return int8_linear(x, self.qweight, self.scale, self.bias)
         if self.packed is not None:
-            if self.weight is not None and x.dim() == 2 and x.shape[0] >= FP32_COMPUTE_MIN_ROWS:
-                return fp32_linear(x, self.weight, self.bias)
             return onednn_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
-    def pack_for_cpu(self) -> None:
-        """Pack the weight for the CPU's fastest matmul; the plain one is freed. bf16 on a CPU with AVX-512 and no
-        AMX: kernels/cpu/packed_gemm.cpp's block layout, for every batch size (fp32 FMAs on bf16 weights, see
-        bf16_gemm_ok). Otherwise a oneDNN-blocked copy; for bf16 on a CPU without AMX whose native kernels did not
-        build, the plain weight stays too, for large matmuls widened to fp32 (FP32_COMPUTE_MIN_ROWS). Int8 layers
-        stay as they are."""
+    def pack_for_cpu(self, choice: OpChoice | None = None) -> None:
+        """Put the weight in the form of the CPU's fastest matmul; the plain one is freed. A bf16 weight with its
+        measured choice (kernels/calibrate.py): a Bf16Matmul. Otherwise a oneDNN-blocked copy. Int8 layers stay as
+        they are."""
         if self.weight is None:
             return
-        if bf16_gemm_ok(self.weight):
-            self.bf16_packed = native.bf16_pack(self.weight)
-            self.weight = None
-            return
-        self.packed = pack_weight(self.weight)
-        if not (self.weight.dtype == torch.bfloat16 and fp32_compute_for_bf16()):
-            self.weight = None
+        if choice is not None and self.weight.dtype == torch.bfloat16:
+            self.bf16 = Bf16Matmul(self.weight, choice)
+        else:
+            self.packed = pack_weight(self.weight)
+        self.weight = None
 
     def quantize_int8(self) -> None:
         """Replace the weight by int8 with one symmetric fp32 scale per output row (the plain one is freed): packed for
@@ -137,14 +131,34 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
-def bf16_gemm_ok(weight: torch.Tensor) -> bool:
-    """Whether a bf16 weight runs in kernels/cpu/packed_gemm.cpp: a CPU with AVX-512 and no AMX (fp32_compute_for_bf16),
-    the extension built. There it beats oneDNN's bf16 matmul and the fp32-widened one at every batch size
-    (SmolLM2-135M's 30 decoders, 2-core AVX512-BF16 Xeon, best of 5 interleaved, ms: M = 1: 10.7 vs 10.1 (the
-    former matrix-vector kernel; memory-bound); 4: 11.9 vs 16.3; 16: 23.0 vs 36.2; 64: 71.9 vs 111.5; 95: 98
-    vs 150; 128: 106 vs 130 (fp32); 512: 416 vs 434), and keeps one bf16 copy where those kept two."""
-    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and fp32_compute_for_bf16()
-            and native.packed_gemm_usable())
+class Bf16Matmul:
+    """A bf16 weight [N, K] on CPU in the forms its chosen kernels read, and the choice between them by rows of x
+    (kernels/choice.py measured it on this machine): fma and dot read kernels/cpu/packed_gemm.cpp's layout (one copy
+    serves both), onednn its blocked copy, fp32 the plain weight (widened per call). Only the forms a bucket chose are
+    kept."""
+
+    def __init__(self, weight: torch.Tensor, choice: OpChoice) -> None:
+        kinds = choice.kinds
+        self.n = weight.shape[0]
+        self.choice = choice
+        self.native = native.bf16_pack(weight) if kinds & {"fma", "dot"} else None
+        self.onednn = pack_weight(weight) if "onednn" in kinds else None
+        self.plain = weight if "fp32" in kinds else None
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] bf16 -> [M, N] bf16."""
+        kind = self.choice.pick(x.shape[0])
+        if kind in ("fma", "dot"):
+            return native.bf16_gemm(x, self.native, self.n, bias, dot=kind == "dot")
+        if kind == "onednn":
+            return onednn_linear(x, self.onednn, bias)
+        return fp32_linear(x, self.plain, bias)
+
+    def native_by_rows(self) -> list[tuple[int, int]] | None:
+        """For the native decoder stack: (up to rows, dot) pairs when every bucket runs a packed kernel, else None."""
+        if not self.choice.kinds <= {"fma", "dot"}:
+            return None
+        return [(rows, int(kind == "dot")) for rows, kind in zip(self.choice.rows, self.choice.winners)]
 
 
 def int8_packed_ok(weight: torch.Tensor) -> bool:
@@ -156,11 +170,10 @@ def int8_packed_ok(weight: torch.Tensor) -> bool:
             and native.packed_gemm_usable())
 
 
-# Without the native kernels (bf16_gemm_ok false), a bf16 matmul of at least this many rows runs in fp32 on CPUs
-# without AMX (fp32_compute_for_bf16);
-# widening the weight costs about one read of it. Measured over a SmolLM2-135M decoder's linears, 2 cores,
-# AVX512-BF16 Xeon: bf16 (blocked) vs fp32 widened, ms per forward: M = 64: 91 vs 88-107 (a wash);
-# M = 96: 177 vs 127; M = 128: 172-177 vs 125-139; M = 512: 653 vs 414; M = 2048: 2,580 vs 1,570.
+# Weight-only int8 where the packed kernel does not run (int8_linear's torch paths, CPUs without AVX-512): a bf16 matmul
+# of at least this many rows runs in fp32 on CPUs without AMX (fp32_compute_for_bf16); widening the weight costs about
+# one read of it. Measured over a SmolLM2-135M decoder's linears, 2 cores, AVX512-BF16 Xeon: bf16 (blocked) vs fp32
+# widened, ms per forward: M = 64: 91 vs 88-107 (a wash); M = 96: 177 vs 127; M = 128: 172-177 vs 125-139.
 FP32_COMPUTE_MIN_ROWS = 96
 
 

@@ -20,6 +20,8 @@ from torch import nn
 
 from llmserve.attention import Attention, AttentionMetadata
 from llmserve.errors import ModelLoadError
+from llmserve.kernels import calibrate
+from llmserve.kernels.choice import ChoiceTable, OpChoice
 from llmserve.layers.activation import SiluAndMul
 from llmserve.layers.embedding import VocabEmbedding
 from llmserve.layers.linear import Linear, MergedLinear, ShapeMismatch, int8_packed_ok
@@ -217,15 +219,17 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
-    def pack_for_cpu(self) -> None:
-        """Switch every matmul to oneDNN-blocked weights (after load_weights; see layers.linear)."""
+    def pack_for_cpu(self, choices: ChoiceTable | None = None) -> None:
+        """Switch every matmul to its CPU form (after load_weights; see layers.linear): bf16 weights to the kernels
+        measured fastest on this machine (choices, kernels/calibrate.py), the rest to oneDNN-blocked weights."""
+        def choice(weight: torch.Tensor | None) -> OpChoice | None:
+            return None if choices is None or weight is None else choices.ops.get(calibrate.op_name(weight))
+
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack_for_cpu()
-        if self.lm_head is None:
-            self.model.embed_tokens.pack_for_cpu(keep_plain=True)
-        else:
-            self.lm_head.pack_for_cpu(keep_plain=False)
+                module.pack_for_cpu(choice(module.weight))
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        head.pack_for_cpu(keep_plain=self.lm_head is None, choice=choice(head.weight))
 
     def quantize(self, method: str) -> None:
         """After load_weights. int8: weight-only int8 for every linear layer and the embedding / LM head.

@@ -18,6 +18,8 @@ from llmserve.attention import SeqSpec, build_attention_metadata, registry
 from llmserve.attention.metadata import Workspace
 from llmserve.engine.request import Request
 from llmserve.engine.scheduler import ScheduledRequest
+from llmserve.kernels import calibrate
+from llmserve.kernels.choice import ChoiceTable
 from llmserve.models.loader import LoadedModel
 from llmserve.sampling.logprobs import logprobs_of_logits
 from llmserve.sampling.sampler import Sampler, SamplerOutput, SamplingBatch, SequenceState
@@ -50,6 +52,15 @@ SCALE_DTYPE = torch.float32  # of int8 caches
 
 
 @dataclass(frozen=True)
+class CpuOptions:
+    """How the runner sets up a CPU: torch's threads (None: default_num_threads) and the kernel choice (auto: measured
+    on this machine, or pins such as "bf16_linear=fma"; kernels/choice.py)."""
+
+    num_threads: int | None = None
+    kernel_choice: str | None = None
+
+
+@dataclass(frozen=True)
 class GraphOptions:
     """CUDA graphs of decode steps (worker/cuda_graphs.py): whether to capture, and for what."""
 
@@ -60,12 +71,17 @@ class GraphOptions:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
-                 num_threads: int | None = None, kv_cache_dtype: str = "auto",
+                 cpu: CpuOptions | None = None, kv_cache_dtype: str = "auto",
                  graphs: GraphOptions | None = None) -> None:
+        self.kernel_choices: ChoiceTable | None = None  # the measured (or cached, or pinned) kernels of bf16 matmuls
         if loaded.device.type == "cpu":
-            configure_cpu(num_threads)
+            cpu = cpu or CpuOptions()
+            threads = configure_cpu(cpu.num_threads)
             if use_onednn(loaded):
-                loaded.model.pack_for_cpu()
+                self.kernel_choices = calibrate.plan(loaded.model, threads, cpu.kernel_choice)
+                if self.kernel_choices is not None:
+                    logger.info("kernel choice: %s", self.kernel_choices.describe())
+                loaded.model.pack_for_cpu(self.kernel_choices)
         self.model = loaded.model
         self.device = loaded.device
         self.vocab_size = loaded.hf_config.vocab_size

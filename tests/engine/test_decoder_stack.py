@@ -7,14 +7,20 @@ from __future__ import annotations
 import pytest
 
 from llmserve import EngineConfig, GenerationConfig, pipeline
-from llmserve.cpu_features import fp32_compute_for_bf16
 from llmserve.kernels import native
 from llmserve.models.llama import LlamaModel
 
 pytestmark = pytest.mark.skipif(not native.packed_gemm_usable(), reason="the decoder stack needs the native kernels "
                                 "and a CPU with AVX-512")
-# bf16 linears are packed for bf16_gemm only on CPUs without AMX (elsewhere oneDNN runs them: no stack)
-BF16_PACKED = fp32_compute_for_bf16()
+# bf16 linears run in the stack where their measured kernels are packed ones at every batch size: pinned here, so the
+# tests do not depend on what this machine measured (LLMSERVE_KERNEL_CHOICE; test_stack_takes_either_bf16_kernel
+# runs the other)
+BF16_PACKED = True
+
+
+@pytest.fixture(autouse=True)
+def _packed_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMSERVE_KERNEL_CHOICE", "bf16_linear=fma")
 needs_w8a8 = pytest.mark.skipif(not native.w8a8_usable(), reason="w8a8 needs a CPU with AVX-512 and VNNI")
 
 PROMPTS = [list(range(3, 40)), [11, 12], list(range(50, 75)), [7] * 9]
@@ -42,6 +48,17 @@ def _check_same_bits(path: str, monkeypatch: pytest.MonkeyPatch, expect_stack: b
     assert (calls > 0) == expect_stack
     assert ids == ref_ids
     assert lps == ref_lps  # exactly: the same kernels on the same tensors in the same order
+
+
+@pytest.mark.parametrize("kernel", ["dot", "onednn"])
+def test_stack_takes_either_bf16_kernel(tiny_model_dir, monkeypatch, kernel: str) -> None:
+    """dot products run in the stack as in the Python layers; a oneDNN choice keeps the Python layers."""
+    from llmserve.kernels.calibrate import BF16_LINEAR, available
+
+    if kernel not in available(BF16_LINEAR):
+        pytest.skip(f"{kernel} does not run here")
+    monkeypatch.setenv("LLMSERVE_KERNEL_CHOICE", f"bf16_linear={kernel}")
+    _check_same_bits(tiny_model_dir("llama"), monkeypatch, kernel == "dot")
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen2", "mistral", "qwen3"])  # biases, windows, q/k norm
@@ -114,13 +131,13 @@ def test_the_stack_refuses_what_it_cannot_run() -> None:
     cache = torch.zeros(2, 4, 2, 16, dtype=torch.bfloat16)  # 2 blocks of 4 tokens
 
     def lin(n: int, k: int) -> list:
-        return [native.bf16_pack(torch.randn(n, k).bfloat16()), n, None, None, None]
+        return [native.bf16_pack(torch.randn(n, k).bfloat16()), n, None, None, None, []]
 
     with pytest.raises(RuntimeError, match="qkv has 96 outputs, expected 128"):
         stack.add_layer(norm, norm, lin(96, 64), lin(64, 64), lin(256, 64), lin(64, 128), None, None, cache, cache, None,
                         None, -1)
     with pytest.raises(RuntimeError, match="bf16_pack'ed or w8a8_pack'ed"):
-        stack.add_layer(norm, norm, [torch.zeros(8, 32, 16, 2), 128, None, None, None], lin(64, 64), lin(256, 64),
+        stack.add_layer(norm, norm, [torch.zeros(8, 32, 16, 2), 128, None, None, None, []], lin(64, 64), lin(256, 64),
                         lin(64, 128), None, None, cache, cache, None, None, -1)
     with pytest.raises(RuntimeError, match="come together"):
         stack.add_layer(norm, norm, lin(128, 64), lin(64, 64), lin(256, 64), lin(64, 128), norm[:16], None, cache, cache,

@@ -1,5 +1,6 @@
-"""bf16 GEMM (kernels/cpu/packed_gemm.cpp): the fp32-summed product rounded once to bf16, at any batch size, and the layers
-that use it (bf16 weights on a CPU with AVX-512 and no AMX)."""
+"""bf16 GEMM (kernels/cpu/packed_gemm.cpp), by fp32 FMAs and by AVX512-BF16 dot products over the same packed weight: the
+fp32-summed product rounded once to bf16, at any batch size, and the layers that use it (Bf16Matmul, whichever kernel
+the measured choice gives each batch size)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,15 @@ import pytest
 import torch
 
 from llmserve.kernels import native
+from llmserve.kernels.choice import OpChoice, pinned
 from llmserve.layers.embedding import VocabEmbedding
-from llmserve.layers.linear import Linear, bf16_gemm_ok
+from llmserve.layers.linear import Linear
 
 pytestmark = pytest.mark.skipif(not native.packed_gemm_usable(),
                                 reason="the bf16 GEMM needs the extension and a CPU with AVX-512")
+# dot=False: fp32 FMAs (every AVX-512 CPU); dot=True: vdpbf16ps (CPUs with AVX512-BF16)
+PATHS = [False, pytest.param(True, marks=pytest.mark.skipif(not native.bf16_dot_usable(),
+                                                            reason="the dot path needs AVX512-BF16"))]
 
 
 def _ulps_apart(got: torch.Tensor, want_fp32: torch.Tensor) -> torch.Tensor:
@@ -25,14 +30,15 @@ def _ulps_apart(got: torch.Tensor, want_fp32: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("rows,in_f,out_f", [(1, 576, 960), (2, 100, 33), (3, 1536, 576), (4, 37, 17), (5, 64, 16),
                                              (6, 7, 70), (13, 200, 100), (64, 576, 1030), (487, 70, 90)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_kernel_is_the_fp32_sum_rounded_to_bf16(rows: int, in_f: int, out_f: int, bias: bool) -> None:
+@pytest.mark.parametrize("dot", PATHS)
+def test_kernel_is_the_fp32_sum_rounded_to_bf16(rows: int, in_f: int, out_f: int, bias: bool, dot: bool) -> None:
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_f, generator=g).bfloat16()
     w = torch.randn(out_f, in_f, generator=g).bfloat16()
     b = torch.randn(out_f, generator=g).bfloat16() if bias else None
     packed = native.bf16_pack(w)
     assert packed.shape == (-(-out_f // 16), -(-in_f // 2), 16, 2)
-    got = native.bf16_gemm(x, packed, out_f, b)
+    got = native.bf16_gemm(x, packed, out_f, b, dot=dot)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out_f)
     want = x.float() @ w.float().T + (b.float() if bias else 0)  # products of bf16 are exact in fp32
     # one rounding to bf16 (half a step), plus fp32 sums in another order; far from a bf16 matmul's own error
@@ -40,8 +46,10 @@ def test_kernel_is_the_fp32_sum_rounded_to_bf16(rows: int, in_f: int, out_f: int
     torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-2)
 
 
-def test_no_rows() -> None:
-    got = native.bf16_gemm(torch.empty(0, 16).bfloat16(), native.bf16_pack(torch.randn(8, 16).bfloat16()), 8, None)
+@pytest.mark.parametrize("dot", PATHS)
+def test_no_rows(dot: bool) -> None:
+    got = native.bf16_gemm(torch.empty(0, 16).bfloat16(), native.bf16_pack(torch.randn(8, 16).bfloat16()), 8, None,
+                           dot=dot)
     assert got.shape == (0, 8) and got.dtype == torch.bfloat16
 
 
@@ -52,14 +60,15 @@ def test_pack_layout() -> None:
     assert torch.equal(native.bf16_pack(w), padded.view(2, 16, 3, 2).transpose(1, 2))
 
 
-def test_rows_do_not_depend_on_each_other() -> None:
+@pytest.mark.parametrize("dot", PATHS)
+def test_rows_do_not_depend_on_each_other(dot: bool) -> None:
     """Each output is summed over k in order whatever tile computes it (300 rows: chunks of 150 on the widened path;
     one row: registers only), so a request's logits do not depend on its batch."""
     g = torch.Generator().manual_seed(7)
     x, w = torch.randn(300, 300, generator=g).bfloat16(), torch.randn(50, 300, generator=g).bfloat16()
     packed = native.bf16_pack(w)
-    together = native.bf16_gemm(x, packed, 50, None)
-    alone = torch.cat([native.bf16_gemm(x[i:i + 1], packed, 50, None) for i in range(0, 300, 37)])
+    together = native.bf16_gemm(x, packed, 50, None, dot=dot)
+    alone = torch.cat([native.bf16_gemm(x[i:i + 1], packed, 50, None, dot=dot) for i in range(0, 300, 37)])
     assert torch.equal(together[::37], alone)
 
 
@@ -73,16 +82,27 @@ def test_refuses_what_it_cannot_take() -> None:
         native.bf16_gemm(torch.randn(1, 16).bfloat16(), torch.randn(8, 16).bfloat16(), 8, None)
 
 
+def _kernels_here() -> list[str]:
+    from llmserve.kernels.calibrate import BF16_LINEAR, available
+
+    return list(available(BF16_LINEAR))
+
+
+@pytest.mark.parametrize("kernel", ["fma", "dot", "onednn", "fp32"])
 @pytest.mark.parametrize("rows", [1, 5, 96, 300])
-def test_linear_and_lm_head_use_it_and_keep_one_copy(rows: int) -> None:
+def test_linear_and_lm_head_run_the_chosen_kernel_and_keep_only_its_form(kernel: str, rows: int) -> None:
+    if kernel not in _kernels_here():
+        pytest.skip(f"{kernel} does not run on this machine")
     g = torch.Generator().manual_seed(0)
     layer = Linear(96, 40, bias=True)
     layer.weight.data, layer.bias.data = torch.randn(40, 96, generator=g).bfloat16(), torch.randn(40).bfloat16()
-    if not bf16_gemm_ok(layer.weight):
-        pytest.skip("this CPU has AMX: bf16 weights stay with oneDNN")
     w = layer.weight.detach().float()
-    layer.pack_for_cpu()
-    assert layer.bf16_packed is not None and layer.weight is None and layer.packed is None
+    layer.pack_for_cpu(pinned(kernel))
+    m = layer.bf16
+    assert m is not None and layer.weight is None and layer.packed is None
+    # only the form the choice reads: fma and dot share the packed layout
+    assert (m.native is not None, m.onednn is not None, m.plain is not None) == \
+        (kernel in ("fma", "dot"), kernel == "onednn", kernel == "fp32")
     x = torch.randn(2, rows, 96, generator=g).bfloat16()  # 3-d through forward
     got = layer(x)
     assert got.shape == (2, rows, 40) and got.dtype == torch.bfloat16
@@ -91,10 +111,43 @@ def test_linear_and_lm_head_use_it_and_keep_one_copy(rows: int) -> None:
     head = VocabEmbedding(300, 64)
     head.weight.data = torch.randn(300, 64, generator=g).bfloat16()
     table = head.weight.detach().float()
-    head.pack_for_cpu(keep_plain=True)  # tied: the lookup keeps the plain table
-    assert head.bf16_packed is not None and head.packed is None and head.weight is not None
+    head.pack_for_cpu(keep_plain=True, choice=pinned(kernel))  # tied: the lookup keeps the plain table
+    assert head.bf16 is not None and head.packed is None and head.weight is not None
     h = torch.randn(rows, 64, generator=g).bfloat16()
     logits = head.logits(h)
     assert logits.dtype == torch.float32 and logits.shape == (rows, 300)
     assert torch.equal(logits, logits.bfloat16().float())  # the bf16 matmul's output, as HF's lm_head
     torch.testing.assert_close(logits, h.float() @ table.T, rtol=8e-3, atol=1e-2)
+
+
+def test_a_mixed_choice_runs_each_bucket_on_its_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fma up to 4 rows, onednn above: both forms kept, and each call goes where its rows say; the decoder stack is
+    told the packed kernels cannot take every batch size."""
+    if "onednn" not in _kernels_here():
+        pytest.skip("oneDNN bf16 does not run here")
+    from llmserve.layers import linear as lin
+
+    layer = Linear(32, 16)
+    layer.weight.data = torch.randn(16, 32).bfloat16()
+    layer.pack_for_cpu(OpChoice((4, 512), ("fma", "onednn")))
+    ran: list[str] = []
+    gemm, onednn = native.bf16_gemm, lin.onednn_linear
+    monkeypatch.setattr(native, "bf16_gemm", lambda *a, **k: ran.append("fma") or gemm(*a, **k))
+    monkeypatch.setattr(lin, "onednn_linear", lambda *a: ran.append("onednn") or onednn(*a))
+    for rows in (1, 4, 5, 600):
+        layer(torch.randn(rows, 32).bfloat16())
+    assert ran == ["fma", "fma", "onednn", "onednn"]
+    assert layer.bf16.native_by_rows() is None
+    layer.pack_for_cpu()  # a second call is a no-op: the plain weight is gone
+    both = Linear(32, 16)
+    both.weight.data = torch.randn(16, 32).bfloat16()
+    both.pack_for_cpu(OpChoice((16, 512), ("fma", "dot")))
+    assert both.bf16.native_by_rows() == [(16, 0), (512, 1)]
+
+
+def test_dot_refuses_where_the_cpu_lacks_it() -> None:
+    if native.bf16_dot_usable():
+        pytest.skip("this CPU has AVX512-BF16")
+    packed = native.bf16_pack(torch.randn(8, 16).bfloat16())
+    with pytest.raises(RuntimeError, match="AVX512-BF16"):
+        native.bf16_gemm(torch.randn(1, 16).bfloat16(), packed, 8, None, dot=True)

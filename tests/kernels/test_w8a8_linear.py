@@ -8,7 +8,7 @@ import torch
 
 from llmserve.kernels import native
 from llmserve.layers.linear import Linear, quantize_rows
-from tests.attention.test_int8_linear import _layer as float_layer
+from tests.kernels.test_int8_linear import _layer as float_layer
 
 pytestmark = pytest.mark.skipif(not native.w8a8_usable(),
                                 reason="the w8a8 kernel needs the extension and a CPU with AVX-512 and VNNI")

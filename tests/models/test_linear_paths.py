@@ -1,5 +1,5 @@
-"""The dense Linear's CPU paths without the native bf16 GEMM (tests/attention/test_bf16_gemm.py has that one):
-oneDNN-blocked weights, and bf16 matmuls widened to fp32 from FP32_COMPUTE_MIN_ROWS rows on CPUs without AMX."""
+"""The dense Linear's CPU path without a measured kernel choice (tests/kernels/test_bf16_gemm.py has those): oneDNN-blocked
+weights; and the fp32-compute policy the remaining fallbacks read (int8_linear's torch paths, torch's prefill SDPA)."""
 
 from __future__ import annotations
 
@@ -38,34 +38,21 @@ def fp32_policy(monkeypatch: pytest.MonkeyPatch):
 
 @pytest.mark.skipif(not lin.onednn_available(torch.device("cpu"), torch.bfloat16), reason="needs oneDNN bf16")
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 95, 96, 300])  # each side of FP32_COMPUTE_MIN_ROWS
-def test_bf16_paths_agree_with_the_fp32_product(fp32_policy, bias: bool, rows: int) -> None:
+def test_without_a_choice_weights_are_onednn_blocked_and_the_plain_one_freed(fp32_policy, bias: bool) -> None:
+    """pack_for_cpu with no measured choice (a model the runner did not calibrate): one oneDNN copy, in any dtype.
+    The bf16 kernels a choice picks are tested in tests/kernels/test_bf16_gemm.py."""
     fp32_policy(True)
     layer = _bf16_layer(bias)
     w = layer.weight.detach().float()
-    b = layer.bias.detach().float() if bias else 0
     layer.pack_for_cpu()
-    assert layer.packed is not None and layer.weight is not None  # kept for the fp32 path
-    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(1)).bfloat16()
-    got = layer(x)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, 80)
-    want = x.float() @ w.T + b  # exact products, fp32 sums: both paths round this once to bf16
-    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
-    if rows >= lin.FP32_COMPUTE_MIN_ROWS:  # the fp32 path: exactly torch's fp32 matmul, rounded once
-        fp32 = torch.nn.functional.linear(x.float(), w, layer.bias.float() if bias else None)
-        assert torch.equal(got, fp32.bfloat16())
-
-
-def test_without_the_policy_the_plain_weight_is_freed(fp32_policy) -> None:
-    fp32_policy(False)
-    layer = _bf16_layer(bias=False)
-    layer.pack_for_cpu()
-    assert layer.packed is not None and layer.weight is None
+    assert layer.packed is not None and layer.weight is None and layer.bf16 is None
+    x = torch.randn(100, 96, generator=torch.Generator().manual_seed(1)).bfloat16()
+    want = x.float() @ w.T + (layer.bias.float() if bias else 0)
+    torch.testing.assert_close(layer(x).float(), want, rtol=1e-2, atol=1e-2)
     fp32 = Linear(96, 80)
     fp32.weight.data = torch.randn(80, 96)
-    fp32_policy(True)
     fp32.pack_for_cpu()  # an fp32 layer never keeps a second copy
-    assert fp32.weight is None
+    assert fp32.weight is None and fp32.packed is not None
 
 
 def test_policy_follows_amx(monkeypatch: pytest.MonkeyPatch) -> None:

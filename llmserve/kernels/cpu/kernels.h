@@ -33,7 +33,9 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w
 // packed_gemm.cpp
 bool packed_gemm_supported();
 torch::Tensor bf16_pack(torch::Tensor weight);
-torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias);
+torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
+                        int64_t dot);
+bool bf16_dot_supported();
 torch::Tensor int8w_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, c10::optional<torch::Tensor> bias,
                          int64_t a16);
 bool int8w_a16_supported();

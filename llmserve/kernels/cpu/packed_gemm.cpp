@@ -10,10 +10,16 @@
 // lanes they belong to (no horizontal sums), and every block is one contiguous stream. A register tile is 6 rows of x
 // by 4 blocks (24 accumulators).
 //
-// Why: on a CPU with AVX512-BF16 but no AMX, vdpbf16ps runs at half the rate of fp32 FMAs, so bf16 GEMMs (oneDNN's
-// included) top out near half the fp32 peak; widening in registers and using FMAs keeps the weight narrow (half or a
-// quarter of fp32's bytes: what a memory-bound decode reads) and the arithmetic at FMA speed. Products are exact in
-// fp32 and each output is summed over k in order, so a row's result does not depend on the other rows of the batch.
+// Why: which arithmetic is fastest depends on the CPU. On a Xeon with AVX512-BF16 but no AMX, vdpbf16ps runs at half
+// the rate of fp32 FMAs, so widening in registers and using FMAs keeps the weight narrow (half or a quarter of fp32's
+// bytes: what a memory-bound decode reads) and the arithmetic at FMA speed; on an AMD Zen 5, vdpbf16ps does twice the
+// FMAs' products per cycle. So bf16 weights have a second tile over the same layout, tile_dot (bf16_gemm's dot=1, CPUs
+// with AVX512-BF16): each 32-bit lane of a packed group holds one output's two columns, which is what vdpbf16ps
+// multiplies against a broadcast pair of x's columns, so x stays bf16 and nothing is widened. Which of the two runs at
+// which batch size is measured on the running machine (llmserve/kernels/calibrate.py), never assumed from the flags.
+// Products are exact in fp32 and each output is summed over k in order on either path, so a row's result does not
+// depend on the other rows of the batch (the two paths differ from each other: vdpbf16ps adds a pair's products
+// before the accumulator, and flushes denormals).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -236,7 +242,61 @@ torch::Tensor packed_gemm(const torch::Tensor& x, const torch::Tensor& packed, i
   return y;
 }
 
+// ---------------------------------------------------------------------------------------------------------------------
+// bf16 x bf16 -> fp32 with vdpbf16ps over bf16_pack's layout (bf16_gemm's dot path, CPUs with AVX512-BF16).
+#define LLMSERVE_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+
+// y[i0 : i0 + MR, n0 : n0 + NR * 16] for one register tile: MR rows of x as bf16 column pairs (uint32, ldx pairs per
+// row), NR packed blocks of G groups [16 outputs][2 columns]. Per group: NR loads, MR broadcasts, MR * NR dot products.
+template <int MR, int NR, typename Y>
+LLMSERVE_AVX512BF16 __attribute__((optimize("no-tree-pre"))) void tile_dot(const uint32_t* x, int64_t ldx, int64_t G,
+                                                                         const uint16_t* w, int64_t block_elems,
+                                                                         int64_t i0, int64_t n0, int64_t N,
+                                                                         const Epilogue& e, Y* y) {
+  __m512 acc[MR][NR];
+  _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i)
+    _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    if (MR <= 2)
+      _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + j * block_elems + g * 32) + kPrefetchBytes, _MM_HINT_T0);
+    __m512bh wv[NR];
+    _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j)
+      wv[j] = (__m512bh)_mm512_loadu_si512(w + j * block_elems + g * 32);
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(x[(i0 + i) * ldx + g]));
+      _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], b, wv[j]);
+    }
+  }
+  store_tile<MR, NR>(acc, i0, n0, N, e, y);
+}
+
+constexpr int kDotTileRows = 6;  // 24 accumulators + 4 weights + a broadcast in 32 registers
+
+torch::Tensor packed_gemm_dot(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const Epilogue& e) {
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), G = packed.size(1);
+  torch::Tensor xp = x;  // rows of G column pairs: x itself, or a zero-padded copy when K is odd
+  if (K != 2 * G) {
+    xp = torch::zeros({M, 2 * G}, x.options());
+    xp.narrow(1, 0, K).copy_(x);
+  }
+  const auto* xs = reinterpret_cast<const uint32_t*>(xp.data_ptr());
+  auto y = torch::empty({M, N}, x.options());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  const int64_t be = G * 32;  // elements per packed block
+  auto* yp = y.data_ptr<at::BFloat16>();
+  for_each_tile<kDotTileRows, kTileBlocks>(M, NB, kChunkRows, [&](auto mr, auto nb, int64_t i, int64_t blk) {
+    tile_dot<decltype(mr)::value, decltype(nb)::value>(xs, G, G, wp + blk * be, be, i, blk * kBlockRows, N, e, yp);
+  });
+  return y;
+}
+
 }  // namespace
+
+bool bf16_dot_supported() {
+  static const bool ok = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+  return ok;
+}
 
 bool int8w_a16_supported() { return cpu_has_avx512() && __builtin_cpu_supports("avx512vnni"); }
 
@@ -446,7 +506,9 @@ torch::Tensor bf16_pack(torch::Tensor weight) {
 }
 
 // x [M, K] bf16; packed: bf16_pack of the weight [N, K]; n: N; bias [N] (any float dtype) or None -> [M, N] bf16.
-torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias) {
+// dot: 1 multiplies with vdpbf16ps (tile_dot; needs bf16_dot_supported()), 0 with fp32 FMAs on widened weights.
+torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
+                        int64_t dot) {
   TORCH_CHECK(packed_gemm_supported(), "bf16_gemm needs a CPU with AVX-512");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
               "bf16_gemm: x must be bf16 [M, K] on the CPU");
@@ -458,6 +520,8 @@ torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::o
               "bf16_gemm: packed weight ", packed.sizes(), " does not fit x's ", K, " columns and ", N, " outputs");
   torch::Tensor b;
   const Epilogue e{nullptr, fp32_bias(bias, N, "bf16_gemm", b)};
+  TORCH_CHECK(dot <= 0 || bf16_dot_supported(), "bf16_gemm: dot=1 needs a CPU with AVX512-BF16");
+  if (dot > 0) return packed_gemm_dot(x.contiguous(), packed, N, e);
   return packed_gemm<Bf16Weights, at::BFloat16>(x.contiguous(), packed, N, e);
 }
 

@@ -655,8 +655,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v_scales"), py::arg("spans"), py::arg("slots"), py::arg("scale"), py::arg("window"), py::arg("out"));
   m.def("packed_gemm_supported", &packed_gemm_supported, "whether bf16_gemm and int8w_gemm run here (AVX-512)");
   m.def("bf16_pack", &bf16_pack, "bf16 [N, K] weight -> the block layout bf16_gemm reads");
-  m.def("bf16_gemm", &bf16_gemm, "x @ W^T (+ bias), bf16 weights packed, fp32 FMAs (CPU, AVX-512)", py::arg("x"),
-        py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
+  m.def("bf16_gemm", &bf16_gemm, "x @ W^T (+ bias), bf16 weights packed: fp32 FMAs (dot=0, AVX-512) or vdpbf16ps "
+        "(dot=1, AVX512-BF16) (CPU)", py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(),
+        py::arg("dot") = 0);
+  m.def("bf16_dot_supported", &bf16_dot_supported, "whether bf16_gemm's dot=1 runs here (AVX512-BF16)");
   m.def("int8w_gemm", &int8w_gemm, "x @ (W * scale)^T (+ bias), int8 weights packed by w8a8_pack: x in int16 per row "
         "(vpdpwssd) or fp32 (FMAs) (CPU, AVX-512)", py::arg("x"), py::arg("packed"), py::arg("scale"),
         py::arg("bias") = py::none(), py::arg("a16") = -1);

@@ -1,0 +1,283 @@
+"""Choosing between equivalent kernels by timing them on the running machine, and remembering the choice.
+
+Where two paths compute the same thing (a bf16 linear by fp32 FMAs on widened weights, by AVX512-BF16 dot products, or
+by oneDNN), which is faster depends on the CPU and on the rows of the batch: on a 2-core Xeon without AMX the FMA path
+won at every size, on a 2-core AMD Zen 5 the dot products ran twice as fast (BENCHMARKS.md). A rule written from one
+of them is wrong on the other, so CPU flags only gate what can run at all, and the choice is a measurement:
+
+- `choose` times every candidate at every row bucket, interleaved (so a noisy neighbour slows them alike), and keeps
+  the fastest per bucket: an `OpChoice`.
+- A `ChoiceTable` holds every op of one model on one machine. It is cached as JSON under
+  `$LLMSERVE_CACHE_DIR/tuning/` (default `~/.cache/llmserve/tuning/`), one file per key: the CPU model, core and thread
+  counts, torch version, a hash of the kernels' sources and the model's shapes. A later start with the same key reuses
+  it; any change gives another key, and a file that does not hold what its key asks for is measured again.
+- Pins (`kernel_choice="bf16_linear=fma"`, `--kernel-choice`, LLMSERVE_KERNEL_CHOICE) replace the measurement of the ops
+  they name, for A/B runs.
+
+Nothing here touches torch: the timer is passed in (tests drive the logic with a fake one).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+from llmserve.errors import InvalidRequestError
+
+# Rows of input a choice is made for: bucket i covers (ROW_BUCKETS[i - 1], ROW_BUCKETS[i]] and the last anything larger.
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+FORMAT = 1  # of the cached files; a file of another format is measured again
+
+# timer(candidate name, rows, fn) -> seconds one call of fn took. The real one (wall_clock) calls fn; a fake one may not.
+Timer = Callable[[str, int, Callable[[], object]], float]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    run: Callable[[int], object]  # the op over `rows` rows of input
+
+
+@dataclass(frozen=True)
+class OpChoice:
+    """One op's choice: winners[i] runs inputs of up to rows[i] rows (the last one anything larger)."""
+
+    rows: tuple[int, ...]
+    winners: tuple[str, ...]
+    seconds: dict[str, tuple[float, ...]] = field(default_factory=dict)  # candidate -> per bucket; empty when pinned
+    pinned: bool = False
+
+    def pick(self, rows: int) -> str:
+        return self.winners[min(bisect.bisect_left(self.rows, rows), len(self.winners) - 1)]
+
+    @property
+    def kinds(self) -> frozenset[str]:
+        return frozenset(self.winners)
+
+    def ranges(self) -> list[tuple[str, int, int | None]]:
+        """(winner, first row, last row or None for 'and above'), runs of equal winners merged."""
+        out: list[tuple[str, int, int | None]] = []
+        low = 1
+        for i, (top, name) in enumerate(zip(self.rows, self.winners)):
+            last = None if i == len(self.rows) - 1 else top
+            if out and out[-1][0] == name:
+                out[-1] = (name, out[-1][1], last)
+            else:
+                out.append((name, low, last))
+            low = top + 1
+        return out
+
+    def describe(self) -> str:
+        parts = [f"{name} {lo}+" if hi is None else f"{name} {lo}-{hi}" for name, lo, hi in self.ranges()]
+        return ", ".join(parts) + (" (pinned)" if self.pinned else "")
+
+    def to_json(self) -> dict:
+        return {"rows": list(self.rows), "winners": list(self.winners), "pinned": self.pinned,
+                "seconds": {k: list(v) for k, v in self.seconds.items()}}
+
+    @classmethod
+    def from_json(cls, d: dict) -> OpChoice:
+        rows, winners = tuple(int(r) for r in d["rows"]), tuple(str(w) for w in d["winners"])
+        if not rows or len(rows) != len(winners) or list(rows) != sorted(set(rows)):
+            raise ValueError("rows and winners must be non-empty, as long as each other, rows ascending")
+        seconds = {str(k): tuple(float(s) for s in v) for k, v in d.get("seconds", {}).items()}
+        return cls(rows, winners, seconds, bool(d.get("pinned", False)))
+
+
+def pinned(name: str) -> OpChoice:
+    return OpChoice((ROW_BUCKETS[-1],), (name,), {}, pinned=True)
+
+
+# A bucket leaves the base candidate (the best over all buckets) only for one at least this much faster there. Why: a
+# calibration on a busy machine measured winners that alternated bucket by bucket (noise), and every bucket a oneDNN or
+# fp32 path wins keeps another copy of the weight (335 MB more for SmolLM2-135M); a clear win is worth a copy, noise
+# is not.
+SWITCH_MARGIN = 0.10
+
+
+def choose(candidates: Sequence[Candidate], timer: Timer, buckets: Sequence[int] = ROW_BUCKETS,
+           reps: int = 5) -> OpChoice:
+    """Time each candidate at each bucket's row count (`reps` interleaved rounds after one warm-up call each) and choose
+    per bucket: the base candidate (lowest sum over buckets of its time relative to the bucket's fastest; the earlier
+    on a tie), unless another is more than SWITCH_MARGIN faster there. Each keeps its fastest round: another process
+    taking a core only ever adds time (a busy 2-core VM put a scheduler quantum, ~8 ms, into most samples), so the
+    minimum is the least disturbed run."""
+    if not candidates:
+        raise ValueError("choose needs at least one candidate")
+    seconds: dict[str, list[float]] = {c.name: [] for c in candidates}
+    for rows in buckets:
+        for c in candidates:
+            c.run(rows)  # warm-up: first-touch pages, caches, lazily built kernels
+        samples: dict[str, list[float]] = {c.name: [] for c in candidates}
+        for _ in range(reps):
+            for c in candidates:
+                samples[c.name].append(timer(c.name, rows, lambda c=c, rows=rows: c.run(rows)))
+        for name, s in samples.items():
+            seconds[name].append(min(s))
+    names = [c.name for c in candidates]
+    fastest = [max(min(seconds[n][i] for n in names), 1e-12) for i in range(len(buckets))]
+    base = min(names, key=lambda n: sum(t / f for t, f in zip(seconds[n], fastest)))
+    winners = []
+    for i in range(len(buckets)):
+        best = min(names, key=lambda n: seconds[n][i])
+        clear = seconds[best][i] < (1 - SWITCH_MARGIN) * seconds[base][i]
+        winners.append(best if clear else base)
+    return OpChoice(tuple(buckets), tuple(winners), {k: tuple(v) for k, v in seconds.items()})
+
+
+def wall_clock(name: str, rows: int, fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class ChoiceTable:
+    key: dict[str, object]
+    ops: dict[str, OpChoice]
+    seconds: float = 0.0  # the measurement's wall time
+    reused: bool = False  # read from the cache rather than measured by this process
+    others_busy: float | None = None  # the CPUs' share other processes used while this process measured
+    cached: bool = False  # written to (or read from) the cache
+
+    def describe(self) -> str:
+        """One line: each op's winners by rows, ops with the same choice grouped, and where the table came from."""
+        groups: dict[str, list[str]] = {}
+        for op, c in sorted(self.ops.items()):
+            groups.setdefault(c.describe(), []).append(op)
+        if self.reused:
+            how = "cached"
+        else:
+            how = f"measured in {self.seconds:.1f} s"
+            if self.others_busy is not None and self.others_busy > BUSY_LIMIT:
+                how += (f"; not cached: other processes used {100 * self.others_busy:.0f}% of the CPUs meanwhile, "
+                        "so the next start measures again")
+        return "; ".join(f"{', '.join(ops)}: {d}" for d, ops in groups.items()) + f" ({how})"
+
+    def as_dict(self) -> dict:
+        """For `bench throughput --json`: each op's winners by rows and where the table came from."""
+        return {"ops": {op: [{"kernel": k, "rows": [lo, hi]} for k, lo, hi in c.ranges()]
+                        for op, c in sorted(self.ops.items())},
+                "source": "cache" if self.reused else "measured", "measure_seconds": round(self.seconds, 2)}
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "key": self.key, "seconds": self.seconds,
+                "ops": {op: c.to_json() for op, c in self.ops.items()}}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("LLMSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "llmserve")
+    return Path(root) / "tuning"
+
+
+def cache_path(key: dict[str, object]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / f"{digest}.json"
+
+
+def load_cached(key: dict[str, object], ops: Sequence[str]) -> ChoiceTable | None:
+    """The cached table for key if its file holds exactly this key, in this format, with every op; else None."""
+    try:
+        d = json.loads(cache_path(key).read_text())
+        if d.get("format") != FORMAT or d.get("key") != json.loads(json.dumps(key)) or set(d["ops"]) != set(ops):
+            return None
+        return ChoiceTable(key, {op: OpChoice.from_json(c) for op, c in d["ops"].items()}, float(d["seconds"]),
+                           reused=True)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save(table: ChoiceTable) -> Path | None:
+    """Write the table (atomically: a reader never sees half a file). None where the cache is not writable."""
+    path = cache_path(table.key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table.to_json(), indent=1))
+        tmp.replace(path)
+        return path
+    except OSError:
+        return None
+
+
+# Other processes' share of the CPUs above which a measurement is used for this run but not cached: another process
+# holding a core made every sample a multiple of the scheduler's quantum (~4-8 ms for 0.05-8 ms calls), and the winners
+# noise (2-core Zen 5, a vLLM run beside the calibration).
+BUSY_LIMIT = 0.25
+
+
+class CpuReading(NamedTuple):
+    wall: float  # seconds, monotonic
+    machine: float  # busy CPU seconds of the whole machine (user, system, irq, steal: what is not idle)
+    own: float  # CPU seconds of this process, every thread
+
+
+def cpu_seconds() -> CpuReading | None:
+    """Now, for others_busy; None where /proc/stat is not there."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    own = os.times()
+    return CpuReading(time.perf_counter(), (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"),
+                      own.user + own.system)
+
+
+def others_busy(before: CpuReading | None, after: CpuReading | None) -> float | None:
+    """The CPUs' share that other processes (and the hypervisor's steal) used between two readings."""
+    if before is None or after is None or after.wall <= before.wall:
+        return None
+    others = (after.machine - before.machine) - (after.own - before.own)
+    return max(0.0, others / ((after.wall - before.wall) * (os.cpu_count() or 1)))
+
+
+def load_or_measure(key: dict[str, object], measure: dict[str, Callable[[], OpChoice]],
+                    pins: dict[str, OpChoice] | None = None, remeasure: bool = False,
+                    clock: Callable[[], CpuReading | None] = cpu_seconds) -> ChoiceTable:
+    """The table for key: pinned ops as pinned; the rest from the cache, or measured (and cached) where the cache has no
+    valid table for key (or remeasure). A table with pins is never written (it is not what this machine measured), nor
+    one measured while other processes used more than BUSY_LIMIT of the CPUs (clock: cpu_seconds, or a fake)."""
+    pins = pins or {}
+    todo = {op: m for op, m in measure.items() if op not in pins}
+    cached = None if remeasure or not todo else _measured.get(cache_path(key)) or load_cached(key, sorted(todo))
+    if cached is not None and set(cached.ops) == set(todo):
+        return ChoiceTable(key, {**cached.ops, **pins}, cached.seconds, reused=True, cached=cached.cached)
+    start, before = time.perf_counter(), clock()
+    ops = {op: m() for op, m in todo.items()}
+    wall = time.perf_counter() - start
+    busy = others_busy(before, clock())
+    table = ChoiceTable(key, ops, wall, others_busy=busy)
+    written = bool(ops) and (busy is None or busy <= BUSY_LIMIT) and save(table) is not None
+    if ops:  # a table left out of the cache still holds for the rest of this process: its engines agree
+        _measured[cache_path(key)] = ChoiceTable(key, ops, wall, others_busy=busy, cached=written)
+    return ChoiceTable(key, {**ops, **pins}, wall, others_busy=busy, cached=written)
+
+
+# What this process measured, by cache file: reused before the cache is read (and where it was not written).
+_measured: dict[Path, ChoiceTable] = {}
+
+
+def parse_pins(spec: str | None, kinds: dict[str, Sequence[str]]) -> dict[str, str]:
+    """"auto" / "" / None -> {}; "kind=candidate[,kind=candidate]" -> {kind: candidate}, each checked against kinds (op
+    kind -> its candidates). Errors name kernel_choice."""
+    if spec is None or spec.strip() in ("", "auto"):
+        return {}
+    out: dict[str, str] = {}
+    for part in spec.split(","):
+        kind, sep, name = (s.strip() for s in part.partition("="))
+        if not sep or kind not in kinds:
+            raise InvalidRequestError(f"kernel_choice: expected auto or KIND=CANDIDATE[,...] with KIND one of "
+                                      f"{', '.join(sorted(kinds))}; got {part.strip()!r}", param="kernel_choice")
+        if name not in kinds[kind]:
+            raise InvalidRequestError(f"kernel_choice: {kind} takes one of {', '.join(kinds[kind])}; got {name!r}",
+                                      param="kernel_choice")
+        out[kind] = name
+    return out

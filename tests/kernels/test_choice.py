@@ -1,0 +1,191 @@
+"""Kernel choice by measurement (llmserve/kernels/choice.py), driven by a fake timer: the choice follows the faster
+candidate per bucket, a cached table is reused, a stale or foreign one is measured again, pins replace measurement,
+and a measurement taken while other processes held the CPUs is not cached. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import pytest
+
+from llmserve.errors import InvalidRequestError
+from llmserve.kernels import choice
+from llmserve.kernels.choice import Candidate, OpChoice, choose, load_or_measure, parse_pins
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(choice, "_measured", {})  # each test starts as a new process would
+    return tmp_path / "tuning"
+
+
+def fake_timer(costs: dict[str, Callable[[int], float]], calls: list[tuple[str, int]] | None = None):
+    def timer(name: str, rows: int, fn: Callable[[], object]) -> float:
+        fn()
+        if calls is not None:
+            calls.append((name, rows))
+        return costs[name](rows)
+    return timer
+
+
+def candidates(*names: str, ran: list[tuple[str, int]] | None = None) -> list[Candidate]:
+    return [Candidate(n, lambda rows, n=n: ran.append((n, rows)) if ran is not None else None) for n in names]
+
+
+def test_each_bucket_takes_the_clearly_faster_candidate() -> None:
+    # fma wins small batches by 2x, dot large ones by 2x: the crossover is between 16 and 32 rows
+    costs = {"fma": lambda r: 1.0 * r if r <= 16 else 2.0 * r, "dot": lambda r: 2.0 * r if r <= 16 else 1.0 * r}
+    c = choose(candidates("fma", "dot"), fake_timer(costs), buckets=(1, 4, 16, 32, 256), reps=3)
+    assert c.winners == ("fma", "fma", "fma", "dot", "dot")
+    assert [c.pick(r) for r in (1, 2, 4, 5, 16, 17, 32, 33, 256, 10_000)] == \
+        ["fma", "fma", "fma", "fma", "fma", "dot", "dot", "dot", "dot", "dot"]
+    assert c.ranges() == [("fma", 1, 16), ("dot", 17, None)]
+    assert c.describe() == "fma 1-16, dot 17+"
+    assert c.seconds == {"fma": (1.0, 4.0, 16.0, 64.0, 512.0), "dot": (2.0, 8.0, 32.0, 32.0, 256.0)}
+
+
+def test_close_calls_stay_with_the_base_candidate() -> None:
+    # dot is best overall; onednn is 5% faster at one bucket (noise, or not worth a second copy of the weight) and
+    # 20% faster at another (a clear win)
+    base = {1: 10.0, 8: 10.0, 64: 10.0, 512: 10.0}
+    costs = {"dot": lambda r: base[r], "onednn": lambda r: {1: 30.0, 8: 9.5, 64: 30.0, 512: 8.0}[r]}
+    c = choose(candidates("dot", "onednn"), fake_timer(costs), buckets=(1, 8, 64, 512), reps=2)
+    assert c.winners == ("dot", "dot", "dot", "onednn")
+    assert c.kinds == frozenset({"dot", "onednn"})
+
+
+def test_each_candidate_keeps_its_least_disturbed_round_and_rounds_interleave() -> None:
+    calls: list[tuple[str, int]] = []
+    noisy = iter([9.0, 1.0, 8.0, 3.0, 3.0, 3.0])  # fma: 9, 8, 3 -> 3 (its fastest round); dot: 1, 3, 3 -> 1
+
+    def timer(name: str, rows: int, fn: Callable[[], object]) -> float:
+        calls.append((name, rows))
+        return next(noisy)
+
+    ran: list[tuple[str, int]] = []
+    c = choose(candidates("fma", "dot", ran=ran), timer, buckets=(4,), reps=3)
+    assert calls == [("fma", 4), ("dot", 4)] * 3  # interleaved, so a slow spell hits both
+    assert ran[:2] == [("fma", 4), ("dot", 4)]  # one warm-up call each, untimed
+    assert c.seconds == {"fma": (3.0,), "dot": (1.0,)} and c.winners == ("dot",)
+
+
+def test_a_tie_keeps_the_first_listed() -> None:
+    c = choose(candidates("fma", "dot"), fake_timer({"fma": lambda r: 1.0, "dot": lambda r: 1.0}), buckets=(1, 2))
+    assert c.winners == ("fma", "fma")
+
+
+def measurer(winner: str, counter: list[int]) -> Callable[[], OpChoice]:
+    def measure() -> OpChoice:
+        counter.append(1)
+        return OpChoice((1, 64), (winner, winner), {winner: (1.0, 2.0)})
+    return measure
+
+
+QUIET = lambda: None  # noqa: E731 - a clock that cannot read the machine: the table is cached
+
+
+def test_a_cached_table_is_reused(cache_dir) -> None:
+    key = {"cpu": "X", "threads": 2, "torch": "2.13.0", "ops": ["a"]}
+    counter: list[int] = []
+    first = load_or_measure(key, {"a": measurer("dot", counter)}, clock=QUIET)
+    assert counter == [1] and not first.reused and first.cached
+    assert len(list(cache_dir.iterdir())) == 1
+    choice._measured.clear()  # a later start: read from the file
+    second = load_or_measure(key, {"a": measurer("fma", counter)}, clock=QUIET)
+    assert counter == [1] and second.reused  # not measured again: the cached winner stands
+    assert second.ops["a"].winners == ("dot", "dot") and second.ops["a"].seconds == {"dot": (1.0, 2.0)}
+    assert second.describe() == "a: dot 1+ (cached)"
+
+
+def test_another_key_is_another_table(cache_dir) -> None:
+    counter: list[int] = []
+    for torch_version in ("2.13.0", "2.14.0"):
+        key = {"cpu": "X", "threads": 2, "torch": torch_version, "ops": ["a"]}
+        load_or_measure(key, {"a": measurer("dot", counter)}, clock=QUIET)
+    assert counter == [1, 1] and len(list(cache_dir.iterdir())) == 2
+
+
+@pytest.mark.parametrize("spoil", ["key", "format", "ops", "garbage", "winners"])
+def test_a_stale_or_broken_table_is_measured_again(cache_dir, spoil: str) -> None:
+    key = {"cpu": "X", "threads": 2, "ops": ["a"]}
+    counter: list[int] = []
+    load_or_measure(key, {"a": measurer("dot", counter)}, clock=QUIET)
+    path = choice.cache_path(key)
+    d = json.loads(path.read_text())
+    if spoil == "key":
+        d["key"]["threads"] = 4  # a file whose contents are not what its name's key says
+    elif spoil == "format":
+        d["format"] = choice.FORMAT + 1
+    elif spoil == "ops":
+        d["ops"]["b"] = d["ops"]["a"]
+    elif spoil == "winners":
+        d["ops"]["a"]["winners"] = ["dot"]  # one winner for two buckets
+    path.write_text("{not json" if spoil == "garbage" else json.dumps(d))
+    choice._measured.clear()  # as a new process finds it
+    table = load_or_measure(key, {"a": measurer("fma", counter)}, clock=QUIET)
+    assert counter == [1, 1] and not table.reused and table.ops["a"].winners == ("fma", "fma")
+    assert json.loads(path.read_text())["ops"]["a"]["winners"] == ["fma", "fma"]  # and rewritten
+
+
+def test_remeasure_ignores_the_cache() -> None:
+    key = {"ops": ["a"]}
+    counter: list[int] = []
+    load_or_measure(key, {"a": measurer("dot", counter)}, clock=QUIET)
+    table = load_or_measure(key, {"a": measurer("fma", counter)}, remeasure=True, clock=QUIET)
+    assert counter == [1, 1] and table.ops["a"].winners == ("fma", "fma")
+
+
+def test_pins_replace_measurement_and_are_never_cached(cache_dir) -> None:
+    counter: list[int] = []
+    table = load_or_measure({"ops": ["a"]}, {"a": measurer("dot", counter)}, pins={"a": choice.pinned("fma")},
+                            clock=QUIET)
+    assert counter == [] and table.ops["a"].pick(1) == "fma" and table.ops["a"].pick(10_000) == "fma"
+    assert table.ops["a"].describe() == "fma 1+ (pinned)"
+    assert not cache_dir.exists() or not list(cache_dir.iterdir())
+
+
+def test_a_measurement_on_a_busy_machine_is_used_but_not_cached(cache_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(choice.os, "cpu_count", lambda: 2)
+    # in 10 s on 2 CPUs: 14 busy CPU seconds, 3 of them ours -> 11 / 20 = 55%
+    readings = iter([choice.CpuReading(50.0, 100.0, 5.0), choice.CpuReading(60.0, 114.0, 8.0)])
+    counter: list[int] = []
+    table = load_or_measure({"ops": ["a"]}, {"a": measurer("dot", counter)}, clock=lambda: next(readings))
+    assert counter == [1] and table.ops["a"].winners == ("dot", "dot")
+    assert table.others_busy == pytest.approx(0.55) and not table.cached
+    assert "not cached: other processes used 55% of the CPUs" in table.describe()
+    assert not cache_dir.exists() or not list(cache_dir.iterdir())
+    again = load_or_measure({"ops": ["a"]}, {"a": measurer("fma", counter)}, clock=QUIET)
+    assert counter == [1] and again.ops["a"].winners == ("dot", "dot")  # this process keeps what it measured
+    monkeypatch.setattr(choice, "_measured", {})  # a new process: measured again, and cached now it is quiet
+    fresh = load_or_measure({"ops": ["a"]}, {"a": measurer("fma", counter)}, clock=QUIET)
+    assert counter == [1, 1] and fresh.cached and fresh.ops["a"].winners == ("fma", "fma")
+
+
+def test_cpu_seconds_reads_this_machine() -> None:
+    reading = choice.cpu_seconds()
+    if reading is None:
+        pytest.skip("no /proc/stat here")
+    assert reading.machine > 0 and reading.own >= 0
+    later = choice.cpu_seconds()
+    assert later.wall > reading.wall and choice.others_busy(reading, later) is not None
+
+
+def test_parse_pins() -> None:
+    kinds = {"bf16_linear": ("fma", "dot", "onednn", "fp32")}
+    assert parse_pins(None, kinds) == {} and parse_pins("auto", kinds) == {} and parse_pins(" ", kinds) == {}
+    assert parse_pins("bf16_linear=dot", kinds) == {"bf16_linear": "dot"}
+    assert parse_pins(" bf16_linear = fma ", kinds) == {"bf16_linear": "fma"}
+    for bad, says in (("bf16_linear=amx", "takes one of fma, dot, onednn, fp32"), ("dot", "KIND=CANDIDATE"),
+                      ("attention=fma", "KIND=CANDIDATE")):
+        with pytest.raises(InvalidRequestError, match=says) as e:
+            parse_pins(bad, kinds)
+        assert e.value.param == "kernel_choice"
+
+
+def test_op_choice_round_trips_through_json() -> None:
+    c = OpChoice((1, 8, 64), ("fma", "dot", "dot"), {"fma": (1.0, 2.0, 3.0), "dot": (2.0, 1.0, 1.5)})
+    assert OpChoice.from_json(json.loads(json.dumps(c.to_json()))) == c
+    with pytest.raises(ValueError):
+        OpChoice.from_json({"rows": [8, 1], "winners": ["a", "b"]})
