@@ -44,7 +44,7 @@ from llmserve.serve.openai_params import (
     completion_prompts,
     session_id_of,
 )
-from llmserve.serve.protocol import ChatCompletionRequest, CompletionRequest
+from llmserve.serve.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
 from llmserve.serve.state import ServedModel, ServerState
 from llmserve.serve.streaming import REQUEST_ID_HEADER, SSEResponse, merge, sse_event, until_disconnected
 
@@ -121,13 +121,17 @@ class _ChatReply:
 
     async def stream(self, outputs: AsyncIterator[SequenceOutput]) -> AsyncIterator[str]:
         head = self._envelope("chat.completion.chunk")
-        include_usage = self.body.stream_options is not None and self.body.stream_options.include_usage
+        include_usage, continuous = usage_options(self.body.stream_options)
+        tokens: dict[int, int] = {}
         if include_usage:
             head["usage"] = None
+
+        def so_far() -> dict[str, Any]:  # vLLM's continuous_usage_stats: the usage so far in every chunk
+            return {"usage": usage(len(self.req.prompt_token_ids), sum(tokens.values()))} if continuous else {}
+
         for i in range(self.req.gen.n):
             yield sse_event({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                  "logprobs": None, "finish_reason": None}]})
-        tokens: dict[int, int] = {}
+                                                  "logprobs": None, "finish_reason": None}], **so_far()})
         try:
             async with aclosing(outputs):
                 async for out in outputs:
@@ -140,7 +144,7 @@ class _ChatReply:
                               "finish_reason": choice_output.finish_reason(out.finish_reason)}
                     if out.finished:
                         choice["stop_reason"] = out.stop_reason
-                    yield sse_event({**head, "choices": [choice]})
+                    yield sse_event({**head, "choices": [choice], **so_far()})
         except ApiError as e:
             yield sse_event(error_body("/v1/", e.status, e.message, e.param, e.code))
         if include_usage:
@@ -276,7 +280,8 @@ class _CompletionReply:
 
     async def stream(self, merged: AsyncIterator[tuple[int, SequenceOutput]]) -> AsyncIterator[str]:
         head = self._envelope()
-        include_usage = self.body.stream_options is not None and self.body.stream_options.include_usage
+        include_usage, continuous = usage_options(self.body.stream_options)
+        so_far = (lambda: {"usage": self._usage()}) if continuous else dict  # vLLM's continuous_usage_stats
         try:
             async with aclosing(merged):
                 async for p, raw in merged:
@@ -286,7 +291,8 @@ class _CompletionReply:
                         info = self._prompt_fields(i, raw)
                         if self.body.echo or info:
                             yield sse_event({**head, "choices": [{"index": i, "text": self.choices[i].prefix,
-                                                                  "finish_reason": None, "logprobs": None, **info}]})
+                                                                  "finish_reason": None, "logprobs": None, **info}],
+                                             **so_far()})
                     out = self._generated(raw)
                     self.choices[i].num_tokens = out.num_output_tokens
                     if not (out.new_text or out.finished or (out.new_logprobs and self.body.logprobs is not None)):
@@ -295,12 +301,18 @@ class _CompletionReply:
                     choice = {"index": i, "text": out.new_text, "logprobs": lp, "finish_reason": out.finish_reason}
                     if out.finished:
                         choice["stop_reason"] = out.stop_reason
-                    yield sse_event({**head, "choices": [choice]})
+                    yield sse_event({**head, "choices": [choice], **so_far()})
         except ApiError as e:
             yield sse_event(error_body("/v1/", e.status, e.message, e.param, e.code))
         if include_usage:
             yield sse_event({**head, "choices": [], "usage": self._usage()})
         yield DONE
+
+
+def usage_options(options: StreamOptions | None) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats): the second only with the first, as vLLM reads them."""
+    include = options is not None and options.include_usage
+    return include, include and options.continuous_usage_stats
 
 
 def _top(lp: TokenLogprobs, n: int) -> TokenLogprobs:

@@ -43,6 +43,8 @@ def _empty(value: Any) -> bool:
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (guidellm asks for it on every request)
+    continuous_usage_stats: bool = False
     include_obfuscation: bool | None = None  # OpenAI's side-channel padding of chunks: no effect on the text
 
 

@@ -57,6 +57,32 @@ def test_chat_stream_equals_the_whole_answer_and_reports_usage(client: openai.Op
     assert all(c.usage is None for c in chunks[:-1])
 
 
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_continuous_usage_stats_put_the_count_so_far_in_every_chunk(client: openai.OpenAI, tiny: EngineHandle,
+                                                                    route: str) -> None:
+    """vLLM's stream_options.continuous_usage_stats (guidellm sends it with every request): each chunk carries the
+    usage so far, the last one the whole answer's."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    if route == "chat":
+        chunks = list(client.chat.completions.create(messages=MESSAGES, model="tiny-llama", max_tokens=9,
+                                                     temperature=0, stream=True, stream_options=opts,
+                                                     extra_body={"ignore_eos": True}))
+        prompt = _prompt_len(tiny, MESSAGES)
+    else:
+        chunks = list(client.completions.create(prompt="The capital of France is", model="tiny-llama", max_tokens=9,
+                                                temperature=0, stream=True, stream_options=opts,
+                                                extra_body={"ignore_eos": True}))
+        prompt = len(tiny.tokenizer("The capital of France is")["input_ids"])
+    assert all(c.usage is not None and c.usage.prompt_tokens == prompt for c in chunks)
+    done = [c.usage.completion_tokens for c in chunks]
+    assert done == sorted(done) and done[-1] == 9 and chunks[-1].choices == []
+    assert all(c.usage.total_tokens == prompt + c.usage.completion_tokens for c in chunks)
+    # without include_usage it asks for nothing (as vLLM): no usage anywhere
+    plain = list(client.chat.completions.create(messages=MESSAGES, model="tiny-llama", max_tokens=3, temperature=0,
+                                                stream=True, stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in plain)
+
+
 def test_chat_n2_with_seed_is_reproducible_and_samples_differ(client: openai.OpenAI) -> None:
     def ask(seed: int) -> list[str]:
         r = client.chat.completions.create(messages=MESSAGES, model="tiny-llama", max_tokens=16, temperature=1.0,
