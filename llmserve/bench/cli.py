@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -41,7 +42,9 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_engine_flags) -> None:
     tp.add_argument("--input-len", default="36:390", help="prompt tokens, N or MIN:MAX (synthetic)")
     tp.add_argument("--output-len", type=int, default=None, help="output tokens per request (synthetic default 128)")
     tp.add_argument("--ignore-eos", action="store_true", help="always generate the full output length")
-    tp.add_argument("--baseline", choices=["transformers"], help="run the same workload through this, same run")
+    tp.add_argument("--baseline", choices=["transformers", "unconstrained"],
+                    help="run the same workload through this, same run: transformers' generate, or (with "
+                         "--structured) this engine without the constraint, right after the constrained run")
     tp.add_argument("--baseline-batch-size", type=int, default=32)
     tp.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     tp.add_argument("--profile-steps", action="store_true",
@@ -120,9 +123,12 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     from llmserve.config import EngineConfig
 
     sampling = knobs_from_args(args)
-    if args.structured and args.baseline:
-        raise InvalidRequestError("--structured has no transformers baseline (its generate takes no grammar): run "
-                                  "the same workload without --structured for the unconstrained figure")
+    if args.structured and args.baseline == "transformers":
+        raise InvalidRequestError("--structured has no transformers baseline (its generate takes no grammar): "
+                                  "--baseline unconstrained runs the same workload without the constraint")
+    if args.baseline == "unconstrained" and not args.structured:
+        raise InvalidRequestError("--baseline unconstrained is the same workload without --structured's constraint: "
+                                  "give --structured json-schema|regex|choice")
     with pipeline(args.model, backend_config=dataclass_from_args(EngineConfig, args), log_level=args.log_level) as pipe:
         engine = pipe.engine
         requests = _workload(args, pipe)
@@ -138,6 +144,13 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
         finally:
             if profile is not None:
                 profile.restore()
+        grammar = None
+        if args.structured:
+            results[0] = dataclasses.replace(results[0], engine=f"llmserve, {args.structured}")
+            grammar = _grammar_compile_figures(engine, args.structured)
+        if args.baseline == "unconstrained":
+            results.append(dataclasses.replace(run_engine_throughput(engine, requests, args.ignore_eos, sampling),
+                                               engine="llmserve, unconstrained"))
         quantization = engine.config.quantization
         peak_dtype, peak_kind = peak_matmul_kind(engine.loaded.dtype, engine.loaded.device, quantization)
         cfg, model_dir, dtype, device = (engine.loaded.hf_config, engine.loaded.model_dir, engine.loaded.dtype,
@@ -159,8 +172,20 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
         results.append(run_transformers_throughput(model_dir, dtype, device, requests, args.baseline_batch_size,
                                                    pad, dummy=dummy, sampling=sampling))
     precision = str(dtype).removeprefix("torch.") + (f", {quantization}" if quantization else "")
-    _report(results, peak, precision, args.json, profile, peak_kind, sampling, choices)
+    _report(results, peak, precision, args.json, profile, peak_kind, sampling, choices, grammar)
     return 0
+
+
+def _grammar_compile_figures(engine, kind: str) -> dict[str, float]:
+    """The constraint's compile time: cold (what the run's first request paid) and a cached lookup (what every later
+    request pays), in ms."""
+    from llmserve.bench.structured import response_format
+
+    stats = engine.grammars.stats
+    start = time.perf_counter()
+    engine.grammars.compile(response_format(kind))
+    return {"compiled": stats.compiled, "cold_ms": 1e3 * stats.last_seconds,
+            "cached_ms": 1e3 * (time.perf_counter() - start), "cache_hits": stats.cache_hits}
 
 
 def peak_matmul_kind(dtype: torch.dtype, device: torch.device,
@@ -196,12 +221,13 @@ def _workload(args: argparse.Namespace, pipe) -> list[BenchRequest]:
 
 def _report(results: list[ThroughputResult], peak_gflops: float, dtype: str, as_json: bool, profile=None,
             peak_kind: str = "matmul", sampling: SamplingKnobs = SamplingKnobs(),
-            choices: ChoiceTable | None = None) -> None:
+            choices: ChoiceTable | None = None, grammar: dict[str, float] | None = None) -> None:
     """`peak_kind`: what the peak was measured on (the int8 matmul for w8a8, whose figure is in GOP/s). `choices`: the
     kernels the run's bf16 matmuls took (kernels/choice.py)."""
     if as_json:
         out = {"dtype": dtype, "sampling": sampling.describe(), "matmul_peak_gflops": peak_gflops,
                "matmul_peak_kind": peak_kind, "kernel_choice": None if choices is None else choices.as_dict(),
+               "grammar_compile": grammar,
                "results": [r.as_dict() for r in results], "ratio_vs_baseline": _ratio(results)}
         if profile is not None:
             out["step_profile"] = profile.as_dict()
@@ -221,6 +247,9 @@ def _report(results: list[ThroughputResult], peak_gflops: float, dtype: str, as_
               + (f"  (GPU peak {r.peak_device_mb:.0f} MB)" if r.peak_device_mb is not None else ""))
     if choices is not None:
         print(f"kernel choice: {choices.describe()}")
+    if grammar is not None:
+        print(f"grammar compile: {grammar['cold_ms']:.1f} ms cold, {grammar['cached_ms']:.3f} ms cached "
+              f"({grammar['compiled']:.0f} compiled, {grammar['cache_hits']:.0f} cache hits in the run)")
     if r0.spec_acceptance_rate is not None:
         print(f"speculative decoding: {100 * r0.spec_acceptance_rate:.0f}% of draft tokens accepted, "
               f"{r0.spec_tokens_per_step:.2f} tokens per verify step")

@@ -123,14 +123,32 @@ def test_structured_throughput_profiles_the_grammar(tiny_model_dir: Callable[[st
                "--output-len", "6", "--num-blocks", "64", "--dtype", "float32", "--structured", "regex",
                "--profile-steps", "--json"])
     out = json.loads(capsys.readouterr().out)
-    assert rc == 0 and 4 <= out["results"][0]["output_tokens"] <= 24
+    assert rc == 0 and 4 <= out["results"][0]["output_tokens"] <= 24 and out["results"][0]["engine"] == "llmserve, regex"
     assert out["step_profile"]["phases"]["grammar"]["seconds"] > 0
+    g = out["grammar_compile"]
+    assert g["compiled"] == 1 and g["cache_hits"] >= 3 and g["cold_ms"] > 0 and g["cached_ms"] >= 0
     from llmserve.structured.matcher import GrammarState
 
     assert not hasattr(GrammarState.accept, "__wrapped__")  # the profiler's wrappers were taken off again
     assert main(["bench", "throughput", tiny_model_dir("llama"), "--structured", "json-schema", "--baseline",
                  "transformers"]) == 2
     assert "--structured has no transformers baseline" in capsys.readouterr().err
+    assert main(["bench", "throughput", tiny_model_dir("llama"), "--baseline", "unconstrained"]) == 2
+    assert "give --structured" in capsys.readouterr().err
+
+
+def test_structured_throughput_against_the_same_workload_unconstrained(tiny_model_dir: Callable[[str], str],
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """--baseline unconstrained: the same requests through the same engine without the constraint, right after."""
+    rc = main(["bench", "throughput", tiny_model_dir("llama"), "--num-prompts", "4", "--input-len", "20:30",
+               "--output-len", "6", "--ignore-eos", "--num-blocks", "64", "--dtype", "float32", "--structured",
+               "json-schema", "--baseline", "unconstrained", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    constrained, plain = out["results"]
+    assert rc == 0 and (constrained["engine"], plain["engine"]) == ("llmserve, json-schema", "llmserve, unconstrained")
+    assert constrained["prompt_tokens"] == plain["prompt_tokens"] and plain["output_tokens"] == 4 * 6
+    assert out["ratio_vs_baseline"] == pytest.approx(
+        constrained["output_tokens_per_s"] / plain["output_tokens_per_s"])
 
 
 def test_throughput_of_a_weightless_shape_against_transformers(tiny_model_dir: Callable[[str], str], tmp_path,
