@@ -149,6 +149,7 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
             results[0] = dataclasses.replace(results[0], engine=f"llmserve, {args.structured}")
             grammar = _grammar_compile_figures(engine, args.structured)
         if args.baseline == "unconstrained":
+            engine.kv.reset_prefix_cache()  # the same prompts again: no request may reuse the first run's KV
             results.append(dataclasses.replace(run_engine_throughput(engine, requests, args.ignore_eos, sampling),
                                                engine="llmserve, unconstrained"))
         quantization = engine.config.quantization

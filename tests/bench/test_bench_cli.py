@@ -147,6 +147,7 @@ def test_structured_throughput_against_the_same_workload_unconstrained(tiny_mode
     constrained, plain = out["results"]
     assert rc == 0 and (constrained["engine"], plain["engine"]) == ("llmserve, json-schema", "llmserve, unconstrained")
     assert constrained["prompt_tokens"] == plain["prompt_tokens"] and plain["output_tokens"] == 4 * 6
+    assert plain["prefix_cache_hit_rate"] == constrained["prefix_cache_hit_rate"] == 0  # the cache emptied between
     assert out["ratio_vs_baseline"] == pytest.approx(
         constrained["output_tokens_per_s"] / plain["output_tokens_per_s"])
 
