@@ -149,6 +149,22 @@ def test_a_grammar_that_never_ends_stops_at_max_tokens(client: openai.OpenAI) ->
     assert re.fullmatch("(ab)*a?", r.choices[0].message.content)
 
 
+@pytest.mark.parametrize("extra", [{"guided_grammar": 'root ::= "a" root'},
+                                   {"structured_outputs": {"grammar": 'root ::= "a" root'}}])
+def test_a_grammar_that_can_never_finish_is_bounded_by_max_tokens(smol: tuple[EngineHandle, RunningServer],
+                                                                  client: openai.OpenAI, extra: dict) -> None:
+    # No string satisfies this grammar, so it never completes: only max_tokens ends the request.
+    before = client.chat.completions.create(model=MODEL, messages=chat("Hi"), temperature=0, max_tokens=8)
+    r = client.chat.completions.create(model=MODEL, messages=chat("Say something."), temperature=0, max_tokens=12,
+                                       extra_body=extra)
+    choice = r.choices[0]
+    assert (choice.finish_reason, r.usage.completion_tokens) == ("length", 12)
+    assert re.fullmatch("a+", choice.message.content), choice.message.content
+    assert smol[1].kv()["in_use"] == 0
+    after = client.chat.completions.create(model=MODEL, messages=chat("Hi"), temperature=0, max_tokens=8)
+    assert after.choices[0].message.content == before.choices[0].message.content != ""
+
+
 def test_32_concurrent_mixed_with_unconstrained(smol: tuple[EngineHandle, RunningServer]) -> None:
     """16 constrained (every schema, greedy and sampled) and 16 plain requests at once: each constrained output
     validates, each plain one equals its answer alone."""
