@@ -75,14 +75,16 @@ def test_json_schema_outputs_validate(client: openai.OpenAI, name: str, sampling
     jsonschema.validate(json.loads(choice.message.content), schema)
 
 
-def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
+@pytest.mark.parametrize("where", ["chat", "beta.chat"])  # the client's current name and the (older) one
+def test_parse_with_a_pydantic_model(client: openai.OpenAI, where: str) -> None:
     class City(BaseModel):
         name: str = Field(max_length=40)
         country: str = Field(max_length=40)
         population: int = Field(ge=0, le=100_000_000)  # unbounded, this model writes 1111... until max_tokens
 
-    r = client.chat.completions.parse(model=MODEL, messages=chat("Describe Paris."), temperature=0, max_tokens=200,
-                                      response_format=City)
+    completions = (client.beta if where == "beta.chat" else client).chat.completions
+    r = completions.parse(model=MODEL, messages=chat("Describe Paris."), temperature=0, max_tokens=200,
+                          response_format=City)
     city = r.choices[0].message.parsed
     assert isinstance(city, City)
     assert list(json.loads(r.choices[0].message.content)) == ["name", "country", "population"]  # schema order
