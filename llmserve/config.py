@@ -229,7 +229,7 @@ class EngineConfig:
                                     "team size where OMP_NUM_THREADS or thread binding is set).")
     kernel_choice: str = _f("auto", "CPU kernels of bf16 matmuls: auto times the candidates on this machine at the first "
                                     "start (cached under ~/.cache/llmserve/tuning; `llmserve tune` measures again), "
-                                    "or pin one for A/B runs: bf16_linear=fma|dot|onednn|fp32. "
+                                    "or pin one for A/B runs: bf16_linear=fma|dot|onednn|fp32, prefill_attention=fp32|dot (comma-separated). "
                                     "LLMSERVE_KERNEL_CHOICE sets it where this is auto.")
     revision: str | None = _f(None, "Hub revision (branch, tag or commit) of the model.")
     download_dir: str | None = _f(None, "Where hub downloads go. Default: the Hugging Face cache.")

@@ -81,7 +81,8 @@ def paged_attention(
     if meta.prefills:
         if registry.native_prefill(q, k, kv_cache):
             spans, slots = meta.prefill_arrays()
-            native.prefill_attention(q, k, v, kv_cache, kv_scales, spans, slots, scale, sliding_window, out)
+            native.prefill_attention(q, k, v, kv_cache, kv_scales, spans, slots, scale, sliding_window, out,
+                                     meta.prefill_dot)
         else:
             prefill_attention(q, k, v, kv_cache, kv_scales, meta, scale, sliding_window, out)
     return out

@@ -8,6 +8,9 @@ Ops with equivalent paths, and their candidates where each can run at all (the C
   onednn  oneDNN's bf16 matmul on its blocked weights (AMX where the CPU has it);
   fp32    both widened to fp32 per call, oneDNN's fp32 matmul.
   fma and dot share one copy of the weight; onednn and fp32 add their own where they win a bucket.
+- `prefill_attention:H/KVHxD` (native prefill attention of a bf16 model, by the step's prefill tokens):
+  fp32    kernels/cpu/prefill_attention.cpp with fp32 FMAs (AVX-512);
+  dot     the same with vdpbf16ps for both products, P rounded to bf16 (AVX512-BF16).
 
 Each op is timed on random weights of its shape, so calibration needs no checkpoint and runs before the real weights
 are packed. The embedded SmolLM2-135M's five shapes take ~3 s here (2-core Zen 5); later starts read the cache.
@@ -20,7 +23,7 @@ import hashlib
 import logging
 import os
 import platform
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,6 +32,7 @@ import torch
 from llmserve.errors import InvalidRequestError
 from llmserve.kernels import native
 from llmserve.kernels.choice import (
+    ROW_BUCKETS,
     Candidate,
     ChoiceTable,
     OpChoice,
@@ -46,7 +50,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 BF16_LINEAR = "bf16_linear"
-KINDS: dict[str, tuple[str, ...]] = {BF16_LINEAR: ("fma", "dot", "onednn", "fp32")}
+PREFILL_ATTENTION = "prefill_attention"
+KINDS: dict[str, tuple[str, ...]] = {BF16_LINEAR: ("fma", "dot", "onednn", "fp32"), PREFILL_ATTENTION: ("fp32", "dot")}
+# prefill tokens in a step: a chunk's attention grows with its square, so its buckets are wider than a linear's
+ATTENTION_BUCKETS = (16, 64, 256, 1024, 4096)
 ENV = "LLMSERVE_KERNEL_CHOICE"
 
 
@@ -65,9 +72,20 @@ def bf16_weights(model: nn.Module) -> Iterator[torch.Tensor]:
             yield w
 
 
+def prefill_attention_op(model: nn.Module) -> str | None:
+    """The op name of the model's native prefill attention where a choice exists: a bf16 model whose heads the kernel
+    takes (head_dim % 16 == 0), on a CPU where the kernel runs; else None."""
+    layers = model.attention_layers() if hasattr(model, "attention_layers") else []
+    if not layers or next(bf16_weights(model), None) is None or not native.prefill_attention_usable():
+        return None
+    a = layers[0]
+    return f"{PREFILL_ATTENTION}:{a.num_heads}/{a.num_kv_heads}x{a.head_dim}" if a.head_dim % 16 == 0 else None
+
+
 def available(kind: str) -> tuple[str, ...]:
     """The candidates of an op kind that can run on this machine (flags only gate; they never choose)."""
-    assert kind == BF16_LINEAR
+    if kind == PREFILL_ATTENTION:
+        return ("fp32", "dot") if native.bf16_dot_usable() else ("fp32",)
     names = []
     if native.packed_gemm_usable():
         names.append("fma")
@@ -101,6 +119,25 @@ def bf16_linear_candidates(n: int, k: int, names: tuple[str, ...]) -> list[Candi
         else:
             out.append(Candidate(name, lambda r: fp32_linear(x(r), w, None)))
     return out
+
+
+def prefill_attention_candidates(heads: int, kv_heads: int, head_dim: int, names: tuple[str, ...]) -> list[Candidate]:
+    """Each path over one fresh bf16 prompt of `rows` tokens (random q, k, v; causal over itself)."""
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.zeros(2, 1, 1, kv_heads, head_dim, dtype=torch.bfloat16)  # a fresh prompt reads this step's K/V
+
+    @functools.cache
+    def inputs(rows: int) -> tuple[torch.Tensor, ...]:
+        q = torch.randn(rows, heads, head_dim, generator=gen).bfloat16()
+        k, v = (torch.randn(rows, kv_heads, head_dim, generator=gen).bfloat16() for _ in range(2))
+        spans = torch.tensor([[0, rows, 0, 0]], dtype=torch.int64)
+        return q, k, v, spans, torch.zeros(rows, dtype=torch.int64), torch.empty_like(q)
+
+    def run(rows: int, dot: bool) -> None:
+        q, k, v, spans, slots, out = inputs(rows)
+        native.prefill_attention(q, k, v, cache, None, spans, slots, head_dim ** -0.5, None, out, dot)
+
+    return [Candidate(name, functools.partial(lambda r, d: run(r, d), d=name == "dot")) for name in names]
 
 
 def cpu_model() -> str:
@@ -140,18 +177,26 @@ def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, timer
         return None
     spec = kernel_choice if kernel_choice not in (None, "auto") else os.environ.get(ENV, kernel_choice)
     pins = parse_pins(spec, KINDS)
+    for kind, name in pins.items():
+        if name not in available(kind):
+            raise InvalidRequestError(f"kernel_choice: {kind}={name} cannot run on this machine; it runs "
+                                      f"{', '.join(available(kind))}", param="kernel_choice")
     names = available(BF16_LINEAR)
-    if BF16_LINEAR in pins and pins[BF16_LINEAR] not in names:
-        raise InvalidRequestError(f"kernel_choice: {BF16_LINEAR}={pins[BF16_LINEAR]} cannot run on this machine; "
-                                  f"it runs {', '.join(names)}", param="kernel_choice")
-    measure = {op: functools.partial(_measure, n, k, names, timer) for op, (n, k) in shapes.items()}
-    pinned_ops = {op: pinned(pins[BF16_LINEAR]) for op in shapes} if BF16_LINEAR in pins else {}
-    return load_or_measure(key(list(shapes), threads), measure, pinned_ops, remeasure)
+    measure = {op: functools.partial(_measure, bf16_linear_candidates, (n, k, names), timer, ROW_BUCKETS)
+               for op, (n, k) in shapes.items()}
+    attention = prefill_attention_op(model)
+    if attention is not None:
+        a = model.attention_layers()[0]
+        measure[attention] = functools.partial(_measure, prefill_attention_candidates,
+                                               (a.num_heads, a.num_kv_heads, a.head_dim, available(PREFILL_ATTENTION)),
+                                               timer, ATTENTION_BUCKETS)
+    pinned_ops = {op: pinned(pins[op.partition(":")[0]]) for op in measure if op.partition(":")[0] in pins}
+    return load_or_measure(key(list(measure), threads), measure, pinned_ops, remeasure)
 
 
-def _measure(n: int, k: int, names: tuple[str, ...], timer: Timer) -> OpChoice:
+def _measure(make: Callable[..., list[Candidate]], args: tuple, timer: Timer, buckets: tuple[int, ...]) -> OpChoice:
     with torch.inference_mode():
-        return choose(bf16_linear_candidates(n, k, names), timer)
+        return choose(make(*args), timer, buckets)
 
 
 def report(table: ChoiceTable) -> str:

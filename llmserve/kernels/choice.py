@@ -92,7 +92,7 @@ class OpChoice:
 
 
 def pinned(name: str) -> OpChoice:
-    return OpChoice((ROW_BUCKETS[-1],), (name,), {}, pinned=True)
+    return OpChoice((ROW_BUCKETS[-1],), (name,), {}, pinned=True)  # one bucket: it covers every row count
 
 
 # A bucket leaves the base candidate (the best over all buckets) only for one at least this much faster there. Why: a

@@ -108,15 +108,16 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                       kv_scales: torch.Tensor | None, spans: torch.Tensor, slots: torch.Tensor, scale: float,
-                      sliding_window: int | None, out: torch.Tensor) -> None:
+                      sliding_window: int | None, out: torch.Tensor, dot: bool = False) -> None:
     """Causal attention of every prefill span into out's rows: q [T, heads, D], k/v [T, kv_heads, D] (this step's
     rows), kv_cache [2, NB, BS, kv_heads, D] (+ kv_scales for int8); spans [S, 4] int64 (q_start, q_len,
     num_cached, offset into slots), slots: the spans' context slots concatenated. A fresh prompt reads this step's
     K/V, any other span its whole context from the cache (as torch_backend.paged_attention). Needs
-    prefill_attention_usable()."""
+    prefill_attention_usable(). dot: both products by AVX512-BF16 dot products where q and the keys are bf16 (P rounded to
+    bf16; needs bf16_dot_usable()), else fp32 FMAs."""
     k_scales, v_scales = (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
     _module.prefill_attention(q, k, v, kv_cache[0], kv_cache[1], k_scales, v_scales, spans, slots, scale,
-                              -1 if sliding_window is None else sliding_window, out)
+                              -1 if sliding_window is None else sliding_window, out, 1 if dot else 0)
 
 
 @functools.cache

@@ -19,7 +19,7 @@ from llmserve.attention.metadata import Workspace
 from llmserve.engine.request import Request
 from llmserve.engine.scheduler import ScheduledRequest
 from llmserve.kernels import calibrate
-from llmserve.kernels.choice import ChoiceTable
+from llmserve.kernels.choice import ChoiceTable, OpChoice
 from llmserve.models.loader import LoadedModel
 from llmserve.sampling.logprobs import logprobs_of_logits
 from llmserve.sampling.sampler import Sampler, SamplerOutput, SamplingBatch, SequenceState
@@ -74,6 +74,7 @@ class ModelRunner:
                  cpu: CpuOptions | None = None, kv_cache_dtype: str = "auto",
                  graphs: GraphOptions | None = None) -> None:
         self.kernel_choices: ChoiceTable | None = None  # the measured (or cached, or pinned) kernels of bf16 matmuls
+        self.prefill_attention: OpChoice | None = None  # native prefill attention's path by a step's prefill tokens
         if loaded.device.type == "cpu":
             cpu = cpu or CpuOptions()
             threads = configure_cpu(cpu.num_threads)
@@ -82,6 +83,8 @@ class ModelRunner:
                 if self.kernel_choices is not None:
                     logger.info("kernel choice: %s", self.kernel_choices.describe())
                 loaded.model.pack_for_cpu(self.kernel_choices)
+                if self.kernel_choices is not None:  # None: fp32 FMAs, the only path here
+                    self.prefill_attention = self.kernel_choices.ops.get(calibrate.prefill_attention_op(loaded.model))
         self.model = loaded.model
         self.device = loaded.device
         self.vocab_size = loaded.hf_config.vocab_size
@@ -166,6 +169,8 @@ class ModelRunner:
             seqs.append(SeqSpec(span.start, len(span.token_ids), span.block_table))
             logit_rows.extend(range(len(input_ids) - span.num_logits, len(input_ids)))
         meta = build_attention_metadata(seqs, self.block_size, self.device, self.workspace)
+        if meta.prefills and self.prefill_attention is not None:
+            meta.prefill_dot = self.prefill_attention.pick(len(input_ids) - meta.num_decodes) == "dot"
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, meta)

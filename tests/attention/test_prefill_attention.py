@@ -43,13 +43,13 @@ def _case(spans: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int
     return q, k, v, kv_cache, kv_scales, meta
 
 
-def _both(q, k, v, kv_cache, kv_scales, meta, scale, window) -> tuple[torch.Tensor, torch.Tensor]:
+def _both(q, k, v, kv_cache, kv_scales, meta, scale, window, dot: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     nd = meta.num_decodes
     want = torch.zeros_like(q)
     prefill_attention(q, k, v, kv_cache, kv_scales, meta, scale, window, want)
     got = torch.zeros_like(q)
     spans, slots = meta.prefill_arrays()
-    native.prefill_attention(q, k, v, kv_cache, kv_scales, spans, slots, scale, window, got)
+    native.prefill_attention(q, k, v, kv_cache, kv_scales, spans, slots, scale, window, got, dot)
     assert torch.equal(got[:nd], torch.zeros_like(got[:nd]))  # decode rows are not the prefill's to write
     return got[nd:].float(), want[nd:].float()
 
@@ -81,6 +81,48 @@ def test_matches_reference_across_dtypes(dtype: torch.dtype, cache_dtype, block_
     else:
         torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
         assert (got != want).float().mean() < 0.01
+
+
+needs_dot = pytest.mark.skipif(not native.bf16_dot_usable(), reason="the dot path needs a CPU with AVX512-BF16")
+
+
+@needs_dot
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (14, 2)])
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 128])
+@pytest.mark.parametrize("window", [None, 17])
+def test_dot_path_matches_the_reference(heads: int, kv_heads: int, head_dim: int, window: int | None) -> None:
+    """vdpbf16ps for both products: exact products and fp32 sums, P rounded to bf16 (2^-9 relative), the output
+    rounded once to bf16; the reference sums in fp32. Every tile shape, chunks over the cache, windows, GQA 3-7."""
+    case = _case(SPANS, heads, kv_heads, head_dim, 16, torch.bfloat16, torch.bfloat16, seed=heads + head_dim, decodes=2)
+    got, want = _both(*case, scale=head_dim ** -0.5, window=window, dot=True)
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+    assert (got - want).abs().mean() < 2e-3 * want.abs().mean() + 1e-4  # mostly a bf16 ulp or none apart
+    fma, _ = _both(*case, scale=head_dim ** -0.5, window=window, dot=False)
+    assert not torch.equal(got, fma)  # the flag changes the arithmetic: P's rounding shows in some outputs
+
+
+@needs_dot
+@pytest.mark.parametrize("cache_dtype", [torch.float32, "int8"])
+def test_dot_path_takes_only_bf16_keys(cache_dtype) -> None:
+    """Spans read from an fp32 or int8 cache keep fp32 FMAs under dot=1 (bit for bit the dot=0 result); a fresh
+    prompt (this step's bf16 rows) takes the dot path."""
+    case = _case([(0, 40), (37, 20)], 9, 3, 64, 16, torch.bfloat16, cache_dtype)
+    meta = case[-1]
+    dot, want = _both(*case, scale=0.125, window=None, dot=True)
+    fma, _ = _both(*case, scale=0.125, window=None, dot=False)
+    fresh, cached = slice(0, 40), slice(40, 60)
+    assert torch.equal(dot[cached], fma[cached]) and not torch.equal(dot[fresh], fma[fresh])
+    torch.testing.assert_close(dot, want, atol=3e-2, rtol=3e-2)
+    assert meta.prefills[0].num_cached == 0 and meta.prefills[1].num_cached == 37
+
+
+def test_dot_refuses_where_the_cpu_lacks_it() -> None:
+    if native.bf16_dot_usable():
+        pytest.skip("this CPU has AVX512-BF16")
+    q, k, v, kv_cache, kv_scales, meta = _case([(0, 10)], 9, 3, 64, 16, torch.bfloat16, torch.bfloat16)
+    spans, slots = meta.prefill_arrays()
+    with pytest.raises(RuntimeError, match="AVX512-BF16"):
+        native.prefill_attention(q, k, v, kv_cache, None, spans, slots, 0.125, None, torch.empty_like(q), True)
 
 
 def test_fresh_prompt_reads_this_steps_rows_not_the_cache() -> None:

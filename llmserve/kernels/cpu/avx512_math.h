@@ -14,6 +14,9 @@
 #include <type_traits>
 
 #define LLMSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+// Code that also runs vdpbf16ps (AVX512-BF16: bf16 pairs multiplied and summed into fp32); callers check
+// cpu_has_avx512_bf16() first.
+#define LLMSERVE_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 
 // Whether the environment variable `name` is exactly "0": the kernels' switches back to another path (tests, A/B).
 inline bool env_is_zero(const char* name) {
@@ -25,6 +28,12 @@ inline bool env_is_zero(const char* name) {
 inline bool cpu_has_avx512() {
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return ok;
+}
+
+// Whether this CPU also runs LLMSERVE_AVX512BF16 code; asked once.
+inline bool cpu_has_avx512_bf16() {
+  static const bool ok = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
   return ok;
 }
 

@@ -244,7 +244,6 @@ torch::Tensor packed_gemm(const torch::Tensor& x, const torch::Tensor& packed, i
 
 // ---------------------------------------------------------------------------------------------------------------------
 // bf16 x bf16 -> fp32 with vdpbf16ps over bf16_pack's layout (bf16_gemm's dot path, CPUs with AVX512-BF16).
-#define LLMSERVE_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 
 // y[i0 : i0 + MR, n0 : n0 + NR * 16] for one register tile: MR rows of x as bf16 column pairs (uint32, ldx pairs per
 // row), NR packed blocks of G groups [16 outputs][2 columns]. Per group: NR loads, MR broadcasts, MR * NR dot products.
@@ -293,10 +292,7 @@ torch::Tensor packed_gemm_dot(const torch::Tensor& x, const torch::Tensor& packe
 
 }  // namespace
 
-bool bf16_dot_supported() {
-  static const bool ok = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
-  return ok;
-}
+bool bf16_dot_supported() { return cpu_has_avx512_bf16(); }
 
 bool int8w_a16_supported() { return cpu_has_avx512() && __builtin_cpu_supports("avx512vnni"); }
 

@@ -652,7 +652,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_supported", &prefill_attention_supported, "whether prefill_attention runs here (AVX-512)");
   m.def("prefill_attention", &prefill_attention, "causal prefill attention of every span of a step (CPU, AVX-512)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scales"),
-        py::arg("v_scales"), py::arg("spans"), py::arg("slots"), py::arg("scale"), py::arg("window"), py::arg("out"));
+        py::arg("v_scales"), py::arg("spans"), py::arg("slots"), py::arg("scale"), py::arg("window"), py::arg("out"),
+        py::arg("dot") = 0);
   m.def("packed_gemm_supported", &packed_gemm_supported, "whether bf16_gemm and int8w_gemm run here (AVX-512)");
   m.def("bf16_pack", &bf16_pack, "bf16 [N, K] weight -> the block layout bf16_gemm reads");
   m.def("bf16_gemm", &bf16_gemm, "x @ W^T (+ bias), bf16 weights packed: fp32 FMAs (dot=0, AVX-512) or vdpbf16ps "

@@ -17,6 +17,13 @@
 // Items are handed out longest first from a shared counter, so causal imbalance (the last tiles of a prompt
 // see the most keys) evens out across threads.
 //
+// The dot path (dot=1, bf16 q and keys, CPUs with AVX512-BF16) runs both products with vdpbf16ps instead: the sums
+// run over pairs, so Q^T is kept as pairs of dimensions [D/2, rows] (unscaled: the scores are scaled after), K rows
+// are read as they are stored (their dimensions already come in pairs), V as pairs of keys [keys/2, D] and the
+// softmax's P^T rounded to bf16 as pairs of keys [keys/2, rows], as flash attention's bf16 kernels round P. Products
+// are exact and every sum fp32; what differs from the fp32 path is P's rounding (2^-9 relative) and the order of the
+// sums. Which path runs is measured on the running machine (llmserve/kernels/calibrate.py).
+//
 // Why: torch's SDPA (flash attention for CPU) ran SmolLM2's prompts of 36-390 tokens at ~73 GFLOP/s in fp32 on
 // 2 cores (1.8 s of a 64-request workload's prefill), and converting each span's q/k/v to fp32 and back
 // copied every row twice more.
@@ -110,6 +117,39 @@ void by_row_vectors(int64_t V, const Pass& pass) {  // pass(RV tag, v0) over [0,
   }
 }
 
+// tile_pass with vdpbf16ps: a and b hold bf16 pairs (uint32), the sums run over pairs. Scores: a = K's rows as pairs of
+// dimensions (row_stride D / 2, sum_stride 1), b = Q^T pairs [D / 2, V, 16]. Values: a = V as pairs of keys [keys / 2,
+// D] (row_stride 1, sum_stride D), b = P^T pairs [keys / 2, V, 16].
+template <int RV>
+LLMSERVE_AVX512BF16 __attribute__((optimize("no-tree-pre"))) void tile_pass_dot(const uint32_t* a, int64_t row_stride,
+                                                                              int64_t sum_stride, int64_t rows,
+                                                                              int64_t sums, const uint32_t* b,
+                                                                              int64_t V, int64_t v0, bool accumulate,
+                                                                              float* out) {
+  for (int64_t r = 0; r < rows; r += kRowsPerPass) {
+    __m512 acc[kRowsPerPass][RV];
+    _Pragma("GCC unroll 8") for (int k = 0; k < kRowsPerPass; ++k)
+      _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v)
+        acc[k][v] = accumulate ? _mm512_loadu_ps(out + ((r + k) * V + v0 + v) * 16) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < sums; ++i) {
+      __m512bh bv[RV];
+      _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v)
+        bv[v] = (__m512bh)_mm512_loadu_si512(b + (i * V + v0 + v) * 16);
+      _Pragma("GCC unroll 8") for (int k = 0; k < kRowsPerPass; ++k) {
+        const __m512bh ab = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(a[(r + k) * row_stride + i * sum_stride]));
+        _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v) acc[k][v] = _mm512_dpbf16_ps(acc[k][v], ab, bv[v]);
+      }
+    }
+    _Pragma("GCC unroll 8") for (int k = 0; k < kRowsPerPass; ++k)
+      _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v) _mm512_storeu_ps(out + ((r + k) * V + v0 + v) * 16, acc[k][v]);
+  }
+}
+
+// Two bf16 vectors' 16 elements as pairs: lane i = (lo[i], hi[i]), lo in the low half.
+LLMSERVE_AVX512 inline __m512i pair16(__m256i lo, __m256i hi) {
+  return _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+}
+
 struct Span {
   int64_t q_start, q_len, num_cached, slot_offset;
   bool from_cache;
@@ -117,25 +157,63 @@ struct Span {
 
 struct Scratch {
   std::vector<float> qt, ot, st, kf, vf, m, l;
+  std::vector<uint32_t> qtp, kp, vp, pp;  // the dot path's pairs: Q^T [D/2, V, 16], K [keys, D/2], V [keys/2, D], P^T
   Scratch(int64_t D, int64_t V) : qt(D * V * 16), ot(D * V * 16), st(kKeyBlock * V * 16), kf(kKeyBlock * D),
-                                  vf(kKeyBlock * D), m(V * 16), l(V * 16) {}
+                                  vf(kKeyBlock * D), m(V * 16), l(V * 16), qtp(D / 2 * V * 16), kp(kKeyBlock * D / 2),
+                                  vp(kKeyBlock / 2 * D), pp(kKeyBlock / 2 * V * 16) {}
 };
+
+// The dot path's inputs of one block of n keys (padded to n8): K's rows copied as pairs of dimensions (padding 0) and
+// V's as pairs of keys (a missing second key 0).
+LLMSERVE_AVX512 void pair_block(const Rows<c10::BFloat16>& keys, const Rows<c10::BFloat16>& values, int64_t j0, int64_t n,
+                                int64_t n8, int64_t D, Scratch& s) {
+  const auto bits = [](const c10::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); };
+  for (int64_t t = 0; t < n8; ++t) {
+    uint16_t* o = reinterpret_cast<uint16_t*>(s.kp.data() + t * D / 2);
+    if (t < n) std::copy(bits(keys.row(j0 + t)), bits(keys.row(j0 + t)) + D, o);
+    else std::fill(o, o + D, uint16_t{0});
+  }
+  const __m256i zero = _mm256_setzero_si256();
+  for (int64_t p = 0; p < n8 / 2; ++p) {
+    const uint16_t* r0 = 2 * p < n ? bits(values.row(j0 + 2 * p)) : nullptr;
+    const uint16_t* r1 = 2 * p + 1 < n ? bits(values.row(j0 + 2 * p + 1)) : nullptr;
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m256i a = r0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + d)) : zero;
+      const __m256i b = r1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + d)) : zero;
+      _mm512_storeu_si512(s.vp.data() + p * D + d, pair16(a, b));
+    }
+  }
+}
 
 // One work item: query tokens [i0, i0 + 16) of a span (context positions num_cached + i), the G heads of KV head
 // kvh, over keys [0, ctx) of the span's source. q/out rows: [T, H, D] with row strides q_row / out_row.
+// dot: the dot path where q and the keys are bf16 (the caller checked the CPU); else fp32 FMAs.
 template <typename TQ, typename TK>
 LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int64_t i0, int64_t kvh, int64_t G,
                                  int64_t D, const Rows<TK>& keys, const Rows<TK>& values, float scale,
-                                 int64_t window, Scratch& s, TQ* out, int64_t out_row) {
+                                 int64_t window, bool dot, Scratch& s, TQ* out, int64_t out_row) {
+  constexpr bool kBf16 = std::is_same_v<TQ, c10::BFloat16> && std::is_same_v<TK, c10::BFloat16>;
+  dot = dot && kBf16;
   const int64_t V = G;  // row vectors: one per head
   const int64_t nt = std::min(kTileTokens, sp.q_len - i0);
-  // Q^T [D, V * 16], pre-scaled; lanes past nt are 0 (their outputs are never written)
-  std::fill(s.qt.begin(), s.qt.end(), 0.f);
-  for (int64_t i = 0; i < nt; ++i)
-    for (int64_t g = 0; g < G; ++g) {
-      const TQ* qr = q + (sp.q_start + i0 + i) * q_row + (kvh * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) s.qt[d * V * 16 + g * 16 + i] = static_cast<float>(qr[d]) * scale;
-    }
+  // Q^T [D, V * 16], pre-scaled (dot: pairs of dimensions [D / 2, V * 16], unscaled); lanes past nt are 0 (their
+  // outputs are never written)
+  if (dot) {
+    std::fill(s.qtp.begin(), s.qtp.end(), 0u);
+    for (int64_t i = 0; i < nt; ++i)
+      for (int64_t g = 0; g < G; ++g) {
+        const auto* qr = reinterpret_cast<const uint16_t*>(q + (sp.q_start + i0 + i) * q_row + (kvh * G + g) * D);
+        for (int64_t p = 0; p < D / 2; ++p)
+          s.qtp[p * V * 16 + g * 16 + i] = qr[2 * p] | (static_cast<uint32_t>(qr[2 * p + 1]) << 16);
+      }
+  } else {
+    std::fill(s.qt.begin(), s.qt.end(), 0.f);
+    for (int64_t i = 0; i < nt; ++i)
+      for (int64_t g = 0; g < G; ++g) {
+        const TQ* qr = q + (sp.q_start + i0 + i) * q_row + (kvh * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) s.qt[d * V * 16 + g * 16 + i] = static_cast<float>(qr[d]) * scale;
+      }
+  }
   std::fill(s.ot.begin(), s.ot.end(), 0.f);
   std::fill(s.m.begin(), s.m.end(), -std::numeric_limits<float>::infinity());
   std::fill(s.l.begin(), s.l.end(), 0.f);
@@ -147,12 +225,25 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
   const __mmask16 live = tail_mask16(nt);
   for (int64_t j0 = lo; j0 < hi; j0 += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, hi - j0), n8 = (n + kRowsPerPass - 1) / kRowsPerPass * kRowsPerPass;
-    widen_rows(keys, j0, n, D, s.kf.data());
-    for (int64_t t = n; t < n8; ++t) std::fill(s.kf.begin() + t * D, s.kf.begin() + (t + 1) * D, 0.f);
-    widen_rows(values, j0, n, D, s.vf.data());
-    by_row_vectors(V, [&](auto rv, int64_t v0) {
-      tile_pass<decltype(rv)::value>(s.kf.data(), D, 1, n8, D, s.qt.data(), V, v0, false, s.st.data());
-    });
+    if constexpr (kBf16) {
+      if (dot) {
+        pair_block(keys, values, j0, n, n8, D, s);
+        by_row_vectors(V, [&](auto rv, int64_t v0) {
+          tile_pass_dot<decltype(rv)::value>(s.kp.data(), D / 2, 1, n8, D / 2, s.qtp.data(), V, v0, false, s.st.data());
+        });
+        const __m512 sv = _mm512_set1_ps(scale);
+        for (int64_t e = 0; e < n8 * V; ++e) _mm512_storeu_ps(s.st.data() + e * 16,
+                                                              _mm512_mul_ps(sv, _mm512_loadu_ps(s.st.data() + e * 16)));
+      }
+    }
+    if (!dot) {
+      widen_rows(keys, j0, n, D, s.kf.data());
+      for (int64_t t = n; t < n8; ++t) std::fill(s.kf.begin() + t * D, s.kf.begin() + (t + 1) * D, 0.f);
+      widen_rows(values, j0, n, D, s.vf.data());
+      by_row_vectors(V, [&](auto rv, int64_t v0) {
+        tile_pass<decltype(rv)::value>(s.kf.data(), D, 1, n8, D, s.qt.data(), V, v0, false, s.st.data());
+      });
+    }
     // a key is visible to a lane where j <= p (causal) and j > p - window; the block needs masks only where some
     // lane does not see all of it
     const bool masked = j0 + n - 1 > p0 || (window > 0 && j0 <= p_last - window);
@@ -193,9 +284,21 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
         _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), alpha));
       }
     }
-    by_row_vectors(V, [&](auto rv, int64_t v0) {
-      tile_pass<decltype(rv)::value>(s.vf.data(), 1, D, D, n, s.st.data(), V, v0, true, s.ot.data());
-    });
+    if (dot) {  // P^T as pairs of keys, rounded to bf16 (the padding keys' p are 0)
+      for (int64_t p = 0; p < n8 / 2; ++p)
+        for (int64_t v = 0; v < V; ++v) {
+          const __m512i lo = bf16_bits(_mm512_loadu_ps(s.st.data() + (2 * p * V + v) * 16));
+          const __m512i hi = bf16_bits(_mm512_loadu_ps(s.st.data() + ((2 * p + 1) * V + v) * 16));
+          _mm512_storeu_si512(s.pp.data() + (p * V + v) * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+      by_row_vectors(V, [&](auto rv, int64_t v0) {
+        tile_pass_dot<decltype(rv)::value>(s.vp.data(), 1, D, D, n8 / 2, s.pp.data(), V, v0, true, s.ot.data());
+      });
+    } else {
+      by_row_vectors(V, [&](auto rv, int64_t v0) {
+        tile_pass<decltype(rv)::value>(s.vf.data(), 1, D, D, n, s.st.data(), V, v0, true, s.ot.data());
+      });
+    }
   }
   for (int64_t g = 0; g < G; ++g)
     for (int64_t i = 0; i < nt; ++i) {
@@ -209,7 +312,7 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
 template <typename TQ, typename TC>
 void prefill_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& k_cache,
                   const torch::Tensor& v_cache, const float* k_scales, const float* v_scales,
-                  const std::vector<Span>& spans, const int64_t* slots, double scale, int64_t window,
+                  const std::vector<Span>& spans, const int64_t* slots, double scale, int64_t window, bool dot,
                   torch::Tensor& out) {
   const int64_t H = q.size(1), D = q.size(2), KVH = k.size(1), G = H / KVH;
   struct Item {
@@ -238,11 +341,11 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::T
         const int64_t* sl = slots + sp.slot_offset;
         const Rows<TC> kr{k_cache.data_ptr<TC>() + it.kvh * D, sl, cache_row, k_scales ? k_scales + it.kvh : nullptr, KVH};
         const Rows<TC> vr{v_cache.data_ptr<TC>() + it.kvh * D, sl, cache_row, v_scales ? v_scales + it.kvh : nullptr, KVH};
-        attend_tile<TQ, TC>(qp, q.stride(0), sp, it.i0, it.kvh, G, D, kr, vr, sc, window, s, op, out.stride(0));
+        attend_tile<TQ, TC>(qp, q.stride(0), sp, it.i0, it.kvh, G, D, kr, vr, sc, window, dot, s, op, out.stride(0));
       } else {  // this step's rows: token j of the span at row q_start + j
         const Rows<TQ> kr{k.data_ptr<TQ>() + sp.q_start * k.stride(0) + it.kvh * D, nullptr, k.stride(0), nullptr, 0};
         const Rows<TQ> vr{v.data_ptr<TQ>() + sp.q_start * v.stride(0) + it.kvh * D, nullptr, v.stride(0), nullptr, 0};
-        attend_tile<TQ, TQ>(qp, q.stride(0), sp, it.i0, it.kvh, G, D, kr, vr, sc, window, s, op, out.stride(0));
+        attend_tile<TQ, TQ>(qp, q.stride(0), sp, it.i0, it.kvh, G, D, kr, vr, sc, window, dot, s, op, out.stride(0));
       }
     }
   });
@@ -256,12 +359,14 @@ bool prefill_attention_supported() { return cpu_has_avx512(); }
 // but heads and dimensions contiguous); k_cache, v_cache [NB, BS, KVH, D] contiguous, fp32/bf16/fp16 or int8 with
 // k_scales, v_scales [NB, BS, KVH] fp32; spans [S, 4] int64 (q_start, q_len, num_cached, slot offset into slots);
 // slots: the spans' context slots concatenated. Writes the spans' rows of out [T, H, D] (q's dtype, contiguous).
-// window <= 0: none.
+// window <= 0: none. dot: 1 runs the products with vdpbf16ps where q and the keys are bf16 (needs AVX512-BF16), 0
+// with fp32 FMAs.
 void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
                        torch::Tensor v_cache, c10::optional<torch::Tensor> k_scales,
                        c10::optional<torch::Tensor> v_scales, torch::Tensor spans, torch::Tensor slots, double scale,
-                       int64_t window, torch::Tensor out) {
+                       int64_t window, torch::Tensor out, int64_t dot) {
   TORCH_CHECK(prefill_attention_supported(), "prefill_attention needs a CPU with AVX-512");
+  TORCH_CHECK(dot <= 0 || cpu_has_avx512_bf16(), "prefill_attention: dot=1 needs a CPU with AVX512-BF16");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 &&
                   v_cache.sizes() == k_cache.sizes() && out.sizes() == q.sizes(),
               "prefill_attention: q/out [T, H, D], k/v [T, KVH, D], caches [NB, BS, KVH, D]");
@@ -304,9 +409,9 @@ void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch:
   dispatch_float(q.scalar_type(), "prefill_attention (q)", [&](auto q_tag) {
     using q_t = decltype(q_tag);
     if (quantized)
-      return prefill_impl<q_t, int8_t>(q, k, v, k_cache, v_cache, ks, vs, list, sl, scale, window, out);
+      return prefill_impl<q_t, int8_t>(q, k, v, k_cache, v_cache, ks, vs, list, sl, scale, window, dot > 0, out);
     dispatch_float(k_cache.scalar_type(), "prefill_attention (the cache; or int8)", [&](auto c_tag) {
-      prefill_impl<q_t, decltype(c_tag)>(q, k, v, k_cache, v_cache, ks, vs, list, sl, scale, window, out);
+      prefill_impl<q_t, decltype(c_tag)>(q, k, v, k_cache, v_cache, ks, vs, list, sl, scale, window, dot > 0, out);
     });
   });
 }

@@ -1,0 +1,109 @@
+"""The kernel choices of a real (tiny, bf16) model: which ops it has, a fake timer deciding them, pins, refusals, and
+the per-step prefill-attention choice reaching the kernel. No timing is asserted."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from llmserve import EngineConfig, GenerationConfig, pipeline
+from llmserve.errors import InvalidRequestError
+from llmserve.kernels import calibrate, choice, native
+from llmserve.models.loader import load_model
+
+pytestmark = pytest.mark.skipif(not native.packed_gemm_usable(), reason="needs the extension and AVX-512")
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(calibrate.ENV, raising=False)
+    monkeypatch.setattr(choice, "_measured", {})
+
+
+@pytest.fixture
+def bf16_model(tiny_model_dir: Callable[[str], str]):
+    return load_model(tiny_model_dir("llama"), EngineConfig(dtype="bfloat16")).model
+
+
+def test_a_fake_timer_decides_every_op_of_the_model(bf16_model) -> None:
+    """fma is made faster up to 16 rows and every other candidate faster above: each op follows."""
+    calls: list[tuple[str, int]] = []
+
+    def timer(name: str, rows: int, fn: Callable[[], object]) -> float:
+        calls.append((name, rows))
+        small = rows <= 16
+        return {"fma": 1.0 if small else 9.0, "fp32": 9.0 if small else 1.0}.get(name, 5.0)
+
+    table = calibrate.plan(bf16_model, 2, timer=timer)
+    shapes = {calibrate.op_name(w) for w in calibrate.bf16_weights(bf16_model)}
+    attention = calibrate.prefill_attention_op(bf16_model)
+    assert set(table.ops) == shapes | ({attention} if attention else set())
+    for op in shapes:
+        assert table.ops[op].ranges() == [("fma", 1, 16), ("fp32", 17, None)], op
+    if attention is not None:  # dot (5.0) wins 16 tokens, fp32 (1.0) everything above
+        a = bf16_model.attention_layers()[0]
+        assert attention == f"prefill_attention:{a.num_heads}/{a.num_kv_heads}x{a.head_dim}"
+        want = [("dot", 1, 16), ("fp32", 17, None)] if native.bf16_dot_usable() else [("fp32", 1, None)]
+        assert table.ops[attention].ranges() == want
+    assert {rows for _, rows in calls} >= set(choice.ROW_BUCKETS)
+    # a second plan reads the cache (this process's memory first): the timer is not called again
+    calls.clear()
+    again = calibrate.plan(bf16_model, 2, timer=timer)
+    assert calls == [] and again.reused and again.ops == table.ops
+
+
+def test_pins_are_not_measured_and_unknown_ones_are_refused(bf16_model, monkeypatch: pytest.MonkeyPatch) -> None:
+    def never(name: str, rows: int, fn: Callable[[], object]) -> float:
+        raise AssertionError("a pinned op was measured")
+
+    table = calibrate.plan(bf16_model, 2, "bf16_linear=fma,prefill_attention=fp32", timer=never)
+    assert {c.winners for c in table.ops.values()} <= {("fma",), ("fp32",)}
+    assert all(c.pinned for c in table.ops.values())
+    monkeypatch.setenv(calibrate.ENV, "bf16_linear=fp32,prefill_attention=fp32")  # the environment, where config is auto
+    assert {c.winners for c in calibrate.plan(bf16_model, 2, timer=never).ops.values()} == {("fp32",)}
+    with pytest.raises(InvalidRequestError, match="kernel_choice"):
+        EngineConfig(kernel_choice="bf16_linear=amx")
+    with pytest.raises(InvalidRequestError, match="kernel_choice"):
+        EngineConfig(kernel_choice="attention=dot")
+    if "dot" not in calibrate.available(calibrate.BF16_LINEAR):
+        with pytest.raises(InvalidRequestError, match="cannot run on this machine"):
+            calibrate.plan(bf16_model, 2, "bf16_linear=dot", timer=never)
+
+
+def test_an_fp32_model_has_nothing_to_choose(tiny_model_dir: Callable[[str], str]) -> None:
+    model = load_model(tiny_model_dir("llama"), EngineConfig(dtype="float32")).model
+    assert calibrate.plan(model, 2) is None and calibrate.prefill_attention_op(model) is None
+
+
+@pytest.mark.skipif(not native.bf16_dot_usable(), reason="the dot path needs AVX512-BF16")
+@pytest.mark.parametrize("pin", ["dot", "fp32"])
+def test_the_steps_prefill_choice_reaches_the_kernel(tiny_model_dir: Callable[[str], str], pin: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMSERVE_DECODER_STACK", "0")  # the Python layers call native.prefill_attention
+    seen: list[bool] = []
+    real = native.prefill_attention
+    monkeypatch.setattr(native, "prefill_attention", lambda *a: seen.append(a[-1]) or real(*a))
+    config = EngineConfig(dtype="bfloat16", num_blocks=64, kernel_choice=f"prefill_attention={pin}")
+    with pipeline(tiny_model_dir("llama"), backend_config=config) as pipe:
+        out = pipe([{"input_ids": list(range(3, 40))}], gen_config=GenerationConfig(max_new_tokens=3, temperature=0),
+                   do_preprocess=False)
+    assert len(out[0].token_ids) == 3
+    layers = len(pipe_layers(tiny_model_dir("llama")))
+    assert seen == [pin == "dot"] * layers  # one prefill step, every layer
+
+
+def pipe_layers(path: str) -> list:
+    return load_model(path, EngineConfig(dtype="bfloat16")).model.attention_layers()
+
+
+def test_plan_times_real_kernels_when_asked(bf16_model) -> None:
+    """The real timer on real candidates (a smoke run: every op gets a winner among what runs here)."""
+    with torch.inference_mode():
+        table = calibrate.plan(bf16_model, torch.get_num_threads())
+    for op, c in table.ops.items():
+        kind = op.partition(":")[0]
+        assert set(c.winners) <= set(calibrate.available(kind)) and len(c.winners) == len(c.rows)
+    assert "rows" in calibrate.report(table)
