@@ -1,7 +1,12 @@
 """TGI's own `text_generation` client against the server on the tiny llama model, plus the TGI
-routes' shapes the client does not look at (POST / wrapping, /generate without details, /info)."""
+routes' shapes the client does not look at (POST / wrapping, /generate without details, /info); and seed 002's
+client example and curl calls run as the seed writes them, with only the server address changed."""
 
 from __future__ import annotations
+
+import json
+import shutil
+import subprocess
 
 import httpx
 import pytest
@@ -115,3 +120,84 @@ def test_max_new_tokens_default_and_null(server: RunningServer, tiny: EngineHand
 
     assert generated({}) == 100  # TGI's default
     assert generated({"max_new_tokens": None}) == 256 - len(tiny.tokenizer.encode(PROMPT))  # all that fits
+
+
+# --- seed 002: TGI's curl calls and Python client example, verbatim but for the address (the seed's server listens
+# on 127.0.0.1:8080; these go to the test server). The seed's docker commands, launcher flags and LangChain wrapper
+# are not run: docs/compat.md says why.
+
+SEED_PROMPT = "What is Deep Learning?"
+SEED_CURL = {
+    "generate": """curl 127.0.0.1:8080/generate \\
+    -X POST \\
+    -d '{"inputs":"What is Deep Learning?","parameters":{"max_new_tokens":17}}' \\
+    -H 'Content-Type: application/json'""",
+    "generate_stream": """curl 127.0.0.1:8080/generate_stream \\
+    -X POST \\
+    -d '{"inputs":"What is Deep Learning?","parameters":{"max_new_tokens":17}}' \\
+    -H 'Content-Type: application/json'""",
+    "root_stream": """curl 127.0.0.1:8080/ \\
+    -X POST \\
+    -d '{"inputs":"What is Deep Learning?", "parameters":{"max_new_tokens":17}, "stream":true}' \\
+    -H 'Content-Type: application/json'""",
+}
+
+
+def _greedy_17(server: RunningServer, tiny: EngineHandle) -> str:
+    """The seed prompt's greedy 17 tokens through the OpenAI route: what TGI's defaults (do_sample false) give."""
+    body = {"prompt": tiny.tokenizer.encode(SEED_PROMPT), "max_tokens": 17, "temperature": 0}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["text"]  # the tiny model does not reach EOS here
+    return choice["text"]
+
+
+def _curl(server: RunningServer, name: str) -> str:
+    if shutil.which("curl") is None:
+        pytest.skip("the seed's calls need curl")
+    command = SEED_CURL[name].replace("127.0.0.1:8080", server.url.removeprefix("http://"))
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def _sse_events(text: str) -> list[dict]:
+    frames = text.split("\n\n")
+    assert frames[-1] == "" and all(f.startswith("data:") for f in frames[:-1]), text
+    return [json.loads(f.removeprefix("data:")) for f in frames[:-1]]
+
+
+def test_seed_002_client_example(server: RunningServer, tiny: EngineHandle, capsys: pytest.CaptureFixture[str]) -> None:
+    from text_generation import Client
+
+    # Generate
+    client = Client(server.url)
+    print(client.generate("What is Deep Learning?", max_new_tokens=17).generated_text)
+
+    # Generate stream
+    text = ""
+    for response in client.generate_stream("What is Deep Learning?", max_new_tokens=17):
+        if not response.token.special:
+            text += response.token.text
+    print(text)
+
+    expected = _greedy_17(server, tiny)
+    assert capsys.readouterr().out == f"{expected}\n{expected}\n"
+
+
+def test_seed_002_curl_generate(server: RunningServer, tiny: EngineHandle) -> None:
+    assert json.loads(_curl(server, "generate")) == {"generated_text": _greedy_17(server, tiny)}
+
+
+@pytest.mark.parametrize("name", ["generate_stream", "root_stream"])
+def test_seed_002_curl_streams(server: RunningServer, tiny: EngineHandle, name: str) -> None:
+    events = _sse_events(_curl(server, name))
+    expected = _greedy_17(server, tiny)
+    assert [e["index"] for e in events] == list(range(1, 18))
+    assert "".join(e["token"]["text"] for e in events) == expected
+    assert all(e["generated_text"] is None and e["details"] is None for e in events[:-1])
+    # POST / returns the full text by default (TGI's return_full_text for a text-generation model), streamed too
+    assert events[-1]["generated_text"] == (SEED_PROMPT if name == "root_stream" else "") + expected
+    assert events[-1]["details"] == {"finish_reason": "length", "generated_tokens": 17, "seed": None,
+                                     "input_length": len(tiny.tokenizer.encode(SEED_PROMPT))}
