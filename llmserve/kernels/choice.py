@@ -183,12 +183,13 @@ def cache_path(key: dict[str, object]) -> Path:
 
 
 def load_cached(key: dict[str, object], ops: Sequence[str]) -> ChoiceTable | None:
-    """The cached table for key if its file holds exactly this key, in this format, with every op; else None."""
+    """The cached choices of `ops` if key's file holds exactly this key, in this format, with every one of them (it
+    may hold more: a start that pins some ops reads the others); else None."""
     try:
         d = json.loads(cache_path(key).read_text())
-        if d.get("format") != FORMAT or d.get("key") != json.loads(json.dumps(key)) or set(d["ops"]) != set(ops):
+        if d.get("format") != FORMAT or d.get("key") != json.loads(json.dumps(key)) or not set(ops) <= set(d["ops"]):
             return None
-        return ChoiceTable(key, {op: OpChoice.from_json(c) for op, c in d["ops"].items()}, float(d["seconds"]),
+        return ChoiceTable(key, {op: OpChoice.from_json(d["ops"][op]) for op in ops}, float(d["seconds"]),
                            reused=True)
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -247,15 +248,20 @@ def load_or_measure(key: dict[str, object], measure: dict[str, Callable[[], OpCh
     one measured while other processes used more than BUSY_LIMIT of the CPUs (clock: cpu_seconds, or a fake)."""
     pins = pins or {}
     todo = {op: m for op, m in measure.items() if op not in pins}
-    cached = None if remeasure or not todo else _measured.get(cache_path(key)) or load_cached(key, sorted(todo))
-    if cached is not None and set(cached.ops) == set(todo):
-        return ChoiceTable(key, {**cached.ops, **pins}, cached.seconds, reused=True, cached=cached.cached)
+    memo = _measured.get(cache_path(key))
+    cached = None if remeasure or not todo else (memo if memo is not None and set(todo) <= set(memo.ops)
+                                                 else load_cached(key, sorted(todo)))
+    if cached is not None:
+        ops = {op: cached.ops[op] for op in todo}
+        return ChoiceTable(key, {**ops, **pins}, cached.seconds, reused=True, cached=cached.cached)
     start, before = time.perf_counter(), clock()
     ops = {op: m() for op, m in todo.items()}
     wall = time.perf_counter() - start
     busy = others_busy(before, clock())
     table = ChoiceTable(key, ops, wall, others_busy=busy)
-    written = bool(ops) and (busy is None or busy <= BUSY_LIMIT) and save(table) is not None
+    # only a whole table: one measured beside pins would replace the file's other ops, and the next start without the
+    # pins would find them missing and measure everything again
+    written = bool(ops) and not pins and (busy is None or busy <= BUSY_LIMIT) and save(table) is not None
     if ops:  # a table left out of the cache still holds for the rest of this process: its engines agree
         _measured[cache_path(key)] = ChoiceTable(key, ops, wall, others_busy=busy, cached=written)
     return ChoiceTable(key, {**ops, **pins}, wall, others_busy=busy, cached=written)

@@ -23,7 +23,7 @@ from llmserve.kernels.choice import ChoiceTable, OpChoice
 from llmserve.models.loader import LoadedModel
 from llmserve.sampling.logprobs import logprobs_of_logits
 from llmserve.sampling.sampler import Sampler, SamplerOutput, SamplingBatch, SequenceState
-from llmserve.worker.cpu_tuning import configure_cpu, use_onednn
+from llmserve.worker.cpu_tuning import configure_cpu, trim_heap, use_onednn
 
 if TYPE_CHECKING:
     from llmserve.worker.cuda_graphs import CudaGraphDecoder
@@ -82,6 +82,8 @@ class ModelRunner:
                 self.kernel_choices = calibrate.plan(loaded.model, threads, cpu.kernel_choice)
                 if self.kernel_choices is not None:
                     logger.info("kernel choice: %s", self.kernel_choices.describe())
+                    if not self.kernel_choices.reused:
+                        trim_heap()  # the candidates' temporaries
                 loaded.model.pack_for_cpu(self.kernel_choices)
                 if self.kernel_choices is not None:  # None: fp32 FMAs, the only path here
                     self.prefill_attention = self.kernel_choices.ops.get(calibrate.prefill_attention_op(loaded.model))

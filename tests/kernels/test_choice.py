@@ -119,7 +119,7 @@ def test_a_stale_or_broken_table_is_measured_again(cache_dir, spoil: str) -> Non
     elif spoil == "format":
         d["format"] = choice.FORMAT + 1
     elif spoil == "ops":
-        d["ops"]["b"] = d["ops"]["a"]
+        d["ops"] = {"b": d["ops"]["a"]}  # a table without the op asked for (one with more would serve)
     elif spoil == "winners":
         d["ops"]["a"]["winners"] = ["dot"]  # one winner for two buckets
     path.write_text("{not json" if spoil == "garbage" else json.dumps(d))
@@ -144,6 +144,29 @@ def test_pins_replace_measurement_and_are_never_cached(cache_dir) -> None:
     assert counter == [] and table.ops["a"].pick(1) == "fma" and table.ops["a"].pick(10_000) == "fma"
     assert table.ops["a"].describe() == "fma 1+ (pinned)"
     assert not cache_dir.exists() or not list(cache_dir.iterdir())
+
+
+def test_a_start_with_pins_reads_the_whole_table_and_leaves_it_whole(cache_dir) -> None:
+    """Alternated A/B runs: a pinned start reads the other ops from the cached table and never rewrites it with fewer
+    ops (which made every later start without the pin measure everything again)."""
+    key = {"ops": ["a", "b"]}
+    counter: list[int] = []
+    load_or_measure(key, {"a": measurer("dot", counter), "b": measurer("dot", counter)}, clock=QUIET)
+    assert counter == [1, 1]
+    for _ in range(2):
+        choice._measured.clear()  # each start a new process
+        pinned_run = load_or_measure(key, {"a": measurer("fma", counter), "b": measurer("fma", counter)},
+                                     pins={"a": choice.pinned("fp32")}, clock=QUIET)
+        assert counter == [1, 1] and pinned_run.ops["b"].winners == ("dot", "dot") and pinned_run.reused
+        choice._measured.clear()
+        auto = load_or_measure(key, {"a": measurer("fma", counter), "b": measurer("fma", counter)}, clock=QUIET)
+        assert counter == [1, 1] and auto.reused and auto.ops["a"].winners == ("dot", "dot")
+    # with no cached table, a pinned start measures the rest for itself only
+    choice._measured.clear()
+    other = {"ops": ["c", "d"]}
+    load_or_measure(other, {"c": measurer("dot", counter), "d": measurer("dot", counter)},
+                    pins={"c": choice.pinned("fp32")}, clock=QUIET)
+    assert counter == [1, 1, 1] and not choice.cache_path(other).exists()
 
 
 def test_a_measurement_on_a_busy_machine_is_used_but_not_cached(cache_dir, monkeypatch: pytest.MonkeyPatch) -> None:
