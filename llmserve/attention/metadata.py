@@ -75,6 +75,7 @@ class AttentionMetadata:
     workspace: Workspace = field(default_factory=Workspace)
     decode_splits: int | None = None  # CUDA decode kernel's context splits (fixed by a captured graph), else its own
     prefill_dot: bool = False  # native prefill attention by AVX512-BF16 dot products: the runner's measured choice
+    decode_dot: bool = False  # native decode attention's scores by AVX512-BF16 dot products: likewise
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
     _prefill_arrays: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 

@@ -30,7 +30,8 @@ DecodeFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", Attentio
 def _native_decode(q: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, meta: AttentionMetadata,
                    scale: float, sliding_window: int | None) -> torch.Tensor:
     assert meta.decode_tables is not None and meta.decode_lens is not None
-    return native.paged_decode(q, kv_cache, meta.decode_tables, meta.decode_lens, scale, sliding_window, kv_scales)
+    return native.paged_decode(q, kv_cache, meta.decode_tables, meta.decode_lens, scale, sliding_window, kv_scales,
+                               dot=meta.decode_dot)
 
 
 def native_enabled(x: torch.Tensor) -> bool:

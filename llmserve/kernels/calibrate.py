@@ -11,6 +11,9 @@ Ops with equivalent paths, and their candidates where each can run at all (the C
 - `prefill_attention:H/KVHxD` (native prefill attention of a bf16 model, by the step's prefill tokens):
   fp32    kernels/cpu/prefill_attention.cpp with fp32 FMAs (AVX-512);
   dot     the same with vdpbf16ps for both products, P rounded to bf16 (AVX512-BF16).
+- `decode_attention:H/KVHxD` (native decode attention of a bf16 model over its bf16 cache, by the step's decodes):
+  fp32    kernels/cpu/paged_decode.cpp, scores by FMAs over widened keys (AVX-512);
+  dot     the scores by vdpbf16ps on the keys as stored (AVX512-BF16).
 
 Each op is timed on random weights of its shape, so calibration needs no checkpoint and runs before the real weights
 are packed. The embedded SmolLM2-135M's five shapes take ~3 s here (2-core Zen 5); later starts read the cache.
@@ -51,9 +54,13 @@ log = logging.getLogger(__name__)
 
 BF16_LINEAR = "bf16_linear"
 PREFILL_ATTENTION = "prefill_attention"
-KINDS: dict[str, tuple[str, ...]] = {BF16_LINEAR: ("fma", "dot", "onednn", "fp32"), PREFILL_ATTENTION: ("fp32", "dot")}
+DECODE_ATTENTION = "decode_attention"
+KINDS: dict[str, tuple[str, ...]] = {BF16_LINEAR: ("fma", "dot", "onednn", "fp32"), PREFILL_ATTENTION: ("fp32", "dot"),
+                                     DECODE_ATTENTION: ("fp32", "dot")}
 # prefill tokens in a step: a chunk's attention grows with its square, so its buckets are wider than a linear's
 ATTENTION_BUCKETS = (16, 64, 256, 1024, 4096)
+DECODE_BUCKETS = (1, 4, 16, 64, 256)  # decodes in a step
+DECODE_CONTEXT = 256  # tokens of context each timed decode reads (64-token blocks, in random block order)
 ENV = "LLMSERVE_KERNEL_CHOICE"
 
 
@@ -72,19 +79,20 @@ def bf16_weights(model: nn.Module) -> Iterator[torch.Tensor]:
             yield w
 
 
-def prefill_attention_op(model: nn.Module) -> str | None:
-    """The op name of the model's native prefill attention where a choice exists: a bf16 model whose heads the kernel
-    takes (head_dim % 16 == 0), on a CPU where the kernel runs; else None."""
+def attention_op(model: nn.Module, kind: str) -> str | None:
+    """The op name of the model's native prefill or decode attention where a choice exists: a bf16 model whose heads
+    the kernels take (head_dim % 16 == 0), on a CPU where they run; else None. (A decode choice applies to a bf16
+    cache: the runner's default for a bf16 model; another cache dtype keeps FMAs.)"""
     layers = model.attention_layers() if hasattr(model, "attention_layers") else []
     if not layers or next(bf16_weights(model), None) is None or not native.prefill_attention_usable():
         return None
     a = layers[0]
-    return f"{PREFILL_ATTENTION}:{a.num_heads}/{a.num_kv_heads}x{a.head_dim}" if a.head_dim % 16 == 0 else None
+    return f"{kind}:{a.num_heads}/{a.num_kv_heads}x{a.head_dim}" if a.head_dim % 16 == 0 else None
 
 
 def available(kind: str) -> tuple[str, ...]:
     """The candidates of an op kind that can run on this machine (flags only gate; they never choose)."""
-    if kind == PREFILL_ATTENTION:
+    if kind in (PREFILL_ATTENTION, DECODE_ATTENTION):
         return ("fp32", "dot") if native.bf16_dot_usable() else ("fp32",)
     names = []
     if native.packed_gemm_usable():
@@ -140,6 +148,25 @@ def prefill_attention_candidates(heads: int, kv_heads: int, head_dim: int, names
     return [Candidate(name, functools.partial(lambda r, d: run(r, d), d=name == "dot")) for name in names]
 
 
+def decode_attention_candidates(heads: int, kv_heads: int, head_dim: int, names: tuple[str, ...]) -> list[Candidate]:
+    """Each path over `rows` decodes of DECODE_CONTEXT tokens each, in a bf16 cache of 64-token blocks in random order."""
+    gen = torch.Generator().manual_seed(0)
+    per = DECODE_CONTEXT // 64
+
+    @functools.cache
+    def inputs(rows: int) -> tuple[torch.Tensor, ...]:
+        cache = torch.randn(2, rows * per, 64, kv_heads, head_dim, generator=gen).bfloat16()
+        tables = torch.randperm(rows * per, generator=gen).view(rows, per)
+        lens = torch.full((rows,), DECODE_CONTEXT, dtype=torch.int64)
+        return torch.randn(rows, heads, head_dim, generator=gen).bfloat16(), cache, tables, lens
+
+    def run(rows: int, dot: bool) -> None:
+        q, cache, tables, lens = inputs(rows)
+        native.paged_decode(q, cache, tables, lens, head_dim ** -0.5, None, dot=dot)
+
+    return [Candidate(name, functools.partial(lambda r, d: run(r, d), d=name == "dot")) for name in names]
+
+
 def cpu_model() -> str:
     """The CPU's model name with its family / model / stepping (a VM may show only "AMD EPYC")."""
     fields: dict[str, str] = {}
@@ -184,12 +211,13 @@ def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, timer
     names = available(BF16_LINEAR)
     measure = {op: functools.partial(_measure, bf16_linear_candidates, (n, k, names), timer, ROW_BUCKETS)
                for op, (n, k) in shapes.items()}
-    attention = prefill_attention_op(model)
-    if attention is not None:
-        a = model.attention_layers()[0]
-        measure[attention] = functools.partial(_measure, prefill_attention_candidates,
-                                               (a.num_heads, a.num_kv_heads, a.head_dim, available(PREFILL_ATTENTION)),
-                                               timer, ATTENTION_BUCKETS)
+    for kind, make, buckets in ((PREFILL_ATTENTION, prefill_attention_candidates, ATTENTION_BUCKETS),
+                                (DECODE_ATTENTION, decode_attention_candidates, DECODE_BUCKETS)):
+        op = attention_op(model, kind)
+        if op is not None:
+            a = model.attention_layers()[0]
+            measure[op] = functools.partial(_measure, make, (a.num_heads, a.num_kv_heads, a.head_dim, available(kind)),
+                                            timer, buckets)
     pinned_ops = {op: pinned(pins[op.partition(":")[0]]) for op in measure if op.partition(":")[0] in pins}
     return load_or_measure(key(list(measure), threads), measure, pinned_ops, remeasure)
 

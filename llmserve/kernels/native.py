@@ -95,15 +95,18 @@ def _watch_build_lock(done: threading.Event, period_s: float = 5.0, started: flo
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor,
                  scale: float, sliding_window: int | None, kv_scales: torch.Tensor | None = None,
-                 splits: int = -1) -> torch.Tensor:
+                 splits: int = -1, dot: bool = False) -> torch.Tensor:
     """q: [nd, heads, head_dim]; kv_cache: [2, num_blocks, block_size, kv_heads, head_dim];
     block_tables: [nd, max_blocks] int64; lens: [nd] int64 -> [nd, heads, head_dim]. An int8 cache comes with
     kv_scales [2, num_blocks, block_size, kv_heads] fp32 (and needs int8_kv_decode_usable()). splits: parts each
-    context is split into across threads (-1: the kernel decides; long contexts of small batches). Needs load()."""
+    context is split into across threads (-1: the kernel decides; long contexts of small batches). dot: the scores by
+    AVX512-BF16 dot products on the keys as stored, for a bf16 query over a bf16 cache (needs bf16_dot_usable();
+    other dtypes keep FMAs). Needs load()."""
     assert _module is not None, "call load() first"
     k_scales, v_scales = (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
     return _module.paged_decode(q, kv_cache[0], kv_cache[1], block_tables, lens, scale,
-                                -1 if sliding_window is None else sliding_window, k_scales, v_scales, splits)
+                                -1 if sliding_window is None else sliding_window, k_scales, v_scales, splits,
+                                1 if dot else 0)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

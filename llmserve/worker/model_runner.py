@@ -75,6 +75,7 @@ class ModelRunner:
                  graphs: GraphOptions | None = None) -> None:
         self.kernel_choices: ChoiceTable | None = None  # the measured (or cached, or pinned) kernels of bf16 matmuls
         self.prefill_attention: OpChoice | None = None  # native prefill attention's path by a step's prefill tokens
+        self.decode_attention: OpChoice | None = None  # native decode attention's path by a step's decodes
         if loaded.device.type == "cpu":
             cpu = cpu or CpuOptions()
             threads = configure_cpu(cpu.num_threads)
@@ -86,7 +87,9 @@ class ModelRunner:
                         trim_heap()  # the candidates' temporaries
                 loaded.model.pack_for_cpu(self.kernel_choices)
                 if self.kernel_choices is not None:  # None: fp32 FMAs, the only path here
-                    self.prefill_attention = self.kernel_choices.ops.get(calibrate.prefill_attention_op(loaded.model))
+                    ops = self.kernel_choices.ops
+                    self.prefill_attention = ops.get(calibrate.attention_op(loaded.model, calibrate.PREFILL_ATTENTION))
+                    self.decode_attention = ops.get(calibrate.attention_op(loaded.model, calibrate.DECODE_ATTENTION))
         self.model = loaded.model
         self.device = loaded.device
         self.vocab_size = loaded.hf_config.vocab_size
@@ -173,6 +176,8 @@ class ModelRunner:
         meta = build_attention_metadata(seqs, self.block_size, self.device, self.workspace)
         if meta.prefills and self.prefill_attention is not None:
             meta.prefill_dot = self.prefill_attention.pick(len(input_ids) - meta.num_decodes) == "dot"
+        if meta.num_decodes and self.decode_attention is not None:
+            meta.decode_dot = self.decode_attention.pick(meta.num_decodes) == "dot"
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, meta)

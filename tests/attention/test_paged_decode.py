@@ -72,6 +72,50 @@ def test_native_half_caches_accumulate_in_fp32(dtype: torch.dtype) -> None:
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-3)
 
 
+needs_dot = pytest.mark.skipif(not native.bf16_dot_usable(), reason="the dot path needs a CPU with AVX512-BF16")
+
+
+@needs_dot
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (10, 2, 32), (4, 4, 128), (8, 2, 80)])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_dot_scores_match_the_reference(kernel_path: str, heads: int, kv_heads: int, head_dim: int, block_size: int,
+                                        window: int | None, splits: int) -> None:
+    """dot=1 on a bf16 query and cache: the scores by vdpbf16ps on the keys as stored (exact products, fp32 sums,
+    scaled after), every block shape, partial last blocks (keys past a block's end never read), head dims that are
+    not a multiple of 32, windows, split contexts. On the AVX2 path the flag changes nothing."""
+    q, kv_cache, meta = _case(LENS, heads, kv_heads, block_size, dtype=torch.bfloat16, seed=heads + head_dim,
+                              head_dim=head_dim)
+    scale = head_dim ** -0.5
+    args = (q, kv_cache, meta.decode_tables, meta.decode_lens, scale, window, None, splits)
+    dot, fma = native.paged_decode(*args, dot=True), native.paged_decode(*args, dot=False)
+    want = decode_attention(q.float(), kv_cache.float(), None, meta, scale, window)
+    torch.testing.assert_close(dot.float(), want, rtol=1e-2, atol=2e-3)
+    if kernel_path == "avx2":
+        assert torch.equal(dot, fma)
+    else:  # only the order of the fp32 sums differs (nothing is rounded on the way): at most a bf16 ulp apart
+        torch.testing.assert_close(dot.float(), fma.float(), rtol=1e-2, atol=2e-3)
+
+
+@needs_dot
+@pytest.mark.parametrize("cache", ["fp32", "int8"])
+def test_dot_leaves_other_caches_and_queries_on_fmas(kernel_path: str, cache: str) -> None:
+    if cache == "int8" and kernel_path == "avx2":
+        pytest.skip("int8 caches are read by the AVX-512 path only")
+    q, kv_cache, meta = _case(LENS, 9, 3, 16, seed=3)
+    scales = None
+    if cache == "int8":
+        _, kv_cache, scales = _quantized(kv_cache)
+    for query in (q, q.bfloat16()):
+        args = (query, kv_cache, meta.decode_tables, meta.decode_lens, 0.125, None, scales)
+        assert torch.equal(native.paged_decode(*args, dot=True), native.paged_decode(*args, dot=False))
+    bf16 = kv_cache.bfloat16() if cache == "fp32" else None
+    if bf16 is not None:  # an fp32 query over a bf16 cache: no rounding of the query, so FMAs too
+        args = (q, bf16, meta.decode_tables, meta.decode_lens, 0.125, None)
+        assert torch.equal(native.paged_decode(*args, dot=True), native.paged_decode(*args, dot=False))
+
+
 def test_paged_attention_uses_native_unless_forced_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     from llmserve.attention import registry
 

@@ -126,7 +126,7 @@ def test_the_stack_refuses_what_it_cannot_run() -> None:
     cos = sin = torch.zeros(1, 8, dtype=torch.bfloat16)
     slots, tables, lens = torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
     with pytest.raises(RuntimeError, match="no layers"):
-        stack.forward(x, cos, sin, slots, 1, tables, lens, None, None, torch.ones(64, dtype=torch.bfloat16), 0)
+        stack.forward(x, cos, sin, slots, 1, tables, lens, None, None, torch.ones(64, dtype=torch.bfloat16), 0, 0)
     norm = torch.ones(64, dtype=torch.bfloat16)
     cache = torch.zeros(2, 4, 2, 16, dtype=torch.bfloat16)  # 2 blocks of 4 tokens
 
@@ -145,10 +145,10 @@ def test_the_stack_refuses_what_it_cannot_run() -> None:
     stack.add_layer(norm, norm, lin(128, 64), lin(64, 64), lin(256, 64), lin(64, 128), None, None, cache, cache, None,
                     None, -1)
     assert stack.num_layers == 1
-    assert stack.forward(x, cos, sin, slots, 1, tables, lens, None, None, norm, 0).shape == (1, 64)
+    assert stack.forward(x, cos, sin, slots, 1, tables, lens, None, None, norm, 0, 0).shape == (1, 64)
     with pytest.raises(RuntimeError, match="outside the cache"):  # a clean error, the GIL taken back
-        stack.forward(x, cos, sin, torch.tensor([8]), 1, tables, lens, None, None, norm, 0)
+        stack.forward(x, cos, sin, torch.tensor([8]), 1, tables, lens, None, None, norm, 0, 0)
     with pytest.raises(RuntimeError, match="prefills need spans and slots"):
-        stack.forward(x, cos, sin, slots, 0, None, None, None, None, norm, 0)
+        stack.forward(x, cos, sin, slots, 0, None, None, None, None, norm, 0, 0)
     with pytest.raises(RuntimeError, match="num_decodes outside"):
-        stack.forward(x, cos, sin, slots, 2, tables, lens, None, None, norm, 0)
+        stack.forward(x, cos, sin, slots, 2, tables, lens, None, None, norm, 0, 0)

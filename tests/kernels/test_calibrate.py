@@ -39,8 +39,9 @@ def test_a_fake_timer_decides_every_op_of_the_model(bf16_model) -> None:
 
     table = calibrate.plan(bf16_model, 2, timer=timer)
     shapes = {calibrate.op_name(w) for w in calibrate.bf16_weights(bf16_model)}
-    attention = calibrate.prefill_attention_op(bf16_model)
-    assert set(table.ops) == shapes | ({attention} if attention else set())
+    attention = calibrate.attention_op(bf16_model, calibrate.PREFILL_ATTENTION)
+    decode = calibrate.attention_op(bf16_model, calibrate.DECODE_ATTENTION)
+    assert set(table.ops) == shapes | {op for op in (attention, decode) if op}
     for op in shapes:
         assert table.ops[op].ranges() == [("fma", 1, 16), ("fp32", 17, None)], op
     if attention is not None:  # dot (5.0) wins 16 tokens, fp32 (1.0) everything above
@@ -48,6 +49,10 @@ def test_a_fake_timer_decides_every_op_of_the_model(bf16_model) -> None:
         assert attention == f"prefill_attention:{a.num_heads}/{a.num_kv_heads}x{a.head_dim}"
         want = [("dot", 1, 16), ("fp32", 17, None)] if native.bf16_dot_usable() else [("fp32", 1, None)]
         assert table.ops[attention].ranges() == want
+        assert decode == attention.replace("prefill", "decode")
+        # decodes: buckets 1, 4, 16 -> dot (5 against 9), 64 and 256 -> fp32 (1)
+        want = [("dot", 1, 16), ("fp32", 17, None)] if native.bf16_dot_usable() else [("fp32", 1, None)]
+        assert table.ops[decode].ranges() == want
     assert {rows for _, rows in calls} >= set(choice.ROW_BUCKETS)
     # a second plan reads the cache (this process's memory first): the timer is not called again
     calls.clear()
@@ -59,10 +64,10 @@ def test_pins_are_not_measured_and_unknown_ones_are_refused(bf16_model, monkeypa
     def never(name: str, rows: int, fn: Callable[[], object]) -> float:
         raise AssertionError("a pinned op was measured")
 
-    table = calibrate.plan(bf16_model, 2, "bf16_linear=fma,prefill_attention=fp32", timer=never)
+    table = calibrate.plan(bf16_model, 2, "bf16_linear=fma,prefill_attention=fp32,decode_attention=fp32", timer=never)
     assert {c.winners for c in table.ops.values()} <= {("fma",), ("fp32",)}
     assert all(c.pinned for c in table.ops.values())
-    monkeypatch.setenv(calibrate.ENV, "bf16_linear=fp32,prefill_attention=fp32")  # the environment, where config is auto
+    monkeypatch.setenv(calibrate.ENV, "bf16_linear=fp32,prefill_attention=fp32,decode_attention=fp32")  # where auto
     assert {c.winners for c in calibrate.plan(bf16_model, 2, timer=never).ops.values()} == {("fp32",)}
     with pytest.raises(InvalidRequestError, match="kernel_choice"):
         EngineConfig(kernel_choice="bf16_linear=amx")
@@ -75,7 +80,8 @@ def test_pins_are_not_measured_and_unknown_ones_are_refused(bf16_model, monkeypa
 
 def test_an_fp32_model_has_nothing_to_choose(tiny_model_dir: Callable[[str], str]) -> None:
     model = load_model(tiny_model_dir("llama"), EngineConfig(dtype="float32")).model
-    assert calibrate.plan(model, 2) is None and calibrate.prefill_attention_op(model) is None
+    assert calibrate.plan(model, 2) is None
+    assert calibrate.attention_op(model, calibrate.PREFILL_ATTENTION) is None
 
 
 @pytest.mark.skipif(not native.bf16_dot_usable(), reason="the dot path needs AVX512-BF16")
@@ -93,6 +99,22 @@ def test_the_steps_prefill_choice_reaches_the_kernel(tiny_model_dir: Callable[[s
     assert len(out[0].token_ids) == 3
     layers = len(pipe_layers(tiny_model_dir("llama")))
     assert seen == [pin == "dot"] * layers  # one prefill step, every layer
+
+
+@pytest.mark.skipif(not native.bf16_dot_usable(), reason="the dot path needs AVX512-BF16")
+@pytest.mark.parametrize("pin", ["dot", "fp32"])
+def test_the_steps_decode_choice_reaches_the_kernel(tiny_model_dir: Callable[[str], str], pin: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMSERVE_DECODER_STACK", "0")  # the Python layers call native.paged_decode
+    seen: list[bool] = []
+    real = native.paged_decode
+    monkeypatch.setattr(native, "paged_decode", lambda *a, **k: seen.append(k["dot"]) or real(*a, **k))
+    config = EngineConfig(dtype="bfloat16", num_blocks=64, kernel_choice=f"decode_attention={pin}")
+    with pipeline(tiny_model_dir("llama"), backend_config=config) as pipe:
+        pipe([{"input_ids": list(range(3, 20))}], gen_config=GenerationConfig(max_new_tokens=3, temperature=0),
+             do_preprocess=False)
+    layers = len(pipe_layers(tiny_model_dir("llama")))
+    assert seen == [pin == "dot"] * (2 * layers)  # two decode steps after the prefill, every layer
 
 
 def pipe_layers(path: str) -> list:

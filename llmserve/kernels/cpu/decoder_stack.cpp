@@ -87,12 +87,12 @@ class DecoderStack {
   // x: [T, E] the step's embedded tokens, the num_decodes decodes (one token per request) first; cos/sin
   // [T, head_dim / 2] in x's dtype; slots [T]: where each token's K/V goes. Decodes: tables [nd, max_blocks] and
   // lens [nd] (paged_decode's); prefill chunks: spans [S, 4] and their context slots (prefill_attention's). Returns
-  // final_norm(the last layer's output + residual), [T, E]. prefill_dot: prefill_attention's dot (the step's measured
-  // choice).
+  // final_norm(the last layer's output + residual), [T, E]. prefill_dot, decode_dot: prefill_attention's and
+  // paged_decode's dot (the step's measured choices).
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots, int64_t num_decodes,
                         c10::optional<torch::Tensor> tables, c10::optional<torch::Tensor> lens,
                         c10::optional<torch::Tensor> spans, c10::optional<torch::Tensor> span_slots,
-                        torch::Tensor final_norm, int64_t prefill_dot) {
+                        torch::Tensor final_norm, int64_t prefill_dot, int64_t decode_dot) {
     TORCH_CHECK(!layers_.empty(), "DecoderStack: no layers");
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "DecoderStack: x must be contiguous [T, E]");
     const int64_t T = x.size(0), H = heads_, KVH = kv_heads_, D = head_dim_, nd = num_decodes;
@@ -136,7 +136,7 @@ class DecoderStack {
         if (nd > 0) {
           attn = timed(kDecodeAttention, [&] {
             return paged_decode(q.narrow(0, 0, nd), l.k_cache, l.v_cache, *tables, *lens, scale_, l.window, l.k_scales,
-                                l.v_scales, -1);
+                                l.v_scales, -1, decode_dot);
           });
         }
         if (nd < T) {

@@ -1,5 +1,7 @@
 // Paged decode attention on CPU: one query token per request, K/V read in place from the paged
 // cache (no gather copy), online softmax block by block (flash-decoding style), fp32 accumulation.
+// dot=1 (a bf16 query over a bf16 cache, CPUs with AVX512-BF16): the scores by vdpbf16ps on the keys as stored
+// (qk16_dot) instead of FMAs on widened copies; which path runs is measured (llmserve/kernels/calibrate.py).
 //
 // Layouts (all contiguous):
 //   q            [nd, H, D]            query of each decode request (scaled here, not by the caller)
@@ -265,6 +267,28 @@ LLMSERVE_AVX512 inline void qk16(const float* q, const float* k, int64_t n16, in
   }
 }
 
+// qk16 with vdpbf16ps, for a bf16 query and bf16 cache (paged_decode's dot path): the query's dimensions and each
+// key's, as stored, are pairs, so a key row is read in place (no widened copy) and each instruction does 32 products;
+// the scores are scaled here (the query is not: a scaled bf16 query would be rounded). Keys past n read as 0.
+LLMSERVE_AVX512BF16 inline void qk16_dot(const uint16_t* q, const uint16_t* kb, int64_t tok_stride, int64_t n,
+                                         int64_t n16, int64_t D, float scale, float* s) {
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t t = 0; t < n16; t += 16) {
+    __m512 a[16];
+    for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D; c += 32) {
+      const __mmask32 cm = D - c >= 32 ? ~__mmask32(0) : (__mmask32(1) << (D - c)) - 1;
+      const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(cm, q + c);
+      for (int j = 0; j < 16; ++j) {
+        const int64_t key = t + kHsumOrder[j];
+        if (key < n)
+          a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_maskz_loadu_epi16(cm, kb + key * tok_stride + c));
+      }
+    }
+    _mm512_storeu_ps(s + t, _mm512_mul_ps(sv, hsum16x16(a)));
+  }
+}
+
 // acc[g, 0:D] += sum_t p[g, t] v[t, 0:D] for NG heads, t in [0, n), NC * 16 dims per pass. Both are
 // template parameters so the NG x NC accumulators stay in registers (run-time bounds spilled them).
 template <int NG, int NC, typename T>
@@ -328,9 +352,13 @@ inline void prefetch_token(const NextSlice<T>& next, int64_t t) {
 template <typename T>
 LLMSERVE_AVX512 void attend_one_512(const float* qs, const CacheView<T>& kv, const int64_t* table,
                                    int64_t start, int64_t len, int64_t kvh, const Dims& dm, float* acc,
-                                   float* kf, float* scores, float* m, float* l, const NextSlice<T>& after) {
+                                   float* kf, float* scores, float* m, float* l, const NextSlice<T>& after,
+                                   const uint16_t* q_bf16 = nullptr, float scale = 1.f) {
   // kf: [round16(BS), D] widened keys of the current block; scores: [G, round16(BS)]; m, l: [G].
   // after: what the caller reads next (the next unit's first block), prefetched during the last block.
+  // q_bf16 (a bf16 cache only): the group's unscaled bf16 query [G, D]: the scores by qk16_dot (vdpbf16ps, keys read
+  // in place), scaled by scale; else by qk16 over widened keys and the pre-scaled fp32 query qs.
+  const bool dot = std::is_same_v<T, c10::BFloat16> && q_bf16 != nullptr;
   const int64_t G = dm.group, D = dm.head_dim, BS = dm.block_size, KVH = dm.kv_heads;
   const int64_t bs16 = round16(BS);
   const int64_t tok_stride = KVH * D;
@@ -347,6 +375,7 @@ LLMSERVE_AVX512 void attend_one_512(const float* qs, const CacheView<T>& kv, con
         (b + 1) * BS < len ? next_slice(kv, table[b + 1], kvh, std::min(len - (b + 1) * BS, BS), dm) : after;
     for (int64_t t = 0; t < n; ++t) {
       prefetch_token(next, t);
+      if (dot) continue;  // the keys are read in place
       if constexpr (kQuantized<T>) {  // dequantized once here, then read by every head of the group
         const __m512 sc = _mm512_set1_ps(kv.k_scale[scale0 + t * KVH]);
         for (int64_t c = 0; c < D; c += 16)
@@ -356,11 +385,19 @@ LLMSERVE_AVX512 void attend_one_512(const float* qs, const CacheView<T>& kv, con
       }
     }
     for (int64_t t = n; t < next.n; ++t) prefetch_token(next, t);  // a short block: the rest now
-    for (int64_t t = n; t < n16; ++t)
-      for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(kf + t * D + c, _mm512_setzero_ps());
+    if (!dot)
+      for (int64_t t = n; t < n16; ++t)
+        for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(kf + t * D + c, _mm512_setzero_ps());
     for (int64_t g = 0; g < G; ++g) {
       float* s = scores + g * bs16;
-      qk16(qs + g * D, kf, n16, D, s);
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (dot)
+          qk16_dot(q_bf16 + g * D, reinterpret_cast<const uint16_t*>(kb), tok_stride, n, n16, D, scale, s);
+        else
+          qk16(qs + g * D, kf, n16, D, s);
+      } else {
+        qk16(qs + g * D, kf, n16, D, s);
+      }
       // running max over the n real scores
       __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
       for (int64_t t = 0; t < n16; t += 16) {
@@ -402,11 +439,14 @@ LLMSERVE_AVX512 void attend_one_512(const float* qs, const CacheView<T>& kv, con
 bool avx512_decode_supported() {
   return cpu_has_avx512() && !env_is_zero("LLMSERVE_DECODE_AVX512");  // "0": the AVX2 path (tests, A/B)
 }
+bool decode_dot_supported() { return cpu_has_avx512_bf16(); }
 #else
 bool avx512_decode_supported() { return false; }
+bool decode_dot_supported() { return false; }
 template <typename T>
 void attend_one_512(const float*, const CacheView<T>&, const int64_t*, int64_t, int64_t, int64_t, const Dims&,
-                    float*, float*, float*, float*, float*, const NextSlice<T>&) {}
+                    float*, float*, float*, float*, float*, const NextSlice<T>&, const uint16_t* = nullptr,
+                    float = 1.f) {}
 #endif
 
 // Attention of the `group` query heads sharing KV head `kvh` of one request over keys
@@ -488,9 +528,12 @@ inline void split_range(int64_t start, int64_t len, int64_t BS, int64_t s, int64
 template <typename TQ, typename T>
 void paged_decode_impl(const TQ* q, const CacheView<T>& kv, const int64_t* tables,
                        const int64_t* lens, double scale, int64_t window, int64_t nd, const Dims& dm,
-                       int64_t splits, TQ* out) {
+                       int64_t splits, bool dot, TQ* out) {
   const int64_t G = dm.group, D = dm.head_dim, items = nd * dm.kv_heads;
   const bool wide = D % 16 == 0 && avx512_decode_supported();
+  // the dot path: a bf16 query over a bf16 cache on the AVX-512 path (the caller checked the CPU)
+  constexpr bool kBf16 = std::is_same_v<TQ, c10::BFloat16> && std::is_same_v<T, c10::BFloat16>;
+  dot = dot && kBf16 && wide;
   TORCH_CHECK(wide || !kQuantized<T>, "an int8 KV cache needs the AVX-512 decode path (head_dim % 16 == 0)");
   auto key_range = [&](int64_t r) {  // [start, len) of request r
     const int64_t len = lens[r];
@@ -535,7 +578,8 @@ void paged_decode_impl(const TQ* q, const CacheView<T>& kv, const int64_t* table
         reset_state(m.data(), l.data(), acc.data(), G, D);
       else if (wide)
         attend_one_512(qs.data(), kv, tables + r * dm.max_blocks, start, len, kvh, dm, acc.data(), kf.data(),
-                       scores.data(), m.data(), l.data(), after);
+                       scores.data(), m.data(), l.data(), after,
+                       dot ? reinterpret_cast<const uint16_t*>(qr) : nullptr, static_cast<float>(scale));
       else if constexpr (!kQuantized<T>)
         attend_one(qs.data(), kv, tables + r * dm.max_blocks, start, len, kvh, dm, acc.data(), scores.data(),
                    m.data(), l.data());
@@ -581,7 +625,8 @@ void paged_decode_impl(const TQ* q, const CacheView<T>& kv, const int64_t* table
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor lens, double scale, int64_t window,
                            c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales,
-                           int64_t splits) {
+                           int64_t splits, int64_t dot) {
+  TORCH_CHECK(dot <= 0 || decode_dot_supported(), "paged_decode: dot=1 needs a CPU with AVX512-BF16");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad ranks/shapes");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode is CPU only");
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "k and v cache dtypes differ");
@@ -619,7 +664,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
         kv.v_scale = v_scales->data_ptr<float>();
       }
       paged_decode_impl<q_t, kv_t>(q.data_ptr<q_t>(), kv, block_tables.data_ptr<int64_t>(),
-                                   lens.data_ptr<int64_t>(), scale, window, nd, dm, splits, out.data_ptr<q_t>());
+                                   lens.data_ptr<int64_t>(), scale, window, nd, dm, splits, dot > 0,
+                                   out.data_ptr<q_t>());
     };
     if (quantized)
       run(int8_t{});
@@ -639,7 +685,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention reading K/V in place (CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("lens"), py::arg("scale"),
         py::arg("window"), py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none(),
-        py::arg("splits") = -1);
+        py::arg("splits") = -1, py::arg("dot") = 0);
   m.def("decode_splits", &choose_splits, "parts paged_decode splits each context into, for items (request, kv_head) "
         "pairs and the longest context, at this thread count", py::arg("items"), py::arg("max_context"));
   m.def("int8_kv_decode_supported", &int8_kv_decode_supported, "whether paged_decode reads int8 caches here");
