@@ -169,6 +169,19 @@ class GenerationConfig:
         return dataclasses.replace(self, **changes)
 
 
+def max_new_tokens_within(max_length: Any, prompt_tokens: int, subject: str = "the prompt", note: str = "") -> int:
+    """The output budget of `max_length` (DeepSpeed-MII's and transformers' name), which counts the prompt:
+    max_length - prompt_tokens, at least 1. `subject` and `note` say in the error what was counted (the
+    caller knows whether a chat template was applied)."""
+    _check_type(max_length, (int,), "max_length")
+    if max_length <= prompt_tokens:
+        raise InvalidRequestError(
+            f"max_length: {max_length} counts the prompt's tokens too (the output gets max_length minus them), and "
+            f"{subject} is already {prompt_tokens} tokens long{note}: send a max_length above {prompt_tokens}, or "
+            "max_new_tokens to bound the output alone", param="max_length")
+    return max_length - prompt_tokens
+
+
 def _string_list(value: Any, param: str) -> list[str] | None:
     if value is None:
         return None
@@ -231,7 +244,8 @@ class EngineConfig:
                                     "team size where OMP_NUM_THREADS or thread binding is set).")
     kernel_choice: str = _f("auto", "CPU kernels of bf16 matmuls: auto times the candidates on this machine at the first "
                                     "start (cached under ~/.cache/llmserve/tuning; `llmserve tune` measures again), "
-                                    "or pin one for A/B runs: bf16_linear=fma|dot|onednn|fp32, prefill_attention=fp32|dot (comma-separated). "
+                                    "or pin for A/B runs: bf16_linear=fma|dot|onednn|fp32, prefill_attention=fp32|dot, "
+                                    "decode_attention=fp32|dot (comma-separated). "
                                     "LLMSERVE_KERNEL_CHOICE sets it where this is auto.")
     revision: str | None = _f(None, "Hub revision (branch, tag or commit) of the model.")
     download_dir: str | None = _f(None, "Where hub downloads go. Default: the Hugging Face cache.")
