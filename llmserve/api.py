@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmserve.chat_template import ChatTemplate, Messages
-from llmserve.config import ChatTemplateConfig, EngineConfig, GenerationConfig
+from llmserve.config import ChatTemplateConfig, EngineConfig, GenerationConfig, max_new_tokens_within
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.output import SequenceOutput
 from llmserve.errors import InvalidRequestError
@@ -21,10 +21,12 @@ from llmserve.models.loader import LoadedModel, load_model
 
 Prompt = str | Messages | dict[str, Any]
 
-# Keyword names other engines use, mapped to GenerationConfig's.
-_ALIASES = {"max_tokens": "max_new_tokens", "max_length": "max_new_tokens", "seed": "random_seed",
-            "stop": "stop_words", "min_tokens": "min_new_tokens"}
+# Keyword names other engines use, mapped to GenerationConfig's. Not max_length (MII's and transformers'), which
+# counts the prompt too: it becomes each prompt's max_new_tokens once the prompt is tokenized (Pipeline._max_length).
+_ALIASES = {"max_tokens": "max_new_tokens", "seed": "random_seed", "stop": "stop_words",
+            "min_tokens": "min_new_tokens"}
 _GEN_FIELDS = {f.name for f in dataclasses.fields(GenerationConfig)}
+_DEFAULT_MAX_NEW_TOKENS = next(f.default for f in dataclasses.fields(GenerationConfig) if f.name == "max_new_tokens")
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 
 
@@ -90,14 +92,15 @@ class Pipeline:
     def __call__(self, prompts: Prompt | list[Prompt], gen_config: GenerationConfig | None = None,
                  do_preprocess: bool = True, **gen_kwargs: Any) -> Response | list[Response]:
         batch, single = _as_batch(prompts)
+        max_length = self._max_length(gen_config, gen_kwargs)
         gen = self._gen_config(gen_config, gen_kwargs)
-        responses = self._collect(batch, gen, do_preprocess)
+        responses = self._collect(batch, gen, do_preprocess, max_length=max_length)
         return responses[0] if single and gen.n == 1 else responses
 
     def _collect(self, batch: list[Prompt], gen: GenerationConfig, do_preprocess: bool,
-                 session_id: str | None = None) -> list[Response]:
+                 session_id: str | None = None, max_length: int | None = None) -> list[Response]:
         results: dict[tuple[int, int], Response] = {}
-        for r, out in self._generate(batch, gen, do_preprocess, session_id):
+        for r, out in self._generate(batch, gen, do_preprocess, session_id, max_length):
             key = (r.index, out.index)
             acc = results.setdefault(key, dataclasses.replace(r, text="", token_ids=[],
                                                               logprobs=[] if gen.logprobs is not None else None))
@@ -114,11 +117,12 @@ class Pipeline:
         answer, and a later call with the same id prefills only what its prompt adds (engine/sessions.py;
         `end_session_id` frees it)."""
         batch, _ = _as_batch(prompts)
+        max_length = self._max_length(gen_config, gen_kwargs)
         gen = self._gen_config(gen_config, gen_kwargs)
         if session_id is not None and len(batch) != 1:  # (n, best_of and beam search: the engine refuses them)
             raise InvalidRequestError(f"session_id: a session continues one sequence; give one prompt, not "
                                       f"{len(batch)}", param="session_id")
-        for r, _ in self._generate(batch, gen, do_preprocess, session_id):
+        for r, _ in self._generate(batch, gen, do_preprocess, session_id, max_length):
             yield r
 
     def chat(self, prompt: str, session: Session | None = None, gen_config: GenerationConfig | None = None,
@@ -128,7 +132,11 @@ class Pipeline:
         messages = [*session.history, {"role": "user", "content": prompt}]
         text = self.chat_template.messages_to_prompt(messages)
         prompt_ids = self.session_prompt_ids(session, text)
+        max_length = self._max_length(gen_config, gen_kwargs)
         gen = self._gen_config(gen_config, gen_kwargs)
+        if max_length is not None:  # the conversation so far counts, as it is the prompt the engine sees
+            gen = _within(gen, max_length, len(prompt_ids), "the conversation",
+                          " (every turn so far, the chat template's tokens included)")
         response = self._collect([{"input_ids": prompt_ids}], gen, True, engine_session_id(session, gen))[0]
         self.record_turn(session, messages, text, prompt_ids, response.text, response.token_ids)
         session.response = response
@@ -180,6 +188,31 @@ class Pipeline:
             changes["temperature"] = 0.0
         return (gen_config or self.default_gen_config).replace(**changes)
 
+    def _max_length(self, gen_config: GenerationConfig | None, kwargs: dict[str, Any]) -> int | None:
+        """Take MII's `max_length` (prompt plus output tokens) out of the keywords; None when not given.
+
+        Given with an output bound too (max_new_tokens or max_tokens, or a gen_config whose max_new_tokens is
+        not the default), it is refused: MII's documentation does not say which of the two wins. A gen_config
+        that sets max_new_tokens to the default value cannot be told from one that leaves it unset."""
+        max_length = kwargs.pop("max_length", None)
+        if max_length is None:
+            return None
+        bounds = [k for k in ("max_new_tokens", "max_tokens") if kwargs.get(k) is not None]
+        defaults = (_DEFAULT_MAX_NEW_TOKENS, self.default_gen_config.max_new_tokens)
+        if gen_config is not None and gen_config.max_new_tokens not in defaults:
+            bounds.append(f"gen_config's max_new_tokens={gen_config.max_new_tokens}")
+        if bounds:
+            raise InvalidRequestError(
+                f"max_length and {bounds[0]}: give one of the two. max_length bounds the prompt plus the output "
+                f"(DeepSpeed-MII's meaning), {bounds[0]} the output alone, and MII's documentation does not say "
+                "which wins when both are given", param="max_length")
+        session_len = self._engine().session_len
+        if isinstance(max_length, int) and max_length > session_len:
+            raise InvalidRequestError(f"max_length: {max_length} is over the session length of {session_len} "
+                                      "tokens, which holds the prompt and the output; lower max_length",
+                                      param="max_length")
+        return max_length
+
     def session_prompt_ids(self, session: Session, text: str) -> list[int]:
         """The session's ids followed by the tokens of what the template rendered after them.
 
@@ -211,14 +244,19 @@ class Pipeline:
         return self.tokenizer.encode(prompt)
 
     def _generate(self, batch: list[Prompt], gen: GenerationConfig, do_preprocess: bool,
-                  session_id: str | None = None) -> Iterator[tuple[Response, SequenceOutput]]:
+                  session_id: str | None = None, max_length: int | None = None,
+                  ) -> Iterator[tuple[Response, SequenceOutput]]:
         engine = self._engine()
         token_ids = [self._tokenize(p, do_preprocess) for p in batch]
+        # Every prompt's budget is checked before any request is queued.
+        gens = [gen if max_length is None else
+                _within(gen, max_length, len(toks), _subject(i, len(batch)), _counted(p, do_preprocess))
+                for i, (p, toks) in enumerate(zip(batch, token_ids))]
         ids = [str(next(self._ids)) for _ in batch]
         added: list[str] = []
         try:
-            for rid, toks in zip(ids, token_ids):
-                engine.add_request(rid, toks, gen, session_id)
+            for rid, toks, prompt_gen in zip(ids, token_ids, gens):
+                engine.add_request(rid, toks, prompt_gen, session_id)
                 added.append(rid)
             position = {rid: i for i, rid in enumerate(ids)}
             unfinished = len(ids) * gen.n
@@ -258,6 +296,27 @@ def _as_batch(prompts: Any) -> tuple[list[Prompt], bool]:
         raise InvalidRequestError("prompts must be a non-empty string, list of prompts, list of messages or "
                                   "{'input_ids': [...]}", param="prompts")
     return list(prompts), False
+
+
+def _within(gen: GenerationConfig, max_length: int, prompt_tokens: int, subject: str, note: str) -> GenerationConfig:
+    """`gen` with the output budget `max_length` leaves after this prompt."""
+    max_new = max_new_tokens_within(max_length, prompt_tokens, subject, note)
+    if gen.min_new_tokens > max_new:
+        raise InvalidRequestError(f"min_new_tokens: {gen.min_new_tokens} is more than the {max_new} tokens max_length="
+                                  f"{max_length} leaves after the {prompt_tokens} of {subject}", param="min_new_tokens")
+    return gen.replace(max_new_tokens=max_new)
+
+
+def _subject(index: int, count: int) -> str:
+    return "the prompt" if count == 1 else f"prompt {index} (of {count})"
+
+
+def _counted(prompt: Prompt, do_preprocess: bool) -> str:
+    """What a prompt's token count includes, for max_length's error."""
+    if isinstance(prompt, list) or (isinstance(prompt, str) and do_preprocess):
+        raw = "; do_preprocess=False sends the raw text" if isinstance(prompt, str) else ""
+        return f" (the chat template's tokens included{raw})"
+    return ""
 
 
 def engine_session_id(session: Session, gen: GenerationConfig | None = None) -> str | None:
