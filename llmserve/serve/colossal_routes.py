@@ -38,7 +38,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
-from llmserve.config import GenerationConfig
+from llmserve.config import GenerationConfig, max_new_tokens_within
 from llmserve.engine.output import SequenceOutput
 from llmserve.errors import InvalidRequestError
 from llmserve.serve.errors import ApiError, error_body
@@ -185,10 +185,11 @@ def _job(model: ServedModel, body: _GenerationFields, prompt_ids: list[int], wha
     if body.max_new_tokens is not None:
         max_new = body.max_new_tokens
     elif body.max_length is not None:
-        max_new = body.max_length - len(prompt_ids)
-        if max_new < 1:
-            raise ApiError(400, f"max_length: must exceed the {what}'s {len(prompt_ids)} tokens, got "
-                                f"{body.max_length}", param="max_length")
+        subject, note = ("the prompt", "") if what == "prompt" else ("the chat", " (the chat template's tokens included)")
+        try:
+            max_new = max_new_tokens_within(body.max_length, len(prompt_ids), subject, note)
+        except InvalidRequestError as e:
+            raise ApiError.from_invalid(e) from None
     else:
         max_new = min(DEFAULT_MAX_NEW_TOKENS, room)
     sampling = {name: getattr(body, name) if getattr(body, name) is not None else default

@@ -161,7 +161,9 @@ BAD = [
      "shorten the prompt or lower max_new_tokens"),
     ("/completion", {"prompt": "word " * 300}, "This model's maximum context length is 256 tokens, and the prompt "
                                                "has 901 tokens: shorten it."),
-    ("/completion", {"prompt": "hi", "max_length": 2}, "max_length: must exceed the prompt's 2 tokens, got 2"),
+    ("/completion", {"prompt": "hi", "max_length": 2}, "max_length: 2 counts the prompt's tokens too (the output gets "
+     "max_length minus them), and the prompt is already 2 tokens long: send a max_length above 2, or max_new_tokens "
+     "to bound the output alone"),
     ("/completion", {"prompt": "hi", "min_new_tokens": -1}, "min_new_tokens: must be in [0, max_new_tokens=128], "
                                                             "got -1"),
     ("/completion", {"prompt": "hi", "do_sample": True, "temperature": -1}, "temperature: must be >= 0, got -1"),
@@ -181,6 +183,9 @@ BAD = [
     ("/chat", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content must be a string"),
     ("/chat", {**HI, "add_generation_prompt": False}, "add_generation_prompt: false is not supported"),
     ("/chat", {**HI, "n": 2}, "n: only 1 is supported (one answer per request), got 2"),
+    ("/chat", {**HI, "max_length": 3}, "max_length: 3 counts the prompt's tokens too (the output gets max_length minus "
+     "them), and the chat is already 18 tokens long (the chat template's tokens included): send a max_length above 18, "
+     "or max_new_tokens to bound the output alone"),
     ("/chat", {**HI, "echo": "yes"}, "echo: must be true or false"),
     ("/chat", {**HI, "conversation": HI["messages"]}, "conversation: unknown field"),
 ]
