@@ -86,35 +86,28 @@ def test_an_fp32_model_has_nothing_to_choose(tiny_model_dir: Callable[[str], str
 
 @pytest.mark.skipif(not native.bf16_dot_usable(), reason="the dot path needs AVX512-BF16")
 @pytest.mark.parametrize("pin", ["dot", "fp32"])
-def test_the_steps_prefill_choice_reaches_the_kernel(tiny_model_dir: Callable[[str], str], pin: str,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LLMSERVE_DECODER_STACK", "0")  # the Python layers call native.prefill_attention
+@pytest.mark.parametrize("op,kernel,steps", [("prefill_attention", "prefill_attention", 1),
+                                             ("decode_attention", "paged_decode", 2)])
+def test_the_steps_attention_choice_reaches_the_kernel(tiny_model_dir: Callable[[str], str], pin: str, op: str,
+                                                       kernel: str, steps: int,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """One prefill step and two decode steps (3 tokens): each of the kind's steps calls its kernel in every layer with
+    the pinned path's dot flag."""
+    monkeypatch.setenv("LLMSERVE_DECODER_STACK", "0")  # the Python layers call the kernels through native
     seen: list[bool] = []
-    real = native.prefill_attention
-    monkeypatch.setattr(native, "prefill_attention", lambda *a: seen.append(a[-1]) or real(*a))
-    config = EngineConfig(dtype="bfloat16", num_blocks=64, kernel_choice=f"prefill_attention={pin}")
+    real = getattr(native, kernel)
+
+    def spy(*a: object, **k: object) -> object:
+        seen.append(bool(k["dot"]) if "dot" in k else bool(a[-1]))
+        return real(*a, **k)
+
+    monkeypatch.setattr(native, kernel, spy)
+    config = EngineConfig(dtype="bfloat16", num_blocks=64, kernel_choice=f"{op}={pin}")
     with pipeline(tiny_model_dir("llama"), backend_config=config) as pipe:
         out = pipe([{"input_ids": list(range(3, 40))}], gen_config=GenerationConfig(max_new_tokens=3, temperature=0),
                    do_preprocess=False)
     assert len(out[0].token_ids) == 3
-    layers = len(pipe_layers(tiny_model_dir("llama")))
-    assert seen == [pin == "dot"] * layers  # one prefill step, every layer
-
-
-@pytest.mark.skipif(not native.bf16_dot_usable(), reason="the dot path needs AVX512-BF16")
-@pytest.mark.parametrize("pin", ["dot", "fp32"])
-def test_the_steps_decode_choice_reaches_the_kernel(tiny_model_dir: Callable[[str], str], pin: str,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LLMSERVE_DECODER_STACK", "0")  # the Python layers call native.paged_decode
-    seen: list[bool] = []
-    real = native.paged_decode
-    monkeypatch.setattr(native, "paged_decode", lambda *a, **k: seen.append(k["dot"]) or real(*a, **k))
-    config = EngineConfig(dtype="bfloat16", num_blocks=64, kernel_choice=f"decode_attention={pin}")
-    with pipeline(tiny_model_dir("llama"), backend_config=config) as pipe:
-        pipe([{"input_ids": list(range(3, 20))}], gen_config=GenerationConfig(max_new_tokens=3, temperature=0),
-             do_preprocess=False)
-    layers = len(pipe_layers(tiny_model_dir("llama")))
-    assert seen == [pin == "dot"] * (2 * layers)  # two decode steps after the prefill, every layer
+    assert seen == [pin == "dot"] * (steps * len(pipe_layers(tiny_model_dir("llama"))))
 
 
 def pipe_layers(path: str) -> list:
