@@ -192,7 +192,7 @@ def cpu_model() -> str:
 def kernels_hash() -> str:
     """Of the native kernels' sources: a rebuilt kernel is measured again."""
     h = hashlib.sha256()
-    for path in sorted((Path(__file__).parent / "cpu").iterdir()):
+    for path in sorted(p for p in (Path(__file__).parent / "cpu").iterdir() if p.is_file()):
         h.update(path.name.encode() + path.read_bytes())
     return h.hexdigest()[:16]
 
@@ -204,8 +204,9 @@ def key(ops: list[str], threads: int) -> dict[str, object]:
 
 def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, timer: Timer = wall_clock,
          remeasure: bool = False) -> ChoiceTable | None:
-    """The choice table for the model's bf16 matmuls on this machine (None when it has none): pinned by kernel_choice
-    (else LLMSERVE_KERNEL_CHOICE, else "auto"), read from the cache, or measured now."""
+    """The choice table for the model's bf16 matmuls and, where its attention runs natively, its prefill and decode
+    attention on this machine (None for a model without bf16 weights): pinned by kernel_choice (else
+    LLMSERVE_KERNEL_CHOICE, else "auto"), read from the cache, or measured now."""
     shapes = {op_name(w): (w.shape[0], w.shape[1]) for w in bf16_weights(model)}
     if not shapes:
         return None
