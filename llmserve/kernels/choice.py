@@ -6,7 +6,10 @@ won at every size, on a 2-core AMD Zen 5 the dot products ran twice as fast (BEN
 of them is wrong on the other, so CPU flags only gate what can run at all, and the choice is a measurement:
 
 - `choose` times every candidate at every row bucket, interleaved (so a noisy neighbour slows them alike), and keeps
-  the fastest per bucket: an `OpChoice`.
+  the one fastest across the buckets for all of them: an `OpChoice`. One kernel per op, not one per bucket, because
+  the candidates sum in different orders: a request decoded alone (1 row) and in a batch of 64 would take different
+  kernels and could get different tokens, and the engine's tokens never depend on the batch (tested through the
+  server: 64 streams answer as each does alone). The per-bucket times stay in the table (`llmserve tune`).
 - A `ChoiceTable` holds every op of one model on one machine. It is cached as JSON under
   `$LLMSERVE_CACHE_DIR/tuning/` (default `~/.cache/llmserve/tuning/`), one file per key: the CPU model, core and thread
   counts, torch version, a hash of the kernels' sources and the model's shapes. A later start with the same key reuses
@@ -95,20 +98,13 @@ def pinned(name: str) -> OpChoice:
     return OpChoice((ROW_BUCKETS[-1],), (name,), {}, pinned=True)  # one bucket: it covers every row count
 
 
-# A bucket leaves the base candidate (the best over all buckets) only for one at least this much faster there. Why: a
-# calibration on a busy machine measured winners that alternated bucket by bucket (noise), and every bucket a oneDNN or
-# fp32 path wins keeps another copy of the weight (335 MB more for SmolLM2-135M); a clear win is worth a copy, noise
-# is not.
-SWITCH_MARGIN = 0.10
-
-
 def choose(candidates: Sequence[Candidate], timer: Timer, buckets: Sequence[int] = ROW_BUCKETS,
            reps: int = 5) -> OpChoice:
     """Time each candidate at each bucket's row count (`reps` interleaved rounds after one warm-up call each) and choose
-    per bucket: the base candidate (lowest sum over buckets of its time relative to the bucket's fastest; the earlier
-    on a tie), unless another is more than SWITCH_MARGIN faster there. Each keeps its fastest round: another process
-    taking a core only ever adds time (a busy 2-core VM put a scheduler quantum, ~8 ms, into most samples), so the
-    minimum is the least disturbed run."""
+    one for every bucket: the lowest sum over buckets of its time relative to the bucket's fastest (each batch size
+    counts alike; the earlier on a tie). Each keeps its fastest round: another process taking a core only ever adds
+    time (a busy 2-core VM put a scheduler quantum, ~8 ms, into most samples), so the minimum is the least disturbed
+    run."""
     if not candidates:
         raise ValueError("choose needs at least one candidate")
     seconds: dict[str, list[float]] = {c.name: [] for c in candidates}
@@ -123,13 +119,8 @@ def choose(candidates: Sequence[Candidate], timer: Timer, buckets: Sequence[int]
             seconds[name].append(min(s))
     names = [c.name for c in candidates]
     fastest = [max(min(seconds[n][i] for n in names), 1e-12) for i in range(len(buckets))]
-    base = min(names, key=lambda n: sum(t / f for t, f in zip(seconds[n], fastest)))
-    winners = []
-    for i in range(len(buckets)):
-        best = min(names, key=lambda n: seconds[n][i])
-        clear = seconds[best][i] < (1 - SWITCH_MARGIN) * seconds[base][i]
-        winners.append(best if clear else base)
-    return OpChoice(tuple(buckets), tuple(winners), {k: tuple(v) for k, v in seconds.items()})
+    best = min(names, key=lambda n: sum(t / f for t, f in zip(seconds[n], fastest)))
+    return OpChoice(tuple(buckets), (best,) * len(buckets), {k: tuple(v) for k, v in seconds.items()})
 
 
 def wall_clock(name: str, rows: int, fn: Callable[[], object]) -> float:

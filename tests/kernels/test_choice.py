@@ -34,26 +34,29 @@ def candidates(*names: str, ran: list[tuple[str, int]] | None = None) -> list[Ca
     return [Candidate(n, lambda rows, n=n: ran.append((n, rows)) if ran is not None else None) for n in names]
 
 
-def test_each_bucket_takes_the_clearly_faster_candidate() -> None:
-    # fma wins small batches by 2x, dot large ones by 2x: the crossover is between 16 and 32 rows
-    costs = {"fma": lambda r: 1.0 * r if r <= 16 else 2.0 * r, "dot": lambda r: 2.0 * r if r <= 16 else 1.0 * r}
-    c = choose(candidates("fma", "dot"), fake_timer(costs), buckets=(1, 4, 16, 32, 256), reps=3)
-    assert c.winners == ("fma", "fma", "fma", "dot", "dot")
+def test_one_kernel_for_every_batch_size_the_best_across_them() -> None:
+    """The candidates sum in different orders, so one op takes one kernel at every row count (a request's tokens must
+    not depend on its batch): the lowest total relative time, every bucket counting alike."""
+    # fma 2x faster up to 16 rows (5 buckets), dot 2x faster above (5 buckets), slightly better there: dot overall
+    costs = {"fma": lambda r: 1.0 * r if r <= 16 else 2.0 * r, "dot": lambda r: 2.0 * r if r <= 16 else 0.9 * r}
+    buckets = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    c = choose(candidates("fma", "dot"), fake_timer(costs), buckets=buckets, reps=3)
+    assert c.winners == ("dot",) * 10 and c.kinds == frozenset({"dot"})
+    assert [c.pick(r) for r in (1, 16, 17, 10_000)] == ["dot"] * 4
+    assert c.ranges() == [("dot", 1, None)] and c.describe() == "dot 1+"
+    assert c.seconds["fma"][:2] == (1.0, 2.0) and c.seconds["dot"][-1] == pytest.approx(0.9 * 512)
+    # the same with fma a little better where it wins: fma everywhere
+    costs["fma"] = lambda r: 0.9 * r if r <= 16 else 2.0 * r
+    costs["dot"] = lambda r: 2.0 * r if r <= 16 else 1.0 * r
+    assert choose(candidates("fma", "dot"), fake_timer(costs), buckets=buckets, reps=2).winners == ("fma",) * 10
+
+
+def test_mixed_winners_still_pick_by_rows() -> None:
+    """A table read back (or built by hand) with several winners still answers by bucket."""
+    c = OpChoice((1, 4, 16, 32, 256), ("fma", "fma", "fma", "dot", "dot"))
     assert [c.pick(r) for r in (1, 2, 4, 5, 16, 17, 32, 33, 256, 10_000)] == \
         ["fma", "fma", "fma", "fma", "fma", "dot", "dot", "dot", "dot", "dot"]
-    assert c.ranges() == [("fma", 1, 16), ("dot", 17, None)]
-    assert c.describe() == "fma 1-16, dot 17+"
-    assert c.seconds == {"fma": (1.0, 4.0, 16.0, 64.0, 512.0), "dot": (2.0, 8.0, 32.0, 32.0, 256.0)}
-
-
-def test_close_calls_stay_with_the_base_candidate() -> None:
-    # dot is best overall; onednn is 5% faster at one bucket (noise, or not worth a second copy of the weight) and
-    # 20% faster at another (a clear win)
-    base = {1: 10.0, 8: 10.0, 64: 10.0, 512: 10.0}
-    costs = {"dot": lambda r: base[r], "onednn": lambda r: {1: 30.0, 8: 9.5, 64: 30.0, 512: 8.0}[r]}
-    c = choose(candidates("dot", "onednn"), fake_timer(costs), buckets=(1, 8, 64, 512), reps=2)
-    assert c.winners == ("dot", "dot", "dot", "onednn")
-    assert c.kinds == frozenset({"dot", "onednn"})
+    assert c.ranges() == [("fma", 1, 16), ("dot", 17, None)] and c.describe() == "fma 1-16, dot 17+"
 
 
 def test_each_candidate_keeps_its_least_disturbed_round_and_rounds_interleave() -> None:
