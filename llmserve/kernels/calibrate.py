@@ -10,7 +10,7 @@ Ops with equivalent paths, and their candidates where each can run at all (the C
   fma and dot share one copy of the weight; onednn and fp32 add their own where they win a bucket.
 - `prefill_attention:H/KVHxD` (native prefill attention of a bf16 model, by the step's prefill tokens):
   fp32    kernels/cpu/prefill_attention.cpp with fp32 FMAs (AVX-512);
-  dot     the same with vdpbf16ps for both products, P rounded to bf16 (AVX512-BF16).
+  dot     the same with the scores by vdpbf16ps on the keys as stored (AVX512-BF16); P stays fp32.
 - `decode_attention:H/KVHxD` (native decode attention of a bf16 model over its bf16 cache, by the step's decodes):
   fp32    kernels/cpu/paged_decode.cpp, scores by FMAs over widened keys (AVX-512);
   dot     the scores by vdpbf16ps on the keys as stored (AVX512-BF16).

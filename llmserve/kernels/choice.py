@@ -36,7 +36,7 @@ from llmserve.errors import InvalidRequestError
 
 # Rows of input a choice is made for: bucket i covers (ROW_BUCKETS[i - 1], ROW_BUCKETS[i]] and the last anything larger.
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-FORMAT = 1  # of the cached files; a file of another format is measured again
+FORMAT = 2  # of the cached files; a file of another format is measured again (1: winners per row bucket)
 
 # timer(candidate name, rows, fn) -> seconds one call of fn took. The real one (wall_clock) calls fn; a fake one may not.
 Timer = Callable[[str, int, Callable[[], object]], float]

@@ -116,8 +116,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
     rows), kv_cache [2, NB, BS, kv_heads, D] (+ kv_scales for int8); spans [S, 4] int64 (q_start, q_len,
     num_cached, offset into slots), slots: the spans' context slots concatenated. A fresh prompt reads this step's
     K/V, any other span its whole context from the cache (as torch_backend.paged_attention). Needs
-    prefill_attention_usable(). dot: both products by AVX512-BF16 dot products where q and the keys are bf16 (P rounded to
-    bf16; needs bf16_dot_usable()), else fp32 FMAs."""
+    prefill_attention_usable(). dot: the scores by AVX512-BF16 dot products where q and the keys are bf16 (needs
+    bf16_dot_usable()), else fp32 FMAs; the PV product is fp32 FMAs either way."""
     k_scales, v_scales = (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
     _module.prefill_attention(q, k, v, kv_cache[0], kv_cache[1], k_scales, v_scales, spans, slots, scale,
                               -1 if sliding_window is None else sliding_window, out, 1 if dot else 0)

@@ -91,14 +91,13 @@ needs_dot = pytest.mark.skipif(not native.bf16_dot_usable(), reason="the dot pat
 @pytest.mark.parametrize("head_dim", [32, 64, 80, 128])
 @pytest.mark.parametrize("window", [None, 17])
 def test_dot_path_matches_the_reference(heads: int, kv_heads: int, head_dim: int, window: int | None) -> None:
-    """vdpbf16ps for both products: exact products and fp32 sums, P rounded to bf16 (2^-9 relative), the output
-    rounded once to bf16; the reference sums in fp32. Every tile shape, chunks over the cache, windows, GQA 3-7."""
+    """The scores by vdpbf16ps: exact products, fp32 sums in another order, P kept in fp32 for the PV product (rounding
+    it to bf16 made a prompt's last position differ from the decode kernel's after a prefix-cache hit), the output
+    rounded once to bf16. Every tile shape, chunks over the cache, windows, GQA 3-7."""
     case = _case(SPANS, heads, kv_heads, head_dim, 16, torch.bfloat16, torch.bfloat16, seed=heads + head_dim, decodes=2)
     got, want = _both(*case, scale=head_dim ** -0.5, window=window, dot=True)
-    torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
-    assert (got - want).abs().mean() < 2e-3 * want.abs().mean() + 1e-4  # mostly a bf16 ulp or none apart
-    fma, _ = _both(*case, scale=head_dim ** -0.5, window=window, dot=False)
-    assert not torch.equal(got, fma)  # the flag changes the arithmetic: P's rounding shows in some outputs
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+    assert (got != want).float().mean() < 0.01  # only the sums' order differs: rarely a bf16 ulp apart
 
 
 @needs_dot
@@ -110,9 +109,9 @@ def test_dot_path_takes_only_bf16_keys(cache_dtype) -> None:
     meta = case[-1]
     dot, want = _both(*case, scale=0.125, window=None, dot=True)
     fma, _ = _both(*case, scale=0.125, window=None, dot=False)
-    fresh, cached = slice(0, 40), slice(40, 60)
-    assert torch.equal(dot[cached], fma[cached]) and not torch.equal(dot[fresh], fma[fresh])
-    torch.testing.assert_close(dot, want, atol=3e-2, rtol=3e-2)
+    cached = slice(40, 60)
+    assert torch.equal(dot[cached], fma[cached])
+    torch.testing.assert_close(dot, want, atol=1e-2, rtol=1e-2)
     assert meta.prefills[0].num_cached == 0 and meta.prefills[1].num_cached == 37
 
 

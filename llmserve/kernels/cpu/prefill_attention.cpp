@@ -17,12 +17,13 @@
 // Items are handed out longest first from a shared counter, so causal imbalance (the last tiles of a prompt
 // see the most keys) evens out across threads.
 //
-// The dot path (dot=1, bf16 q and keys, CPUs with AVX512-BF16) runs both products with vdpbf16ps instead: the sums
-// run over pairs, so Q^T is kept as pairs of dimensions [D/2, rows] (unscaled: the scores are scaled after), K rows
-// are read as they are stored (their dimensions already come in pairs), V as pairs of keys [keys/2, D] and the
-// softmax's P^T rounded to bf16 as pairs of keys [keys/2, rows], as flash attention's bf16 kernels round P. Products
-// are exact and every sum fp32; what differs from the fp32 path is P's rounding (2^-9 relative) and the order of the
-// sums. Which path runs is measured on the running machine (llmserve/kernels/calibrate.py).
+// The dot path (dot=1, bf16 q and keys, CPUs with AVX512-BF16) computes the scores with vdpbf16ps instead: the sums
+// run over pairs, so Q^T is kept as pairs of dimensions [D/2, rows] (unscaled: the scores are scaled after) and K rows
+// are read as they are stored (their dimensions already come in pairs). Products are exact and sums fp32, in another
+// order. P stays fp32 for the PV product: rounding it to bf16 (as flash attention's bf16 kernels do, and as this path
+// first did) moved outputs by 2^-9 relative, so a prompt position computed here and the same position computed by
+// the decode kernel after a prefix-cache hit got different tokens. Which path runs is measured on the running machine
+// (llmserve/kernels/calibrate.py).
 //
 // Why: torch's SDPA (flash attention for CPU) ran SmolLM2's prompts of 36-390 tokens at ~73 GFLOP/s in fp32 on
 // 2 cores (1.8 s of a 64-request workload's prefill), and converting each span's q/k/v to fp32 and back
@@ -117,9 +118,8 @@ void by_row_vectors(int64_t V, const Pass& pass) {  // pass(RV tag, v0) over [0,
   }
 }
 
-// tile_pass with vdpbf16ps: a and b hold bf16 pairs (uint32), the sums run over pairs. Scores: a = K's rows as pairs of
-// dimensions (row_stride D / 2, sum_stride 1), b = Q^T pairs [D / 2, V, 16]. Values: a = V as pairs of keys [keys / 2,
-// D] (row_stride 1, sum_stride D), b = P^T pairs [keys / 2, V, 16].
+// tile_pass with vdpbf16ps for the scores: a = K's rows as bf16 pairs of dimensions (uint32; row_stride D / 2,
+// sum_stride 1), b = Q^T pairs [D / 2, V, 16], the sums over pairs.
 template <int RV>
 LLMSERVE_AVX512BF16 __attribute__((optimize("no-tree-pre"))) void tile_pass_dot(const uint32_t* a, int64_t row_stride,
                                                                               int64_t sum_stride, int64_t rows,
@@ -145,11 +145,6 @@ LLMSERVE_AVX512BF16 __attribute__((optimize("no-tree-pre"))) void tile_pass_dot(
   }
 }
 
-// Two bf16 vectors' 16 elements as pairs: lane i = (lo[i], hi[i]), lo in the low half.
-LLMSERVE_AVX512 inline __m512i pair16(__m256i lo, __m256i hi) {
-  return _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
-}
-
 struct Span {
   int64_t q_start, q_len, num_cached, slot_offset;
   bool from_cache;
@@ -157,30 +152,21 @@ struct Span {
 
 struct Scratch {
   std::vector<float> qt, ot, st, kf, vf, m, l;
-  std::vector<uint32_t> qtp, kp, vp, pp;  // the dot path's pairs: Q^T [D/2, V, 16], K [keys, D/2], V [keys/2, D], P^T
+  std::vector<uint32_t> qtp, kp;  // the dot path's pairs: Q^T [D/2, V, 16], K [keys, D/2]
   Scratch(int64_t D, int64_t V) : qt(D * V * 16), ot(D * V * 16), st(kKeyBlock * V * 16), kf(kKeyBlock * D),
-                                  vf(kKeyBlock * D), m(V * 16), l(V * 16), qtp(D / 2 * V * 16), kp(kKeyBlock * D / 2),
-                                  vp(kKeyBlock / 2 * D), pp(kKeyBlock / 2 * V * 16) {}
+                                  vf(kKeyBlock * D), m(V * 16), l(V * 16), qtp(D / 2 * V * 16), kp(kKeyBlock * D / 2) {}
 };
 
-// The dot path's inputs of one block of n keys (padded to n8): K's rows copied as pairs of dimensions (padding 0) and
-// V's as pairs of keys (a missing second key 0).
-LLMSERVE_AVX512 void pair_block(const Rows<c10::BFloat16>& keys, const Rows<c10::BFloat16>& values, int64_t j0, int64_t n,
-                                int64_t n8, int64_t D, Scratch& s) {
-  const auto bits = [](const c10::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); };
+// The dot path's keys of one block of n keys (padded to n8 with 0): the rows copied as they are stored, pairs of
+// dimensions.
+void pair_keys(const Rows<c10::BFloat16>& keys, int64_t j0, int64_t n, int64_t n8, int64_t D, Scratch& s) {
   for (int64_t t = 0; t < n8; ++t) {
-    uint16_t* o = reinterpret_cast<uint16_t*>(s.kp.data() + t * D / 2);
-    if (t < n) std::copy(bits(keys.row(j0 + t)), bits(keys.row(j0 + t)) + D, o);
-    else std::fill(o, o + D, uint16_t{0});
-  }
-  const __m256i zero = _mm256_setzero_si256();
-  for (int64_t p = 0; p < n8 / 2; ++p) {
-    const uint16_t* r0 = 2 * p < n ? bits(values.row(j0 + 2 * p)) : nullptr;
-    const uint16_t* r1 = 2 * p + 1 < n ? bits(values.row(j0 + 2 * p + 1)) : nullptr;
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m256i a = r0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + d)) : zero;
-      const __m256i b = r1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + d)) : zero;
-      _mm512_storeu_si512(s.vp.data() + p * D + d, pair16(a, b));
+    auto* o = reinterpret_cast<uint16_t*>(s.kp.data() + t * D / 2);
+    if (t < n) {
+      const auto* r = reinterpret_cast<const uint16_t*>(keys.row(j0 + t));
+      std::copy(r, r + D, o);
+    } else {
+      std::fill(o, o + D, uint16_t{0});
     }
   }
 }
@@ -227,7 +213,8 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
     const int64_t n = std::min(kKeyBlock, hi - j0), n8 = (n + kRowsPerPass - 1) / kRowsPerPass * kRowsPerPass;
     if constexpr (kBf16) {
       if (dot) {
-        pair_block(keys, values, j0, n, n8, D, s);
+        pair_keys(keys, j0, n, n8, D, s);
+        widen_rows(values, j0, n, D, s.vf.data());
         by_row_vectors(V, [&](auto rv, int64_t v0) {
           tile_pass_dot<decltype(rv)::value>(s.kp.data(), D / 2, 1, n8, D / 2, s.qtp.data(), V, v0, false, s.st.data());
         });
@@ -284,21 +271,9 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
         _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), alpha));
       }
     }
-    if (dot) {  // P^T as pairs of keys, rounded to bf16 (the padding keys' p are 0)
-      for (int64_t p = 0; p < n8 / 2; ++p)
-        for (int64_t v = 0; v < V; ++v) {
-          const __m512i lo = bf16_bits(_mm512_loadu_ps(s.st.data() + (2 * p * V + v) * 16));
-          const __m512i hi = bf16_bits(_mm512_loadu_ps(s.st.data() + ((2 * p + 1) * V + v) * 16));
-          _mm512_storeu_si512(s.pp.data() + (p * V + v) * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-        }
-      by_row_vectors(V, [&](auto rv, int64_t v0) {
-        tile_pass_dot<decltype(rv)::value>(s.vp.data(), 1, D, D, n8 / 2, s.pp.data(), V, v0, true, s.ot.data());
-      });
-    } else {
-      by_row_vectors(V, [&](auto rv, int64_t v0) {
-        tile_pass<decltype(rv)::value>(s.vf.data(), 1, D, D, n, s.st.data(), V, v0, true, s.ot.data());
-      });
-    }
+    by_row_vectors(V, [&](auto rv, int64_t v0) {
+      tile_pass<decltype(rv)::value>(s.vf.data(), 1, D, D, n, s.st.data(), V, v0, true, s.ot.data());
+    });
   }
   for (int64_t g = 0; g < G; ++g)
     for (int64_t i = 0; i < nt; ++i) {
