@@ -149,7 +149,7 @@ def prefill_attention_candidates(heads: int, kv_heads: int, head_dim: int, names
         q, k, v, spans, slots, out = inputs(rows)
         native.prefill_attention(q, k, v, cache, None, spans, slots, head_dim ** -0.5, None, out, dot)
 
-    return [Candidate(name, functools.partial(lambda r, d: run(r, d), d=name == "dot")) for name in names]
+    return [Candidate(name, functools.partial(run, dot=name == "dot")) for name in names]
 
 
 def decode_attention_candidates(heads: int, kv_heads: int, head_dim: int, names: tuple[str, ...]) -> list[Candidate]:
@@ -171,7 +171,7 @@ def decode_attention_candidates(heads: int, kv_heads: int, head_dim: int, names:
         for cache in caches:
             native.paged_decode(q, cache, tables, lens, head_dim ** -0.5, None, dot=dot)
 
-    return [Candidate(name, functools.partial(lambda r, d: run(r, d), d=name == "dot")) for name in names]
+    return [Candidate(name, functools.partial(run, dot=name == "dot")) for name in names]
 
 
 def cpu_model() -> str:
@@ -243,8 +243,8 @@ def report(table: ChoiceTable) -> str:
         if not c.seconds:
             continue
         names = list(c.seconds)
-        lines.append("  rows  " + "".join(f"{n:>11}" for n in names) + "  chosen")
+        lines.append("  rows  " + "".join(f"{n:>11}" for n in names) + "  fastest")
         for i, rows in enumerate(c.rows):
             cells = "".join(f"{c.seconds[n][i] * 1e3:>9.3f}ms" for n in names)
-            lines.append(f"  {rows:>4}  {cells}  {c.winners[i]}")
+            lines.append(f"  {rows:>4}  {cells}  {min(names, key=lambda n: c.seconds[n][i])}")
     return "\n".join(lines)

@@ -22,7 +22,6 @@ Nothing here touches torch: the timer is passed in (tests drive the logic with a
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import os
@@ -34,9 +33,9 @@ from typing import NamedTuple
 
 from llmserve.errors import InvalidRequestError
 
-# Rows of input a choice is made for: bucket i covers (ROW_BUCKETS[i - 1], ROW_BUCKETS[i]] and the last anything larger.
+# The rows of input a linear's candidates are timed at (each batch size counting alike in the choice).
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-FORMAT = 2  # of the cached files; a file of another format is measured again (1: winners per row bucket)
+FORMAT = 3  # of the cached files; a file of another format is measured again (1, 2: winners per row bucket)
 
 # timer(candidate name, rows, fn) -> seconds one call of fn took. The real one (wall_clock) calls fn; a fake one may not.
 Timer = Callable[[str, int, Callable[[], object]], float]
@@ -50,52 +49,32 @@ class Candidate:
 
 @dataclass(frozen=True)
 class OpChoice:
-    """One op's choice: winners[i] runs inputs of up to rows[i] rows (the last one anything larger)."""
+    """One op's kernel, for every batch size, and what was timed to choose it: seconds[candidate][i] at rows[i] rows
+    (both empty when pinned)."""
 
-    rows: tuple[int, ...]
-    winners: tuple[str, ...]
-    seconds: dict[str, tuple[float, ...]] = field(default_factory=dict)  # candidate -> per bucket; empty when pinned
+    kernel: str
+    rows: tuple[int, ...] = ()
+    seconds: dict[str, tuple[float, ...]] = field(default_factory=dict)
     pinned: bool = False
 
-    def pick(self, rows: int) -> str:
-        return self.winners[min(bisect.bisect_left(self.rows, rows), len(self.winners) - 1)]
-
-    @property
-    def kinds(self) -> frozenset[str]:
-        return frozenset(self.winners)
-
-    def ranges(self) -> list[tuple[str, int, int | None]]:
-        """(winner, first row, last row or None for 'and above'), runs of equal winners merged."""
-        out: list[tuple[str, int, int | None]] = []
-        low = 1
-        for i, (top, name) in enumerate(zip(self.rows, self.winners)):
-            last = None if i == len(self.rows) - 1 else top
-            if out and out[-1][0] == name:
-                out[-1] = (name, out[-1][1], last)
-            else:
-                out.append((name, low, last))
-            low = top + 1
-        return out
-
     def describe(self) -> str:
-        parts = [f"{name} {lo}+" if hi is None else f"{name} {lo}-{hi}" for name, lo, hi in self.ranges()]
-        return ", ".join(parts) + (" (pinned)" if self.pinned else "")
+        return self.kernel + (" (pinned)" if self.pinned else "")
 
     def to_json(self) -> dict:
-        return {"rows": list(self.rows), "winners": list(self.winners), "pinned": self.pinned,
+        return {"kernel": self.kernel, "rows": list(self.rows), "pinned": self.pinned,
                 "seconds": {k: list(v) for k, v in self.seconds.items()}}
 
     @classmethod
     def from_json(cls, d: dict) -> OpChoice:
-        rows, winners = tuple(int(r) for r in d["rows"]), tuple(str(w) for w in d["winners"])
-        if not rows or len(rows) != len(winners) or list(rows) != sorted(set(rows)):
-            raise ValueError("rows and winners must be non-empty, as long as each other, rows ascending")
+        rows = tuple(int(r) for r in d["rows"])
         seconds = {str(k): tuple(float(s) for s in v) for k, v in d.get("seconds", {}).items()}
-        return cls(rows, winners, seconds, bool(d.get("pinned", False)))
+        if not isinstance(d["kernel"], str) or any(len(v) != len(rows) for v in seconds.values()):
+            raise ValueError("a kernel name, and one time per timed row count")
+        return cls(d["kernel"], rows, seconds, bool(d.get("pinned", False)))
 
 
 def pinned(name: str) -> OpChoice:
-    return OpChoice((ROW_BUCKETS[-1],), (name,), {}, pinned=True)  # one bucket: it covers every row count
+    return OpChoice(name, pinned=True)
 
 
 def choose(candidates: Sequence[Candidate], timer: Timer, buckets: Sequence[int] = ROW_BUCKETS,
@@ -120,7 +99,7 @@ def choose(candidates: Sequence[Candidate], timer: Timer, buckets: Sequence[int]
     names = [c.name for c in candidates]
     fastest = [max(min(seconds[n][i] for n in names), 1e-12) for i in range(len(buckets))]
     best = min(names, key=lambda n: sum(t / f for t, f in zip(seconds[n], fastest)))
-    return OpChoice(tuple(buckets), (best,) * len(buckets), {k: tuple(v) for k, v in seconds.items()})
+    return OpChoice(best, tuple(buckets), {k: tuple(v) for k, v in seconds.items()})
 
 
 def wall_clock(name: str, rows: int, fn: Callable[[], object]) -> float:
@@ -139,7 +118,7 @@ class ChoiceTable:
     cached: bool = False  # written to (or read from) the cache
 
     def describe(self) -> str:
-        """One line: each op's winners by rows, ops with the same choice grouped, and where the table came from."""
+        """One line: each op's kernel, ops with the same choice grouped, and where the table came from."""
         groups: dict[str, list[str]] = {}
         for op, c in sorted(self.ops.items()):
             groups.setdefault(c.describe(), []).append(op)
@@ -153,9 +132,8 @@ class ChoiceTable:
         return "; ".join(f"{', '.join(ops)}: {d}" for d, ops in groups.items()) + f" ({how})"
 
     def as_dict(self) -> dict:
-        """For `bench throughput --json`: each op's winners by rows and where the table came from."""
-        return {"ops": {op: [{"kernel": k, "rows": [lo, hi]} for k, lo, hi in c.ranges()]
-                        for op, c in sorted(self.ops.items())},
+        """For `bench throughput --json`: each op's kernel and where the table came from."""
+        return {"ops": {op: c.kernel for op, c in sorted(self.ops.items())},
                 "source": "cache" if self.reused else "measured", "measure_seconds": round(self.seconds, 2)}
 
     def to_json(self) -> dict:

@@ -132,33 +132,32 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class Bf16Matmul:
-    """A bf16 weight [N, K] on CPU in the forms its chosen kernels read, and the choice between them by rows of x
-    (kernels/choice.py measured it on this machine): fma and dot read kernels/cpu/packed_gemm.cpp's layout (one copy
-    serves both), onednn its blocked copy, fp32 the plain weight (widened per call). Only the forms a bucket chose are
-    kept."""
+    """A bf16 weight [N, K] on CPU in the form its chosen kernel reads (kernels/choice.py measured it on this machine,
+    one kernel for every batch size): fma and dot read kernels/cpu/packed_gemm.cpp's layout, onednn its blocked copy,
+    fp32 the plain weight (widened per call)."""
 
     def __init__(self, weight: torch.Tensor, choice: OpChoice) -> None:
-        kinds = choice.kinds
         self.n = weight.shape[0]
-        self.choice = choice
-        self.native = native.bf16_pack(weight) if kinds & {"fma", "dot"} else None
-        self.onednn = pack_weight(weight) if "onednn" in kinds else None
-        self.plain = weight if "fp32" in kinds else None
+        self.kernel = choice.kernel
+        if self.kernel in ("fma", "dot"):
+            self.weight = native.bf16_pack(weight)
+        elif self.kernel == "onednn":
+            self.weight = pack_weight(weight)
+        else:
+            self.weight = weight
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] bf16 -> [M, N] bf16."""
-        kind = self.choice.pick(x.shape[0])
-        if kind in ("fma", "dot"):
-            return native.bf16_gemm(x, self.native, self.n, bias, dot=kind == "dot")
-        if kind == "onednn":
-            return onednn_linear(x, self.onednn, bias)
-        return fp32_linear(x, self.plain, bias)
+        if self.kernel in ("fma", "dot"):
+            return native.bf16_gemm(x, self.weight, self.n, bias, dot=self.kernel == "dot")
+        if self.kernel == "onednn":
+            return onednn_linear(x, self.weight, bias)
+        return fp32_linear(x, self.weight, bias)
 
-    def native_by_rows(self) -> list[tuple[int, int]] | None:
-        """For the native decoder stack: (up to rows, dot) pairs when every bucket runs a packed kernel, else None."""
-        if not self.choice.kinds <= {"fma", "dot"}:
-            return None
-        return [(rows, int(kind == "dot")) for rows, kind in zip(self.choice.rows, self.choice.winners)]
+    @property
+    def packed(self) -> bool:
+        """Whether the weight is in packed_gemm.cpp's layout, which the native decoder stack runs."""
+        return self.kernel in ("fma", "dot")
 
 
 def int8_packed_ok(weight: torch.Tensor) -> bool:

@@ -9,7 +9,7 @@ token of a 36-token prompt from 24-26 to 19 ms in w8a8, 47-49 to 43 in bf16.
 
 It covers every architecture here (Llama, Mistral, Qwen2, Qwen3's per-head q/k norm) with: linears in
 kernels/cpu/packed_gemm.cpp's or kernels/cpu/w8a8_linear.cpp's layout (bf16 models on AVX-512 CPUs whose measured
-choice is a packed kernel at every row count, and --quantization int8 or w8a8 on AVX-512 CPUs), a cache paged_decode reads, for steps with prefill chunks native prefill attention (AVX-512, head_dim % 16 ==
+choice is a packed kernel, and --quantization int8 or w8a8 on AVX-512 CPUs), a cache paged_decode reads, for steps with prefill chunks native prefill attention (AVX-512, head_dim % 16 ==
 0), and the native kernels enabled (not LLMSERVE_ATTENTION=torch, not LLMSERVE_FUSED_OPS=0).
 `LLMSERVE_DECODER_STACK=0` turns it off. Anything else keeps the Python layers, which stay the reference.
 """
@@ -35,13 +35,12 @@ def enabled() -> bool:
 
 
 def _linear_args(linear: Linear) -> list[Any] | None:
-    """(packed weight, outputs, scale, wsum, bias, dot by rows) of a linear the stack runs, or None. A bf16 linear runs
-    in the stack where every row bucket of its measured choice is a packed kernel (fma or dot, kernels/choice.py)."""
+    """(packed weight, outputs, scale, wsum, bias, dot) of a linear the stack runs, or None. A bf16 linear runs in the
+    stack where its measured kernel is a packed one (fma, or dot: bf16_gemm's dot argument; kernels/choice.py)."""
     if linear.int8_packed is not None:  # w8a8 (with wsum) or weight-only
-        return [linear.int8_packed, linear.out_features, linear.scale, linear.wsum, linear.bias, []]
-    by_rows = linear.bf16.native_by_rows() if linear.bf16 is not None else None
-    if by_rows is not None:
-        return [linear.bf16.native, linear.out_features, None, None, linear.bias, by_rows]
+        return [linear.int8_packed, linear.out_features, linear.scale, linear.wsum, linear.bias, 0]
+    if linear.bf16 is not None and linear.bf16.packed:
+        return [linear.bf16.weight, linear.out_features, None, None, linear.bias, int(linear.bf16.kernel == "dot")]
     return None
 
 

@@ -19,7 +19,7 @@ from llmserve.attention.metadata import Workspace
 from llmserve.engine.request import Request
 from llmserve.engine.scheduler import ScheduledRequest
 from llmserve.kernels import calibrate
-from llmserve.kernels.choice import ChoiceTable, OpChoice
+from llmserve.kernels.choice import ChoiceTable
 from llmserve.models.loader import LoadedModel
 from llmserve.sampling.logprobs import logprobs_of_logits
 from llmserve.sampling.sampler import Sampler, SamplerOutput, SamplingBatch, SequenceState
@@ -74,8 +74,8 @@ class ModelRunner:
                  cpu: CpuOptions | None = None, kv_cache_dtype: str = "auto",
                  graphs: GraphOptions | None = None) -> None:
         self.kernel_choices: ChoiceTable | None = None  # the measured (or cached, or pinned) kernels of bf16 matmuls
-        self.prefill_attention: OpChoice | None = None  # native prefill attention's path by a step's prefill tokens
-        self.decode_attention: OpChoice | None = None  # native decode attention's path by a step's decodes
+        # native prefill and decode attention by AVX512-BF16 dot products: their measured kernels (else fp32 FMAs)
+        self.prefill_dot = self.decode_dot = False
         if loaded.device.type == "cpu":
             cpu = cpu or CpuOptions()
             threads = configure_cpu(cpu.num_threads)
@@ -87,9 +87,8 @@ class ModelRunner:
                         trim_heap()  # the candidates' temporaries
                 loaded.model.pack_for_cpu(self.kernel_choices)
                 if self.kernel_choices is not None:  # None: fp32 FMAs, the only path here
-                    ops = self.kernel_choices.ops
-                    self.prefill_attention = ops.get(calibrate.attention_op(loaded.model, calibrate.PREFILL_ATTENTION))
-                    self.decode_attention = ops.get(calibrate.attention_op(loaded.model, calibrate.DECODE_ATTENTION))
+                    self.prefill_dot = self._dot(loaded, calibrate.PREFILL_ATTENTION)
+                    self.decode_dot = self._dot(loaded, calibrate.DECODE_ATTENTION)
         self.model = loaded.model
         self.device = loaded.device
         self.vocab_size = loaded.hf_config.vocab_size
@@ -117,6 +116,11 @@ class ModelRunner:
             self.graphs = CudaGraphDecoder(self.model, self.device, block_size,
                                            -(-graphs.max_tokens_per_seq // block_size), num_blocks,
                                            graphs.max_batch_size, spec.num_kv_heads)
+
+    def _dot(self, loaded: LoadedModel, kind: str) -> bool:
+        """Whether the measured kernel of the model's `kind` attention op is the dot-product one."""
+        choice = self.kernel_choices.ops.get(calibrate.attention_op(loaded.model, kind) or "")
+        return choice is not None and choice.kernel == "dot"
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]) -> SamplerOutput:
@@ -174,10 +178,7 @@ class ModelRunner:
             seqs.append(SeqSpec(span.start, len(span.token_ids), span.block_table))
             logit_rows.extend(range(len(input_ids) - span.num_logits, len(input_ids)))
         meta = build_attention_metadata(seqs, self.block_size, self.device, self.workspace)
-        if meta.prefills and self.prefill_attention is not None:
-            meta.prefill_dot = self.prefill_attention.pick(len(input_ids) - meta.num_decodes) == "dot"
-        if meta.num_decodes and self.decode_attention is not None:
-            meta.decode_dot = self.decode_attention.pick(meta.num_decodes) == "dot"
+        meta.prefill_dot, meta.decode_dot = self.prefill_dot, self.decode_dot
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, meta)

@@ -131,13 +131,13 @@ def test_the_stack_refuses_what_it_cannot_run() -> None:
     cache = torch.zeros(2, 4, 2, 16, dtype=torch.bfloat16)  # 2 blocks of 4 tokens
 
     def lin(n: int, k: int) -> list:
-        return [native.bf16_pack(torch.randn(n, k).bfloat16()), n, None, None, None, []]
+        return [native.bf16_pack(torch.randn(n, k).bfloat16()), n, None, None, None, 0]
 
     with pytest.raises(RuntimeError, match="qkv has 96 outputs, expected 128"):
         stack.add_layer(norm, norm, lin(96, 64), lin(64, 64), lin(256, 64), lin(64, 128), None, None, cache, cache, None,
                         None, -1)
     with pytest.raises(RuntimeError, match="bf16_pack'ed or w8a8_pack'ed"):
-        stack.add_layer(norm, norm, [torch.zeros(8, 32, 16, 2), 128, None, None, None, []], lin(64, 64), lin(256, 64),
+        stack.add_layer(norm, norm, [torch.zeros(8, 32, 16, 2), 128, None, None, None, 0], lin(64, 64), lin(256, 64),
                         lin(64, 128), None, None, cache, cache, None, None, -1)
     with pytest.raises(RuntimeError, match="come together"):
         stack.add_layer(norm, norm, lin(128, 64), lin(64, 64), lin(256, 64), lin(64, 128), norm[:16], None, cache, cache,

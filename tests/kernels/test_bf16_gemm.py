@@ -101,8 +101,7 @@ def test_linear_and_lm_head_run_the_chosen_kernel_and_keep_only_its_form(kernel:
     m = layer.bf16
     assert m is not None and layer.weight is None and layer.packed is None
     # only the form the choice reads: fma and dot share the packed layout
-    assert (m.native is not None, m.onednn is not None, m.plain is not None) == \
-        (kernel in ("fma", "dot"), kernel == "onednn", kernel == "fp32")
+    assert m.weight.dim() == (4 if kernel in ("fma", "dot") else 2) and m.kernel == kernel
     x = torch.randn(2, rows, 96, generator=g).bfloat16()  # 3-d through forward
     got = layer(x)
     assert got.shape == (2, rows, 40) and got.dtype == torch.bfloat16
@@ -120,29 +119,28 @@ def test_linear_and_lm_head_run_the_chosen_kernel_and_keep_only_its_form(kernel:
     torch.testing.assert_close(logits, h.float() @ table.T, rtol=8e-3, atol=1e-2)
 
 
-def test_a_mixed_choice_runs_each_bucket_on_its_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """fma up to 4 rows, onednn above: both forms kept, and each call goes where its rows say; the decoder stack is
-    told the packed kernels cannot take every batch size."""
-    if "onednn" not in _kernels_here():
-        pytest.skip("oneDNN bf16 does not run here")
+@pytest.mark.parametrize("kernel", ["fma", "dot", "onednn", "fp32"])
+def test_one_kernel_runs_every_batch_size(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chosen kernel takes one row and 600 alike (a request's tokens must not depend on its batch); the decoder
+    stack is told whether it can run the layer."""
+    if kernel not in _kernels_here():
+        pytest.skip(f"{kernel} does not run on this machine")
     from llmserve.layers import linear as lin
 
     layer = Linear(32, 16)
     layer.weight.data = torch.randn(16, 32).bfloat16()
-    layer.pack_for_cpu(OpChoice((4, 512), ("fma", "onednn")))
+    layer.pack_for_cpu(OpChoice(kernel))
     ran: list[str] = []
-    gemm, onednn = native.bf16_gemm, lin.onednn_linear
-    monkeypatch.setattr(native, "bf16_gemm", lambda *a, **k: ran.append("fma") or gemm(*a, **k))
+    gemm, onednn, fp32 = native.bf16_gemm, lin.onednn_linear, lin.fp32_linear
+    monkeypatch.setattr(native, "bf16_gemm", lambda *a, **k: ran.append("dot" if k["dot"] else "fma") or gemm(*a, **k))
     monkeypatch.setattr(lin, "onednn_linear", lambda *a: ran.append("onednn") or onednn(*a))
+    monkeypatch.setattr(lin, "fp32_linear", lambda *a: ran.append("fp32") or fp32(*a))
     for rows in (1, 4, 5, 600):
         layer(torch.randn(rows, 32).bfloat16())
-    assert ran == ["fma", "fma", "onednn", "onednn"]
-    assert layer.bf16.native_by_rows() is None
+    assert ran == [kernel] * 4
+    assert layer.bf16.packed == (kernel in ("fma", "dot"))
     layer.pack_for_cpu()  # a second call is a no-op: the plain weight is gone
-    both = Linear(32, 16)
-    both.weight.data = torch.randn(16, 32).bfloat16()
-    both.pack_for_cpu(OpChoice((16, 512), ("fma", "dot")))
-    assert both.bf16.native_by_rows() == [(16, 0), (512, 1)]
+    assert layer.bf16.kernel == kernel
 
 
 def test_dot_refuses_where_the_cpu_lacks_it() -> None:

@@ -43,13 +43,13 @@ def test_a_fake_timer_decides_every_op_of_the_model(bf16_model) -> None:
     decode = calibrate.attention_op(bf16_model, calibrate.DECODE_ATTENTION)
     assert set(table.ops) == shapes | {op for op in (attention, decode) if op}
     for op in shapes:
-        assert table.ops[op].ranges() == [("fp32", 1, None)], op
+        assert table.ops[op].kernel == "fp32", op
     if attention is not None:  # dot (5.0) wins the one bucket of 16 tokens, fp32 (0.5) the other four: fp32
         a = bf16_model.attention_layers()[0]
         assert attention == f"prefill_attention:{a.num_heads}/{a.num_kv_heads}x{a.head_dim}"
-        assert table.ops[attention].ranges() == [("fp32", 1, None)]
+        assert table.ops[attention].kernel == "fp32"
         assert decode == attention.replace("prefill", "decode")
-        assert table.ops[decode].ranges() == [("fp32", 1, None)]  # dot wins 3 buckets by 9/5, fp32 2 by 10x
+        assert table.ops[decode].kernel == "fp32"  # dot wins 3 buckets by 9/5, fp32 2 by 10x
     assert {rows for _, rows in calls} >= set(choice.ROW_BUCKETS)
     # a second plan reads the cache (this process's memory first): the timer is not called again
     calls.clear()
@@ -62,10 +62,10 @@ def test_pins_are_not_measured_and_unknown_ones_are_refused(bf16_model, monkeypa
         raise AssertionError("a pinned op was measured")
 
     table = calibrate.plan(bf16_model, 2, "bf16_linear=fma,prefill_attention=fp32,decode_attention=fp32", timer=never)
-    assert {c.winners for c in table.ops.values()} <= {("fma",), ("fp32",)}
+    assert {c.kernel for c in table.ops.values()} <= {"fma", "fp32"}
     assert all(c.pinned for c in table.ops.values())
     monkeypatch.setenv(calibrate.ENV, "bf16_linear=fp32,prefill_attention=fp32,decode_attention=fp32")  # where auto
-    assert {c.winners for c in calibrate.plan(bf16_model, 2, timer=never).ops.values()} == {("fp32",)}
+    assert {c.kernel for c in calibrate.plan(bf16_model, 2, timer=never).ops.values()} == {"fp32"}
     with pytest.raises(InvalidRequestError, match="kernel_choice"):
         EngineConfig(kernel_choice="bf16_linear=amx")
     with pytest.raises(InvalidRequestError, match="kernel_choice"):
@@ -117,5 +117,5 @@ def test_plan_times_real_kernels_when_asked(bf16_model) -> None:
         table = calibrate.plan(bf16_model, torch.get_num_threads())
     for op, c in table.ops.items():
         kind = op.partition(":")[0]
-        assert set(c.winners) <= set(calibrate.available(kind)) and len(c.winners) == len(c.rows)
+        assert c.kernel in calibrate.available(kind) and all(len(t) == len(c.rows) for t in c.seconds.values())
     assert "rows" in calibrate.report(table)

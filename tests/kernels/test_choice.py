@@ -41,22 +41,12 @@ def test_one_kernel_for_every_batch_size_the_best_across_them() -> None:
     costs = {"fma": lambda r: 1.0 * r if r <= 16 else 2.0 * r, "dot": lambda r: 2.0 * r if r <= 16 else 0.9 * r}
     buckets = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
     c = choose(candidates("fma", "dot"), fake_timer(costs), buckets=buckets, reps=3)
-    assert c.winners == ("dot",) * 10 and c.kinds == frozenset({"dot"})
-    assert [c.pick(r) for r in (1, 16, 17, 10_000)] == ["dot"] * 4
-    assert c.ranges() == [("dot", 1, None)] and c.describe() == "dot 1+"
+    assert c.kernel == "dot" and c.rows == buckets and c.describe() == "dot"
     assert c.seconds["fma"][:2] == (1.0, 2.0) and c.seconds["dot"][-1] == pytest.approx(0.9 * 512)
     # the same with fma a little better where it wins: fma everywhere
     costs["fma"] = lambda r: 0.9 * r if r <= 16 else 2.0 * r
     costs["dot"] = lambda r: 2.0 * r if r <= 16 else 1.0 * r
-    assert choose(candidates("fma", "dot"), fake_timer(costs), buckets=buckets, reps=2).winners == ("fma",) * 10
-
-
-def test_mixed_winners_still_pick_by_rows() -> None:
-    """A table read back (or built by hand) with several winners still answers by bucket."""
-    c = OpChoice((1, 4, 16, 32, 256), ("fma", "fma", "fma", "dot", "dot"))
-    assert [c.pick(r) for r in (1, 2, 4, 5, 16, 17, 32, 33, 256, 10_000)] == \
-        ["fma", "fma", "fma", "fma", "fma", "dot", "dot", "dot", "dot", "dot"]
-    assert c.ranges() == [("fma", 1, 16), ("dot", 17, None)] and c.describe() == "fma 1-16, dot 17+"
+    assert choose(candidates("fma", "dot"), fake_timer(costs), buckets=buckets, reps=2).kernel == "fma"
 
 
 def test_each_candidate_keeps_its_least_disturbed_round_and_rounds_interleave() -> None:
@@ -71,18 +61,18 @@ def test_each_candidate_keeps_its_least_disturbed_round_and_rounds_interleave() 
     c = choose(candidates("fma", "dot", ran=ran), timer, buckets=(4,), reps=3)
     assert calls == [("fma", 4), ("dot", 4)] * 3  # interleaved, so a slow spell hits both
     assert ran[:2] == [("fma", 4), ("dot", 4)]  # one warm-up call each, untimed
-    assert c.seconds == {"fma": (3.0,), "dot": (1.0,)} and c.winners == ("dot",)
+    assert c.seconds == {"fma": (3.0,), "dot": (1.0,)} and c.kernel == "dot"
 
 
 def test_a_tie_keeps_the_first_listed() -> None:
     c = choose(candidates("fma", "dot"), fake_timer({"fma": lambda r: 1.0, "dot": lambda r: 1.0}), buckets=(1, 2))
-    assert c.winners == ("fma", "fma")
+    assert c.kernel == "fma"
 
 
 def measurer(winner: str, counter: list[int]) -> Callable[[], OpChoice]:
     def measure() -> OpChoice:
         counter.append(1)
-        return OpChoice((1, 64), (winner, winner), {winner: (1.0, 2.0)})
+        return OpChoice(winner, (1, 64), {winner: (1.0, 2.0)})
     return measure
 
 
@@ -98,8 +88,8 @@ def test_a_cached_table_is_reused(cache_dir) -> None:
     choice._measured.clear()  # a later start: read from the file
     second = load_or_measure(key, {"a": measurer("fma", counter)}, clock=QUIET)
     assert counter == [1] and second.reused  # not measured again: the cached winner stands
-    assert second.ops["a"].winners == ("dot", "dot") and second.ops["a"].seconds == {"dot": (1.0, 2.0)}
-    assert second.describe() == "a: dot 1+ (cached)"
+    assert second.ops["a"].kernel == "dot" and second.ops["a"].seconds == {"dot": (1.0, 2.0)}
+    assert second.describe() == "a: dot (cached)"
 
 
 def test_another_key_is_another_table(cache_dir) -> None:
@@ -110,7 +100,7 @@ def test_another_key_is_another_table(cache_dir) -> None:
     assert counter == [1, 1] and len(list(cache_dir.iterdir())) == 2
 
 
-@pytest.mark.parametrize("spoil", ["key", "format", "ops", "garbage", "winners"])
+@pytest.mark.parametrize("spoil", ["key", "format", "ops", "garbage", "seconds"])
 def test_a_stale_or_broken_table_is_measured_again(cache_dir, spoil: str) -> None:
     key = {"cpu": "X", "threads": 2, "ops": ["a"]}
     counter: list[int] = []
@@ -123,13 +113,13 @@ def test_a_stale_or_broken_table_is_measured_again(cache_dir, spoil: str) -> Non
         d["format"] = choice.FORMAT + 1
     elif spoil == "ops":
         d["ops"] = {"b": d["ops"]["a"]}  # a table without the op asked for (one with more would serve)
-    elif spoil == "winners":
-        d["ops"]["a"]["winners"] = ["dot"]  # one winner for two buckets
+    elif spoil == "seconds":
+        d["ops"]["a"]["seconds"]["dot"] = [1.0]  # one time for two timed row counts
     path.write_text("{not json" if spoil == "garbage" else json.dumps(d))
     choice._measured.clear()  # as a new process finds it
     table = load_or_measure(key, {"a": measurer("fma", counter)}, clock=QUIET)
-    assert counter == [1, 1] and not table.reused and table.ops["a"].winners == ("fma", "fma")
-    assert json.loads(path.read_text())["ops"]["a"]["winners"] == ["fma", "fma"]  # and rewritten
+    assert counter == [1, 1] and not table.reused and table.ops["a"].kernel == "fma"
+    assert json.loads(path.read_text())["ops"]["a"]["kernel"] == "fma"  # and rewritten
 
 
 def test_remeasure_ignores_the_cache() -> None:
@@ -137,15 +127,14 @@ def test_remeasure_ignores_the_cache() -> None:
     counter: list[int] = []
     load_or_measure(key, {"a": measurer("dot", counter)}, clock=QUIET)
     table = load_or_measure(key, {"a": measurer("fma", counter)}, remeasure=True, clock=QUIET)
-    assert counter == [1, 1] and table.ops["a"].winners == ("fma", "fma")
+    assert counter == [1, 1] and table.ops["a"].kernel == "fma"
 
 
 def test_pins_replace_measurement_and_are_never_cached(cache_dir) -> None:
     counter: list[int] = []
     table = load_or_measure({"ops": ["a"]}, {"a": measurer("dot", counter)}, pins={"a": choice.pinned("fma")},
                             clock=QUIET)
-    assert counter == [] and table.ops["a"].pick(1) == "fma" and table.ops["a"].pick(10_000) == "fma"
-    assert table.ops["a"].describe() == "fma 1+ (pinned)"
+    assert counter == [] and table.ops["a"].kernel == "fma" and table.ops["a"].describe() == "fma (pinned)"
     assert not cache_dir.exists() or not list(cache_dir.iterdir())
 
 
@@ -160,10 +149,10 @@ def test_a_start_with_pins_reads_the_whole_table_and_leaves_it_whole(cache_dir) 
         choice._measured.clear()  # each start a new process
         pinned_run = load_or_measure(key, {"a": measurer("fma", counter), "b": measurer("fma", counter)},
                                      pins={"a": choice.pinned("fp32")}, clock=QUIET)
-        assert counter == [1, 1] and pinned_run.ops["b"].winners == ("dot", "dot") and pinned_run.reused
+        assert counter == [1, 1] and pinned_run.ops["b"].kernel == "dot" and pinned_run.reused
         choice._measured.clear()
         auto = load_or_measure(key, {"a": measurer("fma", counter), "b": measurer("fma", counter)}, clock=QUIET)
-        assert counter == [1, 1] and auto.reused and auto.ops["a"].winners == ("dot", "dot")
+        assert counter == [1, 1] and auto.reused and auto.ops["a"].kernel == "dot"
     # with no cached table, a pinned start measures the rest for itself only
     choice._measured.clear()
     other = {"ops": ["c", "d"]}
@@ -178,15 +167,15 @@ def test_a_measurement_on_a_busy_machine_is_used_but_not_cached(cache_dir, monke
     readings = iter([choice.CpuReading(50.0, 100.0, 5.0), choice.CpuReading(60.0, 114.0, 8.0)])
     counter: list[int] = []
     table = load_or_measure({"ops": ["a"]}, {"a": measurer("dot", counter)}, clock=lambda: next(readings))
-    assert counter == [1] and table.ops["a"].winners == ("dot", "dot")
+    assert counter == [1] and table.ops["a"].kernel == "dot"
     assert table.others_busy == pytest.approx(0.55) and not table.cached
     assert "not cached: other processes used 55% of the CPUs" in table.describe()
     assert not cache_dir.exists() or not list(cache_dir.iterdir())
     again = load_or_measure({"ops": ["a"]}, {"a": measurer("fma", counter)}, clock=QUIET)
-    assert counter == [1] and again.ops["a"].winners == ("dot", "dot")  # this process keeps what it measured
+    assert counter == [1] and again.ops["a"].kernel == "dot"  # this process keeps what it measured
     monkeypatch.setattr(choice, "_measured", {})  # a new process: measured again, and cached now it is quiet
     fresh = load_or_measure({"ops": ["a"]}, {"a": measurer("fma", counter)}, clock=QUIET)
-    assert counter == [1, 1] and fresh.cached and fresh.ops["a"].winners == ("fma", "fma")
+    assert counter == [1, 1] and fresh.cached and fresh.ops["a"].kernel == "fma"
 
 
 def test_cpu_seconds_reads_this_machine() -> None:
@@ -211,7 +200,9 @@ def test_parse_pins() -> None:
 
 
 def test_op_choice_round_trips_through_json() -> None:
-    c = OpChoice((1, 8, 64), ("fma", "dot", "dot"), {"fma": (1.0, 2.0, 3.0), "dot": (2.0, 1.0, 1.5)})
+    c = OpChoice("dot", (1, 8, 64), {"fma": (1.0, 2.0, 3.0), "dot": (2.0, 1.0, 1.5)})
     assert OpChoice.from_json(json.loads(json.dumps(c.to_json()))) == c
     with pytest.raises(ValueError):
-        OpChoice.from_json({"rows": [8, 1], "winners": ["a", "b"]})
+        OpChoice.from_json({"kernel": "dot", "rows": [1, 8], "seconds": {"dot": [1.0]}})
+    with pytest.raises(ValueError):
+        OpChoice.from_json({"kernel": ["dot"], "rows": []})

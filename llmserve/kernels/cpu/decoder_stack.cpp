@@ -30,18 +30,10 @@ struct StackLinear {
   torch::Tensor scale;                // int8 weights
   c10::optional<torch::Tensor> wsum;  // w8a8
   c10::optional<torch::Tensor> bias;  // fp32
-  // bf16 weights: bf16_gemm's dot argument by rows of x, as (up to this many rows, dot) pairs in ascending rows; the
-  // last pair also covers anything larger (the calibrated choice, llmserve/kernels/choice.py). Empty: FMAs.
-  std::vector<std::pair<int64_t, int64_t>> dot_by_rows;
-
-  int64_t dot(int64_t rows) const {
-    for (const auto& [max_rows, dot] : dot_by_rows)
-      if (rows <= max_rows) return dot;
-    return dot_by_rows.empty() ? 0 : dot_by_rows.back().second;
-  }
+  int64_t dot = 0;  // bf16 weights: bf16_gemm's dot argument (the measured kernel, llmserve/kernels/choice.py)
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    if (packed.scalar_type() != at::kChar) return bf16_gemm(x, packed, n, bias, dot(x.size(0)));
+    if (packed.scalar_type() != at::kChar) return bf16_gemm(x, packed, n, bias, dot);
     return wsum.has_value() ? w8a8_linear(x, packed, scale, *wsum, bias) : int8w_gemm(x, packed, scale, bias, -1);
   }
 };
@@ -182,7 +174,7 @@ class DecoderStack {
   }
 
   StackLinear linear(const std::vector<py::object>& args, int64_t expected_n, const char* what) const {
-    TORCH_CHECK(args.size() == 6, "DecoderStack: a linear is (packed, n, scale, wsum, bias, dot_by_rows)");
+    TORCH_CHECK(args.size() == 6, "DecoderStack: a linear is (packed, n, scale, wsum, bias, dot)");
     StackLinear l;
     l.packed = args[0].cast<torch::Tensor>();
     l.n = args[1].cast<int64_t>();
@@ -196,9 +188,8 @@ class DecoderStack {
       if (!args[3].is_none()) l.wsum = args[3].cast<torch::Tensor>();
     }
     if (!args[4].is_none()) l.bias = args[4].cast<torch::Tensor>().to(at::kFloat).contiguous();
-    l.dot_by_rows = args[5].cast<std::vector<std::pair<int64_t, int64_t>>>();
-    for (const auto& [rows, dot] : l.dot_by_rows)
-      TORCH_CHECK(dot <= 0 || bf16_dot_supported(), "DecoderStack: ", what, " asks for dot products this CPU lacks");
+    l.dot = args[5].cast<int64_t>();
+    TORCH_CHECK(l.dot <= 0 || bf16_dot_supported(), "DecoderStack: ", what, " asks for dot products this CPU lacks");
     return l;
   }
 
