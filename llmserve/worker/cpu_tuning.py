@@ -49,16 +49,18 @@ def configure_cpu(num_threads: int | None) -> int:
     return threads
 
 
-def _tune_glibc_malloc() -> None:
+def _glibc_call(fn: str, *args: int) -> int | None:
+    """libc's fn(*args), or None where it is not there (not glibc: musl, macOS)."""
     name = ctypes.util.find_library("c")
-    if name is None:
-        return
     try:
-        libc = ctypes.CDLL(name)
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, 512 << 20) and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
-        return
-    if not ok:
+        return None if name is None else getattr(ctypes.CDLL(name), fn)(*args)
+    except (OSError, AttributeError):
+        return None
+
+
+def _tune_glibc_malloc() -> None:
+    ok = _glibc_call("mallopt", _M_MMAP_THRESHOLD, 512 << 20) and _glibc_call("mallopt", _M_TRIM_THRESHOLD, 1 << 30)
+    if ok == 0:
         logger.debug("mallopt refused the thresholds; leaving malloc as it is")
 
 
@@ -66,12 +68,7 @@ def trim_heap() -> None:
     """Give glibc's free heap memory back to the OS (malloc_trim): after a one-off burst of large temporaries, such as a
     kernel calibration's candidates, which configure_cpu's raised trim threshold would otherwise keep resident under
     everything the engine maps afterwards (a first start's peak RSS was ~650 MB higher)."""
-    name = ctypes.util.find_library("c")
-    try:
-        if name is not None:
-            ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
+    _glibc_call("malloc_trim", 0)
 
 
 def use_onednn(loaded: object) -> bool:
