@@ -118,30 +118,28 @@ void by_row_vectors(int64_t V, const Pass& pass) {  // pass(RV tag, v0) over [0,
   }
 }
 
-// tile_pass with vdpbf16ps for the scores: a = K's rows as bf16 pairs of dimensions (uint32; row_stride D / 2,
-// sum_stride 1), b = Q^T pairs [D / 2, V, 16], the sums over pairs.
+// The scores S^T [keys, V, 16] by vdpbf16ps (the dot path): kp = the block's keys as bf16 pairs of dimensions
+// [keys, pairs], qtp = Q^T pairs [pairs, V, 16]; the sums run over pairs. tile_pass's register tiling (8 keys x RV
+// row vectors).
 template <int RV>
-LLMSERVE_AVX512BF16 __attribute__((optimize("no-tree-pre"))) void tile_pass_dot(const uint32_t* a, int64_t row_stride,
-                                                                              int64_t sum_stride, int64_t rows,
-                                                                              int64_t sums, const uint32_t* b,
-                                                                              int64_t V, int64_t v0, bool accumulate,
-                                                                              float* out) {
-  for (int64_t r = 0; r < rows; r += kRowsPerPass) {
+LLMSERVE_AVX512BF16 __attribute__((optimize("no-tree-pre"))) void scores_dot(const uint32_t* kp, int64_t keys,
+                                                                           int64_t pairs, const uint32_t* qtp,
+                                                                           int64_t V, int64_t v0, float* st) {
+  for (int64_t r = 0; r < keys; r += kRowsPerPass) {
     __m512 acc[kRowsPerPass][RV];
     _Pragma("GCC unroll 8") for (int k = 0; k < kRowsPerPass; ++k)
+      _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v) acc[k][v] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < pairs; ++i) {
+      __m512bh qv[RV];
       _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v)
-        acc[k][v] = accumulate ? _mm512_loadu_ps(out + ((r + k) * V + v0 + v) * 16) : _mm512_setzero_ps();
-    for (int64_t i = 0; i < sums; ++i) {
-      __m512bh bv[RV];
-      _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v)
-        bv[v] = (__m512bh)_mm512_loadu_si512(b + (i * V + v0 + v) * 16);
+        qv[v] = (__m512bh)_mm512_loadu_si512(qtp + (i * V + v0 + v) * 16);
       _Pragma("GCC unroll 8") for (int k = 0; k < kRowsPerPass; ++k) {
-        const __m512bh ab = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(a[(r + k) * row_stride + i * sum_stride]));
-        _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v) acc[k][v] = _mm512_dpbf16_ps(acc[k][v], ab, bv[v]);
+        const __m512bh kv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(kp[(r + k) * pairs + i]));
+        _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v) acc[k][v] = _mm512_dpbf16_ps(acc[k][v], kv, qv[v]);
       }
     }
     _Pragma("GCC unroll 8") for (int k = 0; k < kRowsPerPass; ++k)
-      _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v) _mm512_storeu_ps(out + ((r + k) * V + v0 + v) * 16, acc[k][v]);
+      _Pragma("GCC unroll 8") for (int v = 0; v < RV; ++v) _mm512_storeu_ps(st + ((r + k) * V + v0 + v) * 16, acc[k][v]);
   }
 }
 
@@ -216,7 +214,7 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
         pair_keys(keys, j0, n, n8, D, s);
         widen_rows(values, j0, n, D, s.vf.data());
         by_row_vectors(V, [&](auto rv, int64_t v0) {
-          tile_pass_dot<decltype(rv)::value>(s.kp.data(), D / 2, 1, n8, D / 2, s.qtp.data(), V, v0, false, s.st.data());
+          scores_dot<decltype(rv)::value>(s.kp.data(), n8, D / 2, s.qtp.data(), V, v0, s.st.data());
         });
         const __m512 sv = _mm512_set1_ps(scale);
         for (int64_t e = 0; e < n8 * V; ++e) _mm512_storeu_ps(s.st.data() + e * 16,
