@@ -242,7 +242,7 @@ class EngineConfig:
     session_ttl: float = _f(600.0, "Seconds an idle session keeps its KV before it is evicted.")
     num_threads: int | None = _f(None, "CPU threads for torch. Default: the cores this process may run on (OpenMP's "
                                     "team size where OMP_NUM_THREADS or thread binding is set).")
-    kernel_choice: str = _f("auto", "CPU kernels of bf16 matmuls: auto times the candidates on this machine at the first "
+    kernel_choice: str = _f("auto", "CPU kernels of a bf16 model's matmuls and attention: auto times the candidates at the first "
                                     "start (cached under ~/.cache/llmserve/tuning; `llmserve tune` measures again), "
                                     "or pin for A/B runs: bf16_linear=fma|dot|onednn|fp32, prefill_attention=fp32|dot, "
                                     "decode_attention=fp32|dot (comma-separated). "
