@@ -116,7 +116,7 @@ def bf16_linear_candidates(n: int, k: int, names: tuple[str, ...]) -> list[Candi
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
 
-    @functools.cache
+    @functools.lru_cache(maxsize=1)  # choose() times one row count at a time: only its inputs are kept
     def x(rows: int) -> torch.Tensor:
         return torch.randn(rows, k, generator=gen).bfloat16()
 
@@ -138,7 +138,7 @@ def prefill_attention_candidates(heads: int, kv_heads: int, head_dim: int, names
     gen = torch.Generator().manual_seed(0)
     cache = torch.zeros(2, 1, 1, kv_heads, head_dim, dtype=torch.bfloat16)  # a fresh prompt reads this step's K/V
 
-    @functools.cache
+    @functools.lru_cache(maxsize=1)  # choose() times one row count at a time: only its inputs are kept
     def inputs(rows: int) -> tuple[torch.Tensor, ...]:
         q = torch.randn(rows, heads, head_dim, generator=gen).bfloat16()
         k, v = (torch.randn(rows, kv_heads, head_dim, generator=gen).bfloat16() for _ in range(2))
@@ -157,7 +157,7 @@ def decode_attention_candidates(heads: int, kv_heads: int, head_dim: int, names:
     gen = torch.Generator().manual_seed(0)
     per = DECODE_CONTEXT // 64
 
-    @functools.cache
+    @functools.lru_cache(maxsize=1)  # choose() times one row count at a time: only its inputs are kept
     def inputs(rows: int) -> tuple[torch.Tensor, ...]:
         layer_bytes = 2 * rows * DECODE_CONTEXT * kv_heads * head_dim * 2
         layers = max(1, min(64, -(-DECODE_COLD_BYTES // layer_bytes)))
