@@ -11,15 +11,21 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmserve.chat_template import ChatTemplate, Messages
+from llmserve.chat_template import Messages, model_chat_template
 from llmserve.config import ChatTemplateConfig, EngineConfig, GenerationConfig, max_new_tokens_within
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.output import SequenceOutput
 from llmserve.errors import InvalidRequestError
 from llmserve.lmdeploy_compat import BackendConfig, as_engine_config
 from llmserve.models.loader import LoadedModel, load_model
+from llmserve.vl.constants import IMAGE_TOKEN
+from llmserve.vl.image import OFFLINE, ImageLimits
+from llmserve.vl.inputs import MultiModalInputs
+from llmserve.vl.messages import extract_images, has_images, text_only, tuple_to_messages
 
-Prompt = str | Messages | dict[str, Any]
+# A string, chat messages (content: a string or OpenAI / GPT-4V parts), {"input_ids": [...]}, or, for a
+# vision-language model, LMDeploy's (text, image) or (text, [images]).
+Prompt = str | Messages | dict[str, Any] | tuple
 
 # Keyword names other engines use, mapped to GenerationConfig's. Not max_length (MII's and transformers'), which
 # counts the prompt too: it becomes each prompt's max_new_tokens once the prompt is tokenized (Pipeline._max_length).
@@ -82,7 +88,8 @@ class Pipeline:
         loaded = load_model(model_path, config)
         self.model_name = loaded.served_name
         self.tokenizer = loaded.tokenizer
-        self.chat_template = ChatTemplate(loaded.tokenizer, chat_template_config)
+        self.chat_template = model_chat_template(loaded, chat_template_config)
+        self.processor = loaded.processor  # vision-language models: llmserve.vl.processor.VLProcessor
         self.default_gen_config = default_generation_config(loaded)
         self.engine: LLMEngine | None = LLMEngine(loaded, config)
         self._ids = itertools.count()
@@ -125,19 +132,27 @@ class Pipeline:
         for r, _ in self._generate(batch, gen, do_preprocess, session_id, max_length):
             yield r
 
-    def chat(self, prompt: str, session: Session | None = None, gen_config: GenerationConfig | None = None,
+    def chat(self, prompt: str | tuple, session: Session | None = None, gen_config: GenerationConfig | None = None,
              **gen_kwargs: Any) -> Session:
-        """One turn of a conversation: the prompt sees every earlier turn of `session`."""
+        """One turn of a conversation: the prompt sees every earlier turn of `session`. A vision-language model takes
+        (text, image) or (text, [images]) turns too; later turns see the earlier turns' images."""
         session = session or self.new_session()
-        messages = [*session.history, {"role": "user", "content": prompt}]
-        text = self.chat_template.messages_to_prompt(messages)
-        prompt_ids = self.session_prompt_ids(session, text)
+        turn = tuple_to_messages(prompt) if isinstance(prompt, tuple) else [{"role": "user", "content": prompt}]
+        messages = [*session.history, *turn]
+        mm = None
+        if has_images(messages):
+            # the whole conversation through the processor: its images are part of every later prompt
+            text, prompt_ids, mm = self._render_images(messages, OFFLINE)
+        else:
+            text = self.chat_template.messages_to_prompt(messages)
+            prompt_ids = self.session_prompt_ids(session, text)
         max_length = self._max_length(gen_config, gen_kwargs)
         gen = self._gen_config(gen_config, gen_kwargs)
         if max_length is not None:  # the conversation so far counts, as it is the prompt the engine sees
             gen = _within(gen, max_length, len(prompt_ids), "the conversation",
                           " (every turn so far, the chat template's tokens included)")
-        response = self._collect([{"input_ids": prompt_ids}], gen, True, engine_session_id(session, gen))[0]
+        prepared = {"input_ids": prompt_ids, "_mm": mm}
+        response = self._collect([prepared], gen, True, engine_session_id(session, gen))[0]
         self.record_turn(session, messages, text, prompt_ids, response.text, response.token_ids)
         session.response = response
         return session
@@ -226,28 +241,61 @@ class Pipeline:
             return session.token_ids + self.tokenizer.encode(text[len(session.text):], add_special_tokens=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _tokenize(self, prompt: Prompt, do_preprocess: bool) -> list[int]:
+    def _prepare(self, prompt: Prompt, do_preprocess: bool, limits: ImageLimits = OFFLINE
+                 ) -> tuple[list[int], MultiModalInputs | None]:
+        """A prompt's token ids and, for one with images, its images' inputs."""
         if isinstance(prompt, dict):
             ids = prompt.get("input_ids")
             if not isinstance(ids, list):
                 raise InvalidRequestError("a dict prompt must be {'input_ids': [token ids]}", param="prompt")
-            return ids
+            return ids, prompt.get("_mm")
+        if isinstance(prompt, tuple):
+            if not do_preprocess:
+                return self._raw_with_images(prompt, limits)
+            prompt = tuple_to_messages(prompt)
         if isinstance(prompt, list):
-            text = self.chat_template.messages_to_prompt(prompt)
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            if has_images(prompt):
+                _, ids, mm = self._render_images(prompt, limits)
+                return ids, mm
+            messages = prompt if self.processor is not None else text_only(prompt)
+            text = self.chat_template.messages_to_prompt(messages)
+            return self.tokenizer.encode(text, add_special_tokens=False), None
         if not isinstance(prompt, str):
-            raise InvalidRequestError(f"a prompt must be a string, a list of messages or {{'input_ids': [...]}}, "
-                                      f"got {type(prompt).__name__}", param="prompt")
+            raise InvalidRequestError(f"a prompt must be a string, a list of messages, (text, images) or "
+                                      f"{{'input_ids': [...]}}, got {type(prompt).__name__}", param="prompt")
         if do_preprocess:
             text = self.chat_template.messages_to_prompt([{"role": "user", "content": prompt}])
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(text, add_special_tokens=False), None
+        return self.tokenizer.encode(prompt), None
+
+    def _render_images(self, messages: Messages, limits: ImageLimits
+                       ) -> tuple[str, list[int], MultiModalInputs | None]:
+        """(rendered text, token ids, images) of chat messages with image parts."""
+        _, sources = extract_images(messages, limits, load=False)
+        self._engine().validate_image_count(len(sources))  # before any image is fetched or decoded
+        messages, images = extract_images(messages, limits)
+        text = self.chat_template.messages_to_prompt(messages)
+        ids, mm = self.processor.prepare(text, images)
+        return text, ids, mm
+
+    def _raw_with_images(self, prompt: tuple, limits: ImageLimits) -> tuple[list[int], MultiModalInputs | None]:
+        """do_preprocess=False: the text as it is, the images where it holds IMAGE_TOKEN or the processor's image
+        token (else before it)."""
+        message = tuple_to_messages(prompt)[0]
+        self._engine().validate_image_count(sum(p["type"] == "image" for p in message["content"]))
+        _, images = extract_images([message], limits)
+        token = self.processor.image_token
+        text = prompt[0].replace(IMAGE_TOKEN, token)
+        if token not in text:
+            text = token * len(images) + text
+        return self.processor.prepare(text, images)
 
     def _generate(self, batch: list[Prompt], gen: GenerationConfig, do_preprocess: bool,
                   session_id: str | None = None, max_length: int | None = None,
                   ) -> Iterator[tuple[Response, SequenceOutput]]:
         engine = self._engine()
-        token_ids = [self._tokenize(p, do_preprocess) for p in batch]
+        prepared = [self._prepare(p, do_preprocess) for p in batch]
+        token_ids = [ids for ids, _ in prepared]
         # Every prompt's budget is checked before any request is queued.
         gens = [gen if max_length is None else
                 _within(gen, max_length, len(toks), _subject(i, len(batch)), _counted(p, do_preprocess))
@@ -255,8 +303,8 @@ class Pipeline:
         ids = [str(next(self._ids)) for _ in batch]
         added: list[str] = []
         try:
-            for rid, toks, prompt_gen in zip(ids, token_ids, gens):
-                engine.add_request(rid, toks, prompt_gen, session_id)
+            for rid, (toks, mm), prompt_gen in zip(ids, prepared, gens):
+                engine.add_request(rid, toks, prompt_gen, session_id, mm)
                 added.append(rid)
             position = {rid: i for i, rid in enumerate(ids)}
             unfinished = len(ids) * gen.n
@@ -288,7 +336,7 @@ def default_generation_config(loaded: LoadedModel) -> GenerationConfig:
 
 
 def _as_batch(prompts: Any) -> tuple[list[Prompt], bool]:
-    if isinstance(prompts, (str, dict)):
+    if isinstance(prompts, (str, dict, tuple)):
         return [prompts], True
     if isinstance(prompts, list) and prompts and all(isinstance(p, dict) and "role" in p for p in prompts):
         return [prompts], True  # one conversation in OpenAI message format

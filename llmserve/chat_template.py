@@ -67,11 +67,15 @@ BUILTIN_TEMPLATES: dict[str, str] = {
 
 
 class ChatTemplate:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, config: ChatTemplateConfig | None = None) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, config: ChatTemplateConfig | None = None,
+                 processor_template: str | None = None) -> None:
+        """processor_template: a vision-language model's processor's template (its default, before the
+        tokenizer's); such a model's messages carry content lists of text and image parts (`multimodal`)."""
         config = config or ChatTemplateConfig()
         self.tokenizer = tokenizer
         self.meta_instruction = config.meta_instruction
-        self.template = _pick_template(tokenizer, config)
+        self.multimodal = processor_template is not None
+        self.template = _pick_template(tokenizer, config, processor_template)
         self.supports_tools = template_supports_tools(self.template)
         self._short_ids = detect_tool_parser(self.template) == "mistral"
         self.variables = template_variables(self.template)
@@ -96,10 +100,13 @@ class ChatTemplate:
         """`tools`: OpenAI function tools ({"type": "function", "function": {...}}), already checked (see
         llmserve.tools.parse_tool_request); None or empty for none. `variables`: passed to the template, already
         checked with `check_kwargs`."""
-        _check_messages(messages)
+        _check_messages(messages, self.multimodal)
         messages = [_template_message(m, i, self._short_ids) for i, m in enumerate(messages)]
         if self.meta_instruction and messages[0].get("role") != "system":
             messages = [{"role": "system", "content": self.meta_instruction}, *messages]
+        if self.multimodal:  # processors' templates iterate over content parts: a string becomes one text part
+            messages = [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str)
+                        else m for m in messages]
         if not self.supports_tools:
             messages = _hermes_conversation(messages, tools)
             tools = None
@@ -111,6 +118,15 @@ class ChatTemplate:
         except Exception as e:  # jinja raises for messages the template refuses (e.g. role order)
             raise InvalidRequestError(f"the chat template could not format these messages: {e}",
                                       param="messages") from e
+
+
+def model_chat_template(loaded: Any, config: ChatTemplateConfig | None = None) -> ChatTemplate:
+    """The chat template of a loaded model (models.loader.LoadedModel): a vision-language model's is its
+    processor's."""
+    processor = getattr(loaded, "processor", None)
+    if processor is None:
+        return ChatTemplate(loaded.tokenizer, config)
+    return ChatTemplate(loaded.tokenizer, config, processor.chat_template or loaded.tokenizer.chat_template or "")
 
 
 def template_variables(source: str) -> frozenset[str] | None:
@@ -126,7 +142,8 @@ def template_variables(source: str) -> frozenset[str] | None:
         return None
 
 
-def _pick_template(tokenizer: PreTrainedTokenizerBase, config: ChatTemplateConfig) -> str:
+def _pick_template(tokenizer: PreTrainedTokenizerBase, config: ChatTemplateConfig,
+                   processor_template: str | None = None) -> str:
     if config.chat_template:
         if os.path.isfile(config.chat_template):
             with open(config.chat_template) as f:
@@ -137,10 +154,10 @@ def _pick_template(tokenizer: PreTrainedTokenizerBase, config: ChatTemplateConfi
             raise InvalidRequestError(f"unknown chat template {config.model_name!r}; built-in templates: "
                                       f"{', '.join(BUILTIN_TEMPLATES)}", param="chat_template")
         return BUILTIN_TEMPLATES[config.model_name]
-    return tokenizer.chat_template or BUILTIN_TEMPLATES["base"]
+    return processor_template or tokenizer.chat_template or BUILTIN_TEMPLATES["base"]
 
 
-def _check_messages(messages: Any) -> None:
+def _check_messages(messages: Any, multimodal: bool = False) -> None:
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} objects",
                                   param="messages")
@@ -152,6 +169,14 @@ def _check_messages(messages: Any) -> None:
             raise InvalidRequestError(f"messages[{i}].role must be system, user, assistant or tool, "
                                       f"got {m['role']!r}", param="messages")
         calls = m.get("tool_calls") if m["role"] == "assistant" else None
+        if multimodal and isinstance(m.get("content"), list):
+            for j, part in enumerate(m["content"]):
+                ok = isinstance(part, dict) and (part.get("type") == "image" or (
+                    part.get("type") == "text" and isinstance(part.get("text"), str)))
+                if not ok:
+                    raise InvalidRequestError(f"messages[{i}].content[{j}] must be a text or image part, got {part!r}",
+                                              param="messages")
+            continue
         if not isinstance(m.get("content"), str) and not (calls and m.get("content") is None):
             raise InvalidRequestError(f"messages[{i}].content must be a string (it may be null only beside "
                                       f"tool_calls), got {m.get('content')!r}", param="messages")

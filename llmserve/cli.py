@@ -35,8 +35,21 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, names: tuple
             group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                                help=f"{help_text} (default: {default})")
         else:
-            group.add_argument(*flags, dest=f.name, type=base, nargs=nargs, default=None,
+            parse = _CLI_TYPES[f.metadata["cli_type"]] if "cli_type" in f.metadata else base
+            group.add_argument(*flags, dest=f.name, type=parse, nargs=nargs, default=None,
                                help=f"{help_text} (default: {default})")
+
+
+def _limit_mm(text: str) -> int:
+    from llmserve.config import parse_limit_mm
+
+    try:
+        return parse_limit_mm(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+_CLI_TYPES = {"limit_mm": _limit_mm}
 
 
 def _element_type(tp: Any) -> tuple[type, str | None]:

@@ -21,6 +21,33 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
+def parse_limit_mm(text: str) -> int:
+    """--limit-mm-per-prompt: N, image=N or {"image": N} (vLLM's forms; images are the only modality here)."""
+    import json
+
+    text = text.strip()
+    value: Any = text
+    if text.startswith("{"):
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not valid JSON: {e}") from None
+        if not isinstance(parsed, dict) or set(parsed) - {"image"}:
+            raise ValueError(f'only images are taken: {{"image": N}}, got {text}')
+        value = parsed.get("image", 0)
+    elif "=" in text:
+        kind, _, value = text.partition("=")
+        if kind.strip() != "image":
+            raise ValueError(f"only images are taken: image=N, got {text}")
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected N, image=N or {{\"image\": N}}, got {text}") from None
+    if number < 0:
+        raise ValueError(f"must be >= 0, got {number}")
+    return number
+
+
 def _check(ok: bool, param: str, message: str) -> None:
     if not ok:
         raise InvalidRequestError(f"{param}: {message}", param=param)
@@ -258,6 +285,14 @@ class EngineConfig:
     num_speculative_tokens: int = _f(4, "Draft tokens proposed and verified per decoding step.")
     prompt_lookup_max: int = _f(4, "ngram speculation: longest suffix n-gram looked up in the context.")
     prompt_lookup_min: int = _f(2, "ngram speculation: shortest suffix n-gram looked up in the context.")
+    # vision-language models
+    limit_mm_per_prompt: int = _f(8, "Vision-language models: the most images one prompt may carry (vLLM's "
+                                     "--limit-mm-per-prompt; its forms image=N and '{\"image\": N}' are taken too).",
+                                  cli_type="limit_mm")
+    max_image_pixels: int = _f(40_000_000, "Vision-language models: the most pixels (width x height) an image may have; "
+                                           "a larger one is refused before it is decoded.")
+    mm_encoder_cache_bytes: int = _f(256 * 1024 * 1024, "Vision-language models: bytes of image features kept (by "
+                                                       "image content) so a repeated image is not encoded again.")
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
@@ -276,7 +311,7 @@ class EngineConfig:
         _check(self.quantization in (None, "int8", "w8a8"), "quantization",
                f"must be int8, w8a8 or unset, got {self.quantization!r}")
         for name in ("tp", "max_batch_size", "max_prefill_token_num", "block_size", "num_speculative_tokens",
-                     "prompt_lookup_max", "prompt_lookup_min"):
+                     "prompt_lookup_max", "prompt_lookup_min", "max_image_pixels"):
             value = getattr(self, name)
             _check_type(value, (int,), name)
             _check(value >= 1, name, f"must be >= 1, got {value}")
@@ -284,6 +319,9 @@ class EngineConfig:
             value = getattr(self, name)
             _check_type(value, (int,), name, optional=True)
             _check(value is None or value >= 1, name, f"must be >= 1, got {value}")
+        for name in ("limit_mm_per_prompt", "mm_encoder_cache_bytes"):
+            _check_type(getattr(self, name), (int,), name)
+            _check(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
         _check_type(self.max_sessions, (int,), "max_sessions")
         _check(self.max_sessions >= 0, "max_sessions", f"must be >= 0, got {self.max_sessions}")
         _check_type(self.session_ttl, (int, float), "session_ttl")

@@ -31,6 +31,7 @@ from llmserve.sampling.params import SamplingParams
 from llmserve.sampling.sampler import SamplerOutput
 from llmserve.structured.compiler import GrammarCompiler
 from llmserve.structured.matcher import GrammarState
+from llmserve.vl.inputs import MultiModalInputs
 from llmserve.worker.model_runner import CpuOptions, GraphOptions, ModelRunner, num_blocks_for
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class LLMEngine:
     # --- requests ------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], gen: GenerationConfig,
-                    session_id: str | None = None) -> None:
+                    session_id: str | None = None, mm: MultiModalInputs | None = None) -> None:
         """Queue a request (n sequences). Raises InvalidRequestError before queueing anything.
 
         With a session id, the request starts from the KV the session kept of its last turn (as far
@@ -95,10 +96,11 @@ class LLMEngine:
         if request_id in self._children:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         self._validate_prompt(prompt_token_ids, gen)
+        self._validate_images(prompt_token_ids, mm)
         self._validate_session(session_id, gen)
         params = self._sampling_params(gen)
         if gen.use_beam_search:
-            return self._add_beam_search(request_id, prompt_token_ids, gen, params)
+            return self._add_beam_search(request_id, prompt_token_ids, gen, params, mm)
         # Compiled on this thread unless already cached (the async engine compiles on a worker thread first).
         compiled = self.grammars.compile(gen.response_format) if gen.response_format is not None else None
         prompt_logprobs = [None] * len(prompt_token_ids) if gen.prompt_logprobs is not None else None
@@ -118,7 +120,7 @@ class LLMEngine:
                 max_new_tokens=gen.max_new_tokens, max_total_tokens=self.session_len,
                 parent_id=request_id, index=i, generator=self._generator(seq_params),
                 prompt_source=seqs[0] if seqs else None,  # the prompt is computed once, then shared
-                session_id=session_id, grammar=self._grammar_state(compiled), prompt_logprobs=prompt_logprobs))
+                session_id=session_id, grammar=self._grammar_state(compiled), prompt_logprobs=prompt_logprobs, mm=mm))
         for r in seqs:
             self.scheduler.add_request(r)  # first one may refuse (too big for the pool): nothing queued yet
             self._tracked[r.request_id] = _Tracked(r, IncrementalDetokenizer(
@@ -129,14 +131,14 @@ class LLMEngine:
             self._best_of[request_id] = BestOf(gen.n, num_seqs, keep_logprobs=gen.logprobs is not None)
 
     def _add_beam_search(self, request_id: str, prompt: list[int], gen: GenerationConfig,
-                         params: SamplingParams) -> None:
+                         params: SamplingParams, mm: MultiModalInputs | None = None) -> None:
         # Beams are greedy rows to the sampler (no temperature, truncation or seed): it hands back
         # their log-probabilities and the engine chooses.
         params = dataclasses.replace(params, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None,
                                      logprobs=None, beam_width=gen.num_beams)
         root = Request(request_id=f"{request_id}#b0", token_ids=list(prompt), num_prompt_tokens=len(prompt),
                        sampling=params, max_new_tokens=gen.max_new_tokens, max_total_tokens=self.session_len,
-                       parent_id=request_id)
+                       parent_id=request_id, mm=mm)
         self.scheduler.add_request(root)
         group = BeamGroup(request_id, gen.num_beams, gen.n, len(prompt), gen.max_new_tokens, self.session_len,
                           params.stop_token_ids, float(gen.length_penalty), gen.early_stopping, live={root: 0.0})
@@ -400,6 +402,25 @@ class LLMEngine:
                 f"the prompt has {len(ids)} tokens and max_new_tokens is {gen.max_new_tokens}: together "
                 f"{len(ids) + gen.max_new_tokens}, over the session length of {self.session_len} tokens; "
                 "shorten the prompt or lower max_new_tokens", param="max_new_tokens")
+
+    def validate_image_count(self, count: int) -> None:
+        """Whether a prompt may carry `count` images here (checked before they are fetched, and again when added)."""
+        if count and not self.loaded.takes_images:
+            raise InvalidRequestError(f"the model {self.loaded.served_name!r} takes text only, and the prompt has "
+                                      f"{count} image(s)", param="messages")
+        if count > self.config.limit_mm_per_prompt:
+            raise InvalidRequestError(f"the prompt has {count} images, over the limit of "
+                                      f"{self.config.limit_mm_per_prompt} per prompt (limit_mm_per_prompt)",
+                                      param="messages")
+
+    def _validate_images(self, prompt: list[int], mm: MultiModalInputs | None) -> None:
+        if mm is None:
+            return
+        self.validate_image_count(mm.num_images)
+        for item in mm.images:
+            if item.positions and (item.positions[0] < 0 or item.positions[-1] >= len(prompt)):
+                raise InvalidRequestError("an image's placeholder positions fall outside the prompt",
+                                          param="messages")
 
     @staticmethod
     def _validate_session(session_id: str | None, gen: GenerationConfig) -> None:

@@ -14,6 +14,7 @@ from llmserve.sampling.params import SamplingParams
 if TYPE_CHECKING:
     from llmserve.sampling.logprobs import TokenLogprobs
     from llmserve.structured.matcher import GrammarState
+    from llmserve.vl.inputs import MultiModalInputs
 
 
 class RequestStatus(enum.Enum):
@@ -62,6 +63,16 @@ class Request:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     first_token_time: float | None = None
     first_scheduled_time: float | None = None
+    # A vision-language model's images: where their features go in the prompt, and the encoder's inputs.
+    mm: MultiModalInputs | None = None
+
+    def key_ids(self, lo: int = 0, hi: int | None = None) -> list[int]:
+        """token_ids[lo:hi] as the prefix cache and sessions compare them: each image placeholder replaced by a key
+        of its image's content (vl/inputs.py), so KV computed over one image is never served for another."""
+        hi = len(self.token_ids) if hi is None else hi
+        if self.mm is None or lo >= self.num_prompt_tokens:
+            return self.token_ids[lo:hi]
+        return self.mm.key_ids(self.token_ids, lo, hi)
 
     @property
     def computing_prompt_logprobs(self) -> bool:

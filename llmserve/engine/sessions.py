@@ -50,8 +50,9 @@ class SessionReuse(NamedTuple):
 class Session:
     session_id: str
     last_used: float  # clock seconds; LRU order and TTL
-    # Tokens whose K/V the session's held blocks contain (KVCacheManager.held_table). Empty while a
-    # request holds the session: that request owns the blocks then.
+    # Tokens whose K/V the session's held blocks contain (KVCacheManager.held_table), as Request.key_ids gives
+    # them (an image's placeholders by its content). Empty while a request holds the session: that request owns
+    # the blocks then.
     token_ids: list[int] = field(default_factory=list)
     holder: Request | None = None  # the admitted request that took the blocks, until it finishes
 
@@ -98,7 +99,7 @@ class SessionStore:
         if s is None or s.holder is not None:
             return None
         table = self.kv.held_table(s.session_id)
-        matched = _common_prefix(s.token_ids, request.token_ids, limit=request.num_tokens - 1)
+        matched = _common_prefix(s.token_ids, request.key_ids(), limit=request.num_tokens - 1)
         num_full, rest = divmod(matched, self.kv.block_size)
         keep = num_full + (1 if rest and self.kv.writable_in_place(table[num_full]) else 0)
         matched = min(matched, keep * self.kv.block_size)
@@ -141,7 +142,7 @@ class SessionStore:
             s = self._sessions[sid] = Session(sid, self.clock())
         self.kv.release_held(sid)  # an earlier turn's content, when this turn ran without claiming it
         self.kv.hold(request, sid)
-        s.token_ids = request.token_ids[:request.num_computed_tokens]
+        s.token_ids = request.key_ids(0, request.num_computed_tokens)
         self._touch(s)
         return True
 

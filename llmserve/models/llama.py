@@ -150,8 +150,11 @@ class LlamaModel(nn.Module):
         self._stack_cache: torch.Tensor | None = None
         self._stack_prefills = False  # whether it runs steps with prefill chunks too
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, E]
+        if embeds is not None:  # (rows, values): inputs other than token embeddings at these rows (image features)
+            x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         cos, sin = self.rotary_emb(positions, x.dtype)  # shared by every layer
         if decoder_stack.covers(x):
             stack = self.native_stack()
@@ -207,9 +210,11 @@ class LlamaForCausalLM(nn.Module):
         return DecoderSpec(qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
                            qk_norm=False, sliding_windows=(None,) * cfg.num_hidden_layers)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T] int64 -> final hidden states [T, E]."""
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> final hidden states [T, E]. embeds: (rows [R] int64, values [R, E]) to
+        use instead of the token embeddings at those rows (a vision-language model's image features)."""
+        return self.model(input_ids, positions, meta, embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, E] -> [N, vocab] float32."""

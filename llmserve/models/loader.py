@@ -32,7 +32,7 @@ from llmserve.layers.linear import int8_packed_ok
 from llmserve.layers.rotary import rope_config, rope_max_positions
 from llmserve.models import model_config
 from llmserve.models.gguf_loader import gguf_to_hf_dir
-from llmserve.models.registry import MODEL_TYPES, get_model_class
+from llmserve.models.registry import MODEL_TYPES, get_model_class, is_vision_language
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,13 @@ class LoadedModel:
     served_name: str  # hub id, directory basename or GGUF file stem
     load_seconds: float = 0.0
     gguf_converted: bool | None = None  # GGUF only: True on a cold (converting) load, False from the cache
+    # Vision-language models: the whole config (hf_config is then its text config) and the image processor.
+    vision_config: Any = None
+    processor: Any = None  # llmserve.vl.processor.VLProcessor
+
+    @property
+    def takes_images(self) -> bool:
+        return self.processor is not None
 
 
 @dataclass
@@ -89,17 +96,27 @@ def load_model(model: str | None, config: EngineConfig) -> LoadedModel:
                     "slower than unquantized weights (the packed kernel needs a CPU with AVX-512 and dtype float32 "
                     "or bfloat16)", dtype, device)
     net.eval()
-    tokenizer = load_tokenizer(loc.model_dir, config.trust_remote_code, hf_config)
+    vision_config = processor = None
+    if is_vision_language(hf_config.architectures[0]):
+        from llmserve.vl.processor import VLProcessor
+
+        processor = VLProcessor(loc.model_dir, net.image_token_id, config.trust_remote_code)
+        net.encoder_cache_bytes = config.mm_encoder_cache_bytes
+        vision_config, hf_config = hf_config, net.text_config
+        tokenizer = processor.tokenizer
+    else:
+        tokenizer = load_tokenizer(loc.model_dir, config.trust_remote_code, hf_config)
     generation = read_generation_config(loc.model_dir)
     loaded = LoadedModel(
-        model=net, hf_config=hf_config, tokenizer=tokenizer, model_dir=loc.model_dir, dtype=dtype, device=device,
+        model=net, hf_config=hf_config, tokenizer=tokenizer, vision_config=vision_config, processor=processor, model_dir=loc.model_dir, dtype=dtype, device=device,
         generation_defaults={k: generation[k] for k in GENERATION_KEYS if k in generation},
-        eos_token_ids=_unique_ids(getattr(hf_config, "eos_token_id", None), generation.get("eos_token_id"), tokenizer.eos_token_id),
+        eos_token_ids=_unique_ids(getattr(vision_config, "eos_token_id", None), getattr(hf_config, "eos_token_id", None),
+                                  generation.get("eos_token_id"), tokenizer.eos_token_id),
         max_model_len=rope_max_positions(rope_config(hf_config)), served_name=loc.served_name,
         load_seconds=time.perf_counter() - start, gguf_converted=loc.gguf_converted)
     kind = {None: "", True: " (GGUF, cold: converted)", False: " (GGUF, warm: from cache)"}[loc.gguf_converted]
     log.info("loaded %s%s from %s in %.1f s: %s, %s on %s", loaded.served_name, kind, loc.model_dir,
-             loaded.load_seconds, hf_config.architectures[0], dtype, device)
+             loaded.load_seconds, (vision_config or hf_config).architectures[0], dtype, device)
     return loaded
 
 

@@ -13,6 +13,12 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("llmserve.models.mistral", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("llmserve.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("llmserve.models.qwen3", "Qwen3ForCausalLM"),
+    # vision-language models: transformers' vision side, our language model (models/vlm.py)
+    "LlavaForConditionalGeneration": ("llmserve.models.vlm", "VisionLanguageModel"),
+    "LlavaNextForConditionalGeneration": ("llmserve.models.vlm", "VisionLanguageModel"),
+    "InternVLForConditionalGeneration": ("llmserve.models.vlm", "VisionLanguageModel"),
+    "Idefics3ForConditionalGeneration": ("llmserve.models.vlm", "VisionLanguageModel"),
+    "SmolVLMForConditionalGeneration": ("llmserve.models.vlm", "VisionLanguageModel"),
 }
 
 # config.model_type -> architecture, for configs that carry no `architectures` (GGUF-derived ones).
@@ -22,6 +28,10 @@ MODEL_TYPES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+
+
+def is_vision_language(architecture: str | None) -> bool:
+    return architecture in _MODELS and _MODELS[architecture][0] == "llmserve.models.vlm"
 
 
 def supported_architectures() -> list[str]:

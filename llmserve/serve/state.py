@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from llmserve.chat_template import ChatTemplate
+from llmserve.chat_template import ChatTemplate, model_chat_template
 from llmserve.config import ChatTemplateConfig, GenerationConfig
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.llm_engine import LLMEngine
@@ -50,7 +50,7 @@ class ServedModel:
            chat_template: ChatTemplateConfig | None = None, tool_call_parser: str | None = None,
            reasoning_parser: str | None = None) -> ServedModel:
         loaded = engine.loaded
-        template = ChatTemplate(loaded.tokenizer, chat_template)
+        template = model_chat_template(loaded, chat_template)
         return cls(name=name or loaded.served_name, tokenizer=loaded.tokenizer,
                    chat_template=template, defaults=defaults,
                    session_len=engine.session_len, eos_token_ids=frozenset(loaded.eos_token_ids),

@@ -23,6 +23,7 @@ from llmserve.kernels.choice import ChoiceTable
 from llmserve.models.loader import LoadedModel
 from llmserve.sampling.logprobs import logprobs_of_logits
 from llmserve.sampling.sampler import Sampler, SamplerOutput, SamplingBatch, SequenceState
+from llmserve.vl.inputs import ImageItem
 from llmserve.worker.cpu_tuning import configure_cpu, trim_heap, use_onednn
 
 if TYPE_CHECKING:
@@ -134,7 +135,8 @@ class ModelRunner:
             r, start = s.request, s.request.num_computed_tokens
             num_real = s.num_new_tokens - len(s.draft_token_ids)
             spans.append(Span(r.token_ids[start:start + num_real] + list(s.draft_token_ids), start, table,
-                              1 + len(s.draft_token_ids) if s.samples else 0, _prompt_logprobs(r, start, num_real)))
+                              1 + len(s.draft_token_ids) if s.samples else 0, _prompt_logprobs(r, start, num_real),
+                              _image_rows(r, start, num_real)))
             if s.samples:
                 masks = r.grammar.masks_with_drafts(s.draft_token_ids) if r.grammar is not None else None
                 for i in range(len(s.draft_token_ids) + 1):
@@ -172,7 +174,9 @@ class ModelRunner:
         positions: list[int] = []
         seqs: list[SeqSpec] = []
         logit_rows: list[int] = []
+        image_rows: list[tuple[int, ImageRows]] = []  # (the span's first row in the batch, its images' rows)
         for span in spans:
+            image_rows.extend((len(input_ids), rows) for rows in span.images)
             input_ids.extend(span.token_ids)
             positions.extend(range(span.start, span.start + len(span.token_ids)))
             seqs.append(SeqSpec(span.start, len(span.token_ids), span.block_table))
@@ -181,11 +185,26 @@ class ModelRunner:
         meta.prefill_dot, meta.decode_dot = self.prefill_dot, self.decode_dot
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, meta)
+        embeds = self._image_embeds(image_rows, spans) if image_rows else None
+        hidden = self.model(ids, pos, meta, embeds) if embeds is not None else self.model(ids, pos, meta)
         self._prompt_logprobs(hidden, spans)
         if not logit_rows:
             return None
         return self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
+
+    def _image_embeds(self, image_rows: list[tuple[int, ImageRows]], spans: list[Span]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(batch rows, features) of the image placeholders this step computes: the vision encoder runs first, in one
+        batched pass over the step's images that its cache does not hold."""
+        items = list({id(r.item): r.item for _, r in image_rows}.values())
+        features = dict(zip((id(i) for i in items), self.model.embed_images(items)))
+        rows, values = [], []
+        starts = {id(rows_): span.start for span in spans for rows_ in span.images}
+        for first, r in image_rows:
+            start = starts[id(r)]
+            rows.extend(first + p - start for p in r.item.positions[r.j0:r.j1])
+            values.append(features[id(r.item)][r.j0:r.j1])
+        return torch.tensor(rows, dtype=torch.long, device=self.device), torch.cat(values).to(self.device)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, spans: list[Span]) -> None:
         """Fill the prompt logprobs the spans ask for, from the step's hidden states: the LM head and logprobs over
@@ -230,6 +249,27 @@ class Span:
     block_table: list[int]
     num_logits: int
     prompt_logprobs: PromptLogprobTask | None = None
+    images: tuple[ImageRows, ...] = ()  # image placeholders among the span's tokens
+
+
+@dataclass(frozen=True, eq=False)
+class ImageRows:
+    """An image's feature rows [j0, j1) that go to placeholders this span computes."""
+
+    item: ImageItem
+    j0: int
+    j1: int
+
+
+def _image_rows(r: Request, start: int, num_real: int) -> tuple[ImageRows, ...]:
+    if r.mm is None or start >= r.num_prompt_tokens:
+        return ()
+    out = []
+    for item in r.mm.images:
+        j0, j1 = item.rows_in(start, start + num_real)
+        if j0 < j1:
+            out.append(ImageRows(item, j0, j1))
+    return tuple(out)
 
 
 # Rows of prompt logprobs computed together: [256, V] fp32 logits is 50 MB at a 49k vocabulary.
