@@ -19,7 +19,7 @@ from llmserve.errors import InvalidRequestError
 from llmserve.lmdeploy_compat import BackendConfig, as_engine_config
 from llmserve.models.loader import LoadedModel, load_model
 from llmserve.vl.constants import IMAGE_TOKEN
-from llmserve.vl.image import OFFLINE, ImageLimits
+from llmserve.vl.image import ImageLimits
 from llmserve.vl.inputs import MultiModalInputs
 from llmserve.vl.messages import extract_images, has_images, text_only, tuple_to_messages
 
@@ -90,6 +90,7 @@ class Pipeline:
         self.tokenizer = loaded.tokenizer
         self.chat_template = model_chat_template(loaded, chat_template_config)
         self.processor = loaded.processor  # vision-language models: llmserve.vl.processor.VLProcessor
+        self.image_limits = ImageLimits(max_pixels=config.max_image_pixels)  # paths allowed: the user's own files
         self.default_gen_config = default_generation_config(loaded)
         self.engine: LLMEngine | None = LLMEngine(loaded, config)
         self._ids = itertools.count()
@@ -142,7 +143,7 @@ class Pipeline:
         mm = None
         if has_images(messages):
             # the whole conversation through the processor: its images are part of every later prompt
-            text, prompt_ids, mm = self._render_images(messages, OFFLINE)
+            text, prompt_ids, mm = self._render_images(messages, self.image_limits)
         else:
             text = self.chat_template.messages_to_prompt(messages)
             prompt_ids = self.session_prompt_ids(session, text)
@@ -241,9 +242,10 @@ class Pipeline:
             return session.token_ids + self.tokenizer.encode(text[len(session.text):], add_special_tokens=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _prepare(self, prompt: Prompt, do_preprocess: bool, limits: ImageLimits = OFFLINE
+    def _prepare(self, prompt: Prompt, do_preprocess: bool, limits: ImageLimits | None = None
                  ) -> tuple[list[int], MultiModalInputs | None]:
         """A prompt's token ids and, for one with images, its images' inputs."""
+        limits = limits or self.image_limits
         if isinstance(prompt, dict):
             ids = prompt.get("input_ids")
             if not isinstance(ids, list):

@@ -126,3 +126,6 @@ def test_image(seed: int = 0, size: tuple[int, int] = (40, 50)) -> Any:
 
     pixels = np.random.RandomState(seed).randint(0, 256, (size[1], size[0], 3), dtype=np.uint8)
     return Image.fromarray(pixels, "RGB")
+
+
+test_image.__test__ = False  # a helper, not a test, where a test module imports it
