@@ -30,6 +30,7 @@ _EXPORTS = {
     "Pipeline": "llmserve.api", "Response": "llmserve.api", "Session": "llmserve.api",
     "pipeline": "llmserve.api",
     "PytorchEngineConfig": "llmserve.lmdeploy_compat", "TurbomindEngineConfig": "llmserve.lmdeploy_compat",
+    "VisionConfig": "llmserve.lmdeploy_compat",
 }
 __all__ = sorted(_EXPORTS)
 

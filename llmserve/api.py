@@ -16,7 +16,7 @@ from llmserve.config import ChatTemplateConfig, EngineConfig, GenerationConfig, 
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.output import SequenceOutput
 from llmserve.errors import InvalidRequestError
-from llmserve.lmdeploy_compat import BackendConfig, as_engine_config
+from llmserve.lmdeploy_compat import BackendConfig, VisionConfig, as_engine_config
 from llmserve.models.loader import LoadedModel, load_model
 from llmserve.vl.constants import IMAGE_TOKEN
 from llmserve.vl.image import ImageLimits
@@ -78,12 +78,17 @@ class Session:
 class Pipeline:
     def __init__(self, model_path: str | None = None, backend_config: BackendConfig | None = None,
                  chat_template_config: ChatTemplateConfig | None = None, log_level: str = "ERROR",
-                 **engine_kwargs: Any) -> None:
+                 vision_config: VisionConfig | None = None, **engine_kwargs: Any) -> None:
         logging.getLogger("llmserve").setLevel(log_level.upper())
         unknown = set(engine_kwargs) - _ENGINE_FIELDS
         if unknown:
             raise InvalidRequestError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
         # LMDeploy's TurbomindEngineConfig / PytorchEngineConfig become the EngineConfig they ask for.
+        if vision_config is not None:
+            if not isinstance(vision_config, VisionConfig):
+                raise InvalidRequestError(f"vision_config must be a VisionConfig, got {type(vision_config).__name__}",
+                                          param="vision_config")
+            engine_kwargs.setdefault("vision_max_batch_size", vision_config.max_batch_size)
         config = dataclasses.replace(as_engine_config(backend_config), **engine_kwargs)
         loaded = load_model(model_path, config)
         self.model_name = loaded.served_name
@@ -326,9 +331,9 @@ class Pipeline:
 
 def pipeline(model_path: str | None = None, backend_config: BackendConfig | None = None,
              chat_template_config: ChatTemplateConfig | None = None, log_level: str = "ERROR",
-             **engine_kwargs: Any) -> Pipeline:
+             vision_config: VisionConfig | None = None, **engine_kwargs: Any) -> Pipeline:
     """Load a model (a local directory, a hub id, a .gguf file, or None for the embedded default)."""
-    return Pipeline(model_path, backend_config, chat_template_config, log_level, **engine_kwargs)
+    return Pipeline(model_path, backend_config, chat_template_config, log_level, vision_config, **engine_kwargs)
 
 
 def default_generation_config(loaded: LoadedModel) -> GenerationConfig:

@@ -291,6 +291,8 @@ class EngineConfig:
                                   cli_type="limit_mm")
     max_image_pixels: int = _f(40_000_000, "Vision-language models: the most pixels (width x height) an image may have; "
                                            "a larger one is refused before it is decoded.")
+    vision_max_batch_size: int = _f(8, "Vision-language models: images per vision-encoder pass (LMDeploy's "
+                                       "--vision-max-batch-size and VisionConfig.max_batch_size).")
     mm_encoder_cache_bytes: int = _f(256 * 1024 * 1024, "Vision-language models: bytes of image features kept (by "
                                                        "image content) so a repeated image is not encoded again.")
 
@@ -311,7 +313,7 @@ class EngineConfig:
         _check(self.quantization in (None, "int8", "w8a8"), "quantization",
                f"must be int8, w8a8 or unset, got {self.quantization!r}")
         for name in ("tp", "max_batch_size", "max_prefill_token_num", "block_size", "num_speculative_tokens",
-                     "prompt_lookup_max", "prompt_lookup_min", "max_image_pixels"):
+                     "prompt_lookup_max", "prompt_lookup_min", "max_image_pixels", "vision_max_batch_size"):
             value = getattr(self, name)
             _check_type(value, (int,), name)
             _check(value >= 1, name, f"must be >= 1, got {value}")

@@ -224,6 +224,26 @@ class PytorchEngineConfig(_LMDeployConfig):
 BackendConfig = EngineConfig | TurbomindEngineConfig | PytorchEngineConfig
 
 
+@_known_fields_only
+@dataclass
+class VisionConfig:
+    """LMDeploy's vision-model config: `pipeline(model, vision_config=VisionConfig(max_batch_size=8))`.
+
+    max_batch_size: images per vision-encoder pass (EngineConfig.vision_max_batch_size). thread_safe: no effect
+    here: the engine's own thread runs the encoder, whatever thread calls the pipeline."""
+
+    max_batch_size: int = 1
+    thread_safe: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_batch_size, int) or isinstance(self.max_batch_size, bool) or self.max_batch_size < 1:
+            raise InvalidRequestError(f"VisionConfig.max_batch_size: expected int >= 1, got {self.max_batch_size!r}",
+                                      param="max_batch_size")
+        if not isinstance(self.thread_safe, bool):
+            raise InvalidRequestError(f"VisionConfig.thread_safe: expected bool, got {self.thread_safe!r}",
+                                      param="thread_safe")
+
+
 def as_engine_config(config: BackendConfig | None) -> EngineConfig:
     """What `pipeline(backend_config=...)` takes: None (EngineConfig()), an EngineConfig, or one of LMDeploy's."""
     if config is None:

@@ -102,6 +102,7 @@ def load_model(model: str | None, config: EngineConfig) -> LoadedModel:
 
         processor = VLProcessor(loc.model_dir, net.image_token_id, config.trust_remote_code)
         net.encoder_cache_bytes = config.mm_encoder_cache_bytes
+        net.max_batch_size = config.vision_max_batch_size
         vision_config, hf_config = hf_config, net.text_config
         tokenizer = processor.tokenizer
     else:

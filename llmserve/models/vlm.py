@@ -84,6 +84,7 @@ class VisionLanguageModel(nn.Module):
         self.dtype, self.device = dtype, torch.device(device)
         self.encoder_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.encoder_cache_bytes = DEFAULT_ENCODER_CACHE_BYTES
+        self.max_batch_size = 8  # images per encoder pass (EngineConfig.vision_max_batch_size)
         self._cached_bytes = 0
         self.encoder_stats = EncoderStats()
 
@@ -171,7 +172,9 @@ class VisionLanguageModel(nn.Module):
         for i in todo:
             shapes = tuple((k, tuple(v.shape)) for k, v in sorted(items[i].inputs.items()) if torch.is_tensor(v))
             groups.setdefault(shapes, []).append(i)
-        for members in groups.values():
+        passes = [members[k:k + self.max_batch_size] for members in groups.values()
+                  for k in range(0, len(members), self.max_batch_size)]
+        for members in passes:
             for i, feats in zip(members, self._encode([items[i] for i in members])):
                 if feats.shape[0] != len(items[i].positions):
                     raise RuntimeError(f"the vision encoder gave {feats.shape[0]} feature rows for an image the "

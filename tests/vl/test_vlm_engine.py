@@ -248,3 +248,27 @@ def test_prompt_tokens_are_the_processors(arch, vlm_dir):
             if mm is not None:  # every placeholder belongs to exactly one image, in order
                 positions = [p for item in mm.images for p in item.positions]
                 assert positions == [p for p, t in enumerate(ids) if t == pipe.processor.image_token_id]
+
+
+def test_samples_beams_and_encoder_batches(vlm_dir):
+    """n > 1 shares the image prompt, beam search carries the images through its forks, and VisionConfig's
+    max_batch_size bounds the encoder passes; outputs as without them."""
+    from llmserve import VisionConfig
+
+    d = vlm_dir("llava")
+    case = CASES[1]
+    expected_tokens = hf_greedy(d, case[0], images_of(case))
+    with pipeline(d, dtype="float32", vision_config=VisionConfig(max_batch_size=1)) as pipe:
+        assert pipe.engine.loaded.model.max_batch_size == 1
+        out = pipe((case[0], images_of(case)), gen_config=GREEDY.replace(n=2))
+        assert [r.token_ids for r in out] == [expected_tokens, expected_tokens]
+        model, _ = reference(d)
+        inputs = hf_inputs(d, case[0], images_of(case))
+        with torch.no_grad():
+            ref = model.generate(**inputs, max_new_tokens=6, min_new_tokens=6, num_beams=3, do_sample=False,
+                                 early_stopping=True, length_penalty=1.0)
+        beams = pipe((case[0], images_of(case)), max_new_tokens=6, min_new_tokens=6, use_beam_search=True,
+                     beam_width=3, temperature=0.0)
+        assert beams.token_ids == ref[0, inputs["input_ids"].shape[1]:].tolist()
+    with pytest.raises(InvalidRequestError, match="max_batch_size"):
+        VisionConfig(max_batch_size=0)
