@@ -21,7 +21,8 @@ from llmserve.models.loader import LoadedModel, load_model
 from llmserve.vl.constants import IMAGE_TOKEN
 from llmserve.vl.image import ImageLimits
 from llmserve.vl.inputs import MultiModalInputs
-from llmserve.vl.messages import extract_images, has_images, text_only, tuple_to_messages
+from llmserve.vl.messages import has_images, text_only, tuple_to_messages
+from llmserve.vl.prompt import count_images, raw_with_images, render_images
 
 # A string, chat messages (content: a string or OpenAI / GPT-4V parts), {"input_ids": [...]}, or, for a
 # vision-language model, LMDeploy's (text, image) or (text, [images]).
@@ -277,25 +278,22 @@ class Pipeline:
 
     def _render_images(self, messages: Messages, limits: ImageLimits
                        ) -> tuple[str, list[int], MultiModalInputs | None]:
-        """(rendered text, token ids, images) of chat messages with image parts."""
-        _, sources = extract_images(messages, limits, load=False)
-        self._engine().validate_image_count(len(sources))  # before any image is fetched or decoded
-        messages, images = extract_images(messages, limits)
-        text = self.chat_template.messages_to_prompt(messages)
-        ids, mm = self.processor.prepare(text, images)
-        return text, ids, mm
+        """(rendered text, token ids, images) of chat messages with image parts (the steps of vl/prompt.py)."""
+        self._engine().validate_image_count(count_images(messages))  # before any image is fetched or decoded
+        return render_images(messages, self.chat_template, self.processor, limits)
 
     def _raw_with_images(self, prompt: tuple, limits: ImageLimits) -> tuple[list[int], MultiModalInputs | None]:
         """do_preprocess=False: the text as it is, the images where it holds IMAGE_TOKEN or the processor's image
         token (else before it)."""
-        message = tuple_to_messages(prompt)[0]
-        self._engine().validate_image_count(sum(p["type"] == "image" for p in message["content"]))
-        _, images = extract_images([message], limits)
+        parts = [(f"messages[0].content[{j}]", p["image"]) for j, p in enumerate(tuple_to_messages(prompt)[0]["content"])
+                 if p["type"] == "image"]
+        self._engine().validate_image_count(len(parts))
         token = self.processor.image_token
         text = prompt[0].replace(IMAGE_TOKEN, token)
         if token not in text:
-            text = token * len(images) + text
-        return self.processor.prepare(text, images)
+            text = token * len(parts) + text
+        _, ids, mm = raw_with_images(text, [s for _, s in parts], self.processor, limits, [w for w, _ in parts])
+        return ids, mm
 
     def _generate(self, batch: list[Prompt], gen: GenerationConfig, do_preprocess: bool,
                   session_id: str | None = None, max_length: int | None = None,

@@ -2,10 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from llmserve.kernels import native
 from tests.tiny_models import tiny_model_dir  # noqa: F401  (registers the session fixture)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]:
+    """tiny_vlm_dir(arch) -> a saved tiny vision-language checkpoint with its processor (tests/tiny_vlms.py), made
+    once per session."""
+    from tests.tiny_vlms import make_tiny_vlm
+
+    made: dict[str, str] = {}
+
+    def get(arch: str) -> str:
+        if arch not in made:
+            made[arch] = make_tiny_vlm(arch, tmp_path_factory.mktemp(f"tiny-vlm-{arch}"))
+        return made[arch]
+
+    return get
 
 
 @pytest.fixture(params=["native", "torch"])

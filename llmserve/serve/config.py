@@ -4,11 +4,13 @@ TGI's launcher (`--max-concurrent-requests`); vLLM's `--host` and `--port` are a
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from llmserve.config import _check, _f
 from llmserve.tools.reasoning import REASONING_PARSERS
 from llmserve.tools.registry import TOOL_PARSERS
+from llmserve.vl.image import FETCH_TIMEOUT_S, MAX_DOWNLOAD_BYTES
 
 
 @dataclass
@@ -38,6 +40,15 @@ class ServerConfig:
     reasoning_parser: str | None = _f(None, "Split <think>...</think> off each chat answer into `reasoning_content`: "
                                             "qwen3 (the model writes both tags) or deepseek_r1 (the prompt opens "
                                             "the reasoning). Default: none, the text is all content.")
+    allowed_local_media_path: str | None = _f(None, "Vision-language models: image_url parts may name files "
+                                                    "(file:///path) under this directory, and nowhere else (vLLM's "
+                                                    "flag). Default: none, file:// URLs are refused.")
+    image_fetch_timeout: float = _f(FETCH_TIMEOUT_S, "Vision-language models: seconds an http(s) image may take to "
+                                                     "download, connection to last byte (vLLM's "
+                                                     "VLLM_IMAGE_FETCH_TIMEOUT); a slower one is refused with 400.")
+    max_image_bytes: int = _f(MAX_DOWNLOAD_BYTES, "Vision-language models: the largest image a request may carry, in "
+                                                  "bytes: a download, a data: URL's payload or a file (the pixel "
+                                                  "limit is --max-image-pixels).")
     access_log: bool = _f(False, "Log every HTTP request (uvicorn's access log); finished generations are "
                                  "logged either way.")
 
@@ -49,5 +60,9 @@ class ServerConfig:
         _check(not self.api_keys or all(self.api_keys), "api_keys", "must not contain empty keys")
         _check(self.tool_call_parser is None or self.tool_call_parser in TOOL_PARSERS, "tool_call_parser",
                f"unknown parser {self.tool_call_parser!r}; choose one of {', '.join(TOOL_PARSERS)}")
+        _check(self.image_fetch_timeout > 0, "image_fetch_timeout", f"must be > 0, got {self.image_fetch_timeout}")
+        _check(self.max_image_bytes >= 1, "max_image_bytes", f"must be >= 1, got {self.max_image_bytes}")
+        _check(self.allowed_local_media_path is None or os.path.isdir(self.allowed_local_media_path),
+               "allowed_local_media_path", f"{self.allowed_local_media_path!r} is not a directory")
         _check(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS, "reasoning_parser",
                f"unknown parser {self.reasoning_parser!r}; choose one of {', '.join(REASONING_PARSERS)}")

@@ -19,6 +19,7 @@ from llmserve.engine.output import SequenceOutput
 from llmserve.errors import InvalidRequestError
 from llmserve.serve.errors import ApiError
 from llmserve.serve.state import ServerState
+from llmserve.vl.inputs import MultiModalInputs
 
 logger = logging.getLogger("llmserve.serve")
 
@@ -34,6 +35,7 @@ class EngineRequest:
     gen: GenerationConfig
     param_names: dict[str, str] = field(default_factory=dict)  # our field name -> the API's, for errors
     session_id: str | None = None  # keep/reuse this conversation's KV (engine/sessions.py)
+    mm: MultiModalInputs | None = None  # the prompt's images (vl/prompt.py); None for text
 
 
 async def open_request(state: ServerState, engine: AsyncEngine, req: EngineRequest) -> Primed:
@@ -75,7 +77,9 @@ async def _tracked(state: ServerState, engine: AsyncEngine, req: EngineRequest) 
     open_seqs, started = set(range(req.gen.n)), False
     state.in_flight.add(req.request_id)
     try:
-        async with aclosing(engine.generate(req.request_id, req.prompt_token_ids, req.gen, req.session_id)) as outputs:
+        images = {"mm": req.mm} if req.mm is not None else {}  # (text requests never depend on the keyword)
+        async with aclosing(engine.generate(req.request_id, req.prompt_token_ids, req.gen, req.session_id,
+                                            **images)) as outputs:
             async for out in outputs:
                 if not started:
                     started = True

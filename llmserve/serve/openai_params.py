@@ -8,6 +8,7 @@ completions' to 16 (OpenAI's legacy default).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, NamedTuple
 
 from llmserve.chat_template import ChatTemplate
@@ -25,6 +26,10 @@ from llmserve.serve.protocol import (
 from llmserve.serve.state import ServedModel
 from llmserve.serve.structured_params import openai_structured_output
 from llmserve.tools import ToolRequest
+from llmserve.vl.image import ImageLimits
+from llmserve.vl.inputs import MultiModalInputs
+from llmserve.vl.messages import text_only
+from llmserve.vl.prompt import count_images, render_images
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20
@@ -43,16 +48,27 @@ def check_model(model: ServedModel, requested: str | None) -> None:
 class ChatPrompt(NamedTuple):
     text: str  # as the template rendered it (whether it opened the reasoning is read from its end)
     token_ids: list[int]
+    mm: MultiModalInputs | None = None  # a vision-language model's images
 
 
-def chat_prompt(model: ServedModel, req: ChatCompletionRequest, tools: ToolRequest | None) -> ChatPrompt:
+async def chat_prompt(model: ServedModel, req: ChatCompletionRequest, tools: ToolRequest | None,
+                      limits: ImageLimits) -> ChatPrompt:
     """The messages through the chat template, with the tools the model may call and the template variables the
-    request sets (chat_template_kwargs, reasoning_effort)."""
+    request sets (chat_template_kwargs, reasoning_effort). A vision-language model's images take the pipeline's
+    steps (vl/prompt.py): counted first (refused before anything is fetched), then loaded, rendered and processed on
+    a worker thread, so a slow download or a large decode never holds up the event loop."""
     messages = [_template_message(m, i) for i, m in enumerate(req.messages)]
     template = model.chat_template
     try:
         variables = template_variables(template, req)
-        text = template.messages_to_prompt(messages, tools.template_tools if tools else None, variables)
+        template_tools = tools.template_tools if tools else None
+        num_images = count_images(messages) if model.takes_images else 0
+        if num_images:
+            model.check_image_count(num_images)
+            return ChatPrompt(*await asyncio.to_thread(render_images, messages, template, model.processor, limits,
+                                                       template_tools, variables))
+        text = template.messages_to_prompt(messages if model.takes_images else text_only(messages), template_tools,
+                                           variables)
     except InvalidRequestError as e:
         raise ApiError.from_invalid(e) from None
     # The template writes the special tokens (BOS included) itself.
@@ -72,7 +88,7 @@ def template_variables(template: ChatTemplate, req: ChatCompletionRequest) -> di
 def _template_message(m: ChatMessage, i: int) -> dict[str, Any]:
     """role and content, and what tool calling adds (tool_calls, tool_call_id, name) and reasoning models read back
     (reasoning_content) where the client sent it."""
-    message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": _content_text(m, i)}
+    message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": _content(m, i)}
     for key in ("tool_calls", "tool_call_id", "name", "reasoning_content"):
         value = getattr(m, key)
         if value is not None:
@@ -80,16 +96,21 @@ def _template_message(m: ChatMessage, i: int) -> dict[str, Any]:
     return message
 
 
-def _content_text(m: ChatMessage, i: int) -> str:
+def _content(m: ChatMessage, i: int) -> str | list[dict[str, Any]]:
+    """A string, or the parts: text, and image_url (a text-only model refuses those, vl.messages.text_only)."""
     if m.content is None or isinstance(m.content, str):
         return m.content or ""
-    parts = []
-    for part in m.content:
-        if part.type != "text" or part.text is None:
-            raise ApiError(400, f"messages[{i}].content: only text parts are supported, got a {part.type!r} part",
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(m.content):
+        if part.type == "text" and part.text is not None:
+            parts.append({"type": "text", "text": part.text})
+        elif part.type == "image_url":
+            parts.append({"type": "image_url", "image_url": part.image_url})
+        else:
+            what = "a text part needs a string `text`" if part.type == "text" else f"got a {part.type!r} part"
+            raise ApiError(400, f"messages[{i}].content[{j}]: a content part is of type text or image_url; {what}",
                            param="messages")
-        parts.append(part.text)
-    return "".join(parts)
+    return parts
 
 
 class CompletionPrompt(NamedTuple):

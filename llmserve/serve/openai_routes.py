@@ -1,5 +1,6 @@
 """OpenAI-compatible routes: GET /v1/models, POST /v1/chat/completions, POST /v1/completions.
-Both generation routes take `session_id` as an extra body field (see session_routes.py).
+Both generation routes take `session_id` as an extra body field (see session_routes.py). Chat takes images
+(image_url parts) for a vision-language model; /v1/models says which inputs the model takes (`input_modalities`).
 
 Each generation route: check the model name, take a concurrency slot (429), build the prompt and
 the GenerationConfig (400), open the engine request(s) (first output received, so a refusal is
@@ -60,7 +61,8 @@ def _state(request: Request) -> ServerState:
 async def list_models(request: Request) -> JSONResponse:
     _, model = _state(request).ready()
     card = {"id": model.name, "object": "model", "created": model.created, "owned_by": "llmserve",
-            "root": model.name, "parent": None, "max_model_len": model.session_len}
+            "root": model.name, "parent": None, "max_model_len": model.session_len,
+            "input_modalities": model.input_modalities}
     return JSONResponse({"object": "list", "data": [card]})
 
 
@@ -71,13 +73,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     check_model(model, body.model)
     with state.admit() as permit:
         tools = chat_tool_request(model, body)
-        prompt = chat_prompt(model, body, tools)
+        prompt = await until_disconnected(request, chat_prompt(model, body, tools, state.image_limits))
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = check_prompt_length(model, len(prompt.token_ids), requested, "messages")
         output = chat_output(model, tools, prompt.text)
         gen = chat_generation_config(model, body, max_tokens, output)
         req = EngineRequest(new_request_id("chatcmpl"), prompt.token_ids, gen,
-                            {**PARAM_NAMES, "logprobs": "top_logprobs"}, session_id=session_id_of(body))
+                            {**PARAM_NAMES, "logprobs": "top_logprobs"}, session_id=session_id_of(body), mm=prompt.mm)
         outputs = await until_disconnected(request, open_request(state, engine, req))
         reply = _ChatReply(model, req, body, output)
         if body.stream:

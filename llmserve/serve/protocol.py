@@ -112,6 +112,9 @@ class SamplingRequest(_Body):
 class ContentPart(_Body):
     type: str
     text: str | None = None
+    # {"url": "https://... | data:image/...;base64,... | file:///..." , "detail": ...}; its shape is checked where the
+    # images are read (vl/messages.py), which names the part; `detail` has no effect
+    image_url: Any = None
 
 
 class ChatMessage(_Body):

@@ -24,6 +24,7 @@ from llmserve.serve.metrics import ServerMetrics
 from llmserve.serve.token_text import TokenText
 from llmserve.tools import ReasoningParser, ToolParser, resolve_tool_parser, tool_parser
 from llmserve.tools.reasoning import reasoning_parser as named_reasoning_parser
+from llmserve.vl.image import MAX_IMAGE_PIXELS, ImageLimits
 
 
 @dataclass
@@ -44,6 +45,21 @@ class ServedModel:
     # --tool-call-parser names one (requests with tools are then refused, saying so).
     tool_parser: ToolParser | None = None
     reasoning: ReasoningParser | None = None  # --reasoning-parser: <think> split off every chat answer
+    # Vision-language models: the processor (vl.processor.VLProcessor; None for a text-only model), the engine's
+    # check of a prompt's image count (InvalidRequestError; it reads only the config, so any thread may call it)
+    # and EngineConfig.max_image_pixels.
+    processor: Any = None
+    check_image_count: Callable[[int], None] | None = None
+    max_image_pixels: int = MAX_IMAGE_PIXELS
+
+    @property
+    def takes_images(self) -> bool:
+        return self.processor is not None
+
+    @property
+    def input_modalities(self) -> list[str]:
+        """What /v1/models and /info report the model takes."""
+        return ["text", "image"] if self.takes_images else ["text"]
 
     @classmethod
     def of(cls, engine: LLMEngine, defaults: GenerationConfig, name: str | None = None,
@@ -57,7 +73,9 @@ class ServedModel:
                    max_batch_size=engine.config.max_batch_size, kv_tokens=engine.kv.num_blocks * engine.kv.block_size,
                    dtype=str(loaded.dtype).removeprefix("torch."), device=str(loaded.device), created=int(time.time()),
                    token_text=TokenText(loaded.tokenizer), tool_parser=model_tool_parser(tool_call_parser, template),
-                   reasoning=named_reasoning_parser(reasoning_parser) if reasoning_parser else None)
+                   reasoning=named_reasoning_parser(reasoning_parser) if reasoning_parser else None,
+                   processor=loaded.processor, check_image_count=engine.validate_image_count,
+                   max_image_pixels=engine.config.max_image_pixels)
 
 
 def model_tool_parser(name: str | None, template: ChatTemplate) -> ToolParser | None:
@@ -103,6 +121,14 @@ class ServerState:
     def attach(self, engine: AsyncEngine, model: ServedModel) -> None:
         self.model = model
         self.engine = engine
+
+    @property
+    def image_limits(self) -> ImageLimits:
+        """What a request's images may be: no paths, file:// URLs only under --allowed-local-media-path."""
+        c = self.config
+        return ImageLimits(max_pixels=self.model.max_image_pixels if self.model else MAX_IMAGE_PIXELS,
+                           max_bytes=c.max_image_bytes, timeout=c.image_fetch_timeout, allow_paths=False,
+                           allowed_local_media_path=c.allowed_local_media_path)
 
     def ready(self) -> tuple[AsyncEngine, ServedModel]:
         """The engine and model, or a 503 while loading, after the engine stopped, or while shutting down."""

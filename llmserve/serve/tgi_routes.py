@@ -16,11 +16,15 @@ TGI's semantics, not ours, where they differ:
 - `decoder_input_details` lists the prompt tokens with their logprobs (the first one null), computed in
   the same prefill (the prompt is then computed in full: no prefix-cache reuse);
 - `typical_p` (other than 1), `watermark`, `best_of` > 1, `adapter_id` and any parameter TGI does not
-  document are refused with 400.
+  document are refused with 400;
+- a vision-language model takes images as markdown in `inputs`, `![](https://...)` or `![](data:image/...)`,
+  each where it stands (TGI's router reads them so); for a text-only model such markdown is plain text, as in TGI.
+  The images are counted before any is fetched and loaded on a worker thread (vl/prompt.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -41,6 +45,8 @@ from llmserve.serve.state import ServedModel, ServerState
 from llmserve.serve.streaming import REQUEST_ID_HEADER, SSEResponse, sse_event, until_disconnected
 from llmserve.serve.structured_params import tgi_structured_output
 from llmserve.serve.tgi_protocol import TGI_DEFAULT_MAX_NEW_TOKENS, TgiParameters, TgiRequest
+from llmserve.vl.messages import markdown_images
+from llmserve.vl.prompt import ImagePrompt, raw_with_images
 
 router = APIRouter()
 PARAM_NAMES = {"max_new_tokens": "max_new_tokens", "random_seed": "seed", "stop_words": "stop",
@@ -69,7 +75,8 @@ async def info(request: Request) -> JSONResponse:
     _, model = state.ready()
     return JSONResponse({
         "model_id": model.name, "model_sha": None, "model_dtype": model.dtype, "model_device_type": model.device,
-        "model_pipeline_tag": "text-generation", "max_concurrent_requests": state.config.max_concurrent_requests,
+        "model_pipeline_tag": "image-text-to-text" if model.takes_images else "text-generation",
+        "input_modalities": model.input_modalities, "max_concurrent_requests": state.config.max_concurrent_requests,
         "max_best_of": 1, "max_stop_sequences": None, "max_input_tokens": model.session_len - 1,
         "max_input_length": model.session_len - 1, "max_total_tokens": model.session_len,
         "max_batch_total_tokens": model.kv_tokens, "max_batch_size": model.max_batch_size,
@@ -83,7 +90,9 @@ async def _generate(body: TgiRequest, request: Request, stream: bool, full_text_
     state: ServerState = request.app.state.llm
     engine, model = state.ready()
     with state.admit() as permit:
-        job = _job(model, body, stream)
+        _refuse_unsupported(body, stream)  # (before any image is fetched)
+        prompt = await until_disconnected(request, _prompt(state, model, body.inputs))
+        job = _job(model, body, prompt)
         outputs = await until_disconnected(request, open_request(state, engine, job.req))
         full_text = body.parameters.return_full_text
         reply = _TgiReply(model, job, body.inputs if (full_text_default if full_text is None else full_text) else "")
@@ -101,15 +110,41 @@ class _Job:
     seed: int | None
 
 
-def _job(model: ServedModel, body: TgiRequest, stream: bool) -> _Job:
+async def _prompt(state: ServerState, model: ServedModel, inputs: str) -> ImagePrompt:
+    """`inputs` tokenized with the tokenizer's special tokens; for a vision-language model, with its markdown images
+    (counted first, then loaded and processed on a worker thread)."""
+    pieces, urls = markdown_images(inputs) if model.takes_images else ([inputs], [])
+    if not urls:
+        return ImagePrompt(inputs, model.tokenizer.encode(inputs), None)
+    try:
+        model.check_image_count(len(urls))
+        text = _with_special_tokens(model.tokenizer, model.processor.image_token.join(pieces))
+        params = [f"inputs: image {k} (of {len(urls)})" for k in range(len(urls))]
+        return await asyncio.to_thread(raw_with_images, text, urls, model.processor, state.image_limits, params)
+    except InvalidRequestError as e:
+        raise ApiError.from_invalid(e, {"messages": "inputs"}) from None
+
+
+def _with_special_tokens(tokenizer: Any, text: str) -> str:
+    """`text` with the special tokens the tokenizer adds around a text (BOS for Llama's), written as text: the
+    processor tokenizes without adding them, and a prompt with images must start as the same text alone would."""
+    bare = tokenizer.encode("a", add_special_tokens=False)
+    full = tokenizer.encode("a")
+    start = next((k for k in range(len(full) - len(bare) + 1) if full[k:k + len(bare)] == bare), 0)
+    prefix, suffix = full[:start], full[start + len(bare):]
+    return "".join(tokenizer.convert_ids_to_tokens(prefix)) + text + "".join(tokenizer.convert_ids_to_tokens(suffix))
+
+
+def _job(model: ServedModel, body: TgiRequest, prompt: ImagePrompt) -> _Job:
     p = body.parameters
-    _refuse_unsupported(body, stream)
-    if not body.inputs:
-        raise ApiError(400, "`inputs` cannot be empty", param="inputs")
-    ids = model.tokenizer.encode(body.inputs)
+    ids = prompt.token_ids
     if p.truncate is not None:
         if p.truncate < 1:
             raise ApiError(400, "`truncate` must be strictly positive", param="truncate")
+        if prompt.mm is not None and p.truncate < len(ids):
+            raise ApiError(400, f"`truncate`: the inputs have {len(ids)} tokens with their images' placeholders, "
+                                f"and cutting them to {p.truncate} would cut the images off; raise `truncate` or "
+                                "leave it out", param="truncate")
         ids = ids[-p.truncate:]
     if len(ids) >= model.session_len:
         raise ApiError(400, f"`inputs` must have less than {model.session_len} tokens. Given: {len(ids)}",
@@ -131,7 +166,7 @@ def _job(model: ServedModel, body: TgiRequest, stream: bool) -> _Job:
             prompt_logprobs=0 if p.decoder_input_details and p.details else None)
     except InvalidRequestError as e:
         raise ApiError.from_invalid(e, PARAM_NAMES) from None
-    return _Job(EngineRequest(new_request_id("generate"), ids, gen, PARAM_NAMES), p, seed)
+    return _Job(EngineRequest(new_request_id("generate"), ids, gen, PARAM_NAMES, mm=prompt.mm), p, seed)
 
 
 def _max_new_tokens(model: ServedModel, p: TgiParameters, num_inputs: int) -> int:
@@ -144,6 +179,8 @@ def _max_new_tokens(model: ServedModel, p: TgiParameters, num_inputs: int) -> in
 
 
 def _refuse_unsupported(body: TgiRequest, stream: bool) -> None:
+    if not body.inputs:
+        raise ApiError(400, "`inputs` cannot be empty", param="inputs")
     unknown = unknown_fields(body)
     if unknown:
         raise ApiError(400, f"`{unknown[0]}`: unknown parameter; refused rather than ignored", param=unknown[0])

@@ -5,10 +5,12 @@ in the order of their parts.
 Taken: LMDeploy's `(text, image)` and `(text, [images])` tuples (the images go before the text, or where the text
 holds `IMAGE_TOKEN`), and OpenAI / GPT-4V messages with `image_url` parts (a URL, `data:` URL or, where allowed,
 `file://`), LMDeploy's `image_data` parts (a PIL image) and transformers' `image` parts (`image`, `url` or `path`).
+And TGI's raw text with markdown images, `![](url)` (`markdown_images`).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from llmserve.errors import InvalidRequestError
@@ -97,6 +99,14 @@ def text_only(messages: Messages) -> Messages:
 
 
 _IMAGE_TYPES = ("image_url", "image_data", "image")
+_MARKDOWN_IMAGE = re.compile(r"!\[\]\(([^)]*)\)")  # TGI's router's pattern: an empty alt text, no ')' in the URL
+
+
+def markdown_images(text: str) -> tuple[list[str], list[str]]:
+    """TGI's images in raw text, `![](url)`: (the text around them, one piece more than there are images; the
+    URLs in order)."""
+    pieces = _MARKDOWN_IMAGE.split(text)  # (one group: text, url, text, ..., text)
+    return pieces[0::2], pieces[1::2]
 
 
 def _image_source(part: dict[str, Any], where: str) -> Any:
