@@ -22,7 +22,7 @@ from llmserve.vl.constants import IMAGE_TOKEN
 from llmserve.vl.image import ImageLimits
 from llmserve.vl.inputs import MultiModalInputs
 from llmserve.vl.messages import has_images, text_only, tuple_to_messages
-from llmserve.vl.prompt import count_images, raw_with_images, render_images
+from llmserve.vl.prompt import ImagePrompt, count_images, raw_with_images, render_images
 
 # A string, chat messages (content: a string or OpenAI / GPT-4V parts), {"input_ids": [...]}, or, for a
 # vision-language model, LMDeploy's (text, image) or (text, [images]).
@@ -149,7 +149,7 @@ class Pipeline:
         mm = None
         if has_images(messages):
             # the whole conversation through the processor: its images are part of every later prompt
-            text, prompt_ids, mm = self._render_images(messages, self.image_limits)
+            text, prompt_ids, mm = self.prompt_with_images(messages)
         else:
             text = self.chat_template.messages_to_prompt(messages)
             prompt_ids = self.session_prompt_ids(session, text)
@@ -263,7 +263,7 @@ class Pipeline:
             prompt = tuple_to_messages(prompt)
         if isinstance(prompt, list):
             if has_images(prompt):
-                _, ids, mm = self._render_images(prompt, limits)
+                _, ids, mm = self.prompt_with_images(prompt, limits)
                 return ids, mm
             messages = prompt if self.processor is not None else text_only(prompt)
             text = self.chat_template.messages_to_prompt(messages)
@@ -276,11 +276,11 @@ class Pipeline:
             return self.tokenizer.encode(text, add_special_tokens=False), None
         return self.tokenizer.encode(prompt), None
 
-    def _render_images(self, messages: Messages, limits: ImageLimits
-                       ) -> tuple[str, list[int], MultiModalInputs | None]:
-        """(rendered text, token ids, images) of chat messages with image parts (the steps of vl/prompt.py)."""
+    def prompt_with_images(self, messages: Messages, limits: ImageLimits | None = None) -> ImagePrompt:
+        """(rendered text, token ids, images) of chat messages with image parts (the steps of vl/prompt.py); the
+        images load within `limits` (default: the pipeline's)."""
         self._engine().validate_image_count(count_images(messages))  # before any image is fetched or decoded
-        return render_images(messages, self.chat_template, self.processor, limits)
+        return render_images(messages, self.chat_template, self.processor, limits or self.image_limits)
 
     def _raw_with_images(self, prompt: tuple, limits: ImageLimits) -> tuple[list[int], MultiModalInputs | None]:
         """do_preprocess=False: the text as it is, the images where it holds IMAGE_TOKEN or the processor's image

@@ -4,6 +4,7 @@ the offline pipeline.
 One input line is one user message. Answers stream to stdout as they are generated, each ended by
 a newline; everything else (banner, stats, errors) goes to stderr. So a piped session's stdout is
 exactly the answers, and the `>>> ` prompt marker and banner appear only when stdin is a terminal.
+With a vision-language model, `/image PATH_OR_URL` attaches an image to the next message.
 """
 
 from __future__ import annotations
@@ -13,13 +14,16 @@ import sys
 import time
 from contextlib import closing
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import Any, TextIO
 
 from llmserve.api import Pipeline, Session, engine_session_id, pipeline
 from llmserve.config import EngineConfig, GenerationConfig
-from llmserve.errors import LLMServeError, PromptTooLongError
+from llmserve.errors import InvalidRequestError, LLMServeError, PromptTooLongError
+from llmserve.vl.image import load_image
+from llmserve.vl.messages import has_images
 
 HELP = """commands:
+  /image PATH_OR_URL   attach an image to the next message (a vision-language model; repeat for several)
   /reset   start a new conversation (forget every earlier turn)
   /exit    quit (also /quit or Ctrl-D)
   /help    show this help
@@ -54,6 +58,9 @@ class ChatSession:
     # their KV, and each prompt is the ids the engine already has plus the new turn's tokens, so a
     # turn prefills only what it adds. /reset frees it and starts a new one.
     session: Session = field(init=False)
+    # /image: decoded images for the next message, which shows them before its text. Later turns see them in the
+    # history (the whole conversation goes through the model's processor; its cache knows each image by content).
+    attached: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.session = self.pipe.new_session()
@@ -61,21 +68,37 @@ class ChatSession:
     def reset(self) -> None:
         self.pipe.end_session(self.session)
         self.session = self.pipe.new_session()
+        self.attached = []
+
+    def attach(self, source: str) -> Any:
+        """Load an image (path or URL) for the next message; raises LLMServeError for a text-only model or an image
+        that cannot be read (nothing attached)."""
+        if self.pipe.processor is None:
+            raise InvalidRequestError(f"{self.pipe.model_name} takes text only: /image needs a vision-language model")
+        image = load_image(source, self.pipe.image_limits, param="/image")
+        self.attached.append(image)
+        return image
 
     def ask(self, text: str) -> TurnStats:
         """Stream the answer to `text` given every earlier turn. The turn joins the history only
         when the engine accepted it; an interrupted answer is kept as far as it got (the user saw it).
         Raises LLMServeError (history unchanged) for a turn the engine refuses."""
-        messages = [*self.session.history, {"role": "user", "content": text}]
-        rendered = self.pipe.chat_template.messages_to_prompt(messages)
-        prompt_ids = self.pipe.session_prompt_ids(self.session, rendered)
+        images, self.attached = self.attached, []  # a refused turn drops them too: /image them again
+        content = [*({"type": "image", "image": i} for i in images), {"type": "text", "text": text}] if images else text
+        messages = [*self.session.history, {"role": "user", "content": content}]
+        mm = None
+        if has_images(messages):
+            rendered, prompt_ids, mm = self.pipe.prompt_with_images(messages)
+        else:
+            rendered = self.pipe.chat_template.messages_to_prompt(messages)
+            prompt_ids = self.pipe.session_prompt_ids(self.session, rendered)
         gen = self._fit_to_context(len(prompt_ids))
         answer: list[str] = []
         answer_ids: list[int] = []
         clock = _Clock()
         output_tokens, finish = 0, "interrupted"
         try:
-            with closing(self.pipe.stream_infer({"input_ids": prompt_ids}, gen_config=gen,
+            with closing(self.pipe.stream_infer({"input_ids": prompt_ids, "_mm": mm}, gen_config=gen,
                                                 session_id=engine_session_id(self.session, gen))) as stream:
                 for r in stream:
                     if r.token_ids:
@@ -172,10 +195,13 @@ def _loop(session: ChatSession, marker: str, show_stats: bool) -> int:
 
 def _command(session: ChatSession, text: str) -> bool:
     """Run a /command; False means quit."""
-    name = text.split()[0].lower()
+    name, _, arg = text.partition(" ")
+    name, arg = name.lower(), arg.strip()
     if name in ("/exit", "/quit"):
         return False
-    if name == "/reset":
+    if name == "/image":
+        _attach(session, arg)
+    elif name == "/reset":
         session.reset()
         print("[new conversation]", file=sys.stderr)
     elif name == "/help":
@@ -183,3 +209,17 @@ def _command(session: ChatSession, text: str) -> bool:
     else:
         print(f"unknown command {name}; /help lists the commands", file=sys.stderr)
     return True
+
+
+def _attach(session: ChatSession, source: str) -> None:
+    if not source:
+        print("usage: /image PATH_OR_URL", file=sys.stderr)
+        return
+    try:
+        image = session.attach(source)
+    except LLMServeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return
+    count = len(session.attached)
+    print(f"[image {count} attached: {source} ({image.width}x{image.height}); it goes with the next message]",
+          file=sys.stderr)

@@ -77,7 +77,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                   chat_template_config=chat_template_config_from_args(args)) as pipe:
         gen = dataclass_from_args(GenerationConfig, args, base=pipe.default_gen_config)
         gen = gen.replace(response_format=response_format) if response_format is not None else gen
-        for response in pipe.stream_infer(args.prompt, gen_config=gen, do_preprocess=not args.no_chat_template):
+        # with images, LMDeploy's (text, [images]): before the text, or where it says <IMAGE_TOKEN>
+        prompt = (args.prompt, args.image) if args.image else args.prompt
+        for response in pipe.stream_infer(prompt, gen_config=gen, do_preprocess=not args.no_chat_template):
             sys.stdout.write(response.text)
             sys.stdout.flush()
         sys.stdout.write("\n")
@@ -225,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_argument(gen)
     gen.add_argument("prompt", help="the prompt (a user message; the chat template is applied)")
     gen.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
+    gen.add_argument("--image", action="append", metavar="PATH_OR_URL",
+                     help="an image for a vision-language model: a file, an http(s) URL or a data: URL; repeat it for "
+                          "several. They go before the prompt's text, or each where the prompt says <IMAGE_TOKEN>")
     add_model_flags(gen)
     add_dataclass_flags(gen, GenerationConfig, _GEN_FLAGS, group_title="generation")
     add_structured_flags(gen)
