@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -92,9 +93,15 @@ def server(tiny_model_dir: Callable[[str], str], tmp_path_factory: pytest.TempPa
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     template = log_path.with_name("template.jinja")
     template.write_text(TOOLS_TEMPLATE)
+    with serving(_serve_command(tiny_model_dir("llama"), port, template), port, log_path) as url:
+        yield url
+
+
+@contextmanager
+def serving(command: list[str], port: int, log_path: Path) -> Iterator[str]:
+    """`llmserve serve` run as `command` (listening on `port`), its URL once healthy; SIGINT at the end."""
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(_serve_command(tiny_model_dir("llama"), port, template), stdout=log,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -202,6 +209,7 @@ def _request(page: Any, index: int) -> tuple[dict[str, Any], dict[str, str]]:
 def test_two_turns_stream_and_match_the_api(page: Any, server: str, tmp_path: Path) -> None:
     model = _model_id(server)
     page.wait_for_function("m => document.getElementById('model-name').textContent === m", arg=model)
+    assert page.is_hidden("#attach")  # a text-only model: no images offered (tests/web/test_chat_page_images.py)
     _configure(page, MAX_TOKENS, SYSTEM)
 
     turn1: Messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": Q1}]

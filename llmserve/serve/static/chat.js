@@ -2,6 +2,8 @@
 // with stream: true). Model output is only ever put in the page through textContent, never as HTML.
 // An answer shows its reasoning (`reasoning_content`, with --reasoning-parser) in a collapsible block
 // above the text, and its tool calls (when the Tools setting offers some) in blocks below it.
+// When v1/models says the model takes images (`input_modalities`), images can be attached, pasted or dropped;
+// they go with the next message as OpenAI image_url parts holding data: URLs, before its text.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -11,6 +13,8 @@ const state = {
   controller: null,  // AbortController of the answer being generated; null when idle
   model: null,       // id from v1/models, sent as `model`
   conversation: 0,   // bumped by "New chat", so a turn that ends afterwards stays out of the new one
+  takesImages: false,  // the model's input_modalities include "image"
+  attached: [],      // data: URLs of the images for the next message, in order
 };
 
 const SETTINGS_KEY = "llmserve.chat.settings";
@@ -81,6 +85,8 @@ async function loadModel() {
     const models = (await resp.json()).data || [];
     state.model = models.length ? models[0].id : null;
     $("model-name").textContent = state.model ?? "no model";
+    state.takesImages = (models[0]?.input_modalities || []).includes("image");
+    $("attach").hidden = !state.takesImages;
   } catch (e) {
     $("model-name").textContent = "model unknown";
     showError(`Could not list models: ${e.message}`);
@@ -115,7 +121,7 @@ function prettyJson(text) {
   try { return JSON.stringify(JSON.parse(text), null, 2); } catch { return text; }
 }
 
-function addMessage(role, text) {
+function addMessage(role, text, images = []) {
   $("empty-hint").hidden = true;
   const article = document.createElement("article");
   article.className = `msg ${role}`;
@@ -123,13 +129,74 @@ function addMessage(role, text) {
   const who = document.createElement("div");
   who.className = "who";
   who.textContent = role === "user" ? "You" : "Assistant";
+  article.append(who);
+  if (images.length) article.append(thumbnails(images));
   const body = document.createElement("div");
   body.className = "body";
   body.textContent = text;
-  article.append(who, body);
+  article.append(body);
   $("conversation").append(article);
   scrollToEnd(true);
   return article;
+}
+
+function thumbnails(urls) {
+  const box = document.createElement("div");
+  box.className = "images";
+  urls.forEach((url, i) => box.append(imageElement(url, `image ${i + 1}`)));
+  return box;
+}
+
+function imageElement(url, alt) {
+  const img = document.createElement("img");
+  img.src = url;  // a data: URL read from the user's own file
+  img.alt = alt;
+  return img;
+}
+
+// --- images for the next message ----------------------------------------------------------
+
+function readAsDataUrl(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+// Image files only (the server checks the rest: format, size, pixels, and how many a prompt may have).
+async function attachFiles(files) {
+  const images = [...files].filter((f) => f.type.startsWith("image/"));
+  if (!state.takesImages || !images.length) return false;
+  try {
+    for (const file of images) state.attached.push(await readAsDataUrl(file));
+  } catch (e) {
+    showError(`Could not read the image: ${e.message}`);
+  }
+  renderAttachments();
+  return true;
+}
+
+function renderAttachments() {
+  const box = $("attachments");
+  box.replaceChildren(...state.attached.map((url, i) => {
+    const item = document.createElement("div");
+    item.className = "attachment";
+    const remove = document.createElement("button");
+    remove.type = "button";
+    remove.className = "secondary remove";
+    remove.textContent = "×";
+    remove.setAttribute("aria-label", `Remove image ${i + 1}`);
+    remove.addEventListener("click", () => { state.attached.splice(i, 1); renderAttachments(); });
+    item.append(imageElement(url, `image ${i + 1} for the next message`), remove);
+    return item;
+  }));
+  box.hidden = state.attached.length === 0;
+}
+
+function imageFiles(dataTransfer) {
+  return [...(dataTransfer?.files || [])].filter((f) => f.type.startsWith("image/"));
 }
 
 function scrollToEnd(force) {
@@ -283,8 +350,15 @@ function requestBody(messages) {
   return body;
 }
 
-async function send(text) {
-  if (state.controller || !text.trim()) return;
+// A user message: a string, or with images the parts OpenAI takes (the images first, then the text).
+function userMessage(text, images) {
+  if (!images.length) return { role: "user", content: text };
+  const parts = images.map((url) => ({ type: "image_url", image_url: { url } }));
+  return { role: "user", content: text ? [...parts, { type: "text", text }] : parts };
+}
+
+async function send(text, images = []) {
+  if (state.controller || (!text.trim() && !images.length)) return;
   const controller = new AbortController();
   const conversation = state.conversation;
   state.controller = controller;
@@ -292,10 +366,10 @@ async function send(text) {
   hideError();
   if (!state.model) await loadModel();
   if (conversation !== state.conversation) return;  // "New chat" while the model list loaded
-  const user = { role: "user", content: text };
+  const user = userMessage(text, images);
   const system = $("system-prompt").value.trim();
   const messages = [...(system ? [{ role: "system", content: system }] : []), ...state.history, user];
-  const userArticle = addMessage("user", text);
+  const userArticle = addMessage("user", text, images);
   const answer = new Answer(addMessage("assistant", ""));
   try {
     const resp = await fetch("v1/chat/completions", {
@@ -310,10 +384,14 @@ async function send(text) {
     if (conversation !== state.conversation) return;
     if (!stopped) showError(e.message);
     if (answer.empty) {
-      // Nothing came back: take the turn out again and give the question back for a retry.
+      // Nothing came back: take the turn out again and give the question (and its images) back for a retry.
       userArticle.remove();
       answer.article.remove();
       if (!$("prompt").value) $("prompt").value = text;
+      if (!state.attached.length) {
+        state.attached = images;
+        renderAttachments();
+      }
       $("empty-hint").hidden = state.history.length > 0;
       return;
     }
@@ -334,6 +412,8 @@ function newChat() {
   state.controller = null;
   setBusy(false);
   state.history = [];
+  state.attached = [];
+  renderAttachments();
   $("conversation").querySelectorAll(".msg").forEach((m) => m.remove());
   $("empty-hint").hidden = false;
   hideError();
@@ -350,10 +430,13 @@ function autoGrow(el) {
 function submitPrompt() {
   const prompt = $("prompt");
   const text = prompt.value;
-  if (state.controller || !text.trim()) return;
+  const images = state.attached;
+  if (state.controller || (!text.trim() && !images.length)) return;
   prompt.value = "";
   autoGrow(prompt);
-  send(text);
+  state.attached = [];
+  renderAttachments();
+  send(text, images);
 }
 
 document.addEventListener("DOMContentLoaded", () => {
@@ -371,6 +454,32 @@ document.addEventListener("DOMContentLoaded", () => {
     }
   });
   $("prompt").addEventListener("input", (e) => autoGrow(e.target));
+  $("attach").addEventListener("click", () => $("image-input").click());
+  $("image-input").addEventListener("change", async (e) => {
+    await attachFiles(e.target.files);
+    e.target.value = "";  // the same file may be attached again
+  });
+  // A pasted image is attached (pasted text stays text); a model that takes no images pastes as usual.
+  $("prompt").addEventListener("paste", (e) => {
+    const files = imageFiles(e.clipboardData);
+    if (state.takesImages && files.length) {
+      e.preventDefault();
+      attachFiles(files);
+    }
+  });
+  const chat = document.querySelector(".chat");
+  chat.addEventListener("dragover", (e) => {
+    if (!state.takesImages || !e.dataTransfer?.types.includes("Files")) return;
+    e.preventDefault();
+    chat.classList.add("dragging");
+  });
+  chat.addEventListener("dragleave", () => chat.classList.remove("dragging"));
+  chat.addEventListener("drop", (e) => {
+    chat.classList.remove("dragging");
+    if (!state.takesImages || !imageFiles(e.dataTransfer).length) return;
+    e.preventDefault();
+    attachFiles(imageFiles(e.dataTransfer));
+  });
   $("stop").addEventListener("click", () => { state.controller?.abort(); $("prompt").focus(); });
   $("new-chat").addEventListener("click", newChat);
   $("error-close").addEventListener("click", hideError);
