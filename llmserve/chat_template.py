@@ -104,12 +104,12 @@ class ChatTemplate:
         messages = [_template_message(m, i, self._short_ids) for i, m in enumerate(messages)]
         if self.meta_instruction and messages[0].get("role") != "system":
             messages = [{"role": "system", "content": self.meta_instruction}, *messages]
-        if self.multimodal:  # processors' templates iterate over content parts: a string becomes one text part
-            messages = [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str)
-                        else m for m in messages]
         if not self.supports_tools:
             messages = _hermes_conversation(messages, tools)
             tools = None
+        if self.multimodal:  # processors' templates iterate over content parts: a string becomes one text part
+            messages = [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str)
+                        else m for m in messages]
         try:
             return self.tokenizer.apply_chat_template(messages, tools=tools or None, chat_template=self.template,
                                                       tokenize=False,
@@ -242,12 +242,12 @@ def _hermes_conversation(messages: Messages, tools: list[dict[str, Any]] | None)
         preamble = HERMES_TOOLS_PREAMBLE.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
         if messages[0]["role"] == "system":
             first, messages = messages[0], messages[1:]
-            out.append({**first, "content": first["content"] + "\n\n" + preamble})
+            out.append({**first, "content": _plus_text(first["content"], "\n\n" + preamble)})
         else:
             out.append({"role": "system", "content": preamble})
     for m in messages:
         if m["role"] == "tool":
-            response = f"<tool_response>\n{m['content']}\n</tool_response>"
+            response = f"<tool_response>\n{_text_of(m['content'])}\n</tool_response>"
             if out and out[-1].get("_tool_results"):  # consecutive results share one user turn, as in Qwen's
                 out[-1]["content"] += "\n" + response
             else:
@@ -256,8 +256,20 @@ def _hermes_conversation(messages: Messages, tools: list[dict[str, Any]] | None)
             blocks = [f'<tool_call>\n{{"name": {json.dumps(c["function"]["name"])}, "arguments": '
                       f'{json.dumps(c["function"]["arguments"], ensure_ascii=False)}}}\n</tool_call>'
                       for c in m["tool_calls"]]
-            text = "\n".join(([m["content"]] if m["content"] else []) + blocks)
+            text = "\n".join(([_text_of(m["content"])] if m["content"] else []) + blocks)
             out.append({k: v for k, v in m.items() if k != "tool_calls"} | {"content": text})
         else:
             out.append(m)
     return [{k: v for k, v in m.items() if k != "_tool_results"} for m in out]
+
+
+def _plus_text(content: str | list[dict[str, Any]], text: str) -> str | list[dict[str, Any]]:
+    """A message's content (a string, or a vision-language model's parts) with `text` after it."""
+    return [*content, {"type": "text", "text": text}] if isinstance(content, list) else content + text
+
+
+def _text_of(content: str | list[dict[str, Any]]) -> str:
+    """A message's text: a string as it is, the text parts of a list joined."""
+    if isinstance(content, list):
+        return "".join(p["text"] for p in content if p.get("type") == "text")
+    return content

@@ -346,3 +346,21 @@ def test_file_urls_are_refused_without_allowed_local_media_path(vlm: EngineHandl
             chat(client, messages((media_dir / "image.png").as_uri()))
     check_400(e, "messages[0].content[0]", "file:// URLs are refused: the server was started without "
                                            "--allowed-local-media-path")
+
+
+def test_tools_beside_an_image_with_a_template_that_shows_no_tools(client: openai.OpenAI, vlm: EngineHandle) -> None:
+    """The tiny LLaVA's template never reads `tools`: the conversation is written in Hermes' format (the tools in
+    the system message, appended as a text part to its parts), the image where its part stands."""
+    import json
+
+    from llmserve.chat_template import HERMES_TOOLS_PREAMBLE
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    msgs = [{"role": "system", "content": [{"type": "text", "text": "Be terse."}]}, *messages(data_url(IMAGE_PNG))]
+    r = chat(client, msgs, tools=[weather])
+    preamble = HERMES_TOOLS_PREAMBLE.format(tools=json.dumps(weather))
+    rendered = vlm.model.chat_template.tokenizer.apply_chat_template([
+        {"role": "system", "content": [{"type": "text", "text": "Be terse."}, {"type": "text", "text": "\n\n" + preamble}]},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}],
+        chat_template=vlm.model.chat_template.template, tokenize=False, add_generation_prompt=True)
+    assert r.usage.prompt_tokens == len(vlm.model.processor.prepare(rendered, [IMAGE])[0])
