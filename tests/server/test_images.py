@@ -145,6 +145,7 @@ def media() -> Iterator[Media]:
     m = Media()
     yield m
     m.httpd.shutdown()
+    m.httpd.server_close()
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +231,12 @@ def test_tgi_markdown_images(vlm_server: RunningServer, vlm: EngineHandle, vlm_d
                         max_new_tokens=MAX_TOKENS)
     assert r.generated_text == expected.text
     assert len(r.details.prefill) == expected.input_token_len
+    streamed = Client(vlm_server.url, timeout=60).generate_stream(inputs, max_new_tokens=MAX_TOKENS)
+    assert "".join(t.token.text for t in streamed) == expected.text
+    cut = httpx.post(vlm_server.url + "/generate", json={"inputs": inputs, "parameters": {"truncate": 5}})
+    assert (cut.status_code, cut.json()["error"]) == (400, (
+        f"`truncate`: the inputs have {expected.input_token_len} tokens with their images' placeholders, and cutting "
+        "them to 5 would cut the images off; raise `truncate` or leave it out"))
     other = Client(vlm_server.url, timeout=60).generate(f"![]({data_url(png(OTHER))})Describe it.",
                                                         max_new_tokens=MAX_TOKENS)
     assert other.generated_text != r.generated_text
