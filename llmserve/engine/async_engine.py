@@ -28,6 +28,7 @@ from typing import Any
 from llmserve.config import GenerationConfig
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.output import SequenceOutput
+from llmserve.vl.inputs import MultiModalInputs
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class _Add:
     gen: GenerationConfig
     stream: _Stream
     session_id: str | None = None
+    mm: MultiModalInputs | None = None  # a vision-language model's images
 
 
 @dataclass
@@ -137,7 +139,8 @@ class AsyncEngine:
         return await call.future
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], gen: GenerationConfig,
-                       session_id: str | None = None) -> AsyncIterator[SequenceOutput]:
+                       session_id: str | None = None, mm: MultiModalInputs | None = None
+                       ) -> AsyncIterator[SequenceOutput]:
         """Outputs of every sequence of the request as they come; ends when all n have finished.
         Raises the engine's InvalidRequestError if the request is refused. Leaving the iteration
         early (client gone, task cancelled) aborts the request and frees its blocks (an aborted
@@ -146,7 +149,7 @@ class AsyncEngine:
             raise RuntimeError("the engine is shutting down")
         await self.compile_grammar(gen)
         stream = _Stream(asyncio.get_running_loop())
-        self._commands.put(_Add(request_id, prompt_token_ids, gen, stream, session_id))
+        self._commands.put(_Add(request_id, prompt_token_ids, gen, stream, session_id, mm))
         unfinished = gen.n
         try:
             while unfinished:
@@ -229,7 +232,7 @@ class AsyncEngine:
             self._streams.pop(cmd.request_id, None)
             return
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.gen, cmd.session_id)
+            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.gen, cmd.session_id, cmd.mm)
         except Exception as e:  # refused: tell that caller only
             cmd.stream.put(e)
             return

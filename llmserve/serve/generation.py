@@ -77,9 +77,8 @@ async def _tracked(state: ServerState, engine: AsyncEngine, req: EngineRequest) 
     open_seqs, started = set(range(req.gen.n)), False
     state.in_flight.add(req.request_id)
     try:
-        images = {"mm": req.mm} if req.mm is not None else {}  # (text requests never depend on the keyword)
         async with aclosing(engine.generate(req.request_id, req.prompt_token_ids, req.gen, req.session_id,
-                                            **images)) as outputs:
+                                            req.mm)) as outputs:
             async for out in outputs:
                 if not started:
                     started = True
