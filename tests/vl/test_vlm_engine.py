@@ -205,6 +205,9 @@ def test_prompt_shapes(vlm_dir):
         sess = pipe.chat("The quick brown fox", session=sess, gen_config=GREEDY)
         assert sess.response.generate_token_len == NEW_TOKENS
         assert pipe.engine.sessions.hit_tokens > 0  # the second turn reused the first turn's KV, image included
+        # the same conversation without a session (and without the prefix cache): the same answer
+        pipe.engine.kv.reset_prefix_cache()
+        assert pipe(sess.history[:-1], gen_config=GREEDY).token_ids == sess.response.token_ids
 
 
 def test_bad_image_prompts(vlm_dir, tiny_model_dir):
