@@ -56,6 +56,10 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1,
                         "num_hidden_layers": 3}),
     "qwen3": ("qwen3", {"head_dim": 32, "attention_bias": True}),
+    # caps small enough to bite (scores and logits reach them), a scale other than head_dim^-0.5, windows of 4
+    "gemma2": ("gemma2", {"head_dim": 16, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0,
+                          "final_logit_softcapping": 3.0, "sliding_window": 4, "num_hidden_layers": 3,
+                          "tie_word_embeddings": True}),
 }
 GENERATION_CONFIG = {"bos_token_id": 1, "eos_token_id": [2, 0], "temperature": 0.6, "top_p": 0.9, "do_sample": True}
 

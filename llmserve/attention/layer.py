@@ -11,13 +11,16 @@ from llmserve.attention.torch_backend import paged_attention, write_kv
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, softcap: float | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        # Gemma 2: scores become softcap * tanh(scores / softcap) before the mask and softmax. The native CPU kernels
+        # do not cap; capped layers run the torch reference on CPU and the Triton kernel on CUDA (torch_backend).
+        self.softcap = softcap
         # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the model runner.
         self.kv_cache: torch.Tensor | None = None
         # int8 caches only: one fp32 scale per token and KV head, [2, num_blocks, block_size, num_kv_heads].
@@ -31,5 +34,6 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         write_kv(self.kv_cache, k, v, meta.slot_mapping, self.kv_scales)
-        o = paged_attention(q, k, v, self.kv_cache, meta, self.scale, self.sliding_window, self.kv_scales)
+        o = paged_attention(q, k, v, self.kv_cache, meta, self.scale, self.sliding_window, self.kv_scales,
+                            self.softcap)
         return o.reshape(t, self.num_heads * self.head_dim)

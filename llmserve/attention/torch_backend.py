@@ -67,30 +67,35 @@ def paged_attention(
     scale: float,
     sliding_window: int | None,
     kv_scales: torch.Tensor | None = None,  # [2, num_blocks, block_size, kv_heads] fp32 for an int8 cache
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma 2); not in the native kernels
 ) -> torch.Tensor:  # [T, heads, head_dim]
     nd = meta.num_decodes
     decoded = None
     if nd:
-        decode = registry.native_decode(q, kv_cache) or registry.triton_decode(q, kv_cache) or decode_attention
-        decoded = decode(q[:nd], kv_cache, kv_scales, meta, scale, sliding_window)
+        native_decode = registry.native_decode(q, kv_cache) if softcap is None else None
+        if native_decode is not None:
+            decoded = native_decode(q[:nd], kv_cache, kv_scales, meta, scale, sliding_window)
+        else:
+            decode = registry.triton_decode(q, kv_cache) or decode_attention
+            decoded = decode(q[:nd], kv_cache, kv_scales, meta, scale, sliding_window, softcap=softcap)
         if not meta.prefills:
             return decoded  # a decode-only step: nothing else to fill in, no copy into a new output
     out = torch.empty_like(q)
     if decoded is not None:
         out[:nd] = decoded
     if meta.prefills:
-        if registry.native_prefill(q, k, kv_cache):
+        if softcap is None and registry.native_prefill(q, k, kv_cache):
             spans, slots = meta.prefill_arrays()
             native.prefill_attention(q, k, v, kv_cache, kv_scales, spans, slots, scale, sliding_window, out,
                                      meta.prefill_dot)
         else:
-            prefill_attention(q, k, v, kv_cache, kv_scales, meta, scale, sliding_window, out)
+            prefill_attention(q, k, v, kv_cache, kv_scales, meta, scale, sliding_window, out, softcap)
     return out
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                       kv_scales: torch.Tensor | None, meta: AttentionMetadata, scale: float,
-                      sliding_window: int | None, out: torch.Tensor) -> None:
+                      sliding_window: int | None, out: torch.Tensor, softcap: float | None = None) -> None:
     """Reference prefill: each span's rows of out, one SDPA call per span, causal over its context."""
     kv_heads, head_dim = kv_cache.shape[3:]
     flat = kv_cache.view(2, -1, kv_heads, head_dim)
@@ -111,16 +116,33 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
                 # later readers see them rounded); plain causal attention.
                 ks = _expand_heads(k[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0).to(wide), expand)
                 vs = _expand_heads(v[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0).to(wide), expand)
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+                o = _sdpa(qs, ks, vs, None, scale, gqa, softcap)
             else:
                 # [1, kv_heads, ctx, head_dim], widened to the compute dtype when the cache is narrower
                 ks, vs = (_expand_heads(dequantize(
                     flat[i].index_select(0, span.slots),
                     None if flat_scales is None else flat_scales[i].index_select(0, span.slots),
                     wide).transpose(0, 1).unsqueeze(0), expand) for i in (0, 1))
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask(sliding_window),
-                                                   scale=scale, enable_gqa=gqa)
+                o = _sdpa(qs, ks, vs, span.mask(sliding_window), scale, gqa, softcap)
             out[span.q_start:span.q_end] = o.squeeze(0).transpose(0, 1)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, gqa: bool,
+          softcap: float | None) -> torch.Tensor:
+    """q [B, H, Lq, D], k/v [B, KVH, Lk, D]; mask: bool [Lq, Lk] (True: attend), additive [B, 1, 1, Lk], or None for
+    causal with Lq == Lk. SDPA, which has no soft-capping; capped scores in plain ops as HF's eager attention: scores in
+    q's dtype, capped, masked, softmax in fp32 rounded to q's dtype, times V."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=gqa)
+    if q.shape[1] != k.shape[1]:
+        k, v = _expand_heads(k, q.shape[1] // k.shape[1]), _expand_heads(v, q.shape[1] // v.shape[1])
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, Lq, Lk]
+    s = torch.tanh(s / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril_()
+    s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def _sdpa_backends(q: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -139,7 +161,8 @@ def _expand_heads(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None,
-                     meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
+                     meta: AttentionMetadata, scale: float, sliding_window: int | None,
+                     softcap: float | None = None) -> torch.Tensor:
     """Reference decode: q [nd, heads, head_dim], one query token per request -> [nd, heads, head_dim]."""
     block_size = kv_cache.shape[2]
     keys, values = _gather_blocks(kv_cache, meta)  # [nd, kv_heads, max_blocks * block_size, head_dim]
@@ -151,8 +174,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.T
         values = (values.float() * v_scales).to(q.dtype)
     mask = meta.decode_mask(sliding_window, block_size, q.dtype)
     with _sdpa_backends(q):
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
-                                           enable_gqa=q.shape[1] != keys.shape[1])
+        o = _sdpa(q.unsqueeze(2), keys, values, mask, scale, q.shape[1] != keys.shape[1], softcap)
     return o.squeeze(2)
 
 

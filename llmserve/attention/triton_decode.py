@@ -26,11 +26,11 @@ from llmserve.attention.metadata import AttentionMetadata
 @triton.jit
 def _decode_kernel(Q, K, V, KS, VS, Tables, Lens, MidO, MidL, Out,
                    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_sh,
-                   stride_tab, stride_ot, stride_oh, sm_scale, window,
+                   stride_tab, stride_ot, stride_oh, sm_scale, window, softcap,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
                    QUANT: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-                   WIDEN_DOTS: tl.constexpr):
+                   WIDEN_DOTS: tl.constexpr, SOFTCAP: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -73,7 +73,11 @@ def _decode_kernel(Q, K, V, KS, VS, Tables, Lens, MidO, MidL, Out,
         if WIDEN_DOTS:  # the interpreter's bf16/fp16 dot is wrong: the same rounded operands, multiplied in fp32
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
+        if SOFTCAP:  # softcap * tanh(scores / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1); then to log2 units
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (sm_scale / softcap)
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0)) * 1.4426950408889634
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
@@ -127,7 +131,7 @@ def num_splits(num_decodes: int, num_kv_heads: int, device: torch.device) -> int
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float,
                  sliding_window: int | None = None, kv_scales: torch.Tensor | None = None,
-                 splits: int | None = None) -> torch.Tensor:
+                 splits: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """q [nd, H, D]; kv_cache [2, num_blocks, block_size, KVH, D] (float or int8 with kv_scales
     [2, num_blocks, block_size, KVH] fp32); tables [nd, W] block ids; lens [nd] context lengths (the new token
     included, >= 1) -> [nd, H, D] in q's dtype."""
@@ -152,11 +156,11 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, 
         q, kv_cache[0], kv_cache[1], scales[0], scales[1], tables, lens, mid_o, mid_l, out,
         q.stride(0), q.stride(1), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         scales.stride(1), scales.stride(2), scales.stride(3), tables.stride(0), out.stride(0), out.stride(1),
-        scale, sliding_window or 0,
+        scale, sliding_window or 0, softcap or 1.0,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLITS=splits, NUM_HEADS=num_heads, QUANT=quant,
         HAS_WINDOW=sliding_window is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        WIDEN_DOTS=q.device.type != "cuda" and q.dtype != torch.float32, num_warps=4)
+        WIDEN_DOTS=q.device.type != "cuda" and q.dtype != torch.float32, SOFTCAP=softcap is not None, num_warps=4)
     if splits > 1:
         _merge_kernel[(nd, num_heads)](mid_o, mid_l, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
                                        D_PAD=d_pad, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
@@ -165,8 +169,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, 
 
 
 def decode(q: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, meta: AttentionMetadata,
-           scale: float, sliding_window: int | None) -> torch.Tensor:
+           scale: float, sliding_window: int | None, softcap: float | None = None) -> torch.Tensor:
     """The registry's DecodeFn: decode attention of a step's decode requests."""
     assert meta.decode_tables is not None and meta.decode_lens is not None
     return paged_decode(q, kv_cache, meta.decode_tables, meta.decode_lens, scale, sliding_window, kv_scales,
-                        splits=meta.decode_splits)
+                        splits=meta.decode_splits, softcap=softcap)

@@ -21,3 +21,16 @@ class SiluAndMul(nn.Module):
             return native.silu_mul(x.view(-1, x.shape[-1])).view(*x.shape[:-1], x.shape[-1] // 2)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluAndMul(nn.Module):
+    """[..., 2 * I] (gate then up) -> gelu(gate) * up: [..., I]; approximate "tanh" (Gemma's gelu_pytorch_tanh) or
+    "none" (exact)."""
+
+    def __init__(self, approximate: str) -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate) * up

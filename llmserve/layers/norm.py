@@ -41,3 +41,13 @@ class RMSNorm(nn.Module):
 def _fused_ok(x: torch.Tensor, residual: torch.Tensor) -> bool:
     return (x.device.type == "cpu" and x.is_contiguous() and residual.is_contiguous() and x.dim() == 2
             and native.fused_ops_enabled() and native.load() is not None)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: scales by (1 + weight), all in fp32, then rounds to x's dtype (HF's Gemma2RMSNorm); the
+    checkpoint stores weight - 1. Never fused with the residual add: Gemma's layers add after their post-norms."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+        assert residual is None, "GemmaRMSNorm takes no residual"
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)

@@ -4,6 +4,12 @@ Supported `rope_type`s and how they relate to transformers (the reference):
 
 - default, linear, llama3, yarn: identical inverse frequencies (and yarn's attention factor, which
   scales cos and sin) for every position.
+- longrope (Phi-3's "su"): HF picks the short or the long factors for a whole forward call by its longest
+  position, so a cached key keeps the set it was rotated with. Here each position has one set: short below
+  `original_max_position_embeddings`, long from there on (a pure function of the position, as prefix caching and
+  recompute after preemption need). That is HF's generate() exactly for prompts up to that length (its prefill
+  then uses the short set, and each later token the long set once its position reaches it); a longer prompt's
+  first positions differ (HF rotates the whole prompt with the long set).
 - dynamic (dynamic NTK): HF recomputes the base from the *current* sequence length once a sequence
   grows past `max_position_embeddings`, re-rotating keys it has already seen; a KV cache cannot do
   that. As vLLM does, positions below `max_position_embeddings` use the unscaled base (identical to
@@ -25,7 +31,7 @@ from torch import nn
 from llmserve.errors import ModelLoadError
 from llmserve.kernels import native
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,7 @@ class RopeConfig:
     theta: float
     max_position_embeddings: int
     params: dict[str, Any] = field(default_factory=dict)  # the scaling keys (factor, beta_fast, ...)
+    partial_rotary_factor: float = 1.0  # the fraction of head_dim rotated (its first dims; Phi-3 / Phi-4-mini)
 
     @property
     def factor(self) -> float:
@@ -44,26 +51,41 @@ class RopeConfig:
         return int(self.params.get("original_max_position_embeddings") or self.max_position_embeddings)
 
 
-def rope_config(hf_config: Any) -> RopeConfig:
-    """Read rope settings from `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta` (older)."""
+def rope_config(hf_config: Any, layer_type: str | None = None) -> RopeConfig:
+    """Read rope settings from `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta` (older).
+    Per-layer-type parameters (Gemma 3: {"full_attention": {...}, "sliding_attention": {...}}) need `layer_type`."""
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     params = dict(params)
     if params and all(isinstance(v, dict) for v in params.values()):
-        raise ModelLoadError(f"per-layer-type rope parameters ({sorted(params)}) are not supported")
+        if layer_type not in params:
+            raise ModelLoadError(f"per-layer-type rope parameters ({sorted(params)}) are not supported here")
+        params = dict(params[layer_type])
     rope_type = params.get("rope_type") or params.get("type") or "default"
+    rope_type = "longrope" if rope_type == "su" else rope_type  # Phi-3's older name
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
-    if partial not in (None, 1, 1.0):
-        raise ModelLoadError(f"partial_rotary_factor={partial} is not supported (only full-head rotary)")
+    partial = 1.0 if partial is None else float(partial)
+    if not 0 < partial <= 1:
+        raise ModelLoadError(f"partial_rotary_factor={partial} must be in (0, 1]")
     theta = params.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0
     max_pos = int(hf_config.max_position_embeddings)
     # HF gives a top-level original_max_position_embeddings (Phi-3 style) priority over the dict's.
-    if rope_type in ("llama3", "yarn") and getattr(hf_config, "original_max_position_embeddings", None):
+    if rope_type in ("llama3", "yarn", "longrope") and getattr(hf_config, "original_max_position_embeddings", None):
         params["original_max_position_embeddings"] = hf_config.original_max_position_embeddings
-    if rope_type != "default" and rope_type != "yarn" and params.get("factor") is None:
+    if rope_type not in ("default", "yarn", "longrope") and params.get("factor") is None:
         raise ModelLoadError(f"rope_type {rope_type!r} needs a 'factor' in rope_parameters/rope_scaling")
-    return RopeConfig(rope_type, float(theta), max_pos, params)
+    if rope_type == "longrope" and not (params.get("short_factor") and params.get("long_factor")):
+        raise ModelLoadError("rope_type 'longrope' needs 'short_factor' and 'long_factor' in rope_parameters")
+    return RopeConfig(rope_type, float(theta), max_pos, params, partial)
+
+
+def model_max_positions(hf_config: Any) -> int:
+    """How many positions the model serves: the least over its layer types' rope settings."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if params and all(isinstance(v, dict) for v in params.values()):
+        return min(rope_max_positions(rope_config(hf_config, t)) for t in params)
+    return rope_max_positions(rope_config(hf_config))
 
 
 def rope_max_positions(rc: RopeConfig) -> int:
@@ -129,6 +151,23 @@ def _yarn_inv_freq(rc: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention_factor)
 
 
+def _longrope_inv_freqs(rc: RopeConfig, dim: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(short, long) inverse frequencies and the attention factor that scales cos and sin (HF's
+    _compute_longrope_parameters)."""
+    p, orig = rc.params, rc.original_max_positions
+    factor = p.get("factor") or rc.max_position_embeddings / orig
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    short, long = (1.0 / (torch.tensor(p[k], dtype=torch.float32) * rc.theta**shape)
+                   for k in ("short_factor", "long_factor"))
+    if short.numel() != dim // 2 or long.numel() != dim // 2:
+        raise ModelLoadError(f"longrope short_factor/long_factor need {dim // 2} entries (rotary dim {dim}), got "
+                             f"{short.numel()} and {long.numel()}")
+    return short, long, float(attention_factor)
+
+
 def _ntk_inv_freq(rc: RopeConfig, dim: int, seq_len: int) -> torch.Tensor:
     factor, max_pos = rc.factor, rc.max_position_embeddings
     base = rc.theta * ((factor * seq_len / max_pos) - (factor - 1)) ** (dim / (dim - 2))
@@ -144,6 +183,8 @@ def compute_cos_sin(rc: RopeConfig, dim: int, num_positions: int) -> tuple[torch
         inv_freq = llama3_inv_freq(rc, dim)
     elif rc.rope_type == "yarn":
         inv_freq, scale = _yarn_inv_freq(rc, dim)
+    elif rc.rope_type == "longrope":
+        inv_freq, long_inv_freq, scale = _longrope_inv_freqs(rc, dim)
     else:  # default, and dynamic below max_position_embeddings
         inv_freq = base_inv_freq(rc.theta, dim)
     positions = torch.arange(num_positions, dtype=torch.int64).float()
@@ -151,6 +192,9 @@ def compute_cos_sin(rc: RopeConfig, dim: int, num_positions: int) -> tuple[torch
     if rc.rope_type == "dynamic" and num_positions > rc.max_position_embeddings:
         far = positions[rc.max_position_embeddings:]
         freqs[rc.max_position_embeddings:] = torch.outer(far, _ntk_inv_freq(rc, dim, num_positions))
+    if rc.rope_type == "longrope":  # the long factors from original_max_position_embeddings on
+        far = positions[rc.original_max_positions:]
+        freqs[rc.original_max_positions:] = torch.outer(far, long_inv_freq)
     return freqs.cos() * scale, freqs.sin() * scale
 
 

@@ -7,7 +7,8 @@ states are bit for bit the Python path's (tested). Why: between the kernels a si
 single-request decode went from 88-90 to 143-155 tokens/s in w8a8 and from 61-63 to 85-87 in bf16, and the first
 token of a 36-token prompt from 24-26 to 19 ms in w8a8, 47-49 to 43 in bf16.
 
-It covers every architecture here (Llama, Mistral, Qwen2, Qwen3's per-head q/k norm) with: linears in
+It covers the Llama family (Llama, Mistral, Qwen2, Qwen3's per-head q/k norm, InternLM3, Phi-3 with rotary over whole
+heads; not Gemma: `computes`) with: linears in
 kernels/cpu/packed_gemm.cpp's or kernels/cpu/w8a8_linear.cpp's layout (bf16 models on AVX-512 CPUs whose measured
 choice is a packed kernel, and --quantization int8 or w8a8 on AVX-512 CPUs), a cache paged_decode reads, for steps with prefill chunks native prefill attention (AVX-512, head_dim % 16 ==
 0), and the native kernels enabled (not LLMSERVE_ATTENTION=torch, not LLMSERVE_FUSED_OPS=0).
@@ -44,9 +45,27 @@ def _linear_args(linear: Linear) -> list[Any] | None:
     return None
 
 
+def computes(model: LlamaModel) -> bool:
+    """Whether the stack's kernels compute these layers exactly as the Python ones: Llama's layer with its plain
+    RMSNorms (an optional per-head q/k norm), a SiLU-gated MLP, rotary over whole heads and uncapped attention. Gemma's
+    (1 + w) norms, post-norms and GELU, soft-capping and Phi's partial rotary are not in the kernels."""
+    from llmserve.layers.activation import SiluAndMul
+    from llmserve.layers.norm import RMSNorm
+    from llmserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+
+    def plain(layer: Any) -> bool:
+        a, mlp = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm, layer.post_attention_layernorm) + ((a.q_norm, a.k_norm) if a.q_norm else ())
+        return (type(layer) is LlamaDecoderLayer and type(a) is LlamaAttention and type(mlp) is LlamaMLP
+                and type(mlp.act) is SiluAndMul and all(type(n) is RMSNorm for n in norms)
+                and a.attn.softcap is None and a.rotary_dim == a.head_dim)
+
+    return all(plain(layer) for layer in model.layers)
+
+
 def build(model: LlamaModel) -> Any | None:
     """The native stack over the model's layers and bound caches, or None where it does not cover them."""
-    if native.load() is None:
+    if native.load() is None or not computes(model):
         return None
     first = model.layers[0]
     attn = first.self_attn

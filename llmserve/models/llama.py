@@ -26,7 +26,7 @@ from llmserve.layers.activation import SiluAndMul
 from llmserve.layers.embedding import VocabEmbedding
 from llmserve.layers.linear import Linear, MergedLinear, ShapeMismatch, int8_packed_ok
 from llmserve.layers.norm import RMSNorm
-from llmserve.layers.rotary import RotaryEmbedding, rope_config, rotate_
+from llmserve.layers.rotary import RotaryEmbedding, apply_rotary, rope_config, rotate_
 from llmserve.models import decoder_stack
 
 
@@ -43,6 +43,11 @@ class DecoderSpec:
 
 def head_dim_of(cfg: Any) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def rotary_dim_of(cfg: Any) -> int:
+    """How many of each head's first dims rotary rotates (all but with a partial_rotary_factor)."""
+    return int(head_dim_of(cfg) * rope_config(cfg).partial_rotary_factor)
 
 
 def layer_sliding_windows(cfg: Any) -> tuple[int | None, ...]:
@@ -81,6 +86,7 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = d = head_dim_of(cfg)
+        self.rotary_dim = rotary_dim_of(cfg)
         self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": self.num_heads * d, "k": self.num_kv_heads * d,
                                                        "v": self.num_kv_heads * d}, bias=spec.qkv_bias)
         self.o_proj = Linear(self.num_heads * d, cfg.hidden_size, bias=spec.o_bias)
@@ -92,17 +98,26 @@ class LlamaAttention(nn.Module):
                 ) -> torch.Tensor:
         t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D]
-        if self.q_norm is None:
+        if self.q_norm is None and self.rotary_dim == d:
             # q and k are adjacent in qkv: rotate both heads at once, [T, H + KVH, D]
             qk = rotate_(qkv[:, :(h + kvh) * d].view(t, h + kvh, d), cos, sin)
             q, k = qk[:, :h], qk[:, h:]
             v = qkv[:, (h + kvh) * d:]
         else:
             q, k, v = self.qkv_proj.split(qkv)
-            q, k = self.q_norm(q.view(t, h, d)), self.k_norm(k.view(t, kvh, d))  # per head, before rotary
-            q, k = rotate_(q, cos, sin), rotate_(k, cos, sin)
+            q, k = q.view(t, h, d), k.view(t, kvh, d)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)  # per head, before rotary
+            q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         o = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, meta)  # [T, H*D]
         return self.o_proj(o)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """[T, heads, D]: rotary over the first rotary_dim dims of each head (cos/sin [T, 1, rotary_dim/2])."""
+        if self.rotary_dim == self.head_dim:
+            return rotate_(x, cos, sin)
+        r = self.rotary_dim
+        return torch.cat((apply_rotary(x[..., :r], cos, sin), x[..., r:]), dim=-1)
 
 
 class LlamaMLP(nn.Module):
@@ -145,7 +160,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, spec, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(head_dim_of(cfg), rope_config(cfg))
+        self.rotary_emb = RotaryEmbedding(rotary_dim_of(cfg), rope_config(cfg))
         self._stack: Any = None  # the native decoder stack over the caches bound when it was built (see decoder_stack)
         self._stack_cache: torch.Tensor | None = None
         self._stack_prefills = False  # whether it runs steps with prefill chunks too
@@ -193,6 +208,8 @@ _STACKED = (
 
 
 class LlamaForCausalLM(nn.Module):
+    model_class: type[nn.Module] = LlamaModel  # the decoder; other families put their own here (models/gemma2.py)
+
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.config = hf_config
@@ -201,7 +218,7 @@ class LlamaForCausalLM(nn.Module):
         # Parameters are allocated (uninitialised) straight on the target device in the target
         # dtype; load_weights fills every one of them exactly once.
         with torch.device(device), _default_dtype(dtype):
-            self.model = LlamaModel(hf_config, spec)
+            self.model = self.model_class(hf_config, spec)
             self.lm_head = None if self.tied else VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size)
 
     @classmethod

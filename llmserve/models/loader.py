@@ -29,7 +29,7 @@ from llmserve.config import EngineConfig
 from llmserve.errors import InvalidRequestError, ModelLoadError
 from llmserve.kernels import native
 from llmserve.layers.linear import int8_packed_ok
-from llmserve.layers.rotary import rope_config, rope_max_positions
+from llmserve.layers.rotary import model_max_positions
 from llmserve.models import model_config
 from llmserve.models.gguf_loader import gguf_to_hf_dir
 from llmserve.models.registry import MODEL_TYPES, get_model_class, is_vision_language
@@ -113,7 +113,7 @@ def load_model(model: str | None, config: EngineConfig) -> LoadedModel:
         generation_defaults={k: generation[k] for k in GENERATION_KEYS if k in generation},
         eos_token_ids=_unique_ids(getattr(vision_config, "eos_token_id", None), getattr(hf_config, "eos_token_id", None),
                                   generation.get("eos_token_id"), tokenizer.eos_token_id),
-        max_model_len=rope_max_positions(rope_config(hf_config)), served_name=loc.served_name,
+        max_model_len=model_max_positions(hf_config), served_name=loc.served_name,
         load_seconds=time.perf_counter() - start, gguf_converted=loc.gguf_converted)
     kind = {None: "", True: " (GGUF, cold: converted)", False: " (GGUF, warm: from cache)"}[loc.gguf_converted]
     log.info("loaded %s%s from %s in %.1f s: %s, %s on %s", loaded.served_name, kind, loc.model_dir,

@@ -58,10 +58,11 @@ LENS = [1, 5, 63, 64, 65, 130, 300]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
-def _check(case, window, splits, dtype) -> None:
+def _check(case, window, splits, dtype, softcap=None) -> None:
     (q, kv, scales, meta), reference = case
-    got = triton_decode.paged_decode(q, kv, meta.decode_tables, meta.decode_lens, 0.125, window, scales, splits)
-    want = decode_attention(*reference[:3], meta, 0.125, window)
+    got = triton_decode.paged_decode(q, kv, meta.decode_tables, meta.decode_lens, 0.125, window, scales, splits,
+                                     softcap=softcap)
+    want = decode_attention(*reference[:3], meta, 0.125, window, softcap=softcap)
     assert got.dtype == q.dtype and got.shape == q.shape
     assert torch.isfinite(got).all()
     err = ((got.float() - want.float()).norm() / want.float().norm()).item()
@@ -80,6 +81,18 @@ def test_fp32_every_group_and_split(heads: int, kv_heads: int, splits: int) -> N
 def test_sliding_window(window: int, splits: int) -> None:
     case = _case(LENS, 8, 2, 16, 64, torch.float32, torch.float32, seed=1)
     _check(case, window, splits, torch.float32)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_softcap(window: int | None, splits: int) -> None:
+    """Gemma 2's capped scores (a cap of 0.5 on scores of O(1) changes the softmax a lot), before the window's mask."""
+    case = _case(LENS, 8, 2, 16, 64, torch.float32, torch.float32, seed=4)
+    _check(case, window, splits, torch.float32, softcap=0.5)
+    (q, kv, scales, meta), _ = case
+    args = (q, kv, meta.decode_tables, meta.decode_lens, 0.125, window, scales, splits)
+    uncapped, capped = triton_decode.paged_decode(*args), triton_decode.paged_decode(*args, softcap=0.5)
+    assert not torch.allclose(uncapped, capped, atol=1e-3)
 
 
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),

@@ -11,7 +11,14 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from llmserve.errors import ModelLoadError
-from llmserve.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary, rope_config, rope_max_positions
+from llmserve.layers.rotary import (
+    RopeConfig,
+    RotaryEmbedding,
+    apply_rotary,
+    model_max_positions,
+    rope_config,
+    rope_max_positions,
+)
 
 HEAD_DIM, MAX_POS = 32, 256
 
@@ -71,6 +78,43 @@ def test_dynamic_beyond_max_positions_uses_one_fixed_ntk_base() -> None:
     torch.testing.assert_close(sin[MAX_POS:, 0], freqs.sin(), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+def test_longrope_short_factors_below_the_original_length_long_ones_from_it(partial: float) -> None:
+    """Phi-3's longrope: HF's short set for a sequence within original_max_position_embeddings, its long set (and the
+    same attention factor) for one past it; here per position (rotary.py says why)."""
+    from transformers import Phi3Config
+
+    dim, orig = int(HEAD_DIM * partial), 64
+    gen = torch.Generator().manual_seed(0)
+    short, long = (1 + torch.rand(dim // 2, generator=gen) * 3 for _ in range(2))
+    cfg = Phi3Config(hidden_size=128, num_attention_heads=4, max_position_embeddings=MAX_POS,
+                     original_max_position_embeddings=orig, rope_parameters={
+                         "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": partial,
+                         "short_factor": short.tolist(), "long_factor": long.tolist()})
+    rc = rope_config(cfg)
+    assert rc.partial_rotary_factor == partial and rope_max_positions(rc) == MAX_POS
+    cos, sin = RotaryEmbedding(dim, rc)(torch.arange(MAX_POS), torch.float32)
+    for seq_len, rows in ((orig, slice(0, orig)), (orig + 1, slice(orig, MAX_POS))):
+        inv_freq, factor = ROPE_INIT_FUNCTIONS["longrope"](cfg, "cpu", seq_len=seq_len)
+        assert factor == pytest.approx((1 + torch.log(torch.tensor(MAX_POS / orig)).item() / torch.log(
+            torch.tensor(float(orig))).item()) ** 0.5)
+        freqs = torch.outer(torch.arange(MAX_POS).float()[rows], inv_freq)
+        torch.testing.assert_close(cos[rows, 0], freqs.cos() * factor, atol=1e-6, rtol=0)
+        torch.testing.assert_close(sin[rows, 0], freqs.sin() * factor, atol=1e-6, rtol=0)
+
+
+def test_per_layer_type_rope_parameters_need_the_layer_type() -> None:
+    cfg = SimpleNamespace(max_position_embeddings=128, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}})
+    assert rope_config(cfg, "sliding_attention") == RopeConfig("default", 10000.0, 128, cfg.rope_parameters[
+        "sliding_attention"])
+    assert rope_config(cfg, "full_attention").theta == 1e6
+    with pytest.raises(ModelLoadError, match="per-layer-type"):
+        rope_config(cfg)
+    assert model_max_positions(cfg) == 128  # the least over the types: linear's 8 x 128 is the full layers' only
+
+
 def test_apply_rotary_matches_rotate_half() -> None:
     x = torch.randn(5, 3, HEAD_DIM)
     angle = torch.randn(5, 1, HEAD_DIM // 2)
@@ -100,9 +144,10 @@ def test_max_positions_per_rope_type() -> None:
 
 
 @pytest.mark.parametrize("scaling, message", [
-    ({"rope_type": "longrope", "factor": 2.0}, "rope_type 'longrope' is not supported"),
+    ({"rope_type": "ntk-by-parts", "factor": 2.0}, "rope_type 'ntk-by-parts' is not supported"),
+    ({"rope_type": "longrope", "factor": 2.0}, "needs 'short_factor' and 'long_factor'"),
     ({"rope_type": "linear"}, "needs a 'factor'"),
-    ({"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+    ({"rope_type": "default", "partial_rotary_factor": 1.5}, "partial_rotary_factor=1.5"),
 ])
 def test_unsupported_rope_is_refused(scaling: dict, message: str) -> None:
     cfg = SimpleNamespace(rope_parameters=scaling, max_position_embeddings=128)
