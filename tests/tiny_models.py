@@ -60,6 +60,13 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma2": ("gemma2", {"head_dim": 16, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0,
                           "final_logit_softcapping": 3.0, "sliding_window": 4, "num_hidden_layers": 3,
                           "tie_word_embeddings": True}),
+    # q/k norms; the local rope on sliding layers, the global one (linear-scaled) on the full layer
+    "gemma3": ("gemma3_text", {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 4,
+                               "num_hidden_layers": 3, "tie_word_embeddings": True,
+                               "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                               "rope_parameters": {
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}}),
 }
 GENERATION_CONFIG = {"bos_token_id": 1, "eos_token_id": [2, 0], "temperature": 0.6, "top_p": 0.9, "do_sample": True}
 
