@@ -67,6 +67,11 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                "rope_parameters": {
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                    "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}}),
+    # longrope over half of each head; the test prompts (<= 40 tokens) fit the original length, their outputs run past
+    # it, so both factor sets rotate (rotary.py: per position, HF's generate for such prompts)
+    "phi3": ("phi3", {"original_max_position_embeddings": 40, "sliding_window": 6, "pad_token_id": 0, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+        "short_factor": [1.0, 1.5, 2.5, 4.0], "long_factor": [1.5, 3.0, 6.0, 12.0]}}),
 }
 GENERATION_CONFIG = {"bos_token_id": 1, "eos_token_id": [2, 0], "temperature": 0.6, "top_p": 0.9, "do_sample": True}
 

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from llmserve import EngineConfig, GenerationConfig, pipeline
 
-ARCHS = ["llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"]
+ARCHS = ["llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"]
 PROMPT_LENS = [3, 5, 9, 14, 17, 23, 31, 40]
 NEW_TOKENS = 12
 
@@ -23,10 +23,25 @@ def prompts() -> list[list[int]]:
 # sliding-window layers (its sliding cache layer drops context the full forward attends to); we follow
 # the forward, the model's definition: a greedy loop that recomputes the whole sequence each token.
 CACHE_FREE_REFERENCE = {"qwen2"}
+# Phi-3's generate() drops its cache once a sequence passes original_max_position_embeddings and recomputes every
+# position with the long longrope factors; a KV cache keeps each position's rotation (layers/rotary.py), as
+# transformers' own model does when run token by token over its cache: that loop is the reference here.
+CACHED_LOOP_REFERENCE = {"phi3"}
 
 
-def hf_greedy(model_dir: str, prompt: list[int], cache_free: bool = False) -> list[int]:
+def hf_greedy(model_dir: str, prompt: list[int], cache_free: bool = False, cached_loop: bool = False) -> list[int]:
     model = _hf_model(model_dir)
+    if cached_loop:
+        from transformers import DynamicCache
+
+        seq, cache = list(prompt), DynamicCache(config=model.config)
+        with torch.no_grad():
+            logits = model(torch.tensor([seq]), past_key_values=cache, use_cache=True).logits
+            for _ in range(NEW_TOKENS):
+                seq.append(int(logits[0, -1].argmax()))
+                logits = model(torch.tensor([seq[-1:]]), past_key_values=cache, use_cache=True,
+                               position_ids=torch.tensor([[len(seq) - 1]])).logits
+        return seq[len(prompt):]
     if cache_free:
         seq = list(prompt)
         with torch.no_grad():
@@ -52,8 +67,8 @@ def _hf_model(model_dir: str):  # one load per directory for the module
 
 @pytest.fixture(scope="module")
 def expected(tiny_model_dir) -> dict[str, list[list[int]]]:
-    return {arch: [hf_greedy(tiny_model_dir(arch), p, arch in CACHE_FREE_REFERENCE) for p in prompts()]
-            for arch in ARCHS}
+    return {arch: [hf_greedy(tiny_model_dir(arch), p, arch in CACHE_FREE_REFERENCE, arch in CACHED_LOOP_REFERENCE)
+                   for p in prompts()] for arch in ARCHS}
 
 
 GREEDY = GenerationConfig(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
