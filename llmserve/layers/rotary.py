@@ -7,9 +7,10 @@ Supported `rope_type`s and how they relate to transformers (the reference):
 - longrope (Phi-3's "su"): HF picks the short or the long factors for a whole forward call by its longest
   position, so a cached key keeps the set it was rotated with. Here each position has one set: short below
   `original_max_position_embeddings`, long from there on (a pure function of the position, as prefix caching and
-  recompute after preemption need). That is HF's generate() exactly for prompts up to that length (its prefill
-  then uses the short set, and each later token the long set once its position reaches it); a longer prompt's
-  first positions differ (HF rotates the whole prompt with the long set).
+  recompute after preemption need). That is HF's model run token by token over its own cache, for prompts up to
+  that length. HF's Phi-3 generate() instead drops its cache when a sequence first passes that length and rotates
+  every position again with the long set (as does a prompt longer than it), which a paged, prefix-cached KV cache
+  cannot do without a recompute: past that point outputs may differ from HF's generate().
 - dynamic (dynamic NTK): HF recomputes the base from the *current* sequence length once a sequence
   grows past `max_position_embeddings`, re-rotating keys it has already seen; a KV cache cannot do
   that. As vLLM does, positions below `max_position_embeddings` use the unscaled base (identical to
