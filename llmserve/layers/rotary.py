@@ -18,6 +18,10 @@ Supported `rope_type`s and how they relate to transformers (the reference):
   sequence we serve (`max_position_embeddings * factor`).
 
 The cache covers `rope_max_positions(config)` positions; the engine never runs past that.
+
+M-RoPE (Qwen2-VL, `MRotaryEmbedding`): a token has three positions (temporal, height, width); the rotary frequencies
+are cut into three sections (`mrope_section`), each rotated by one of them. Text has all three equal, which is plain
+rotary at that position.
 """
 
 from __future__ import annotations
@@ -215,6 +219,31 @@ class RotaryEmbedding(nn.Module):
         """positions: [T] int64 -> (cos, sin), each [T, 1, head_dim/2] in `dtype` (broadcast over heads)."""
         cos = self.cos.index_select(0, positions).to(dtype)
         sin = self.sin.index_select(0, positions).to(dtype)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Rotary over 3-row positions (M-RoPE): frequency f of cos/sin comes from the row of its section, as transformers'
+    Qwen2-VL `recomposition_frequencies` assigns them (section i -> row i % 3). The output keeps RotaryEmbedding's
+    shape, so the attention layers and the native decoder stack take it unchanged."""
+
+    def __init__(self, head_dim: int, rc: RopeConfig, num_positions: int | None = None) -> None:
+        super().__init__(head_dim, rc, num_positions)
+        section = [int(n) for n in rc.params.get("mrope_section") or (16, 24, 24)]  # (transformers' default)
+        if sum(section) != head_dim // 2:
+            raise ModelLoadError(f"rope mrope_section {section} must sum to head_dim / 2 = {head_dim // 2}")
+        rows = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(section)])
+        self.register_buffer("section_rows", rows.to(self.cos.device), persistent=False)  # [head_dim/2] in 0..2
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [3, T] int64 (temporal, height, width), or [T] for three equal rows -> (cos, sin), each
+        [T, 1, head_dim/2] in `dtype`."""
+        if positions.dim() == 1:
+            return super().forward(positions, dtype)
+        t = positions.shape[1]
+        index = self.section_rows.view(1, 1, -1).expand(1, t, -1)
+        cos = self.cos[positions].gather(0, index)[0].to(dtype)  # [3, T, D/2] -> [T, D/2]
+        sin = self.sin[positions].gather(0, index)[0].to(dtype)
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
 

@@ -7,6 +7,9 @@ nothing else about the prompt is special. For the caches, a placeholder is not i
 placeholders have the same id) but a key derived from the image's content hash and j: `key_ids` is the prompt with
 those keys in place, and the prefix cache and sessions compare it, so the same text with different images never
 shares KV, and the same image and text do.
+
+M-RoPE models (Qwen2-VL) place tokens by 3-D rotary positions (`MRopePositions`): computed once per prompt by the
+model's own transformers rope index, carried here, and read by the runner for every span it computes.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import bisect
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 
 @dataclass(eq=False)
@@ -28,9 +33,21 @@ class ImageItem:
         return bisect.bisect_left(self.positions, lo), bisect.bisect_left(self.positions, hi)
 
 
+@dataclass(frozen=True, eq=False)
+class MRopePositions:
+    """A prompt's 3-D rotary positions. Prompt token i is at prompt[:, i]; every later token (generated, or a draft)
+    continues from the prompt's largest position: sequence index i is at i + delta in all three rows. A position
+    depends only on the tokens up to it (the rope index runs left to right), so a cached prefix's positions are
+    those any prompt that shares it computes."""
+
+    prompt: torch.Tensor  # [3, P] int64 on the CPU: temporal, height, width
+    delta: int  # max(prompt) + 1 - P (<= 0: an image takes fewer positions than placeholders)
+
+
 @dataclass(eq=False)
 class MultiModalInputs:
     images: list[ImageItem]
+    mrope: MRopePositions | None = None  # M-RoPE models only
     _keys: dict[int, list[int]] = field(default_factory=dict, repr=False)  # image index -> its rows' cache keys
 
     @property

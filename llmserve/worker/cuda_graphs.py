@@ -10,6 +10,10 @@ Every kernel's shape depends only on the batch size: the Triton decode kernel (a
 lengths and tables on the device, and its context splits are fixed per size. Padding rows write their K/V into a
 scratch block that the KV allocator never hands out and read only that block, so they touch no request's cache.
 The graph covers the model and the LM head; the sampler runs eagerly on the graph's logits.
+
+M-RoPE models (Qwen2-VL) decode from the same 1-D positions: a decode token follows every image of its prompt, so its
+three rotary rows are equal, its sequence index + the request's delta. `run` takes the deltas and puts index + delta
+in the positions buffer, while the KV slots and context lengths stay by sequence index.
 """
 
 from __future__ import annotations
@@ -88,17 +92,20 @@ class CudaGraphDecoder:
         return num_seqs <= self.max_size and max_blocks <= self.width
 
     @torch.inference_mode()
-    def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+    def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
+            rope_deltas: list[int] | None = None) -> torch.Tensor:
         """One decode step of n requests (token_ids[i] at positions[i], over block_tables[i]) -> logits [n, V],
-        a view of the graph's output: read it before the next run."""
+        a view of the graph's output: read it before the next run. rope_deltas: an M-RoPE model's rotary position
+        minus sequence index per request (positions index the cache either way)."""
         n = len(token_ids)
         size = next(s for s in self.sizes if s >= n)
         bs = self.block_size
         staging = self._staging
         staging[0, :n] = torch.tensor(token_ids)
-        staging[1, :n] = torch.tensor(positions)
+        index = torch.tensor(positions)
+        staging[1, :n] = index if rope_deltas is None else index + torch.tensor(rope_deltas)
         staging[2, :n] = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions)])
-        staging[3, :n] = staging[1, :n] + 1
+        staging[3, :n] = index + 1
         staging[:, n:size] = self._pad
         self._inputs[:, :size].copy_(staging[:, :size], non_blocking=True)
         # only the columns in use: a row's later columns are never read (its length bounds the kernel's reads)

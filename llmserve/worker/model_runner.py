@@ -23,7 +23,7 @@ from llmserve.kernels.choice import ChoiceTable
 from llmserve.models.loader import LoadedModel
 from llmserve.sampling.logprobs import logprobs_of_logits
 from llmserve.sampling.sampler import Sampler, SamplerOutput, SamplingBatch, SequenceState
-from llmserve.vl.inputs import ImageItem
+from llmserve.vl.inputs import ImageItem, MRopePositions
 from llmserve.worker.cpu_tuning import configure_cpu, trim_heap, use_onednn
 
 if TYPE_CHECKING:
@@ -92,6 +92,7 @@ class ModelRunner:
                     self.decode_dot = self._dot(loaded, calibrate.DECODE_ATTENTION)
         self.model = loaded.model
         self.device = loaded.device
+        self.mrope = bool(getattr(self.model, "mrope", False))  # 3-row rotary positions (models/qwen2_vl.py)
         self.vocab_size = loaded.hf_config.vocab_size
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -136,7 +137,7 @@ class ModelRunner:
             num_real = s.num_new_tokens - len(s.draft_token_ids)
             spans.append(Span(r.token_ids[start:start + num_real] + list(s.draft_token_ids), start, table,
                               1 + len(s.draft_token_ids) if s.samples else 0, _prompt_logprobs(r, start, num_real),
-                              _image_rows(r, start, num_real)))
+                              _image_rows(r, start, num_real), r.mm.mrope if r.mm is not None else None))
             if s.samples:
                 masks = r.grammar.masks_with_drafts(s.draft_token_ids) if r.grammar is not None else None
                 for i in range(len(s.draft_token_ids) + 1):
@@ -168,8 +169,11 @@ class ModelRunner:
         logits of the last `num_logits` tokens of every span, in span order: [sum num_logits, V].
         Single-token spans must come first."""
         if self.graphs is not None and self._graph_step(spans):
+            # M-RoPE: a decode's token is past every image (a sampled token with no image rows is the last of
+            # its sequence), so its three rows are equal, start + delta: plain rotary there
+            deltas = [span.mrope.delta if span.mrope is not None else 0 for span in spans] if self.mrope else None
             return self.graphs.run([span.token_ids[0] for span in spans], [span.start for span in spans],
-                                   [span.block_table for span in spans])
+                                   [span.block_table for span in spans], deltas)
         input_ids: list[int] = []
         positions: list[int] = []
         seqs: list[SeqSpec] = []
@@ -184,7 +188,10 @@ class ModelRunner:
         meta = build_attention_metadata(seqs, self.block_size, self.device, self.workspace)
         meta.prefill_dot, meta.decode_dot = self.prefill_dot, self.decode_dot
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        if self.mrope:
+            pos = _mrope_positions(spans, positions).to(self.device)
+        else:
+            pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         embeds = self._image_embeds(image_rows, spans) if image_rows else None
         hidden = self.model(ids, pos, meta, embeds) if embeds is not None else self.model(ids, pos, meta)
         self._prompt_logprobs(hidden, spans)
@@ -225,7 +232,8 @@ class ModelRunner:
     def _graph_step(self, spans: list[Span]) -> bool:
         """Whether a captured graph runs this step: decodes only (one token, its logits), within the sizes."""
         assert self.graphs is not None
-        return (bool(spans) and all(len(s.token_ids) == 1 and s.num_logits == 1 for s in spans)
+        # (a step with image rows runs eagerly: the graph's inputs are token ids, not image features)
+        return (bool(spans) and all(len(s.token_ids) == 1 and s.num_logits == 1 and not s.images for s in spans)
                 and self.graphs.fits(len(spans), max(len(s.block_table) for s in spans)))
 
 
@@ -250,6 +258,7 @@ class Span:
     num_logits: int
     prompt_logprobs: PromptLogprobTask | None = None
     images: tuple[ImageRows, ...] = ()  # image placeholders among the span's tokens
+    mrope: MRopePositions | None = None  # an M-RoPE model's request with images: its prompt's 3-D positions
 
 
 @dataclass(frozen=True, eq=False)
@@ -270,6 +279,27 @@ def _image_rows(r: Request, start: int, num_real: int) -> tuple[ImageRows, ...]:
         if j0 < j1:
             out.append(ImageRows(item, j0, j1))
     return tuple(out)
+
+
+def _mrope_positions(spans: list[Span], positions: list[int]) -> torch.Tensor:
+    """An M-RoPE model's step positions [3, T] (positions: the tokens' sequence indices): a prompt's own 3-D positions
+    where its spans cover its prompt, sequence index + delta in all three rows after it, and the sequence index in
+    all three for a request without images."""
+    shifted = list(positions)
+    prompt_parts: list[tuple[int, torch.Tensor]] = []  # (first batch column, the prompt's positions [3, n] there)
+    column = 0
+    for span in spans:
+        m, n = span.mrope, len(span.token_ids)
+        if m is not None:
+            for i in range(column, column + n):
+                shifted[i] += m.delta
+            if span.start < m.prompt.shape[1]:
+                prompt_parts.append((column, m.prompt[:, span.start:span.start + n]))
+        column += n
+    pos = torch.tensor(shifted, dtype=torch.long).expand(3, -1).contiguous()
+    for column, part in prompt_parts:
+        pos[:, column:column + part.shape[1]] = part
+    return pos
 
 
 # Rows of prompt logprobs computed together: [256, V] fp32 logits is 50 MB at a 49k vocabulary.
