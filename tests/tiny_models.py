@@ -72,7 +72,11 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("phi3", {"original_max_position_embeddings": 40, "sliding_window": 6, "pad_token_id": 0, "rope_parameters": {
         "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
         "short_factor": [1.0, 1.5, 2.5, 4.0], "long_factor": [1.5, 3.0, 6.0, 12.0]}}),
+    # transformers runs it as LlamaForCausalLM; the checkpoint names InternLM3ForCausalLM (ARCHITECTURES)
+    "internlm3": ("internlm3", {"qkv_bias": True, "bias": True, "head_dim": 32}),
 }
+# config.json `architectures` where the real checkpoints name a class transformers' model is not
+ARCHITECTURES = {"internlm3": ["InternLM3ForCausalLM"]}
 GENERATION_CONFIG = {"bos_token_id": 1, "eos_token_id": [2, 0], "temperature": 0.6, "top_p": 0.9, "do_sample": True}
 
 
@@ -122,6 +126,11 @@ def make_tiny_model(arch: str, directory: str | os.PathLike, seed: int = 0, **ov
     directory = os.fspath(directory)
     model = make_hf_model(arch, seed, **overrides)
     model.save_pretrained(directory)
+    if arch in ARCHITECTURES:
+        with open(os.path.join(directory, "config.json")) as f:
+            config = json.load(f)
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump({**config, "architectures": ARCHITECTURES[arch]}, f, indent=2)
     tiny_tokenizer().save_pretrained(directory)
     with open(os.path.join(directory, "generation_config.json"), "w") as f:
         json.dump(GENERATION_CONFIG, f)

@@ -16,6 +16,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": ("llmserve.models.gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("llmserve.models.gemma3", "Gemma3ForCausalLM"),
     "Phi3ForCausalLM": ("llmserve.models.phi3", "Phi3ForCausalLM"),
+    "InternLM3ForCausalLM": ("llmserve.models.internlm3", "InternLM3ForCausalLM"),
     # vision-language models: transformers' vision side, our language model (models/vlm.py)
     "LlavaForConditionalGeneration": ("llmserve.models.vlm", "VisionLanguageModel"),
     "LlavaNextForConditionalGeneration": ("llmserve.models.vlm", "VisionLanguageModel"),

@@ -16,7 +16,7 @@ ATOL = 1e-4
 CLASSES = {"llama": "LlamaForCausalLM", "llama-tied": "LlamaForCausalLM", "llama3-rope": "LlamaForCausalLM",
            "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
            "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-           "phi3": "Phi3ForCausalLM"}
+           "phi3": "Phi3ForCausalLM", "internlm3": "InternLM3ForCausalLM"}
 
 
 def _close(ours: torch.Tensor, ref: torch.Tensor) -> None:
