@@ -31,6 +31,13 @@ _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_at
 _TEXT = {**_BASE}
 
 VL_ARCHS = ("llava", "llava_next", "internvl", "idefics3", "smolvlm")
+QWEN_VL_ARCHS = ("qwen2_vl", "qwen2_5_vl")  # M-RoPE (tests/vl/test_qwen2_vl.py)
+
+# Qwen2-VL: each image between <|vision_start|> and <|vision_end|> (as the family's chat template writes it), so that
+# adjacent images stay apart in the rope index; video tokens exist for the processor, never used.
+_QWEN_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# head_dim 16: 8 rotary frequencies in temporal/height/width sections (2, 3, 3), as Qwen2-VL's (16, 24, 24) of 64
+_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
 
 
 def _tokenizer(extra: list[str], named: dict[str, str] | None = None) -> Any:
@@ -103,10 +110,39 @@ def build(arch: str, seed: int = 0) -> tuple[Any, Any]:
             proc = proc_cls(image_processor=ip, tokenizer=tok, image_seq_len=4, chat_template=_template("<image>"),
                             **video)
         model = (tf.Idefics3ForConditionalGeneration if arch == "idefics3" else tf.SmolVLMForConditionalGeneration)(cfg)
+    elif arch in ("qwen2_vl", "qwen2_5_vl"):
+        model, proc = _qwen_vl(arch)
     else:
         raise ValueError(arch)
     model.config._attn_implementation = "eager"
     return randomize_(model, seed).float().eval(), proc
+
+
+def _qwen_vl(arch: str) -> tuple[Any, Any]:
+    """Patches of 4 pixels merged 2x2: an image of tens of pixels is a few dozen placeholders, on a grid of its own
+    aspect (dynamic resolution), placed by 3-D rotary positions (M-RoPE)."""
+    import transformers as tf
+
+    tok = _tokenizer(_QWEN_VL_TOKENS)
+    ids = {name: tok.convert_tokens_to_ids(t) for name, t in
+           zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"), _QWEN_VL_TOKENS)}
+    text = {**_TEXT, "rope_parameters": _MROPE}
+    vision = dict(depth=2, num_heads=4, patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
+    if arch == "qwen2_vl":
+        vision.update(embed_dim=32, hidden_size=_TEXT["hidden_size"], mlp_ratio=2)
+        cfg = tf.Qwen2VLConfig(text_config=text, vision_config=vision, **ids)
+        proc_cls, model_cls = tf.Qwen2VLProcessor, tf.Qwen2VLForConditionalGeneration
+    else:  # window attention over 2x2 merged units in the first block, full attention in the second
+        vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=_TEXT["hidden_size"], window_size=16,
+                      fullatt_block_indexes=[1])
+        cfg = tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
+        proc_cls, model_cls = tf.Qwen2_5_VLProcessor, tf.Qwen2_5_VLForConditionalGeneration
+    ip = tf.Qwen2VLImageProcessorPil(size={"shortest_edge": 8 * 8, "longest_edge": 64 * 64}, patch_size=4,
+                                     merge_size=2, temporal_patch_size=2)
+    with without_video_processor():
+        proc = proc_cls(image_processor=ip, tokenizer=tok, video_processor=None,
+                        chat_template=_template("<|vision_start|><|image_pad|><|vision_end|>"))
+    return model_cls(cfg), proc
 
 
 def make_tiny_vlm(arch: str, directory: str | os.PathLike, seed: int = 0) -> str:

@@ -100,7 +100,8 @@ def load_model(model: str | None, config: EngineConfig) -> LoadedModel:
     if is_vision_language(hf_config.architectures[0]):
         from llmserve.vl.processor import VLProcessor
 
-        processor = VLProcessor(loc.model_dir, net.image_token_id, config.trust_remote_code)
+        processor = VLProcessor(loc.model_dir, net.image_token_id, config.trust_remote_code,
+                                getattr(net, "mrope_positions", None))  # M-RoPE models' rope index
         net.encoder_cache_bytes = config.mm_encoder_cache_bytes
         net.max_batch_size = config.vision_max_batch_size
         vision_config, hf_config = hf_config, net.text_config

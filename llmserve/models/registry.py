@@ -23,7 +23,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "InternVLForConditionalGeneration": ("llmserve.models.vlm", "VisionLanguageModel"),
     "Idefics3ForConditionalGeneration": ("llmserve.models.vlm", "VisionLanguageModel"),
     "SmolVLMForConditionalGeneration": ("llmserve.models.vlm", "VisionLanguageModel"),
+    # M-RoPE: 3-D rotary positions (models/qwen2_vl.py)
+    "Qwen2VLForConditionalGeneration": ("llmserve.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": ("llmserve.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
 }
+_VISION_MODULES = ("llmserve.models.vlm", "llmserve.models.qwen2_vl")
 
 # config.model_type -> architecture, for configs that carry no `architectures` (GGUF-derived ones).
 MODEL_TYPES: dict[str, str] = {
@@ -35,7 +39,7 @@ MODEL_TYPES: dict[str, str] = {
 
 
 def is_vision_language(architecture: str | None) -> bool:
-    return architecture in _MODELS and _MODELS[architecture][0] == "llmserve.models.vlm"
+    return architecture in _MODELS and _MODELS[architecture][0] in _VISION_MODULES
 
 
 def supported_architectures() -> list[str]:

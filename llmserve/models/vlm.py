@@ -39,6 +39,8 @@ VISION_ARCHITECTURES = {
     "InternVLForConditionalGeneration": "language_model",
     "Idefics3ForConditionalGeneration": "text_model",
     "SmolVLMForConditionalGeneration": "text_model",
+    "Qwen2VLForConditionalGeneration": "language_model",  # models/qwen2_vl.py
+    "Qwen2_5_VLForConditionalGeneration": "language_model",
 }
 
 # Checkpoints saved by transformers 4 (most on the hub) name the parts without the `model.` parent: renamed on load.
@@ -63,19 +65,12 @@ class EncoderStats:
 class VisionLanguageModel(nn.Module):
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
-        from llmserve.models.registry import MODEL_TYPES, get_model_class
-
         arch = hf_config.architectures[0]
         self.config = hf_config
         self.text_config = text = hf_config.get_text_config()
-        text_arch = (getattr(text, "architectures", None) or [MODEL_TYPES.get(text.model_type)])[0]
-        if text_arch not in MODEL_TYPES.values():
-            raise ModelLoadError(f"{arch}: its language model {text.model_type!r} is not one llmserve implements "
-                                 f"(supported: {', '.join(sorted(MODEL_TYPES))})")
-        text.architectures = [text_arch]
         if getattr(hf_config, "tie_word_embeddings", None) is not None:  # the whole model's setting rules (InternVL)
             text.tie_word_embeddings = hf_config.tie_word_embeddings
-        self.language_model = get_model_class(text_arch)(text, dtype, device)
+        self.language_model = self._language_model_class(text)(text, dtype, device)
         self.lm_name = VISION_ARCHITECTURES[arch]
         self.image_token_id = int(getattr(hf_config, "image_token_id", None)
                                   if getattr(hf_config, "image_token_id", None) is not None
@@ -87,6 +82,17 @@ class VisionLanguageModel(nn.Module):
         self.max_batch_size = 8  # images per encoder pass (EngineConfig.vision_max_batch_size)
         self._cached_bytes = 0
         self.encoder_stats = EncoderStats()
+
+    def _language_model_class(self, text: Any) -> type[nn.Module]:
+        """Our class of the checkpoint's language model (the text config's architecture or model type)."""
+        from llmserve.models.registry import MODEL_TYPES, get_model_class
+
+        text_arch = (getattr(text, "architectures", None) or [MODEL_TYPES.get(text.model_type)])[0]
+        if text_arch not in MODEL_TYPES.values():
+            raise ModelLoadError(f"{self.config.architectures[0]}: its language model {text.model_type!r} is not one "
+                                 f"llmserve implements (supported: {', '.join(sorted(MODEL_TYPES))})")
+        text.architectures = [text_arch]
+        return get_model_class(text_arch)
 
     # --- the language model's interface, as the runner uses it -----------------------------------------
 
@@ -126,7 +132,7 @@ class VisionLanguageModel(nn.Module):
 
         def text_weights() -> Iterable[tuple[str, torch.Tensor]]:
             for raw, tensor in weights:
-                name = _current_name(raw)
+                name = self._current_name(raw)
                 if name.startswith(lm_prefix):
                     yield "model." + name[len(lm_prefix):], tensor
                 elif name.startswith("lm_head."):
@@ -204,6 +210,11 @@ class VisionLanguageModel(nn.Module):
         else:
             raise RuntimeError(f"unexpected image features from {type(self.vision).__name__}: {type(feats).__name__}")
         return [f.reshape(-1, hidden).to(self.dtype) for f in per_item]
+
+    @staticmethod
+    def _current_name(name: str) -> str:
+        """A checkpoint tensor's name in the transformers 5 layout (transformers 4's renamed)."""
+        return _current_name(name)
 
     def _feature_kwargs(self) -> dict[str, Any]:
         kwargs = {}

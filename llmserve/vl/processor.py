@@ -5,12 +5,16 @@ token ids are exactly what transformers' processor makes of the same text and im
 of the rendered chat into the image's placeholders. Each image's encoder input is what the processor makes of that
 image alone (cached by content hash), and its placeholder count there says which of the prompt's placeholders are
 its own, in order.
+
+M-RoPE models (Qwen2-VL) also need the prompt's 3-D rotary positions: `rope_index` (the model's
+`mrope_positions`) computes them from the processor's output for the whole prompt.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -18,14 +22,17 @@ import torch
 from llmserve.errors import InvalidRequestError, ModelLoadError
 from llmserve.vl.hf_compat import without_video_processor
 from llmserve.vl.image import image_hash
-from llmserve.vl.inputs import ImageItem, MultiModalInputs
+from llmserve.vl.inputs import ImageItem, MRopePositions, MultiModalInputs
+
+RopeIndex = Callable[[Mapping[str, torch.Tensor]], MRopePositions]
 
 _TEXT_KEYS = {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"}
 _PER_IMAGE_CACHE = 256  # images' processed inputs kept (by content hash)
 
 
 class VLProcessor:
-    def __init__(self, model_dir: str, image_token_id: int, trust_remote_code: bool = False) -> None:
+    def __init__(self, model_dir: str, image_token_id: int, trust_remote_code: bool = False,
+                 rope_index: RopeIndex | None = None) -> None:
         from transformers import AutoProcessor
 
         try:
@@ -37,6 +44,7 @@ class VLProcessor:
                                  "preprocessor_config.json)") from None
         self.tokenizer = self.processor.tokenizer
         self.image_token_id = image_token_id
+        self.rope_index = rope_index
         self.image_token = getattr(self.processor, "image_token", None) or self.tokenizer.convert_ids_to_tokens(
             image_token_id)
         self.chat_template = getattr(self.processor, "chat_template", None)
@@ -67,7 +75,7 @@ class VLProcessor:
             raise InvalidRequestError(f"the processor expanded the prompt into {len(where)} image placeholders, but "
                                       f"its images take {used} (is there an image token in the text itself?)",
                                       param="messages")
-        return ids, MultiModalInputs(items)
+        return ids, MultiModalInputs(items, self.rope_index(out) if self.rope_index is not None else None)
 
     def _image_inputs(self, key: str, img: Any) -> tuple[dict[str, torch.Tensor], int]:
         with self._lock:
