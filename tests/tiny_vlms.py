@@ -28,7 +28,7 @@ VL_CHAT_TEMPLATE = (
 )
 
 _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
-_TEXT = {**_BASE}
+_TEXT = {**_BASE, "max_position_embeddings": 4096}  # room for the default 512 new tokens, twice
 
 VL_ARCHS = ("llava", "llava_next", "internvl", "idefics3", "smolvlm")
 QWEN_VL_ARCHS = ("qwen2_vl", "qwen2_5_vl")  # M-RoPE (tests/vl/test_qwen2_vl.py)

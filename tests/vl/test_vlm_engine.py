@@ -16,10 +16,13 @@ from llmserve import EngineConfig, GenerationConfig, pipeline
 from llmserve.errors import InvalidRequestError
 from llmserve.vl import IMAGE_TOKEN
 from llmserve.vl.hf_compat import without_video_processor
-from tests.tiny_vlms import VL_ARCHS, make_tiny_vlm, test_image
+from tests.tiny_vlms import QWEN_VL_ARCHS, VL_ARCHS, make_tiny_vlm, test_image
+
+ARCHS = VL_ARCHS + QWEN_VL_ARCHS
 
 NEW_TOKENS = 10
-GREEDY = GenerationConfig(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+# min_new_tokens as transformers' (EOS masked until then), not ignore_eos (EOS sampled, then generation goes on)
+GREEDY = GenerationConfig(temperature=0.0, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
 QUESTION = "What is the capital of France?"
 # (text, images): one image, two images of different sizes, and a text-only prompt
 CASES = [
@@ -81,7 +84,7 @@ def vlm_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def expected(vlm_dir) -> dict[str, list[list[int]]]:
     return {arch: [hf_greedy(vlm_dir(arch), text, images_of(case)) for case in CASES for text in [case[0]]]
-            for arch in VL_ARCHS}
+            for arch in ARCHS}
 
 
 MODES = {
@@ -95,7 +98,7 @@ MODES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("arch", VL_ARCHS)
+@pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_matches_transformers(arch, mode, vlm_dir, expected):
     prompts = [(text, images_of(case)) if case[1] else text for case in CASES for text in [case[0]]]
     lengths = [hf_inputs(vlm_dir(arch), case[0], images_of(case))["input_ids"].shape[1] for case in CASES]
@@ -119,7 +122,7 @@ def test_greedy_matches_transformers(arch, mode, vlm_dir, expected):
         assert engine.kv.usage().in_use == 0
 
 
-@pytest.mark.parametrize("arch", VL_ARCHS)
+@pytest.mark.parametrize("arch", ARCHS)
 def test_first_step_logprobs_match_transformers(arch, vlm_dir):
     model, _ = reference(vlm_dir(arch))
     case = CASES[1]
@@ -236,7 +239,7 @@ def test_bad_image_prompts(vlm_dir, tiny_model_dir):
         assert r.generate_token_len == NEW_TOKENS
 
 
-@pytest.mark.parametrize("arch", VL_ARCHS)
+@pytest.mark.parametrize("arch", ARCHS)
 def test_prompt_tokens_are_the_processors(arch, vlm_dir):
     """The chat rendered as the processor's apply_chat_template renders it, and its ids as the processor makes them."""
     _, proc = reference(vlm_dir(arch))
