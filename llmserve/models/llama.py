@@ -121,11 +121,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: Any, spec: DecoderSpec) -> None:
+    def __init__(self, cfg: Any, spec: DecoderSpec, intermediate_size: int | None = None) -> None:
         super().__init__()
         if cfg.hidden_act != "silu":
             raise ModelLoadError(f"config.json hidden_act={cfg.hidden_act!r} is not supported (only 'silu')")
-        i = cfg.intermediate_size
+        i = intermediate_size or cfg.intermediate_size  # another size: a MoE model's shared expert (models/moe.py)
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": i, "up": i}, bias=spec.mlp_bias)
         self.act = SiluAndMul()
         self.down_proj = Linear(i, cfg.hidden_size, bias=spec.mlp_bias)
@@ -135,10 +135,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, spec: DecoderSpec, layer: int) -> None:
+    def __init__(self, cfg: Any, spec: DecoderSpec, layer: int, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, spec, layer)
-        self.mlp = LlamaMLP(cfg, spec)
+        self.mlp = LlamaMLP(cfg, spec) if mlp is None else mlp  # [T, E] -> [T, E]; another: a MoE block
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -158,12 +158,17 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: Any, spec: DecoderSpec) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, spec, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, spec, i, self.make_mlp(cfg, spec, i))
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(rotary_dim_of(cfg), rope_config(cfg))
         self._stack: Any = None  # the native decoder stack over the caches bound when it was built (see decoder_stack)
         self._stack_cache: torch.Tensor | None = None
         self._stack_prefills = False  # whether it runs steps with prefill chunks too
+
+    def make_mlp(self, cfg: Any, spec: DecoderSpec, layer: int) -> nn.Module:
+        """Layer `layer`'s MLP: Llama's everywhere; a MoE model's sparse blocks where its config puts them."""
+        return LlamaMLP(cfg, spec)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -286,7 +291,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.tied and name == "lm_head.weight"):
                 continue  # derived from the config / the same tensor as the embedding
-            target, shard = _fused_name(name)
+            target, shard = self.fused_name(name)
             param = params.get(target)
             if param is None:
                 raise ModelLoadError(f"unexpected tensor {name!r} in the checkpoint: {type(self).__name__} has "
@@ -299,10 +304,18 @@ class LlamaForCausalLM(nn.Module):
                 raise ModelLoadError(f"tensor {name!r}: {e}; config.json does not match the weights") from None
             loaded.add((target, shard))
         expected = {(n, s) for n, p in params.items() for s in p.shards}
-        missing = sorted(_checkpoint_name(n, s) for n, s in expected - loaded)
+        missing = sorted(self.checkpoint_name(n, s) for n, s in expected - loaded)
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ModelLoadError(f"checkpoint is missing tensor(s): {shown}")
+
+    def fused_name(self, name: str) -> tuple[str, str | None]:
+        """A checkpoint tensor's name -> (our parameter's name, the shard it fills; None: all of it)."""
+        return _fused_name(name)
+
+    def checkpoint_name(self, param: str, shard: str | None) -> str:
+        """The checkpoint name of a parameter's shard (fused_name's inverse), for what a checkpoint lacks."""
+        return _checkpoint_name(param, shard)
 
 
 def _fused_name(name: str) -> tuple[str, str | None]:

@@ -100,8 +100,9 @@ class ModelRunner:
         self.workspace = Workspace()  # decode gather buffers, reused across steps
         spec = cache_spec(loaded, kv_cache_dtype)
         layers = self.model.attention_layers()
-        # graphs need the Triton decode kernel: its shapes follow the batch, the torch reference's the contexts
-        use_graphs = (graphs is not None and graphs.enabled
+        # graphs need the Triton decode kernel: its shapes follow the batch, the torch reference's the contexts; and a
+        # model that reads nothing back to the host within a step (not MoE's grouping by expert: graph_capturable)
+        use_graphs = (graphs is not None and graphs.enabled and getattr(self.model, "graph_capturable", True)
                       and registry.triton_decode_covers(self.device, spec.head_dim, loaded.dtype, spec.dtype))
         # CUDA graphs: one more block, never allocated, where the padding rows of a captured batch write
         shape = (len(layers), 2, num_blocks + use_graphs, block_size, spec.num_kv_heads)
