@@ -74,6 +74,17 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         "short_factor": [1.0, 1.5, 2.5, 4.0], "long_factor": [1.5, 3.0, 6.0, 12.0]}}),
     # transformers runs it as LlamaForCausalLM; the checkpoint names InternLM3ForCausalLM (ARCHITECTURES)
     "internlm3": ("internlm3", {"qkv_bias": True, "bias": True, "head_dim": 32}),
+    # mixture of experts: 4 experts, top 2. Mixtral: every layer sparse, renormalised, a window of 6
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48,
+                            "sliding_window": 6}),
+    # a shared expert; layer 1 dense (mlp_only_layers, intermediate_size); top-k weights not renormalised
+    "qwen2-moe": ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "shared_expert_intermediate_size": 48, "mlp_only_layers": [1], "num_hidden_layers": 3,
+                                "norm_topk_prob": False}),
+    # q/k norms; renormalised; decoder_sparse_step 2: layers 1 and 3 sparse, 0 and 2 dense
+    "qwen3-moe": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "norm_topk_prob": True, "decoder_sparse_step": 2, "num_hidden_layers": 4,
+                                "head_dim": 32}),
 }
 # config.json `architectures` where the real checkpoints name a class transformers' model is not
 ARCHITECTURES = {"internlm3": ["InternLM3ForCausalLM"]}

@@ -17,6 +17,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("llmserve.models.gemma3", "Gemma3ForCausalLM"),
     "Phi3ForCausalLM": ("llmserve.models.phi3", "Phi3ForCausalLM"),
     "InternLM3ForCausalLM": ("llmserve.models.internlm3", "InternLM3ForCausalLM"),
+    # mixture of experts: routed experts grouped by expert (models/moe.py)
+    "MixtralForCausalLM": ("llmserve.models.mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("llmserve.models.qwen2_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("llmserve.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     # vision-language models: transformers' vision side, our language model (models/vlm.py)
     "LlavaForConditionalGeneration": ("llmserve.models.vlm", "VisionLanguageModel"),
     "LlavaNextForConditionalGeneration": ("llmserve.models.vlm", "VisionLanguageModel"),

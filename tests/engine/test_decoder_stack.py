@@ -155,7 +155,8 @@ def test_the_stack_refuses_what_it_cannot_run() -> None:
 
 
 @pytest.mark.parametrize(("arch", "computed"), [("llama", True), ("qwen3", True), ("gemma2", False),
-                                                 ("gemma3", False), ("phi3", False)])  # phi3: partial rotary
+                                                 ("gemma3", False), ("phi3", False),  # phi3: partial rotary
+                                                 ("mixtral", False), ("qwen2-moe", False)])  # MoE blocks
 def test_stack_declines_layers_its_kernels_do_not_compute(tiny_model_dir, arch: str, computed: bool) -> None:
     """Gemma's (1 + w) norms, post-norms, GELU and soft-capped scores are not in the stack: such models keep the Python
     layers whatever their dtype."""

@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM
 
 from llmserve import EngineConfig, GenerationConfig, pipeline
 
-ARCHS = ["llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "internlm3"]
+ARCHS = ["llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "internlm3",
+         "mixtral", "qwen2-moe", "qwen3-moe"]
 PROMPT_LENS = [3, 5, 9, 14, 17, 23, 31, 40]
 NEW_TOKENS = 12
 

@@ -16,7 +16,8 @@ ATOL = 1e-4
 CLASSES = {"llama": "LlamaForCausalLM", "llama-tied": "LlamaForCausalLM", "llama3-rope": "LlamaForCausalLM",
            "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
            "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-           "phi3": "Phi3ForCausalLM", "internlm3": "InternLM3ForCausalLM"}
+           "phi3": "Phi3ForCausalLM", "internlm3": "InternLM3ForCausalLM", "mixtral": "MixtralForCausalLM",
+           "qwen2-moe": "Qwen2MoeForCausalLM", "qwen3-moe": "Qwen3MoeForCausalLM"}
 
 
 def _close(ours: torch.Tensor, ref: torch.Tensor) -> None:
@@ -48,7 +49,7 @@ def test_prefill_then_decode_matches_transformers(arch: str, tiny_model_dir) -> 
             _close(out[i][-1], hf_logits(hf, seqs[i])[-1])
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3", "gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2-moe"])
 def test_chunked_prefill_mixed_with_decodes(arch: str, tiny_model_dir) -> None:
     lm, hf = _load(tiny_model_dir(arch))
     a, b = (lm.tokenizer(t).input_ids for t in TRAINING_TEXT[:2])
