@@ -49,6 +49,12 @@ class ServerConfig:
     max_image_bytes: int = _f(MAX_DOWNLOAD_BYTES, "Vision-language models: the largest image a request may carry, in "
                                                   "bytes: a download, a data: URL's payload or a file (the pixel "
                                                   "limit is --max-image-pixels).")
+    ssl: bool = _f(False, "Serve HTTPS with the certificate and key named by the environment variables "
+                          "SSL_CERTFILE and SSL_KEYFILE (LMDeploy's flag); --ssl-certfile/--ssl-keyfile win over them.")
+    ssl_certfile: str | None = _f(None, "Serve HTTPS with this PEM certificate (chain); implies --ssl. Checked "
+                                        "before the model loads.")
+    ssl_keyfile: str | None = _f(None, "The PEM private key of --ssl-certfile (unencrypted). Default: the key is "
+                                       "in the certificate file.")
     access_log: bool = _f(False, "Log every HTTP request (uvicorn's access log); finished generations are "
                                  "logged either way.")
 

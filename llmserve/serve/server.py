@@ -25,6 +25,7 @@ from llmserve.errors import LLMServeError
 from llmserve.serve.app import create_app
 from llmserve.serve.config import ServerConfig
 from llmserve.serve.state import ServedModel, ServerState
+from llmserve.serve.tls import tls_files
 
 logger = logging.getLogger("llmserve.serve")
 
@@ -33,12 +34,14 @@ def serve(model: str | None, engine_config: EngineConfig, config: ServerConfig,
           chat_template: ChatTemplateConfig | None = None, log_level: str = "INFO") -> int:
     """Run the server in this thread until a signal; returns the process exit code."""
     _configure_logging(log_level)
+    tls = tls_files(config)  # before anything loads: a bad certificate fails at once
     app = create_app(config)
     state: ServerState = app.state.llm
     server = _Server(uvicorn.Config(
         app, host=config.server_name, port=config.server_port, log_level=log_level.lower(),
         access_log=config.access_log, timeout_graceful_shutdown=config.shutdown_timeout + 5,
-        timeout_keep_alive=5), state, _Loader(model, engine_config, chat_template, config, state))
+        timeout_keep_alive=5, ssl_certfile=tls and tls.certfile, ssl_keyfile=tls and tls.keyfile), state,
+        _Loader(model, engine_config, chat_template, config, state, "https" if tls else "http"))
     for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn re-raises the signal it handled on exit
         signal.signal(sig, server.on_signal_before_start)
     server.run()
@@ -57,10 +60,10 @@ class _Loader(threading.Thread):
     """Loads the model and attaches the engine to the app (or asks the server to exit on failure)."""
 
     def __init__(self, model: str | None, engine_config: EngineConfig, chat_template: ChatTemplateConfig | None,
-                 config: ServerConfig, state: ServerState) -> None:
+                 config: ServerConfig, state: ServerState, scheme: str) -> None:
         super().__init__(name="llmserve-loader", daemon=True)
         self.model, self.engine_config, self.chat_template = model, engine_config, chat_template
-        self.config, self.state = config, state
+        self.config, self.state, self.scheme = config, state, scheme
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -81,9 +84,9 @@ class _Loader(threading.Thread):
         self.state.attach(async_engine, served)
         async_engine.warm_up_grammars()  # structured output's vocabulary, read in the background
         c = self.config
-        logger.info("serving %s (%s, %s on %s) at http://%s:%d  [OpenAI: /v1, TGI: /generate, metrics: /metrics, "
-                    "chat page: /]", served.name, loaded.model_dir, served.dtype, served.device, c.server_name,
-                    c.server_port)
+        logger.info("serving %s (%s, %s on %s) at %s://%s:%d  [OpenAI: /v1, TGI: /generate, metrics: /metrics, "
+                    "chat page: /]", served.name, loaded.model_dir, served.dtype, served.device, self.scheme,
+                    c.server_name, c.server_port)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens; up to %d tokens per sequence, %d sequences per "
                     "step", engine.kv.num_blocks, engine.kv.block_size, served.kv_tokens, served.session_len,
                     served.max_batch_size)
@@ -113,8 +116,8 @@ class _Server(uvicorn.Server):
         if not self.started:
             return
         self._loop = asyncio.get_running_loop()
-        logger.info("listening on http://%s:%d; loading the model (model routes answer 503 until it is ready)",
-                    self.config.host, self.config.port)
+        logger.info("listening on %s://%s:%d; loading the model (model routes answer 503 until it is ready)",
+                    self.loader.scheme, self.config.host, self.config.port)
         self.loader.start()
         self._loop.create_task(self._watch_loader())
 
