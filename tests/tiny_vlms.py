@@ -155,6 +155,26 @@ def make_tiny_vlm(arch: str, directory: str | os.PathLike, seed: int = 0) -> str
     return directory
 
 
+def user_messages(text: str, n_images: int) -> list[dict]:
+    """One user message: n image parts, then the text (the shape `(text, images)` prompts become)."""
+    return [{"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": text}]}]
+
+
+_REFERENCES: dict[str, tuple] = {}
+
+
+def hf_reference(model_dir: str) -> tuple[Any, Any]:
+    """(transformers model in fp32, its processor) of a saved tiny VLM, loaded once per directory."""
+    if model_dir not in _REFERENCES:
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        with without_video_processor():
+            proc = AutoProcessor.from_pretrained(model_dir)
+        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+        _REFERENCES[model_dir] = (model, proc)
+    return _REFERENCES[model_dir]
+
+
 def test_image(seed: int = 0, size: tuple[int, int] = (40, 50)) -> Any:
     """A deterministic random RGB PIL image of size (width, height)."""
     import numpy as np

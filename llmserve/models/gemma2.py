@@ -122,11 +122,12 @@ class GemmaModel(nn.Module):
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
     model_class = GemmaModel
+    qk_norm = False  # Gemma 3: per-head q/k norms
 
     @classmethod
     def decoder_spec(cls, cfg: Any) -> DecoderSpec:
         bias = bool(getattr(cfg, "attention_bias", False))
-        return DecoderSpec(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=False,
+        return DecoderSpec(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=cls.qk_norm,
                            sliding_windows=layer_sliding_windows(cfg))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -6,10 +6,7 @@ by layer type; the layer types come from config.layer_types)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from llmserve.models.gemma2 import Gemma2ForCausalLM, GemmaAttention, GemmaModel
-from llmserve.models.llama import DecoderSpec, layer_sliding_windows
 
 
 class Gemma3Attention(GemmaAttention):
@@ -22,9 +19,4 @@ class Gemma3Model(GemmaModel):
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     model_class = Gemma3Model
-
-    @classmethod
-    def decoder_spec(cls, cfg: Any) -> DecoderSpec:
-        bias = bool(getattr(cfg, "attention_bias", False))
-        return DecoderSpec(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True,
-                           sliding_windows=layer_sliding_windows(cfg))
+    qk_norm = True

@@ -18,10 +18,9 @@ import torch
 from llmserve import EngineConfig, GenerationConfig, pipeline
 from llmserve.attention import SeqSpec, build_attention_metadata
 from llmserve.layers.rotary import MRotaryEmbedding, rope_config
-from llmserve.vl.hf_compat import without_video_processor
 from llmserve.vl.inputs import MRopePositions
 from llmserve.worker.model_runner import Span, _mrope_positions
-from tests.tiny_vlms import QWEN_VL_ARCHS, test_image
+from tests.tiny_vlms import QWEN_VL_ARCHS, hf_reference, test_image, user_messages
 
 ARCHS = QWEN_VL_ARCHS
 NEW_TOKENS = 10
@@ -43,35 +42,19 @@ def prompt_of(case):
     return (case[0], images_of(case)) if case[1] else case[0]
 
 
-def messages_of(text: str, n_images: int) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": text}]}]
 
-
-_REF: dict[str, tuple] = {}
-
-
-def reference(model_dir: str):
-    """(transformers model, processor), loaded once per directory."""
-    if model_dir not in _REF:
-        from transformers import AutoModelForImageTextToText, AutoProcessor
-
-        with without_video_processor():
-            proc = AutoProcessor.from_pretrained(model_dir)
-        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-        _REF[model_dir] = (model, proc)
-    return _REF[model_dir]
 
 
 def hf_inputs(model_dir: str, case):
-    _, proc = reference(model_dir)
+    _, proc = hf_reference(model_dir)
     images = images_of(case)
-    rendered = proc.apply_chat_template(messages_of(case[0], len(images)), add_generation_prompt=True)
+    rendered = proc.apply_chat_template(user_messages(case[0], len(images)), add_generation_prompt=True)
     return proc(text=rendered, images=images or None, return_tensors="pt", add_special_tokens=False)
 
 
 def hf_generate(model_dir: str, case):
     """(output tokens, per-step fp32 logits [NEW_TOKENS, V]) of transformers' greedy generate."""
-    model, _ = reference(model_dir)
+    model, _ = hf_reference(model_dir)
     inputs = hf_inputs(model_dir, case)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
@@ -114,10 +97,10 @@ def test_mrope_rotary_matches_transformers():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prompt_positions_are_transformers(arch, tiny_vlm_dir):
     d = tiny_vlm_dir(arch)
-    model, _ = reference(d)
+    model, _ = hf_reference(d)
     with pipeline(d, dtype="float32") as pipe:
         for case in CASES:
-            text = pipe.chat_template.messages_to_prompt(messages_of(case[0], len(case[1])))
+            text = pipe.chat_template.messages_to_prompt(user_messages(case[0], len(case[1])))
             ids, mm = pipe.processor.prepare(text, images_of(case))
             inputs = hf_inputs(d, case)
             assert ids == inputs["input_ids"][0].tolist()
@@ -185,7 +168,7 @@ def test_greedy_matches_transformers(arch, mode, tiny_vlm_dir, expected):
         engine = pipe.engine
         if mode == "chunked":  # each image's placeholders straddle a chunk boundary
             for case in CASES[:2]:
-                text = pipe.chat_template.messages_to_prompt(messages_of(case[0], len(case[1])))
+                text = pipe.chat_template.messages_to_prompt(user_messages(case[0], len(case[1])))
                 for item in pipe.processor.prepare(text, images_of(case))[1].images:
                     assert item.positions[0] // 5 < item.positions[-1] // 5
         out = pipe([prompt_of(case) for case in CASES], gen_config=GREEDY)

@@ -15,8 +15,7 @@ import torch
 from llmserve import EngineConfig, GenerationConfig, pipeline
 from llmserve.errors import InvalidRequestError
 from llmserve.vl import IMAGE_TOKEN
-from llmserve.vl.hf_compat import without_video_processor
-from tests.tiny_vlms import QWEN_VL_ARCHS, VL_ARCHS, make_tiny_vlm, test_image
+from tests.tiny_vlms import QWEN_VL_ARCHS, VL_ARCHS, hf_reference, test_image, user_messages
 
 ARCHS = VL_ARCHS + QWEN_VL_ARCHS
 
@@ -36,54 +35,26 @@ def images_of(case) -> list:
     return [test_image(seed, size) for seed, size in case[1]]
 
 
-def messages_of(text: str, n_images: int) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": text}]}]
 
-
-_REF: dict[str, tuple] = {}
-
-
-def reference(model_dir: str):
-    """(transformers model, processor) of a directory, loaded once per test session."""
-    if model_dir not in _REF:
-        from transformers import AutoModelForImageTextToText, AutoProcessor
-
-        with without_video_processor():
-            proc = AutoProcessor.from_pretrained(model_dir)
-        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-        _REF[model_dir] = (model, proc)
-    return _REF[model_dir]
 
 
 def hf_inputs(model_dir: str, text: str, images: list):
-    model, proc = reference(model_dir)
-    rendered = proc.apply_chat_template(messages_of(text, len(images)), add_generation_prompt=True)
+    model, proc = hf_reference(model_dir)
+    rendered = proc.apply_chat_template(user_messages(text, len(images)), add_generation_prompt=True)
     return proc(text=rendered, images=images or None, return_tensors="pt", add_special_tokens=False)
 
 
 def hf_greedy(model_dir: str, text: str, images: list) -> list[int]:
-    model, _ = reference(model_dir)
+    model, _ = hf_reference(model_dir)
     inputs = hf_inputs(model_dir, text, images)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
-@pytest.fixture(scope="session")
-def vlm_dir(tmp_path_factory):
-    made: dict[str, str] = {}
-
-    def get(arch: str) -> str:
-        if arch not in made:
-            made[arch] = make_tiny_vlm(arch, tmp_path_factory.mktemp(f"tiny-vlm-{arch}"))
-        return made[arch]
-
-    return get
-
-
 @pytest.fixture(scope="module")
-def expected(vlm_dir) -> dict[str, list[list[int]]]:
-    return {arch: [hf_greedy(vlm_dir(arch), text, images_of(case)) for case in CASES for text in [case[0]]]
+def expected(tiny_vlm_dir) -> dict[str, list[list[int]]]:
+    return {arch: [hf_greedy(tiny_vlm_dir(arch), text, images_of(case)) for case in CASES for text in [case[0]]]
             for arch in ARCHS}
 
 
@@ -99,14 +70,14 @@ MODES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_matches_transformers(arch, mode, vlm_dir, expected):
+def test_greedy_matches_transformers(arch, mode, tiny_vlm_dir, expected):
     prompts = [(text, images_of(case)) if case[1] else text for case in CASES for text in [case[0]]]
-    lengths = [hf_inputs(vlm_dir(arch), case[0], images_of(case))["input_ids"].shape[1] for case in CASES]
+    lengths = [hf_inputs(tiny_vlm_dir(arch), case[0], images_of(case))["input_ids"].shape[1] for case in CASES]
     extra = {}
     if mode == "preempted":  # all three prompts are admitted, and their outputs do not fit: preemption by recompute
         extra["num_blocks"] = sum(-(-n // 4) for n in lengths) + 1
     config = EngineConfig(dtype="float32", **{"block_size": 8, **MODES[mode], **extra})
-    with pipeline(vlm_dir(arch), backend_config=config) as pipe:
+    with pipeline(tiny_vlm_dir(arch), backend_config=config) as pipe:
         out = pipe(prompts, gen_config=GREEDY)
         engine = pipe.engine
         assert [r.token_ids for r in out] == expected[arch]
@@ -123,13 +94,13 @@ def test_greedy_matches_transformers(arch, mode, vlm_dir, expected):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_first_step_logprobs_match_transformers(arch, vlm_dir):
-    model, _ = reference(vlm_dir(arch))
+def test_first_step_logprobs_match_transformers(arch, tiny_vlm_dir):
+    model, _ = hf_reference(tiny_vlm_dir(arch))
     case = CASES[1]
-    with pipeline(vlm_dir(arch), dtype="float32") as pipe:
+    with pipeline(tiny_vlm_dir(arch), dtype="float32") as pipe:
         r = pipe((case[0], images_of(case)), temperature=0.0, max_new_tokens=1, logprobs=5, ignore_eos=True)
     with torch.no_grad():
-        ref = torch.log_softmax(model(**hf_inputs(vlm_dir(arch), case[0], images_of(case))).logits[0, -1], -1)
+        ref = torch.log_softmax(model(**hf_inputs(tiny_vlm_dir(arch), case[0], images_of(case))).logits[0, -1], -1)
     top = torch.topk(ref, 5)
     got = r.logprobs[0]
     for tid, lp in zip(top.indices.tolist(), top.values.tolist()):
@@ -137,18 +108,18 @@ def test_first_step_logprobs_match_transformers(arch, vlm_dir):
 
 
 @pytest.mark.parametrize("arch", ["llava", "idefics3"])
-def test_images_key_the_caches(arch, vlm_dir):
+def test_images_key_the_caches(arch, tiny_vlm_dir):
     """Same text, different images: different answers and no KV shared past the text before the image. The same
     image again: prefix-cache and encoder-cache hits, the same answer."""
     config = EngineConfig(dtype="float32", block_size=4, enable_prefix_caching=True)
     a, b = test_image(10, (40, 50)), test_image(11, (40, 50))
-    with pipeline(vlm_dir(arch), backend_config=config) as pipe:
+    with pipeline(tiny_vlm_dir(arch), backend_config=config) as pipe:
         engine, model = pipe.engine, pipe.engine.loaded.model
         first = pipe((QUESTION, a), gen_config=GREEDY)
         hits = engine.kv.prefix_stats.hit_tokens
         other = pipe((QUESTION, b), gen_config=GREEDY)
         # the template's text before the image is shared (a block or so), the image's placeholders never
-        image_start = min(pipe.processor.prepare(pipe.chat_template.messages_to_prompt(messages_of(QUESTION, 1)),
+        image_start = min(pipe.processor.prepare(pipe.chat_template.messages_to_prompt(user_messages(QUESTION, 1)),
                                                  [b])[1].images[0].positions)
         assert engine.kv.prefix_stats.hit_tokens - hits <= image_start
         assert other.token_ids != first.token_ids
@@ -165,13 +136,13 @@ def test_images_key_the_caches(arch, vlm_dir):
         assert model.encoder_stats.images_encoded == 2 and model.encoder_stats.cache_hits == 1
 
 
-def test_prompt_shapes(vlm_dir):
+def test_prompt_shapes(tiny_vlm_dir):
     """LMDeploy's shapes: (text, image), (text, [images]), IMAGE_TOKEN placing the image, GPT-4V messages with
     image_url (data: URL) and image_data parts, a batch of tuples and strings, stream_infer and chat sessions."""
     import base64
     import io
 
-    d = vlm_dir("llava")
+    d = tiny_vlm_dir("llava")
     img, img2 = test_image(3, (40, 50)), test_image(4, (50, 40))
     buf = io.BytesIO()
     img.save(buf, format="PNG")
@@ -188,7 +159,7 @@ def test_prompt_shapes(vlm_dir):
         assert pipe(data, gen_config=GREEDY).token_ids == single.token_ids
         # IMAGE_TOKEN: the image after the text, as the processor's template would put an image part there
         after = pipe((f"{QUESTION}{IMAGE_TOKEN}", img), gen_config=GREEDY)
-        model, proc = reference(d)
+        model, proc = hf_reference(d)
         rendered = proc.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": QUESTION},
                                                                           {"type": "image"}]}],
                                             add_generation_prompt=True)
@@ -213,8 +184,8 @@ def test_prompt_shapes(vlm_dir):
         assert pipe(sess.history[:-1], gen_config=GREEDY).token_ids == sess.response.token_ids
 
 
-def test_bad_image_prompts(vlm_dir, tiny_model_dir):
-    d = vlm_dir("llava")
+def test_bad_image_prompts(tiny_vlm_dir, tiny_model_dir):
+    d = tiny_vlm_dir("llava")
     img = test_image(5, (40, 50))
     with pipeline(d, dtype="float32", limit_mm_per_prompt=2, max_image_pixels=5000) as pipe:
         with pytest.raises(InvalidRequestError, match="over the limit of 2 per prompt"):
@@ -240,35 +211,35 @@ def test_bad_image_prompts(vlm_dir, tiny_model_dir):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_prompt_tokens_are_the_processors(arch, vlm_dir):
+def test_prompt_tokens_are_the_processors(arch, tiny_vlm_dir):
     """The chat rendered as the processor's apply_chat_template renders it, and its ids as the processor makes them."""
-    _, proc = reference(vlm_dir(arch))
-    with pipeline(vlm_dir(arch), dtype="float32") as pipe:
+    _, proc = hf_reference(tiny_vlm_dir(arch))
+    with pipeline(tiny_vlm_dir(arch), dtype="float32") as pipe:
         for case in CASES:
             images = images_of(case)
-            text = pipe.chat_template.messages_to_prompt(messages_of(case[0], len(images)))
-            assert text == proc.apply_chat_template(messages_of(case[0], len(images)), add_generation_prompt=True)
+            text = pipe.chat_template.messages_to_prompt(user_messages(case[0], len(images)))
+            assert text == proc.apply_chat_template(user_messages(case[0], len(images)), add_generation_prompt=True)
             ids, mm = pipe.processor.prepare(text, images)
-            assert ids == hf_inputs(vlm_dir(arch), case[0], images)["input_ids"][0].tolist()
+            assert ids == hf_inputs(tiny_vlm_dir(arch), case[0], images)["input_ids"][0].tolist()
             assert (mm is None) == (not images)
             if mm is not None:  # every placeholder belongs to exactly one image, in order
                 positions = [p for item in mm.images for p in item.positions]
                 assert positions == [p for p, t in enumerate(ids) if t == pipe.processor.image_token_id]
 
 
-def test_samples_beams_and_encoder_batches(vlm_dir):
+def test_samples_beams_and_encoder_batches(tiny_vlm_dir):
     """n > 1 shares the image prompt, beam search carries the images through its forks, and VisionConfig's
     max_batch_size bounds the encoder passes; outputs as without them."""
     from llmserve import VisionConfig
 
-    d = vlm_dir("llava")
+    d = tiny_vlm_dir("llava")
     case = CASES[1]
     expected_tokens = hf_greedy(d, case[0], images_of(case))
     with pipeline(d, dtype="float32", vision_config=VisionConfig(max_batch_size=1)) as pipe:
         assert pipe.engine.loaded.model.max_batch_size == 1
         out = pipe((case[0], images_of(case)), gen_config=GREEDY.replace(n=2))
         assert [r.token_ids for r in out] == [expected_tokens, expected_tokens]
-        model, _ = reference(d)
+        model, _ = hf_reference(d)
         inputs = hf_inputs(d, case[0], images_of(case))
         with torch.no_grad():
             ref = model.generate(**inputs, max_new_tokens=6, min_new_tokens=6, num_beams=3, do_sample=False,
