@@ -190,9 +190,12 @@ def _template_message(m: dict[str, Any], i: int, short_ids: bool) -> dict[str, A
     m = dict(m)
     if m["role"] == "tool" and short_ids and "tool_call_id" in m:
         m["tool_call_id"] = m["tool_call_id"][-9:]
-    if m["role"] != "assistant" or "tool_calls" not in m:
+    if "tool_calls" not in m:
         return m
     calls = m.pop("tool_calls")
+    if m["role"] != "assistant" and calls not in (None, []):  # _hermes_conversation would read them as calls
+        raise InvalidRequestError(f"messages[{i}].tool_calls: only an assistant message makes tool calls; this one's "
+                                  f"role is {m['role']}", param="messages")
     if calls is None or calls == []:
         return m
     if not isinstance(calls, list):

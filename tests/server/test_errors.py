@@ -49,6 +49,9 @@ OPENAI_400 = [
      "messages[0].content[0]: this model takes text only, got a 'image_url' part"),
     (CHAT, _chat(messages=[{"role": "user", "content": [{"type": "input_audio"}]}]), "messages",
      "messages[0].content[0]: a content part is of type text or image_url; got a 'input_audio' part"),
+    # found by the fuzzer (test_fuzz.py): a 500 (KeyError) in the text-only templates' tool-call rendering
+    (CHAT, _chat(messages=[{"role": "system", "content": "Be brief", "tool_calls": [{"x": 1}]}, *MSG]), "messages",
+     "messages[0].tool_calls: only an assistant message makes tool calls; this one's role is system"),
     (CHAT, _chat(temperature=-1), "temperature", "temperature: must be >= 0, got -1"),
     (CHAT, _chat(top_p=1.5), "top_p", "top_p: must be in (0, 1], got 1.5"),
     (CHAT, _chat(max_tokens=0), "max_tokens", "max_tokens: must be >= 1, got 0"),
