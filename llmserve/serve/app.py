@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 import os
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -25,6 +26,10 @@ from llmserve.serve import colossal_routes, openai_routes, session_routes, tgi_r
 from llmserve.serve.config import ServerConfig
 from llmserve.serve.errors import error_response, install_error_handlers
 from llmserve.serve.state import ServedModel, ServerState
+from llmserve.serve.tracing import TraceHeadersMiddleware, make_tracer
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
 
 STATIC_DIR = os.path.join(os.path.dirname(__file__), "static")
 # Reachable without an API key: probes, and the chat page and its files (static; every call the
@@ -33,8 +38,10 @@ PUBLIC_ROUTES = {("GET", "/health"), ("GET", "/"), ("HEAD", "/")}
 PUBLIC_PREFIX = "/static/"
 
 
-def create_app(config: ServerConfig, engine: AsyncEngine | None = None, model: ServedModel | None = None) -> FastAPI:
-    state = ServerState(config)
+def create_app(config: ServerConfig, engine: AsyncEngine | None = None, model: ServedModel | None = None,
+               tracer_provider: TracerProvider | None = None) -> FastAPI:
+    """`tracer_provider` traces requests through it (tests), whatever config.otlp_traces_endpoint says."""
+    state = ServerState(config, make_tracer(config.otlp_traces_endpoint, tracer_provider))
     if engine is not None and model is not None:
         state.attach(engine, model)
     app = FastAPI(title="llmserve", version=llmserve.__version__,
@@ -46,6 +53,8 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None, model: S
     app.include_router(tgi_routes.router)
     app.include_router(colossal_routes.router)  # ColossalAI-Inference's /completion, /chat, /engine_check
     _add_service_routes(app, state)
+    if state.tracer is not None:
+        app.add_middleware(TraceHeadersMiddleware)
     if config.api_keys:
         app.add_middleware(ApiKeyMiddleware, keys=config.api_keys)
     if config.allow_origins:  # added last: outermost, so preflight requests never meet the key check

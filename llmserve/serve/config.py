@@ -55,6 +55,11 @@ class ServerConfig:
                                         "before the model loads.")
     ssl_keyfile: str | None = _f(None, "The PEM private key of --ssl-certfile (unencrypted). Default: the key is "
                                        "in the certificate file.")
+    otlp_traces_endpoint: str | None = _f(None, "Send an OpenTelemetry span per request (vLLM's llm_request, GenAI "
+                                                "attributes; parent from the traceparent header) to this OTLP "
+                                                "collector, e.g. http://localhost:4317 (gRPC; "
+                                                "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf for HTTP). Needs "
+                                                "llmserve[tracing].")
     access_log: bool = _f(False, "Log every HTTP request (uvicorn's access log); finished generations are "
                                  "logged either way.")
 

@@ -75,6 +75,8 @@ class Primed:
 
 async def _tracked(state: ServerState, engine: AsyncEngine, req: EngineRequest) -> AsyncIterator[SequenceOutput]:
     open_seqs, started = set(range(req.gen.n)), False
+    span = state.tracer.start(req, state.model.name) if state.tracer is not None and state.model else None
+    error: str | None = None
     state.in_flight.add(req.request_id)
     try:
         async with aclosing(engine.generate(req.request_id, req.prompt_token_ids, req.gen, req.session_id,
@@ -84,18 +86,27 @@ async def _tracked(state: ServerState, engine: AsyncEngine, req: EngineRequest) 
                     started = True
                     state.metrics.on_started(out.num_prompt_tokens)
                 state.metrics.on_output(out)
+                if span is not None:
+                    span.on_output(out)
                 if out.finished:
                     open_seqs.discard(out.index)
                     _log_finished(out)
                 yield out
     except InvalidRequestError as e:
         open_seqs.clear()  # refused: nothing ran (counted as rejected by the error handler)
+        span = None  # and traced as nothing
         raise ApiError.from_invalid(e, req.param_names) from None
     except RuntimeError as e:  # the engine is stopping, or a step failed
         open_seqs.clear()
         status = 500 if engine.is_alive and not state.draining else 503
-        raise ApiError(status, str(e)) from None
+        error = str(e)
+        raise ApiError(status, error) from None
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+        raise
     finally:
+        if span is not None:
+            span.end(error)
         state.in_flight.discard(req.request_id)
         if open_seqs:  # the client left (or the stream was closed) before these finished
             state.metrics.on_abandoned(len(open_seqs))

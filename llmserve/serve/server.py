@@ -48,6 +48,8 @@ def serve(model: str | None, engine_config: EngineConfig, config: ServerConfig,
     if state.engine is not None:
         state.engine.shutdown()
         logger.info("engine stopped")
+    if state.tracer is not None:
+        state.tracer.shutdown()  # exports the spans still batched
     return server.exit_code
 
 

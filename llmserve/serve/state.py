@@ -22,6 +22,7 @@ from llmserve.serve.config import ServerConfig
 from llmserve.serve.errors import ApiError
 from llmserve.serve.metrics import ServerMetrics
 from llmserve.serve.token_text import TokenText
+from llmserve.serve.tracing import RequestTracer
 from llmserve.tools import ReasoningParser, ToolParser, resolve_tool_parser, tool_parser
 from llmserve.tools.reasoning import reasoning_parser as named_reasoning_parser
 from llmserve.vl.image import MAX_IMAGE_PIXELS, ImageLimits
@@ -109,8 +110,9 @@ class Permit:
 
 
 class ServerState:
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, tracer: RequestTracer | None = None) -> None:
         self.config = config
+        self.tracer = tracer  # --otlp-traces-endpoint: a span per engine request (tracing.py); None: off
         self.engine: AsyncEngine | None = None
         self.model: ServedModel | None = None
         self.metrics = ServerMetrics(lambda: self.engine.stats if self.engine is not None else None)
