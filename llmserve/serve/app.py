@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -24,7 +24,7 @@ import llmserve
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.serve import colossal_routes, openai_routes, session_routes, tgi_routes
 from llmserve.serve.config import ServerConfig
-from llmserve.serve.errors import error_response, install_error_handlers
+from llmserve.serve.errors import TgiError, error_response, install_error_handlers
 from llmserve.serve.state import ServedModel, ServerState
 from llmserve.serve.tracing import TraceHeadersMiddleware, make_tracer
 
@@ -65,7 +65,7 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None, model: S
 
 
 def _add_service_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={503: {"model": TgiError}})
     async def health() -> Response:
         if state.engine is None:
             return error_response("/health", 503, "the model is still loading")
@@ -75,7 +75,7 @@ def _add_service_routes(app: FastAPI, state: ServerState) -> None:
             return error_response("/health", 503, "the server is shutting down")
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

@@ -36,19 +36,19 @@ from typing import Any, NamedTuple
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from llmserve.config import GenerationConfig, max_new_tokens_within
 from llmserve.engine.output import SequenceOutput
 from llmserve.errors import InvalidRequestError
-from llmserve.serve.errors import ApiError, error_body
+from llmserve.serve.errors import ApiError, TgiError, error_body, error_responses
 from llmserve.serve.generation import EngineRequest, Primed, open_request
 from llmserve.serve.openai_params import check_prompt_length, completion_prompts
-from llmserve.serve.protocol import unknown_fields
+from llmserve.serve.protocol import BODY_SCHEMA_EXTRA, NON_EMPTY, unknown_fields
 from llmserve.serve.state import ServedModel, ServerState
-from llmserve.serve.streaming import REQUEST_ID_HEADER, SSEResponse, sse_event, until_disconnected
+from llmserve.serve.streaming import MAY_STREAM, REQUEST_ID_HEADER, SSEResponse, sse_event, until_disconnected
 
-router = APIRouter()
+router = APIRouter(responses=error_responses(TgiError))
 DEFAULT_MAX_NEW_TOKENS = 128  # ColossalAI's api_server --max_output_len
 SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}  # its InferenceConfig's
 ROLE = "assistant"  # its --response-role default
@@ -62,7 +62,8 @@ class _Job(NamedTuple):
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")  # unknown fields kept, to be refused by name
+    # unknown fields kept, to be refused by name
+    model_config = ConfigDict(strict=True, extra="allow", json_schema_extra=BODY_SCHEMA_EXTRA)
 
 
 class _GenerationFields(_Body):
@@ -82,11 +83,14 @@ class _GenerationFields(_Body):
 
 
 class CompletionBody(_GenerationFields):
-    prompt: str
+    prompt: str = NON_EMPTY
 
 
 class ChatBody(_GenerationFields):
-    messages: list[dict[str, Any]]
+    # checked by the chat template (chat_template._check_messages)
+    messages: list[dict[str, Any]] = Field(json_schema_extra={"minItems": 1, "items": {
+        "type": "object", "required": ["role", "content"],
+        "properties": {"role": {"enum": ["system", "user", "assistant", "tool"]}, "content": {"type": "string"}}}})
     add_generation_prompt: bool | None = None
     echo: bool | str = False
     n: int = 1
@@ -104,7 +108,7 @@ async def ping() -> JSONResponse:
     return JSONResponse({"status": "Healthy"})
 
 
-@router.post("/completion")
+@router.post("/completion", responses=MAY_STREAM)
 async def completion(body: CompletionBody, request: Request) -> Response:
     state: ServerState = request.app.state.llm
     engine, model = state.ready()
@@ -122,7 +126,7 @@ async def completion(body: CompletionBody, request: Request) -> Response:
         return JSONResponse({"request_id": job.number, "text": text}, headers={REQUEST_ID_HEADER: job.req.request_id})
 
 
-@router.post("/chat")
+@router.post("/chat", responses=MAY_STREAM)
 async def chat(body: ChatBody, request: Request) -> Response:
     state: ServerState = request.app.state.llm
     engine, model = state.ready()

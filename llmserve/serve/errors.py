@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmserve.errors import InvalidRequestError, PromptTooLongError
@@ -49,6 +50,29 @@ class ApiError(Exception):
             message = param + message[len(e.param):]  # "max_new_tokens: ..." -> "max_tokens: ..."
         code = "context_length_exceeded" if isinstance(e, PromptTooLongError) else None
         return cls(400, message, param, code)
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class OpenAIError(BaseModel):
+    error: OpenAIErrorDetail
+
+
+class TgiError(BaseModel):
+    error: str
+    error_type: str
+
+
+def error_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """The error answers of a router's routes, for the OpenAPI schema: any 4xx (400 for a bad body, where FastAPI
+    would document 422), and 503 while the model loads or the server drains, all in `model`'s shape."""
+    return {"4XX": {"model": model, "description": "The request was refused (the message says what to change)"},
+            503: {"model": model, "description": "The model is still loading, or the server is shutting down"}}
 
 
 def is_openai_path(path: str) -> bool:

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from llmserve.engine.output import SequenceOutput
 from llmserve.sampling.logprobs import TokenLogprobs
 from llmserve.serve.chat_tools import ChatOutput, ChoiceOutput, chat_output, chat_tool_request
-from llmserve.serve.errors import ApiError, error_body
+from llmserve.serve.errors import ApiError, OpenAIError, error_body, error_responses
 from llmserve.serve.generation import EngineRequest, Primed, new_request_id, open_request
 from llmserve.serve.openai_format import (
     Choice,
@@ -47,9 +47,16 @@ from llmserve.serve.openai_params import (
 )
 from llmserve.serve.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
 from llmserve.serve.state import ServedModel, ServerState
-from llmserve.serve.streaming import REQUEST_ID_HEADER, SSEResponse, merge, sse_event, until_disconnected
+from llmserve.serve.streaming import (
+    MAY_STREAM,
+    REQUEST_ID_HEADER,
+    SSEResponse,
+    merge,
+    sse_event,
+    until_disconnected,
+)
 
-router = APIRouter()
+router = APIRouter(responses=error_responses(OpenAIError))
 DONE = "data: [DONE]\n\n"
 
 
@@ -66,7 +73,7 @@ async def list_models(request: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": [card]})
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses=MAY_STREAM)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = _state(request)
     engine, model = state.ready()
@@ -155,7 +162,7 @@ class _ChatReply:
         yield DONE
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=MAY_STREAM)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state = _state(request)
     engine, model = state.ready()

@@ -16,10 +16,18 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# What an undeclared field may carry without being refused (`unknown_fields`), for the OpenAPI schema.
+NOT_SENT_SCHEMA: dict[str, Any] = {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0},
+                                             {"type": "object", "maxProperties": 0}, {"type": "string", "maxLength": 0}]}
+BODY_SCHEMA_EXTRA: dict[str, Any] = {"additionalProperties": NOT_SENT_SCHEMA}
+# "Must not be empty", said in the schema only: the check itself (and its message) stays where it is made.
+NON_EMPTY = Field(json_schema_extra={"minItems": 1, "minLength": 1})
+CHOICES_SCHEMA: dict[str, Any] = {"minItems": 1, "items": {"type": "string", "minLength": 1}}
+
 
 class _Body(BaseModel):
     # Unknown fields are kept (not validated) so that `unknown_fields` can refuse the ones with a value.
-    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True, json_schema_extra=BODY_SCHEMA_EXTRA)
 
 
 def unknown_fields(body: BaseModel, prefix: str = "") -> list[str]:
@@ -54,7 +62,7 @@ class StructuredOutputsParams(_Body):
 
     json_schema: dict[str, Any] | str | bool | None = Field(None, alias="json")  # a JSON schema
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: list[str] | None = Field(None, json_schema_extra=CHOICES_SCHEMA)
     grammar: str | None = None  # EBNF
     json_object: bool | None = None
     structural_tag: str | dict[str, Any] | None = None
@@ -101,7 +109,7 @@ class SamplingRequest(_Body):
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | bool | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[str] | None = Field(None, json_schema_extra=CHOICES_SCHEMA)
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
@@ -132,7 +140,7 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = NON_EMPTY
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -158,7 +166,7 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] = NON_EMPTY
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None

@@ -11,10 +11,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from llmserve.serve.errors import error_response
+from llmserve.serve.errors import OpenAIError, error_response, error_responses
 from llmserve.serve.state import ServerState
 
-router = APIRouter()
+router = APIRouter(responses=error_responses(OpenAIError))
 
 
 # :path, so an id containing "/" (accepted in a request body) can be closed too.

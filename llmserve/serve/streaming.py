@@ -21,6 +21,9 @@ from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
 REQUEST_ID_HEADER = "X-Request-Id"  # the id in the server's log lines, so a client's report can be found
+# For the OpenAPI schema of a route that answers JSON, or server-sent events when the body asks to stream.
+MAY_STREAM: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The answer, or its server-sent events when streamed", "content": {"text/event-stream": {}}}}
 
 
 def sse_event(payload: dict[str, Any] | str, sep: str = " ") -> str:

@@ -11,11 +11,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from llmserve.serve.protocol import BODY_SCHEMA_EXTRA, NON_EMPTY
+
 TGI_DEFAULT_MAX_NEW_TOKENS = 100  # TGI 2.x's default
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow", json_schema_extra=BODY_SCHEMA_EXTRA)
 
 
 class TgiParameters(_Body):
@@ -41,6 +43,6 @@ class TgiParameters(_Body):
 
 
 class TgiRequest(_Body):
-    inputs: str
+    inputs: str = NON_EMPTY
     parameters: TgiParameters = Field(default_factory=TgiParameters)
     stream: bool = False  # POST / only

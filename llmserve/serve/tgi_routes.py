@@ -38,17 +38,17 @@ import llmserve
 from llmserve.config import GenerationConfig
 from llmserve.engine.output import SequenceOutput
 from llmserve.errors import InvalidRequestError
-from llmserve.serve.errors import ApiError
+from llmserve.serve.errors import ApiError, TgiError, error_responses
 from llmserve.serve.generation import EngineRequest, new_request_id, open_request
 from llmserve.serve.protocol import unknown_fields
 from llmserve.serve.state import ServedModel, ServerState
-from llmserve.serve.streaming import REQUEST_ID_HEADER, SSEResponse, sse_event, until_disconnected
+from llmserve.serve.streaming import MAY_STREAM, REQUEST_ID_HEADER, SSEResponse, sse_event, until_disconnected
 from llmserve.serve.structured_params import tgi_structured_output
 from llmserve.serve.tgi_protocol import TGI_DEFAULT_MAX_NEW_TOKENS, TgiParameters, TgiRequest
 from llmserve.vl.messages import markdown_images
 from llmserve.vl.prompt import ImagePrompt, raw_with_images
 
-router = APIRouter()
+router = APIRouter(responses=error_responses(TgiError))
 PARAM_NAMES = {"max_new_tokens": "max_new_tokens", "random_seed": "seed", "stop_words": "stop",
                "logprobs": "top_n_tokens"}
 
@@ -58,12 +58,12 @@ async def generate(body: TgiRequest, request: Request) -> Response:
     return await _generate(body, request, stream=False, full_text_default=False, as_list=False)
 
 
-@router.post("/generate_stream")
+@router.post("/generate_stream", responses=MAY_STREAM)
 async def generate_stream(body: TgiRequest, request: Request) -> Response:
     return await _generate(body, request, stream=True, full_text_default=False, as_list=False)
 
 
-@router.post("/")
+@router.post("/", responses=MAY_STREAM)
 async def compat_generate(body: TgiRequest, request: Request) -> Response:
     # TGI's compat route returns the prompt with the answer unless told otherwise (text-generation models).
     return await _generate(body, request, stream=body.stream, full_text_default=True, as_list=True)
