@@ -3,8 +3,9 @@ valid and invalid), against a real uvicorn server on a tiny model: no 5xx, answe
 API's own error shape) as the schema declares them, no request past REQUEST_TIMEOUT_S; afterwards no KV block
 is held and the server still answers.
 
-LLMSERVE_FUZZ_EXAMPLES sets the examples per route (default 20: about 300 requests in all, for CI), e.g.
-LLMSERVE_FUZZ_EXAMPLES=200 for a few thousand. What it found is kept as focused tests in test_errors.py.
+LLMSERVE_FUZZ_EXAMPLES sets the generated examples per route (default 20, for CI: with schemathesis's coverage
+cases about 2,400 requests, 40 s on 2 cores); 200 sends about 3,900. What it found is kept as focused tests in
+test_errors.py.
 """
 
 from __future__ import annotations
