@@ -227,13 +227,14 @@ class EngineConfig:
     dtype: str = _f("auto", "Weight and activation dtype: auto, float32, bfloat16 or float16. auto picks bfloat16 "
                             "on CPUs with AVX512-BF16/AMX and on GPUs that support it, else the checkpoint's dtype "
                             "(float32 on other CPUs).")
-    kv_cache_dtype: str = _f("auto", "KV-cache dtype: auto (the model's dtype), float32, bfloat16, float16 or int8 "
-                                     "(vLLM's kv_cache_dtype). A 16-bit cache under a float32 model holds twice "
-                                     "the tokens and halves what decode attention reads; int8 stores K/V "
+    kv_cache_dtype: str = _f("auto", "KV-cache dtype: auto (the model's dtype), float32, bfloat16, float16, int8 "
+                                     "or int4 (vLLM's kv_cache_dtype). A 16-bit cache under a float32 model holds "
+                                     "twice the tokens and halves what decode attention reads; int8 stores K/V "
                                      "quantized per token and head (one fp32 scale each): 1.9x the tokens of a "
-                                     "16-bit cache at head_dim 64.")
-    quant_policy: int = _f(0, "LMDeploy's KV-cache quantization: 0 (none) or 8 (int8 KV, the same as "
-                              "kv_cache_dtype=int8). 4 (int4 KV) is not implemented.")
+                                     "16-bit cache at head_dim 64; int4 packs two values a byte (even head_dim): "
+                                     "1.9x the tokens of int8.")
+    quant_policy: int = _f(0, "LMDeploy's KV-cache quantization: 0 (none), 8 (int8 KV, the same as "
+                              "kv_cache_dtype=int8) or 4 (int4 KV, the same as kv_cache_dtype=int4).")
     quantization: str | None = _f(None, "Quantization at load. int8: weight-only int8 (one fp32 scale per output "
                                         "channel) for the linear layers, the embedding and the LM head; a quarter "
                                         "of fp32's weight bytes, half of bf16's. w8a8 (CPU with AVX512-VNNI): int8 "
@@ -299,17 +300,18 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
                f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        _check(self.kv_cache_dtype in ("auto", "float32", "bfloat16", "float16", "int8"), "kv_cache_dtype",
-               f"must be auto, float32, bfloat16, float16 or int8, got {self.kv_cache_dtype!r}")
+        _check(self.kv_cache_dtype in ("auto", "float32", "bfloat16", "float16", "int8", "int4"), "kv_cache_dtype",
+               f"must be auto, float32, bfloat16, float16, int8 or int4, got {self.kv_cache_dtype!r}")
         _check(self.load_format in ("auto", "dummy"), "load_format",
                f"must be auto or dummy, got {self.load_format!r}")
         _check_type(self.quant_policy, (int,), "quant_policy")
-        _check(self.quant_policy != 4, "quant_policy", "4 (int4 KV cache) is not implemented; use 8 (int8) or 0")
-        _check(self.quant_policy in (0, 8), "quant_policy", f"must be 0 or 8, got {self.quant_policy}")
-        if self.quant_policy == 8:
-            _check(self.kv_cache_dtype in ("auto", "int8"), "quant_policy",
-                   f"8 means an int8 KV cache, which contradicts kv_cache_dtype={self.kv_cache_dtype!r}")
-            self.kv_cache_dtype = "int8"
+        _check(self.quant_policy in (0, 4, 8), "quant_policy", f"must be 0, 4 or 8, got {self.quant_policy}")
+        if self.quant_policy:
+            kind = f"int{self.quant_policy}"
+            _check(self.kv_cache_dtype in ("auto", kind), "quant_policy",
+                   f"{self.quant_policy} means an {kind} KV cache, which contradicts "
+                   f"kv_cache_dtype={self.kv_cache_dtype!r}")
+            self.kv_cache_dtype = kind
         _check(self.quantization in (None, "int8", "w8a8"), "quantization",
                f"must be int8, w8a8 or unset, got {self.quantization!r}")
         for name in ("tp", "max_batch_size", "max_prefill_token_num", "block_size", "num_speculative_tokens",

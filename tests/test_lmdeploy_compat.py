@@ -94,8 +94,8 @@ REFUSED: list[tuple[type, dict[str, Any], str, str]] = [
      "TurbomindEngineConfig.cache_chunk_size=4: TurboMind's policy of growing its KV pool in chunks"),
     (TurbomindEngineConfig, {"model_name": "internlm2"}, "model_name",
      "TurbomindEngineConfig.model_name='internlm2': deprecated in LMDeploy"),
-    (TurbomindEngineConfig, {"quant_policy": 4}, "quant_policy",
-     "TurbomindEngineConfig.quant_policy: 4 (int4 KV cache) is not implemented; use 8 (int8) or 0"),
+    (TurbomindEngineConfig, {"quant_policy": 2}, "quant_policy",
+     "TurbomindEngineConfig.quant_policy: must be 0, 4 or 8, got 2"),
     (TurbomindEngineConfig, {"cache_block_seq_len": 0}, "cache_block_seq_len",
      "TurbomindEngineConfig.cache_block_seq_len: must be >= 1, got 0"),
     (TurbomindEngineConfig, {"num_tokens_per_iter": -1}, "num_tokens_per_iter",
@@ -310,6 +310,7 @@ CONSTRUCTED: list[tuple[Callable[[], Any], dict[str, Any]]] = [
     (lambda: TurbomindEngineConfig(max_prefill_token_num=8192), {"max_prefill_token_num": 8192}),
     (lambda: PytorchEngineConfig(max_prefill_token_num=4096), {"max_prefill_token_num": 4096}),
     (lambda: TurbomindEngineConfig(quant_policy=8), {"quant_policy": 8, "kv_cache_dtype": "int8"}),
+    (lambda: PytorchEngineConfig(quant_policy=4), {"quant_policy": 4, "kv_cache_dtype": "int4"}),
     (lambda: TurbomindEngineConfig(model_format=None), {}),
 ]
 

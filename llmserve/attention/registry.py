@@ -1,6 +1,6 @@
 """Which kernel runs decode and prefill attention. The torch backend is the reference and the fallback.
 
-`LLMSERVE_ATTENTION=torch` forces the reference (decode and prefill attention and the int8 KV writer);
+`LLMSERVE_ATTENTION=torch` forces the reference (decode and prefill attention and the int8 / int4 KV writers);
 otherwise CPU steps use the native kernels once they have built (the first step pays the compile, or its
 cached link).
 """
@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 _NATIVE_DTYPES = {torch.float32, torch.bfloat16, torch.float16}  # any mix of q and cache dtypes
 
-# (q [nd, heads, head_dim], kv_cache, kv_scales (int8 caches) or None, meta, scale, sliding_window)
+# (q [nd, heads, head_dim], kv_cache, kv_scales (int8 and int4 caches) or None, meta, scale, sliding_window)
 #   -> [nd, heads, head_dim]
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", AttentionMetadata, float, "int | None"],
                     torch.Tensor]
@@ -51,7 +51,7 @@ def native_decode(q: torch.Tensor, kv_cache: torch.Tensor) -> DecodeFn | None:
     """The native decode kernel for these tensors, or None where the torch reference should run."""
     if not kv_cache.is_contiguous() or q.dtype not in _NATIVE_DTYPES or not native_enabled(q):
         return None
-    if kv_cache.dtype == torch.int8:
+    if kv_cache.dtype in (torch.int8, torch.uint8):  # uint8: packed int4
         return _native_decode if q.shape[-1] % 16 == 0 and native.int8_kv_decode_usable() else None
     return _native_decode if kv_cache.dtype in _NATIVE_DTYPES else None
 

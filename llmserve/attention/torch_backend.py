@@ -21,11 +21,13 @@ from llmserve.kernels import native
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
              kv_scales: torch.Tensor | None = None) -> None:
     """kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]; k, v: [T, kv_heads, head_dim]. The cache
-    may be narrower than the model (kv_cache_dtype): K/V are rounded to it here, or quantized to int8 with
-    one scale per token and head into kv_scales [2, num_blocks, block_size, kv_heads] (fp32)."""
+    may be narrower than the model (kv_cache_dtype): K/V are rounded to it here, or quantized to int8 (or int4, a
+    uint8 cache of head_dim / 2 bytes per row: pack_int4) with one scale per token and head into kv_scales
+    [2, num_blocks, block_size, kv_heads] (fp32)."""
+    int4 = kv_cache.dtype == torch.uint8
     if registry.native_enabled(k):  # one call for K and V, the same bytes as below
         if kv_scales is not None:
-            native.write_kv_int8(kv_cache, kv_scales, k, v, slot_mapping)
+            (native.write_kv_int4 if int4 else native.write_kv_int8)(kv_cache, kv_scales, k, v, slot_mapping)
             return
         if k.stride(1) == k.shape[2]:  # heads contiguous (views of the fused QKV output are)
             native.write_kv(kv_cache, k, v, slot_mapping)
@@ -37,7 +39,7 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
         return
     flat_scales = kv_scales.view(2, -1, kv_scales.shape[-1])
     for i, x in enumerate((k, v)):
-        q, s = quantize_int8(x)
+        q, s = quantize_int4(x) if int4 else quantize_int8(x)
         flat[i].index_copy_(0, slot_mapping, q)
         flat_scales[i].index_copy_(0, slot_mapping, s)
 
@@ -51,10 +53,37 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(xf / safe.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8), scale
 
 
+def quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] (D even) -> (packed uint8 [..., D / 2], fp32 scales [...]): symmetric per row, scale = max|x| / 7,
+    rounded half to even into [-7, 7], then packed by pack_int4. kernels/cpu/kv_int8.cpp's write_kv_int4 does
+    exactly this."""
+    xf = x.float()
+    scale = xf.abs().amax(-1) / 7
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return pack_int4(torch.round(xf / safe.unsqueeze(-1)).clamp_(-7, 7).to(torch.int8)), scale
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int8 [..., D] in [-8, 7] -> uint8 [..., D / 2]: byte i holds element 2i + 8 in its low nibble and element
+    2i + 1 + 8 in its high one (offset binary: the decode kernel unpacks by a mask, a shift and one subtraction)."""
+    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def unpack_int4(x: torch.Tensor) -> torch.Tensor:
+    """pack_int4's inverse: uint8 [..., D / 2] -> int8 [..., D]."""
+    lo = (x & 15).to(torch.int8) - 8
+    hi = (x >> 4).to(torch.int8) - 8
+    return torch.stack((lo, hi), dim=-1).flatten(-2)
+
+
 def dequantize(x: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """Cache rows x [..., D] in dtype: widened, or int8 times scales [...] (in fp32, then rounded to dtype)."""
+    """Cache rows x [..., D] in dtype: widened, or int8 (int4: packed uint8 [..., D / 2]) times scales [...] (in
+    fp32, then rounded to dtype)."""
     if scales is None:
         return x.to(dtype)
+    if x.dtype == torch.uint8:
+        x = unpack_int4(x)
     return (x.float() * scales.unsqueeze(-1)).to(dtype)
 
 
@@ -66,7 +95,7 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
-    kv_scales: torch.Tensor | None = None,  # [2, num_blocks, block_size, kv_heads] fp32 for an int8 cache
+    kv_scales: torch.Tensor | None = None,  # [2, num_blocks, block_size, kv_heads] fp32 for an int8 / int4 cache
     softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma 2); not in the native kernels
 ) -> torch.Tensor:  # [T, heads, head_dim]
     nd = meta.num_decodes
@@ -97,8 +126,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
                       kv_scales: torch.Tensor | None, meta: AttentionMetadata, scale: float,
                       sliding_window: int | None, out: torch.Tensor, softcap: float | None = None) -> None:
     """Reference prefill: each span's rows of out, one SDPA call per span, causal over its context."""
-    kv_heads, head_dim = kv_cache.shape[3:]
-    flat = kv_cache.view(2, -1, kv_heads, head_dim)
+    kv_heads, row = kv_cache.shape[3:]  # row: head_dim, or head_dim / 2 bytes of an int4 cache
+    flat = kv_cache.view(2, -1, kv_heads, row)
     flat_scales = None if kv_scales is None else kv_scales.view(2, -1, kv_heads)
     gqa = q.shape[1] != k.shape[1]
     # bf16 prefill attention runs in fp32 on CPUs where that is faster (torch's bf16 SDPA: half the speed)
@@ -170,8 +199,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.T
         keys, values = keys.to(q.dtype), values.to(q.dtype)  # no-op unless the cache is narrower
     else:
         k_scales, v_scales = _gather_blocks(kv_scales.unsqueeze(-1), meta, "_scale")  # [..., 1]
-        keys = (keys.float() * k_scales).to(q.dtype)
-        values = (values.float() * v_scales).to(q.dtype)
+        keys = dequantize(keys, k_scales.squeeze(-1), q.dtype)
+        values = dequantize(values, v_scales.squeeze(-1), q.dtype)
     mask = meta.decode_mask(sliding_window, block_size, q.dtype)
     with _sdpa_backends(q):
         o = _sdpa(q.unsqueeze(2), keys, values, mask, scale, q.shape[1] != keys.shape[1], softcap)

@@ -97,8 +97,9 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
                  scale: float, sliding_window: int | None, kv_scales: torch.Tensor | None = None,
                  splits: int = -1, dot: bool = False) -> torch.Tensor:
     """q: [nd, heads, head_dim]; kv_cache: [2, num_blocks, block_size, kv_heads, head_dim];
-    block_tables: [nd, max_blocks] int64; lens: [nd] int64 -> [nd, heads, head_dim]. An int8 cache comes with
-    kv_scales [2, num_blocks, block_size, kv_heads] fp32 (and needs int8_kv_decode_usable()). splits: parts each
+    block_tables: [nd, max_blocks] int64; lens: [nd] int64 -> [nd, heads, head_dim]. An int8 cache, or an int4 one
+    (uint8, head_dim / 2 bytes per row: torch_backend.pack_int4), comes with kv_scales [2, num_blocks, block_size,
+    kv_heads] fp32 (and needs int8_kv_decode_usable()). splits: parts each
     context is split into across threads (-1: the kernel decides; long contexts of small batches). dot: the scores by
     AVX512-BF16 dot products on the keys as stored, for a bf16 query over a bf16 cache (needs bf16_dot_usable();
     other dtypes keep FMAs). Needs load()."""
@@ -130,7 +131,7 @@ def prefill_attention_usable() -> bool:
 
 
 def int8_kv_decode_usable() -> bool:
-    """Whether paged_decode reads an int8 cache here: the AVX-512 path (asked each time: tests turn it off
+    """Whether paged_decode reads an int8 or int4 cache here: the AVX-512 path (asked each time: tests turn it off
     with LLMSERVE_DECODE_AVX512=0)."""
     return load() is not None and _module.int8_kv_decode_supported()
 
@@ -141,6 +142,14 @@ def write_kv_int8(kv_cache: torch.Tensor, kv_scales: torch.Tensor, k: torch.Tens
     torch_backend.quantize_int8 does. Needs load()."""
     assert _module is not None, "call load() first"
     _module.write_kv_int8(k, v, kv_cache[0], kv_cache[1], kv_scales[0], kv_scales[1], slot_mapping)
+
+
+def write_kv_int4(kv_cache: torch.Tensor, kv_scales: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """Quantize k, v [T, kv_heads, head_dim] into the int4 cache (uint8 [2, NB, BS, kv_heads, head_dim / 2]) and its
+    scales at slot_mapping [T], exactly as torch_backend.quantize_int4 does. Needs load()."""
+    assert _module is not None, "call load() first"
+    _module.write_kv_int4(k, v, kv_cache[0], kv_cache[1], kv_scales[0], kv_scales[1], slot_mapping)
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

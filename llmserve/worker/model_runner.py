@@ -18,6 +18,7 @@ from llmserve.attention import SeqSpec, build_attention_metadata, registry
 from llmserve.attention.metadata import Workspace
 from llmserve.engine.request import Request
 from llmserve.engine.scheduler import ScheduledRequest
+from llmserve.errors import InvalidRequestError
 from llmserve.kernels import calibrate
 from llmserve.kernels.choice import ChoiceTable
 from llmserve.models.loader import LoadedModel
@@ -37,19 +38,26 @@ class CacheSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype  # int8: quantized, with one fp32 scale per token, head and K/V
+    # int8, or uint8 for int4 (two values a byte: rows of head_dim / 2): quantized, with one fp32 scale per token,
+    # head and K/V
+    dtype: torch.dtype
 
     @property
     def quantized(self) -> bool:
-        return self.dtype == torch.int8
+        return self.dtype in (torch.int8, torch.uint8)
+
+    @property
+    def row(self) -> int:
+        """The last dimension of the cache: head_dim elements, or head_dim / 2 bytes of packed int4."""
+        return self.head_dim // 2 if self.dtype == torch.uint8 else self.head_dim
 
     @property
     def bytes_per_token(self) -> int:
-        row = self.head_dim * self.dtype.itemsize + (SCALE_DTYPE.itemsize if self.quantized else 0)
+        row = self.row * self.dtype.itemsize + (SCALE_DTYPE.itemsize if self.quantized else 0)
         return 2 * self.num_layers * self.num_kv_heads * row
 
 
-SCALE_DTYPE = torch.float32  # of int8 caches
+SCALE_DTYPE = torch.float32  # of int8 and int4 caches
 
 
 @dataclass(frozen=True)
@@ -106,7 +114,7 @@ class ModelRunner:
                       and registry.triton_decode_covers(self.device, spec.head_dim, loaded.dtype, spec.dtype))
         # CUDA graphs: one more block, never allocated, where the padding rows of a captured batch write
         shape = (len(layers), 2, num_blocks + use_graphs, block_size, spec.num_kv_heads)
-        pool = zeroed((*shape, spec.head_dim), spec.dtype, self.device)
+        pool = zeroed((*shape, spec.row), spec.dtype, self.device)
         scales = zeroed(shape, SCALE_DTYPE, self.device) if spec.quantized else [None] * len(layers)
         for layer, cache, scale in zip(layers, pool, scales):
             layer.kv_cache = cache  # [2, num_blocks, block_size, kv_heads, head_dim], contiguous
@@ -347,11 +355,18 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 def cache_spec(loaded: LoadedModel, kv_cache_dtype: str = "auto") -> CacheSpec:
-    """kv_cache_dtype: "auto" (the model's dtype) or a torch dtype name, int8 included
-    (EngineConfig.kv_cache_dtype)."""
+    """kv_cache_dtype: "auto" (the model's dtype), a torch dtype name, int8 included, or int4 (stored as uint8,
+    two values a byte) (EngineConfig.kv_cache_dtype)."""
     layers = loaded.model.attention_layers()
-    dtype = loaded.dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
-    return CacheSpec(len(layers), layers[0].num_kv_heads, layers[0].head_dim, dtype)
+    head_dim = layers[0].head_dim
+    if kv_cache_dtype == "int4":
+        if head_dim % 2:
+            raise InvalidRequestError(f"kv_cache_dtype: int4 packs head_dim in pairs; this model's is {head_dim} "
+                                      "(use int8)", param="kv_cache_dtype")
+        dtype = torch.uint8
+    else:
+        dtype = loaded.dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+    return CacheSpec(len(layers), layers[0].num_kv_heads, head_dim, dtype)
 
 
 def num_blocks_for(loaded: LoadedModel, block_size: int, cache_max_bytes: int | None,

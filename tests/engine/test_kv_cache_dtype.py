@@ -63,5 +63,5 @@ def test_narrow_cache_doubles_the_blocks_of_a_byte_budget(tiny_model_dir) -> Non
 
 
 def test_bad_kv_cache_dtype_is_refused() -> None:
-    with pytest.raises(InvalidRequestError, match="kv_cache_dtype: must be auto, float32, bfloat16, float16 or int8, got .int3."):
+    with pytest.raises(InvalidRequestError, match="kv_cache_dtype: must be auto, float32, bfloat16, float16, int8 or int4, got .int3."):
         EngineConfig(kv_cache_dtype="int3")

@@ -13,6 +13,8 @@ bool int8_kv_decode_supported();
 // kv_int8.cpp
 void write_kv_int8(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor k_scales, torch::Tensor v_scales, torch::Tensor slots);
+void write_kv_int4(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                   torch::Tensor k_scales, torch::Tensor v_scales, torch::Tensor slots);
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
 // fused_ops.cpp
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);

@@ -2,7 +2,8 @@
 // each row of head_dim values of one token and KV head is quantized symmetrically,
 //   scale = max|x| / 127,  q = round_half_even(x / scale) clamped to [-127, 127]  (all zero: scale 0, q 0)
 // and dequantized as q * scale. The arithmetic is exactly torch's (torch_backend.quantize_int8: fp32 amax, an
-// IEEE division, round half to even), so both writers store the same bytes.
+// IEEE division, round half to even), so both writers store the same bytes. write_kv_int4 (kv_cache_dtype="int4",
+// quant_policy=4) does the same with scale = max|x| / 7 into [-7, 7], two values a byte (quantize_row_int4).
 //
 // Layouts:
 //   k, v              [T, KVH, D]       fp32, bf16 or fp16; rows of a token may be strided (a view of QKV)
@@ -63,12 +64,28 @@ LLMSERVE_AVX512 void quantize_row_512(const T* x, int64_t D, int8_t* q, float* s
 }
 #endif
 
+// int4 (EngineConfig.kv_cache_dtype="int4", quant_policy=4): scale = amax / 7, values rounded half to even into [-7, 7]
+// as torch_backend.quantize_int4 does, stored offset by 8, two a byte: element 2i in byte i's low nibble, 2i + 1 in its
+// high one (torch_backend.pack_int4). q: D / 2 bytes.
 template <typename T>
+void quantize_row_int4(const T* x, int64_t D, uint8_t* q, float* scale) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[i])));
+  const float s = amax / 7.f;
+  *scale = s;
+  auto nib = [&](int64_t i) {
+    const float r = s > 0.f ? std::nearbyint(static_cast<float>(x[i]) / s) : 0.f;
+    return static_cast<uint8_t>(static_cast<int>(std::min(7.f, std::max(-7.f, r))) + 8);
+  };
+  for (int64_t i = 0; i < D / 2; ++i) q[i] = static_cast<uint8_t>(nib(2 * i) | (nib(2 * i + 1) << 4));
+}
+
+template <typename T, bool kInt4>
 void write_impl(const torch::Tensor& x, torch::Tensor& cache, torch::Tensor& scales, const int64_t* slots) {
   const int64_t T_ = x.size(0), KVH = x.size(1), D = x.size(2);
   const int64_t tok_stride = x.stride(0), head_stride = x.stride(1);
   const T* xp = x.data_ptr<T>();
-  int8_t* cp = cache.data_ptr<int8_t>();
+  auto* cp = static_cast<int8_t*>(cache.data_ptr());
   float* sp = scales.data_ptr<float>();
 #ifdef LLMSERVE_KV_INT8_AVX512
   const bool wide = D % 16 == 0 && cpu_has_avx512();
@@ -77,8 +94,12 @@ void write_impl(const torch::Tensor& x, torch::Tensor& cache, torch::Tensor& sca
     for (int64_t w = begin; w < end; ++w) {
       const int64_t t = w / KVH, h = w % KVH;
       const T* row = xp + t * tok_stride + h * head_stride;
-      int8_t* q = cp + (slots[t] * KVH + h) * D;
       float* s = sp + slots[t] * KVH + h;
+      if constexpr (kInt4) {
+        quantize_row_int4(row, D, reinterpret_cast<uint8_t*>(cp) + (slots[t] * KVH + h) * (D / 2), s);
+        continue;
+      }
+      int8_t* q = cp + (slots[t] * KVH + h) * D;
 #ifdef LLMSERVE_KV_INT8_AVX512
       if (wide) {
         quantize_row_512(row, D, q, s);
@@ -101,15 +122,18 @@ const int64_t* checked_slots(const torch::Tensor& slots, int64_t tokens, const t
   return sp;
 }
 
-void check_side(const torch::Tensor& x, const torch::Tensor& cache, const torch::Tensor& scales) {
+// int4: the cache is uint8 [num_blocks, block_size, kv_heads, head_dim / 2].
+void check_side(const torch::Tensor& x, const torch::Tensor& cache, const torch::Tensor& scales, bool int4 = false) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "K/V must be [T, kv_heads, head_dim] with unit stride in head_dim");
-  TORCH_CHECK(cache.scalar_type() == at::kChar && cache.is_contiguous() && cache.dim() == 4 &&
-                  cache.size(2) == x.size(1) && cache.size(3) == x.size(2),
-              "cache must be contiguous int8 [num_blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(!int4 || x.size(2) % 2 == 0, "int4 K/V need an even head_dim");
+  TORCH_CHECK(cache.scalar_type() == (int4 ? at::kByte : at::kChar) && cache.is_contiguous() && cache.dim() == 4 &&
+                  cache.size(2) == x.size(1) && cache.size(3) == (int4 ? x.size(2) / 2 : x.size(2)),
+              int4 ? "cache must be contiguous uint8 [num_blocks, block_size, kv_heads, head_dim / 2]"
+                   : "cache must be contiguous int8 [num_blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 3 &&
                   scales.size(0) == cache.size(0) && scales.size(1) == cache.size(1) && scales.size(2) == x.size(1),
               "scales must be contiguous float32 [num_blocks, block_size, kv_heads]");
-  TORCH_CHECK(x.device().is_cpu() && cache.device().is_cpu() && scales.device().is_cpu(), "write_kv_int8 is CPU only");
+  TORCH_CHECK(x.device().is_cpu() && cache.device().is_cpu() && scales.device().is_cpu(), "write_kv_int8/int4 are CPU only");
 }
 
 }  // namespace
@@ -123,8 +147,22 @@ void write_kv_int8(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torc
   const int64_t* sp = checked_slots(slots, k.size(0), k_cache);
   dispatch_float(k.scalar_type(), "write_kv_int8 (K/V)", [&](auto tag) {
     using T = decltype(tag);
-    write_impl<T>(k, k_cache, k_scales, sp);
-    write_impl<T>(v, v_cache, v_scales, sp);
+    write_impl<T, false>(k, k_cache, k_scales, sp);
+    write_impl<T, false>(v, v_cache, v_scales, sp);
+  });
+}
+
+void write_kv_int4(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                   torch::Tensor k_scales, torch::Tensor v_scales, torch::Tensor slots) {
+  check_side(k, k_cache, k_scales, true);
+  check_side(v, v_cache, v_scales, true);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(), "K and V differ in shape or dtype");
+  slots = slots.contiguous();
+  const int64_t* sp = checked_slots(slots, k.size(0), k_cache);
+  dispatch_float(k.scalar_type(), "write_kv_int4 (K/V)", [&](auto tag) {
+    using T = decltype(tag);
+    write_impl<T, true>(k, k_cache, k_scales, sp);
+    write_impl<T, true>(v, v_cache, v_scales, sp);
   });
 }
 

@@ -11,6 +11,8 @@
 //                                      or int8, AVX-512 path only, with:)
 //   k/v scales   [NB, BS, KVH] fp32    int8 caches only: element = int8 value * the scale of its token and
 //                                      head (symmetric, one per row of D; see write_kv_int8 in kv_int8.cpp)
+//                                      int4 caches (uint8 [NB, BS, KVH, D / 2], two values a byte, offset by 8:
+//                                      write_kv_int4) too; AVX-512 path only, unpacked in registers per block
 //   block_tables [nd, MB] int64        block ids in context order (padding past len is never read)
 //   lens         [nd] int64            context length including this step's token
 //   out          [nd, H, D]
@@ -48,8 +50,14 @@ struct CacheView {
   const float* v_scale = nullptr;
 };
 
+// uint8: packed int4 (two values a byte); int8 and int4 caches both come with scales.
 template <typename T>
-constexpr bool kQuantized = std::is_same_v<T, int8_t>;
+constexpr bool kInt4 = std::is_same_v<T, uint8_t>;
+template <typename T>
+constexpr bool kQuantized = std::is_same_v<T, int8_t> || kInt4<T>;
+// Elements of T in a row of D values: D / 2 bytes of packed int4, else D.
+template <typename T>
+constexpr int64_t row_elems(int64_t D) { return kInt4<T> ? D / 2 : D; }
 
 template <typename T>
 inline float dot(const float* __restrict q, const T* __restrict k, int64_t d) {
@@ -182,9 +190,10 @@ struct NextSlice {
 template <typename T>
 inline NextSlice<T> next_slice(const CacheView<T>& kv, int64_t block, int64_t kvh, int64_t n, const Dims& dm) {
   const int64_t row0 = block * dm.block_size * dm.kv_heads;  // token 0's row of the block
-  const int64_t offset = (row0 + kvh) * dm.head_dim;
-  NextSlice<T> s{kv.k + offset, kv.v + offset, nullptr, nullptr, n, dm.kv_heads * dm.head_dim,
-                 dm.head_dim * static_cast<int64_t>(sizeof(T)), dm.kv_heads};
+  const int64_t row = row_elems<T>(dm.head_dim);
+  const int64_t offset = (row0 + kvh) * row;
+  NextSlice<T> s{kv.k + offset, kv.v + offset, nullptr, nullptr, n, dm.kv_heads * row,
+                 row * static_cast<int64_t>(sizeof(T)), dm.kv_heads};
   if constexpr (kQuantized<T>) {
     s.ks = kv.k_scale + row0 + kvh;
     s.vs = kv.v_scale + row0 + kvh;
@@ -252,6 +261,16 @@ LLMSERVE_AVX512 inline __m512 hsum16x16(__m512* a) {
 // 32-bit pieces). The order is its own inverse, so giving input j the key kHsumOrder[j] puts key p's
 // score in lane p.
 constexpr int kHsumOrder[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+// 16 int4 values from 8 bytes (pack_int4's layout: element 2i in byte i's low nibble, 2i + 1 in its high one, each
+// offset by 8) -> fp32: the nibbles split by a mask and a shift, interleaved back into order, widened, less 8.
+LLMSERVE_AVX512 inline __m512 load16_int4(const uint8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+  const __m512i x = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+  return _mm512_cvtepi32_ps(_mm512_sub_epi32(x, _mm512_set1_epi32(8)));
+}
 
 // Scores of one head against the n16 keys of the scratch (rows of D floats): s[0:n16].
 LLMSERVE_AVX512 inline void qk16(const float* q, const float* k, int64_t n16, int64_t D, float* s) {
@@ -359,15 +378,16 @@ LLMSERVE_AVX512 void attend_one_512(const float* qs, const CacheView<T>& kv, con
   const bool dot = std::is_same_v<T, c10::BFloat16> && q_bf16 != nullptr;
   const int64_t G = dm.group, D = dm.head_dim, BS = dm.block_size, KVH = dm.kv_heads;
   const int64_t bs16 = round16(BS);
-  const int64_t tok_stride = KVH * D;
+  const int64_t R = row_elems<T>(D);  // elements of T per row (int4: D / 2 bytes)
+  const int64_t tok_stride = KVH * R;
   const int64_t blk_stride = BS * tok_stride;
   reset_state(m, l, acc, G, D);
   for (int64_t b = start / BS; b * BS < len; ++b) {
     const int64_t t0 = std::max(start - b * BS, int64_t(0));
     const int64_t t1 = std::min(len - b * BS, BS);
     const int64_t n = t1 - t0, n16 = round16(n);
-    const T* kb = kv.k + table[b] * blk_stride + kvh * D + t0 * tok_stride;
-    const T* vb = kv.v + table[b] * blk_stride + kvh * D + t0 * tok_stride;
+    const T* kb = kv.k + table[b] * blk_stride + kvh * R + t0 * tok_stride;
+    const T* vb = kv.v + table[b] * blk_stride + kvh * R + t0 * tok_stride;
     const int64_t scale0 = (table[b] * BS + t0) * KVH + kvh;  // int8: token t's scale at scale0 + t * KVH
     const NextSlice<T> next =
         (b + 1) * BS < len ? next_slice(kv, table[b + 1], kvh, std::min(len - (b + 1) * BS, BS), dm) : after;
@@ -385,7 +405,11 @@ LLMSERVE_AVX512 void attend_one_512(const float* qs, const CacheView<T>& kv, con
     }
     for (int64_t t = 0; !dot && t < n; ++t) {
       prefetch_token(next, t);
-      if constexpr (kQuantized<T>) {  // dequantized once here, then read by every head of the group
+      if constexpr (kInt4<T>) {  // unpacked and dequantized once here, then read by every head of the group
+        const __m512 sc = _mm512_set1_ps(kv.k_scale[scale0 + t * KVH]);
+        for (int64_t c = 0; c < D; c += 16)
+          _mm512_storeu_ps(kf + t * D + c, _mm512_mul_ps(sc, load16_int4(kb + t * tok_stride + c / 2)));
+      } else if constexpr (kQuantized<T>) {  // dequantized once here, then read by every head of the group
         const __m512 sc = _mm512_set1_ps(kv.k_scale[scale0 + t * KVH]);
         for (int64_t c = 0; c < D; c += 16)
           _mm512_storeu_ps(kf + t * D + c, _mm512_mul_ps(sc, load16(kb + t * tok_stride + c)));
@@ -430,10 +454,20 @@ LLMSERVE_AVX512 void attend_one_512(const float* qs, const CacheView<T>& kv, con
         for (int64_t g = 0; g < G; ++g) scores[g * bs16 + t] *= sc;
       }
     }
-    if (D % 64 == 0)
+    if constexpr (kInt4<T>) {
+      // the keys' scratch is free again: the block's values unpacked into it (unscaled: the scale is in p), then the
+      // fp32 rows go through pv_heads as a float cache's would
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(kf + t * D + c, load16_int4(vb + t * tok_stride + c / 2));
+      if (D % 64 == 0)
+        pv_heads<4>(scores, bs16, static_cast<const float*>(kf), D, n, D, G, acc);
+      else
+        pv_heads<1>(scores, bs16, static_cast<const float*>(kf), D, n, D, G, acc);
+    } else if (D % 64 == 0) {
       pv_heads<4>(scores, bs16, vb, tok_stride, n, D, G, acc);
-    else
+    } else {
       pv_heads<1>(scores, bs16, vb, tok_stride, n, D, G, acc);
+    }
   }
   normalize(acc, l, G, D);
 }
@@ -536,7 +570,8 @@ void paged_decode_impl(const TQ* q, const CacheView<T>& kv, const int64_t* table
   // the dot path: a bf16 query over a bf16 cache on the AVX-512 path (the caller checked the CPU)
   constexpr bool kBf16 = std::is_same_v<TQ, c10::BFloat16> && std::is_same_v<T, c10::BFloat16>;
   dot = dot && kBf16 && wide;
-  TORCH_CHECK(wide || !kQuantized<T>, "an int8 KV cache needs the AVX-512 decode path (head_dim % 16 == 0)");
+  TORCH_CHECK(wide || !kQuantized<T>, kInt4<T> ? "an int4" : "an int8",
+              " KV cache needs the AVX-512 decode path (head_dim % 16 == 0)");
   auto key_range = [&](int64_t r) {  // [start, len) of request r
     const int64_t len = lens[r];
     return std::make_pair(window > 0 ? std::max(len - window, int64_t(0)) : int64_t(0), len);
@@ -638,15 +673,17 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   block_tables = block_tables.contiguous();
   lens = lens.contiguous();
   const int64_t nd = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head_dim mismatch or heads not a multiple of kv_heads");
+  const bool int4 = k_cache.scalar_type() == at::kByte;  // packed: head_dim / 2 bytes a row
+  TORCH_CHECK(k_cache.size(3) == (int4 ? D / 2 : D) && (!int4 || D % 2 == 0) && H % KVH == 0,
+              "head_dim mismatch or heads not a multiple of kv_heads");
   TORCH_CHECK(block_tables.size(0) == nd && lens.size(0) == nd, "one table row and length per request");
   const Dims dm{H, KVH, H / KVH, D, k_cache.size(1), block_tables.size(1)};
   const int64_t* lp = lens.data_ptr<int64_t>();
   for (int64_t r = 0; r < nd; ++r)
     TORCH_CHECK(lp[r] >= 0 && lp[r] <= dm.block_size * dm.max_blocks, "context length outside the block table");
-  const bool quantized = k_cache.scalar_type() == at::kChar;
+  const bool quantized = k_cache.scalar_type() == at::kChar || int4;
   TORCH_CHECK(quantized == (k_scales.has_value() && v_scales.has_value()),
-              "k_scales and v_scales are given exactly when the cache is int8");
+              "k_scales and v_scales are given exactly when the cache is int8 or int4");
   if (quantized) {
     for (const auto& sc : {*k_scales, *v_scales})
       TORCH_CHECK(sc.scalar_type() == at::kFloat && sc.is_contiguous() && sc.dim() == 3 &&
@@ -669,7 +706,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                                    lens.data_ptr<int64_t>(), scale, window, nd, dm, splits, dot > 0,
                                    out.data_ptr<q_t>());
     };
-    if (quantized)
+    if (int4)
+      run(uint8_t{});
+    else if (quantized)
       run(int8_t{});
     else
       dispatch_float(k_cache.scalar_type(), "paged_decode (the cache; or int8)", run);
@@ -692,6 +731,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "pairs and the longest context, at this thread count", py::arg("items"), py::arg("max_context"));
   m.def("int8_kv_decode_supported", &int8_kv_decode_supported, "whether paged_decode reads int8 caches here");
   m.def("write_kv_int8", &write_kv_int8, "quantize K/V rows to int8 (one scale per token and head) into the cache");
+  m.def("write_kv_int4", &write_kv_int4, "quantize K/V rows to packed int4 (one scale per token and head) into the cache");
   m.def("write_kv", &write_kv, "copy K/V rows into a 16- or 32-bit cache at their slots (converted as .to())");
   m.def("rotary_", &rotary_, "Rotary embedding in place on [T, heads, D] (CPU)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = weight * rms_norm(residual), in place (CPU)");

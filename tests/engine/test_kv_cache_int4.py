@@ -1,0 +1,148 @@
+"""kv_cache_dtype="int4" (LMDeploy's quant_policy=4): K/V packed two values a byte with one fp32 scale per token and
+KV head, through the whole engine: the native decode kernel against the torch reference, batch invariance under plain,
+chunked, prefix-cached and preempted runs, closeness to the unquantized cache, the block budget and the config."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve import EngineConfig, GenerationConfig, pipeline
+from llmserve.errors import InvalidRequestError
+from llmserve.kernels import native
+from llmserve.models import load_model
+from llmserve.worker.model_runner import CacheSpec, cache_spec, num_blocks_for
+
+PROMPTS = [[5, 17, 33, 2, 9, 41, 77, 12, 3, 8, 100, 4, 61], [7, 7, 19], list(range(3, 40))]
+GREEDY = GenerationConfig(temperature=0.0, max_new_tokens=10, ignore_eos=True, logprobs=1)
+needs_native = pytest.mark.skipif(not native.int8_kv_decode_usable(),
+                                  reason="the native int4 KV path needs the extension and AVX-512")
+
+
+def _config(**engine) -> EngineConfig:
+    return EngineConfig(**{"dtype": "float32", "num_blocks": 48, "block_size": 4, **engine})
+
+
+def _run(model_dir: str, monkeypatch: pytest.MonkeyPatch, attention: str | None, **engine
+         ) -> tuple[set, list[list[int]], list[list[float]]]:
+    """(cache dtypes, token ids, chosen-token logprobs) of a greedy batch."""
+    if attention:
+        monkeypatch.setenv("LLMSERVE_ATTENTION", attention)
+    else:
+        monkeypatch.delenv("LLMSERVE_ATTENTION", raising=False)
+    with pipeline(model_dir, backend_config=_config(**engine)) as pipe:
+        layers = pipe.engine.runner.model.attention_layers()
+        caches = {(layer.kv_cache.dtype, None if layer.kv_scales is None else layer.kv_scales.dtype) for layer in layers}
+        out = pipe([{"input_ids": p} for p in PROMPTS], gen_config=GREEDY, do_preprocess=False)
+    return caches, [o.token_ids for o in out], [[next(iter(s.values())) for s in o.logprobs] for o in out]
+
+
+@needs_native
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: mixed sliding-window and full layers
+@pytest.mark.parametrize("chunk", [4096, 8])  # 8: prompts prefilled in chunks that read earlier chunks' int4 K/V
+def test_native_and_torch_paths_agree(tiny_model_dir, monkeypatch, arch: str, chunk: int) -> None:
+    """The native writer stores the reference's bytes and the native decode kernel reads them as the reference does."""
+    path = tiny_model_dir(arch)
+    native_caches, native_ids, native_lp = _run(path, monkeypatch, None, kv_cache_dtype="int4",
+                                                max_prefill_token_num=chunk)
+    torch_caches, torch_ids, torch_lp = _run(path, monkeypatch, "torch", kv_cache_dtype="int4",
+                                             max_prefill_token_num=chunk)
+    assert native_caches == torch_caches == {(torch.uint8, torch.float32)}
+    assert native_ids == torch_ids
+    for a, b in zip(native_lp, torch_lp):
+        assert a == pytest.approx(b, abs=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_int4_cache_stays_close_to_the_unquantized_run(tiny_model_dir, monkeypatch, arch: str, dtype: str) -> None:
+    path = tiny_model_dir(arch)
+    _, ids, lps = _run(path, monkeypatch, None, dtype=dtype)
+    _, q_ids, q_lps = _run(path, monkeypatch, None, dtype=dtype, quant_policy=4)
+    # The first token's logits saw the prompt's K/V fresh from the prefill (never through the cache): equal.
+    # Not under qwen2's sliding window, whose prefill of a prompt longer than the window reads the cache.
+    if arch == "llama":
+        assert [i[0] for i in q_ids] == [i[0] for i in ids]
+        assert [lp[0] for lp in q_lps] == pytest.approx([lp[0] for lp in lps], abs=1e-5 if dtype == "float32" else 0)
+    # Later tokens read int4 K/V: the chosen tokens' logprobs stay within 0.5 nats while the sequences agree (the
+    # tiny random models' logits are flat, so their greedy sequences part within a few tokens; int8 keeps 0.05)
+    agreed = 0
+    for a, b, ta, tb in zip(q_lps, lps, q_ids, ids):
+        same = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
+        agreed += same
+        assert a[:same] == pytest.approx(b[:same], abs=0.5)
+    assert agreed >= 3
+
+
+def _greedy_ids(pipe, prompts: list[list[int]], together: bool) -> list[list[int]]:
+    gen = GenerationConfig(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    if together:
+        return [o.token_ids for o in pipe([{"input_ids": p} for p in prompts], gen_config=gen, do_preprocess=False)]
+    return [pipe({"input_ids": p}, gen_config=gen, do_preprocess=False).token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mode", ["plain", "prefix_cached"])
+def test_batched_equals_one_at_a_time(tiny_model_dir, dtype: str, mode: str) -> None:
+    """Decodes read the cache per request and head, and the write quantizes per token: a request's tokens do not
+    depend on what else runs in its step. Across modes they may differ, as with int8: a fresh prompt attends over its
+    own unrounded K/V, a later chunk or a prefix hit over the cache's int4 ones. So chunked prefills and preemption
+    are not here: a shared token budget cuts a request's first chunk differently in a batch than alone, and a
+    preempted request's recompute attends over its generated tokens unrounded (checked: the tokens differ);
+    test_native_and_torch_paths_agree and test_preemption_on_both_paths cover them."""
+    engine = {"dtype": dtype, "kv_cache_dtype": "int4", "enable_prefix_caching": mode == "prefix_cached"}
+    with pipeline(tiny_model_dir("llama"), backend_config=_config(**engine)) as pipe:
+        if mode == "prefix_cached":
+            _greedy_ids(pipe, PROMPTS, together=False)  # fills the cache: both runs below hit it
+        together = _greedy_ids(pipe, PROMPTS, together=True)
+        alone = _greedy_ids(pipe, PROMPTS, together=False)
+        if mode == "prefix_cached":
+            assert pipe.engine.kv.prefix_stats.hit_tokens >= 3 * (len(PROMPTS[0]) // 4 * 4)
+        pipe.engine.kv.check_invariants()
+        assert pipe.engine.kv.usage().in_use == 0
+    assert together == alone
+
+
+@needs_native
+def test_preemption_on_both_paths(tiny_model_dir, monkeypatch) -> None:
+    """A pool too small for the batch: requests are preempted and recomputed, every block comes back, and the native
+    kernels make the reference's tokens over the same schedule."""
+    prompts = [list(range(3 + i, 30 + i)) for i in range(4)]
+    ids = []
+    for attention in (None, "torch"):
+        if attention:
+            monkeypatch.setenv("LLMSERVE_ATTENTION", attention)
+        with pipeline(tiny_model_dir("llama"), backend_config=_config(kv_cache_dtype="int4", num_blocks=16)) as pipe:
+            ids.append(_greedy_ids(pipe, prompts, together=True))
+            assert pipe.engine.scheduler.num_preemptions > 0
+            pipe.engine.kv.check_invariants()
+            assert pipe.engine.kv.usage().in_use == 0
+    assert ids[0] == ids[1] and all(len(t) == 12 for t in ids[0])
+
+
+def test_int4_budget_holds_nearly_twice_the_tokens_of_int8(tiny_model_dir) -> None:
+    loaded = load_model(tiny_model_dir("llama"), EngineConfig(device="cpu", dtype="float32"))
+    spec = cache_spec(loaded, "int4")
+    assert spec.dtype == torch.uint8 and spec.quantized and spec.row == spec.head_dim // 2
+    assert spec.bytes_per_token == 2 * spec.num_layers * spec.num_kv_heads * (spec.head_dim // 2 + 4)
+    blocks = num_blocks_for(loaded, 4, 1 << 20, 0.8, kv_cache_dtype="int4")
+    assert blocks == (1 << 20) // (4 * spec.bytes_per_token)
+    assert blocks > num_blocks_for(loaded, 4, 1 << 20, 0.8, kv_cache_dtype="int8")
+    # at head_dim 64 (SmolLM2's), 36 bytes a row against int8's 68: 1.89x the tokens
+    int4, int8 = (CacheSpec(30, 3, 64, d).bytes_per_token for d in (torch.uint8, torch.int8))
+    assert int8 / int4 == pytest.approx(68 / 36)
+    with pipeline(tiny_model_dir("llama"), backend_config=_config(kv_cache_dtype="int4")) as pipe:
+        layer = pipe.engine.runner.model.attention_layers()[0]
+        assert layer.kv_cache.shape[-1] == layer.head_dim // 2 and layer.kv_scales.shape == layer.kv_cache.shape[:-1]
+
+
+def test_quant_policy_4_names_the_int4_cache() -> None:
+    assert EngineConfig(quant_policy=4).kv_cache_dtype == "int4"
+    assert EngineConfig(quant_policy=4, kv_cache_dtype="int4").kv_cache_dtype == "int4"
+    assert EngineConfig(kv_cache_dtype="int4").quant_policy == 0
+    with pytest.raises(InvalidRequestError, match="quant_policy: 4 means an int4 KV cache, which contradicts "
+                                                  "kv_cache_dtype='int8'"):
+        EngineConfig(quant_policy=4, kv_cache_dtype="int8")
+    with pytest.raises(InvalidRequestError, match="kv_cache_dtype: must be auto, float32, bfloat16, float16, int8 or "
+                                                  "int4, got 'int2'"):
+        EngineConfig(kv_cache_dtype="int2")
