@@ -23,7 +23,8 @@ class Attention(nn.Module):
         self.softcap = softcap
         # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the model runner.
         self.kv_cache: torch.Tensor | None = None
-        # int8 caches only: one fp32 scale per token and KV head, [2, num_blocks, block_size, num_kv_heads].
+        # int8 caches only: one fp32 scale per token and KV head, [2, num_blocks, block_size, num_kv_heads]; int4: an
+        # fp16 scale and zero point each, [..., 2].
         self.kv_scales: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

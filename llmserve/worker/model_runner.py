@@ -38,8 +38,8 @@ class CacheSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    # int8, or uint8 for int4 (two values a byte: rows of head_dim / 2): quantized, with one fp32 scale per token,
-    # head and K/V
+    # int8: quantized, with one fp32 scale per token, head and K/V; uint8: int4, two values a byte (rows of
+    # head_dim / 2), with an fp16 scale and zero point each (torch_backend.quantize_int4)
     dtype: torch.dtype
 
     @property
@@ -52,12 +52,23 @@ class CacheSpec:
         return self.head_dim // 2 if self.dtype == torch.uint8 else self.head_dim
 
     @property
+    def scale_shape(self) -> tuple[int, ...]:
+        """What each row's scale tensor adds to [2, num_blocks, block_size, kv_heads]: int4's (scale, zero)."""
+        return (2,) if self.dtype == torch.uint8 else ()
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        return torch.float16 if self.dtype == torch.uint8 else SCALE_DTYPE
+
+    @property
     def bytes_per_token(self) -> int:
-        row = self.row * self.dtype.itemsize + (SCALE_DTYPE.itemsize if self.quantized else 0)
+        row = self.row * self.dtype.itemsize
+        if self.quantized:
+            row += math.prod(self.scale_shape) * self.scale_dtype.itemsize
         return 2 * self.num_layers * self.num_kv_heads * row
 
 
-SCALE_DTYPE = torch.float32  # of int8 and int4 caches
+SCALE_DTYPE = torch.float32  # of int8 caches
 
 
 @dataclass(frozen=True)
@@ -115,10 +126,11 @@ class ModelRunner:
         # CUDA graphs: one more block, never allocated, where the padding rows of a captured batch write
         shape = (len(layers), 2, num_blocks + use_graphs, block_size, spec.num_kv_heads)
         pool = zeroed((*shape, spec.row), spec.dtype, self.device)
-        scales = zeroed(shape, SCALE_DTYPE, self.device) if spec.quantized else [None] * len(layers)
+        scales = (zeroed((*shape, *spec.scale_shape), spec.scale_dtype, self.device) if spec.quantized
+                  else [None] * len(layers))
         for layer, cache, scale in zip(layers, pool, scales):
             layer.kv_cache = cache  # [2, num_blocks, block_size, kv_heads, head_dim], contiguous
-            layer.kv_scales = scale  # [2, num_blocks, block_size, kv_heads] or None
+            layer.kv_scales = scale  # [2, num_blocks, block_size, kv_heads(, 2 for int4)] or None
         self.graphs: CudaGraphDecoder | None = None
         if use_graphs:
             from llmserve.worker.cuda_graphs import CudaGraphDecoder

@@ -1,6 +1,7 @@
-"""kv_cache_dtype="int4" (LMDeploy's quant_policy=4): K/V packed two values a byte with one fp32 scale per token and
-KV head, through the whole engine: the native decode kernel against the torch reference, batch invariance under plain,
-chunked, prefix-cached and preempted runs, closeness to the unquantized cache, the block budget and the config."""
+"""kv_cache_dtype="int4" (LMDeploy's quant_policy=4): K/V packed two values a byte with an fp16 scale and zero point
+per token and KV head, through the whole engine: the native decode kernel against the torch reference (plain, chunked
+and preempted runs), batch invariance (plain and prefix-cached), closeness to the unquantized cache, the block budget
+and the config."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def test_native_and_torch_paths_agree(tiny_model_dir, monkeypatch, arch: str, ch
                                                 max_prefill_token_num=chunk)
     torch_caches, torch_ids, torch_lp = _run(path, monkeypatch, "torch", kv_cache_dtype="int4",
                                              max_prefill_token_num=chunk)
-    assert native_caches == torch_caches == {(torch.uint8, torch.float32)}
+    assert native_caches == torch_caches == {(torch.uint8, torch.float16)}
     assert native_ids == torch_ids
     for a, b in zip(native_lp, torch_lp):
         assert a == pytest.approx(b, abs=1e-4)
@@ -133,7 +134,8 @@ def test_int4_budget_holds_nearly_twice_the_tokens_of_int8(tiny_model_dir) -> No
     assert int8 / int4 == pytest.approx(68 / 36)
     with pipeline(tiny_model_dir("llama"), backend_config=_config(kv_cache_dtype="int4")) as pipe:
         layer = pipe.engine.runner.model.attention_layers()[0]
-        assert layer.kv_cache.shape[-1] == layer.head_dim // 2 and layer.kv_scales.shape == layer.kv_cache.shape[:-1]
+        assert layer.kv_cache.shape[-1] == layer.head_dim // 2
+        assert layer.kv_scales.shape == (*layer.kv_cache.shape[:-1], 2) and layer.kv_scales.dtype == torch.float16
 
 
 def test_quant_policy_4_names_the_int4_cache() -> None:

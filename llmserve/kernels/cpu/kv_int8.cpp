@@ -3,7 +3,8 @@
 //   scale = max|x| / 127,  q = round_half_even(x / scale) clamped to [-127, 127]  (all zero: scale 0, q 0)
 // and dequantized as q * scale. The arithmetic is exactly torch's (torch_backend.quantize_int8: fp32 amax, an
 // IEEE division, round half to even), so both writers store the same bytes. write_kv_int4 (kv_cache_dtype="int4",
-// quant_policy=4) does the same with scale = max|x| / 7 into [-7, 7], two values a byte (quantize_row_int4).
+// quant_policy=4) quantizes asymmetrically into [0, 15], two values a byte, with an fp16 scale and zero point per
+// row (quantize_row_int4: torch_backend.quantize_int4's arithmetic).
 //
 // Layouts:
 //   k, v              [T, KVH, D]       fp32, bf16 or fp16; rows of a token may be strided (a view of QKV)
@@ -19,6 +20,7 @@
 #include "float_types.h"  // dispatch_float
 
 #include <algorithm>
+#include <limits>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -64,28 +66,46 @@ LLMSERVE_AVX512 void quantize_row_512(const T* x, int64_t D, int8_t* q, float* s
 }
 #endif
 
-// int4 (EngineConfig.kv_cache_dtype="int4", quant_policy=4): scale = amax / 7, values rounded half to even into [-7, 7]
-// as torch_backend.quantize_int4 does, stored offset by 8, two a byte: element 2i in byte i's low nibble, 2i + 1 in its
-// high one (torch_backend.pack_int4). q: D / 2 bytes.
+// int4: zero = min x, scale = (max x - min x) / 15, both rounded to fp16 and stored as params[0..1]; then
+// q = round_half_even((x - zero) / scale) clamped to [0, 15] (scale 0: q 0), element 2i in byte i's low nibble and
+// 2i + 1 in its high one. q: D / 2 bytes.
 template <typename T>
-void quantize_row_int4(const T* x, int64_t D, uint8_t* q, float* scale) {
-  float amax = 0.f;
-  for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[i])));
-  const float s = amax / 7.f;
-  *scale = s;
+void quantize_row_int4(const T* x, int64_t D, uint8_t* q, at::Half* params) {
+  float lo = std::numeric_limits<float>::infinity(), hi = -lo;
+  for (int64_t i = 0; i < D; ++i) {
+    lo = std::min(lo, static_cast<float>(x[i]));
+    hi = std::max(hi, static_cast<float>(x[i]));
+  }
+  params[0] = at::Half((hi - lo) / 15.f);
+  params[1] = at::Half(lo);
+  const float s = static_cast<float>(params[0]), z = static_cast<float>(params[1]);
   auto nib = [&](int64_t i) {
-    const float r = s > 0.f ? std::nearbyint(static_cast<float>(x[i]) / s) : 0.f;
-    return static_cast<uint8_t>(static_cast<int>(std::min(7.f, std::max(-7.f, r))) + 8);
+    const float r = s > 0.f ? std::nearbyint((static_cast<float>(x[i]) - z) / s) : 0.f;
+    return static_cast<uint8_t>(std::min(15.f, std::max(0.f, r)));
   };
   for (int64_t i = 0; i < D / 2; ++i) q[i] = static_cast<uint8_t>(nib(2 * i) | (nib(2 * i + 1) << 4));
 }
 
-template <typename T, bool kInt4>
+template <typename T>
+void write_impl_int4(const torch::Tensor& x, torch::Tensor& cache, torch::Tensor& params, const int64_t* slots) {
+  const int64_t KVH = x.size(1), D = x.size(2);
+  const T* xp = x.data_ptr<T>();
+  uint8_t* cp = cache.data_ptr<uint8_t>();
+  at::Half* pp = params.data_ptr<at::Half>();
+  at::parallel_for(0, x.size(0) * KVH, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t t = w / KVH, h = w % KVH, row = slots[t] * KVH + h;
+      quantize_row_int4(xp + t * x.stride(0) + h * x.stride(1), D, cp + row * (D / 2), pp + row * 2);
+    }
+  });
+}
+
+template <typename T>
 void write_impl(const torch::Tensor& x, torch::Tensor& cache, torch::Tensor& scales, const int64_t* slots) {
   const int64_t T_ = x.size(0), KVH = x.size(1), D = x.size(2);
   const int64_t tok_stride = x.stride(0), head_stride = x.stride(1);
   const T* xp = x.data_ptr<T>();
-  auto* cp = static_cast<int8_t*>(cache.data_ptr());
+  int8_t* cp = cache.data_ptr<int8_t>();
   float* sp = scales.data_ptr<float>();
 #ifdef LLMSERVE_KV_INT8_AVX512
   const bool wide = D % 16 == 0 && cpu_has_avx512();
@@ -94,12 +114,8 @@ void write_impl(const torch::Tensor& x, torch::Tensor& cache, torch::Tensor& sca
     for (int64_t w = begin; w < end; ++w) {
       const int64_t t = w / KVH, h = w % KVH;
       const T* row = xp + t * tok_stride + h * head_stride;
-      float* s = sp + slots[t] * KVH + h;
-      if constexpr (kInt4) {
-        quantize_row_int4(row, D, reinterpret_cast<uint8_t*>(cp) + (slots[t] * KVH + h) * (D / 2), s);
-        continue;
-      }
       int8_t* q = cp + (slots[t] * KVH + h) * D;
+      float* s = sp + slots[t] * KVH + h;
 #ifdef LLMSERVE_KV_INT8_AVX512
       if (wide) {
         quantize_row_512(row, D, q, s);
@@ -122,7 +138,7 @@ const int64_t* checked_slots(const torch::Tensor& slots, int64_t tokens, const t
   return sp;
 }
 
-// int4: the cache is uint8 [num_blocks, block_size, kv_heads, head_dim / 2].
+// int4: the cache is uint8 [num_blocks, block_size, kv_heads, head_dim / 2], the scales fp16 [..., kv_heads, 2].
 void check_side(const torch::Tensor& x, const torch::Tensor& cache, const torch::Tensor& scales, bool int4 = false) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "K/V must be [T, kv_heads, head_dim] with unit stride in head_dim");
   TORCH_CHECK(!int4 || x.size(2) % 2 == 0, "int4 K/V need an even head_dim");
@@ -130,9 +146,11 @@ void check_side(const torch::Tensor& x, const torch::Tensor& cache, const torch:
                   cache.size(2) == x.size(1) && cache.size(3) == (int4 ? x.size(2) / 2 : x.size(2)),
               int4 ? "cache must be contiguous uint8 [num_blocks, block_size, kv_heads, head_dim / 2]"
                    : "cache must be contiguous int8 [num_blocks, block_size, kv_heads, head_dim]");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 3 &&
-                  scales.size(0) == cache.size(0) && scales.size(1) == cache.size(1) && scales.size(2) == x.size(1),
-              "scales must be contiguous float32 [num_blocks, block_size, kv_heads]");
+  TORCH_CHECK(scales.scalar_type() == (int4 ? at::kHalf : at::kFloat) && scales.is_contiguous() &&
+                  scales.dim() == (int4 ? 4 : 3) && scales.size(0) == cache.size(0) &&
+                  scales.size(1) == cache.size(1) && scales.size(2) == x.size(1) && (!int4 || scales.size(3) == 2),
+              int4 ? "scales must be contiguous float16 [num_blocks, block_size, kv_heads, 2]"
+                   : "scales must be contiguous float32 [num_blocks, block_size, kv_heads]");
   TORCH_CHECK(x.device().is_cpu() && cache.device().is_cpu() && scales.device().is_cpu(), "write_kv_int8/int4 are CPU only");
 }
 
@@ -147,8 +165,8 @@ void write_kv_int8(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torc
   const int64_t* sp = checked_slots(slots, k.size(0), k_cache);
   dispatch_float(k.scalar_type(), "write_kv_int8 (K/V)", [&](auto tag) {
     using T = decltype(tag);
-    write_impl<T, false>(k, k_cache, k_scales, sp);
-    write_impl<T, false>(v, v_cache, v_scales, sp);
+    write_impl<T>(k, k_cache, k_scales, sp);
+    write_impl<T>(v, v_cache, v_scales, sp);
   });
 }
 
@@ -161,8 +179,8 @@ void write_kv_int4(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torc
   const int64_t* sp = checked_slots(slots, k.size(0), k_cache);
   dispatch_float(k.scalar_type(), "write_kv_int4 (K/V)", [&](auto tag) {
     using T = decltype(tag);
-    write_impl<T, true>(k, k_cache, k_scales, sp);
-    write_impl<T, true>(v, v_cache, v_scales, sp);
+    write_impl_int4<T>(k, k_cache, k_scales, sp);
+    write_impl_int4<T>(v, v_cache, v_scales, sp);
   });
 }
 

@@ -11,8 +11,9 @@
 //                                      or int8, AVX-512 path only, with:)
 //   k/v scales   [NB, BS, KVH] fp32    int8 caches only: element = int8 value * the scale of its token and
 //                                      head (symmetric, one per row of D; see write_kv_int8 in kv_int8.cpp)
-//                                      int4 caches (uint8 [NB, BS, KVH, D / 2], two values a byte, offset by 8:
-//                                      write_kv_int4) too; AVX-512 path only, unpacked in registers per block
+//                [NB, BS, KVH, 2] fp16 int4 caches (uint8 [NB, BS, KVH, D / 2], two values a byte: write_kv_int4):
+//                                      element = q * scale + zero, (scale, zero) per token and head; AVX-512
+//                                      path only, unpacked in registers per block
 //   block_tables [nd, MB] int64        block ids in context order (padding past len is never read)
 //   lens         [nd] int64            context length including this step's token
 //   out          [nd, H, D]
@@ -41,20 +42,24 @@
 
 namespace {
 
-// One layer's cache as the kernels read it. The scales are set for int8 caches only.
+// One layer's cache as the kernels read it. The scales are set for int8 caches only, the params for int4 only.
 template <typename T>
 struct CacheView {
   const T* k;
   const T* v;
   const float* k_scale = nullptr;  // [NB, BS, KVH]
   const float* v_scale = nullptr;
+  const at::Half* k_param = nullptr;  // [NB, BS, KVH, 2]: (scale, zero)
+  const at::Half* v_param = nullptr;
 };
 
-// uint8: packed int4 (two values a byte); int8 and int4 caches both come with scales.
+// uint8: packed int4 (two values a byte, with a scale and zero point a row); int8: one fp32 scale a row.
 template <typename T>
 constexpr bool kInt4 = std::is_same_v<T, uint8_t>;
 template <typename T>
-constexpr bool kQuantized = std::is_same_v<T, int8_t> || kInt4<T>;
+constexpr bool kInt8 = std::is_same_v<T, int8_t>;
+template <typename T>
+constexpr bool kQuantized = kInt8<T> || kInt4<T>;
 // Elements of T in a row of D values: D / 2 bytes of packed int4, else D.
 template <typename T>
 constexpr int64_t row_elems(int64_t D) { return kInt4<T> ? D / 2 : D; }
@@ -194,7 +199,7 @@ inline NextSlice<T> next_slice(const CacheView<T>& kv, int64_t block, int64_t kv
   const int64_t offset = (row0 + kvh) * row;
   NextSlice<T> s{kv.k + offset, kv.v + offset, nullptr, nullptr, n, dm.kv_heads * row,
                  row * static_cast<int64_t>(sizeof(T)), dm.kv_heads};
-  if constexpr (kQuantized<T>) {
+  if constexpr (kInt8<T>) {
     s.ks = kv.k_scale + row0 + kvh;
     s.vs = kv.v_scale + row0 + kvh;
   }
@@ -262,14 +267,13 @@ LLMSERVE_AVX512 inline __m512 hsum16x16(__m512* a) {
 // score in lane p.
 constexpr int kHsumOrder[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
 
-// 16 int4 values from 8 bytes (pack_int4's layout: element 2i in byte i's low nibble, 2i + 1 in its high one, each
-// offset by 8) -> fp32: the nibbles split by a mask and a shift, interleaved back into order, widened, less 8.
+// 16 int4 codes from 8 bytes (pack_int4's layout: element 2i in byte i's low nibble, 2i + 1 in its high one) -> fp32
+// in [0, 15]: the nibbles split by a mask and a shift, interleaved back into order, widened.
 LLMSERVE_AVX512 inline __m512 load16_int4(const uint8_t* p) {
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   const __m128i mask = _mm_set1_epi8(0x0F);
   const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-  const __m512i x = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
-  return _mm512_cvtepi32_ps(_mm512_sub_epi32(x, _mm512_set1_epi32(8)));
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
 }
 
 // Scores of one head against the n16 keys of the scratch (rows of D floats): s[0:n16].
@@ -360,7 +364,7 @@ inline void prefetch_token(const NextSlice<T>& next, int64_t t) {
     _mm_prefetch(k + c, _MM_HINT_T1);
     _mm_prefetch(v + c, _MM_HINT_T1);
   }
-  if constexpr (kQuantized<T>) {
+  if constexpr (kInt8<T>) {
     _mm_prefetch(reinterpret_cast<const char*>(next.ks + t * next.kv_heads), _MM_HINT_T1);
     _mm_prefetch(reinterpret_cast<const char*>(next.vs + t * next.kv_heads), _MM_HINT_T1);
   }
@@ -406,9 +410,10 @@ LLMSERVE_AVX512 void attend_one_512(const float* qs, const CacheView<T>& kv, con
     for (int64_t t = 0; !dot && t < n; ++t) {
       prefetch_token(next, t);
       if constexpr (kInt4<T>) {  // unpacked and dequantized once here, then read by every head of the group
-        const __m512 sc = _mm512_set1_ps(kv.k_scale[scale0 + t * KVH]);
+        const at::Half* pr = kv.k_param + 2 * (scale0 + t * KVH);
+        const __m512 sc = _mm512_set1_ps(static_cast<float>(pr[0])), z = _mm512_set1_ps(static_cast<float>(pr[1]));
         for (int64_t c = 0; c < D; c += 16)
-          _mm512_storeu_ps(kf + t * D + c, _mm512_mul_ps(sc, load16_int4(kb + t * tok_stride + c / 2)));
+          _mm512_storeu_ps(kf + t * D + c, _mm512_add_ps(_mm512_mul_ps(sc, load16_int4(kb + t * tok_stride + c / 2)), z));
       } else if constexpr (kQuantized<T>) {  // dequantized once here, then read by every head of the group
         const __m512 sc = _mm512_set1_ps(kv.k_scale[scale0 + t * KVH]);
         for (int64_t c = 0; c < D; c += 16)
@@ -448,17 +453,21 @@ LLMSERVE_AVX512 void attend_one_512(const float* qs, const CacheView<T>& kv, con
           _mm512_storeu_ps(acc + g * D + c, _mm512_mul_ps(av, _mm512_loadu_ps(acc + g * D + c)));
       }
     }
-    if constexpr (kQuantized<T>) {  // p * (v8 * scale) = (p * scale) * v8: fold V's scale into p
+    if constexpr (kInt8<T>) {  // p * (v8 * scale) = (p * scale) * v8: fold V's scale into p
       for (int64_t t = 0; t < n; ++t) {
         const float sc = kv.v_scale[scale0 + t * KVH];
         for (int64_t g = 0; g < G; ++g) scores[g * bs16 + t] *= sc;
       }
     }
     if constexpr (kInt4<T>) {
-      // the keys' scratch is free again: the block's values unpacked into it (unscaled: the scale is in p), then the
-      // fp32 rows go through pv_heads as a float cache's would
-      for (int64_t t = 0; t < n; ++t)
-        for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(kf + t * D + c, load16_int4(vb + t * tok_stride + c / 2));
+      // the keys' scratch is free again: the block's values dequantized into it, then the fp32 rows go through
+      // pv_heads as a float cache's would (the zero point keeps the scale from folding into p as int8's does)
+      for (int64_t t = 0; t < n; ++t) {
+        const at::Half* pr = kv.v_param + 2 * (scale0 + t * KVH);
+        const __m512 sc = _mm512_set1_ps(static_cast<float>(pr[0])), z = _mm512_set1_ps(static_cast<float>(pr[1]));
+        for (int64_t c = 0; c < D; c += 16)
+          _mm512_storeu_ps(kf + t * D + c, _mm512_add_ps(_mm512_mul_ps(sc, load16_int4(vb + t * tok_stride + c / 2)), z));
+      }
       if (D % 64 == 0)
         pv_heads<4>(scores, bs16, static_cast<const float*>(kf), D, n, D, G, acc);
       else
@@ -686,9 +695,11 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
               "k_scales and v_scales are given exactly when the cache is int8 or int4");
   if (quantized) {
     for (const auto& sc : {*k_scales, *v_scales})
-      TORCH_CHECK(sc.scalar_type() == at::kFloat && sc.is_contiguous() && sc.dim() == 3 &&
-                      sc.size(0) == k_cache.size(0) && sc.size(1) == k_cache.size(1) && sc.size(2) == KVH,
-                  "scales must be contiguous float32 [num_blocks, block_size, kv_heads]");
+      TORCH_CHECK(sc.scalar_type() == (int4 ? at::kHalf : at::kFloat) && sc.is_contiguous() &&
+                      sc.dim() == (int4 ? 4 : 3) && sc.size(0) == k_cache.size(0) && sc.size(1) == k_cache.size(1) &&
+                      sc.size(2) == KVH && (!int4 || sc.size(3) == 2),
+                  int4 ? "scales must be contiguous float16 [num_blocks, block_size, kv_heads, 2]"
+                       : "scales must be contiguous float32 [num_blocks, block_size, kv_heads]");
   }
   auto out = torch::empty_like(q);
   // The query (and output) dtype and the cache dtype are dispatched separately: fp32, bf16, fp16 (and int8
@@ -698,7 +709,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     auto run = [&](auto kv_tag) {
       using kv_t = decltype(kv_tag);
       CacheView<kv_t> kv{k_cache.data_ptr<kv_t>(), v_cache.data_ptr<kv_t>()};
-      if (quantized) {
+      if (int4) {
+        kv.k_param = k_scales->data_ptr<at::Half>();
+        kv.v_param = v_scales->data_ptr<at::Half>();
+      } else if (quantized) {
         kv.k_scale = k_scales->data_ptr<float>();
         kv.v_scale = v_scales->data_ptr<float>();
       }
