@@ -745,7 +745,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "pairs and the longest context, at this thread count", py::arg("items"), py::arg("max_context"));
   m.def("int8_kv_decode_supported", &int8_kv_decode_supported, "whether paged_decode reads int8 caches here");
   m.def("write_kv_int8", &write_kv_int8, "quantize K/V rows to int8 (one scale per token and head) into the cache");
-  m.def("write_kv_int4", &write_kv_int4, "quantize K/V rows to packed int4 (one scale per token and head) into the cache");
+  m.def("write_kv_int4", &write_kv_int4, "quantize K/V rows to packed int4 (an fp16 scale and zero point per token "
+        "and head) into the cache");
   m.def("write_kv", &write_kv, "copy K/V rows into a 16- or 32-bit cache at their slots (converted as .to())");
   m.def("rotary_", &rotary_, "Rotary embedding in place on [T, heads, D] (CPU)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = weight * rms_norm(residual), in place (CPU)");
