@@ -11,48 +11,11 @@ import torch
 from llmserve import EngineConfig, GenerationConfig, pipeline
 from llmserve.attention.torch_backend import write_kv
 from llmserve.errors import InvalidRequestError
-from llmserve.kernels import native
 from llmserve.models import load_model
 from llmserve.worker.model_runner import CacheSpec, cache_spec, num_blocks_for
 
-PROMPTS = [[5, 17, 33, 2, 9, 41, 77, 12, 3, 8, 100, 4, 61], [7, 7, 19], list(range(3, 40))]
-GREEDY = GenerationConfig(temperature=0.0, max_new_tokens=10, ignore_eos=True, logprobs=1)
-needs_native = pytest.mark.skipif(not native.int8_kv_decode_usable(),
-                                  reason="the native int4 KV path needs the extension and AVX-512")
-
-
-def _config(**engine) -> EngineConfig:
-    return EngineConfig(**{"dtype": "float32", "num_blocks": 48, "block_size": 4, **engine})
-
-
-def _run(model_dir: str, monkeypatch: pytest.MonkeyPatch, attention: str | None, **engine
-         ) -> tuple[set, list[list[int]], list[list[float]]]:
-    """(cache dtypes, token ids, chosen-token logprobs) of a greedy batch."""
-    if attention:
-        monkeypatch.setenv("LLMSERVE_ATTENTION", attention)
-    else:
-        monkeypatch.delenv("LLMSERVE_ATTENTION", raising=False)
-    with pipeline(model_dir, backend_config=_config(**engine)) as pipe:
-        layers = pipe.engine.runner.model.attention_layers()
-        caches = {(layer.kv_cache.dtype, None if layer.kv_scales is None else layer.kv_scales.dtype) for layer in layers}
-        out = pipe([{"input_ids": p} for p in PROMPTS], gen_config=GREEDY, do_preprocess=False)
-    return caches, [o.token_ids for o in out], [[next(iter(s.values())) for s in o.logprobs] for o in out]
-
-
-@needs_native
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: mixed sliding-window and full layers
-@pytest.mark.parametrize("chunk", [4096, 8])  # 8: prompts prefilled in chunks that read earlier chunks' int4 K/V
-def test_native_and_torch_paths_agree(tiny_model_dir, monkeypatch, arch: str, chunk: int) -> None:
-    """The native writer stores the reference's bytes and the native decode kernel reads them as the reference does."""
-    path = tiny_model_dir(arch)
-    native_caches, native_ids, native_lp = _run(path, monkeypatch, None, kv_cache_dtype="int4",
-                                                max_prefill_token_num=chunk)
-    torch_caches, torch_ids, torch_lp = _run(path, monkeypatch, "torch", kv_cache_dtype="int4",
-                                             max_prefill_token_num=chunk)
-    assert native_caches == torch_caches == {(torch.uint8, torch.float16)}
-    assert native_ids == torch_ids
-    for a, b in zip(native_lp, torch_lp):
-        assert a == pytest.approx(b, abs=1e-4)
+# the batch, sampling, config and runner of the int8 tests; their native-vs-torch test covers int4 too
+from tests.engine.test_kv_cache_int8 import GREEDY, PROMPTS, _config, _run, needs_native  # noqa: E402,F401
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -91,7 +54,7 @@ def test_batched_equals_one_at_a_time(tiny_model_dir, dtype: str, mode: str) -> 
     own unrounded K/V, a later chunk or a prefix hit over the cache's int4 ones. So chunked prefills and preemption
     are not here: a shared token budget cuts a request's first chunk differently in a batch than alone, and a
     preempted request's recompute attends over its generated tokens unrounded (checked: the tokens differ);
-    test_native_and_torch_paths_agree and test_preemption_on_both_paths cover them."""
+    test_kv_cache_int8.py::test_native_and_torch_paths_agree[int4] and test_preemption_on_both_paths cover them."""
     engine = {"dtype": dtype, "kv_cache_dtype": "int4", "enable_prefix_caching": mode == "prefix_cached"}
     with pipeline(tiny_model_dir("llama"), backend_config=_config(**engine)) as pipe:
         if mode == "prefix_cached":

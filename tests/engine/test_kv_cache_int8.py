@@ -40,17 +40,23 @@ def _run(model_dir: str, monkeypatch: pytest.MonkeyPatch, attention: str | None,
     return caches, [o.token_ids for o in out], [[next(iter(s.values())) for s in o.logprobs] for o in out]
 
 
+# kv_cache_dtype -> (the cache's dtype, its scales' dtype); int4 (tests/engine/test_kv_cache_int4.py) packs two values
+# a byte with an fp16 scale and zero point
+CACHE_DTYPES = {"int8": (torch.int8, torch.float32), "int4": (torch.uint8, torch.float16)}
+
+
 @needs_native
+@pytest.mark.parametrize("kv", CACHE_DTYPES)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: mixed sliding-window and full layers
-@pytest.mark.parametrize("chunk", [4096, 8])  # 8: prompts prefilled in chunks that read earlier chunks' int8 K/V
-def test_native_and_torch_paths_agree(tiny_model_dir, monkeypatch, arch: str, chunk: int) -> None:
+@pytest.mark.parametrize("chunk", [4096, 8])  # 8: prompts prefilled in chunks that read earlier chunks' quantized K/V
+def test_native_and_torch_paths_agree(tiny_model_dir, monkeypatch, arch: str, chunk: int, kv: str) -> None:
     """The native writer stores the reference's bytes and the native kernel reads them as the reference does."""
     path = tiny_model_dir(arch)
-    native_caches, native_ids, native_lp = _run(path, monkeypatch, None, kv_cache_dtype="int8",
+    native_caches, native_ids, native_lp = _run(path, monkeypatch, None, kv_cache_dtype=kv,
                                                 max_prefill_token_num=chunk)
-    torch_caches, torch_ids, torch_lp = _run(path, monkeypatch, "torch", kv_cache_dtype="int8",
+    torch_caches, torch_ids, torch_lp = _run(path, monkeypatch, "torch", kv_cache_dtype=kv,
                                              max_prefill_token_num=chunk)
-    assert native_caches == torch_caches == {(torch.int8, torch.float32)}
+    assert native_caches == torch_caches == {CACHE_DTYPES[kv]}
     assert native_ids == torch_ids
     for a, b in zip(native_lp, torch_lp):
         assert a == pytest.approx(b, abs=1e-4)
