@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from llmserve import EngineConfig, GenerationConfig, pipeline
-from llmserve.attention.torch_backend import write_kv
 from llmserve.errors import InvalidRequestError
 from llmserve.models import load_model
 from llmserve.worker.model_runner import CacheSpec, cache_spec, num_blocks_for
@@ -83,23 +82,6 @@ def test_preemption_on_both_paths(tiny_model_dir, monkeypatch) -> None:
             pipe.engine.kv.check_invariants()
             assert pipe.engine.kv.usage().in_use == 0
     assert ids[0] == ids[1] and all(len(t) == 12 for t in ids[0])
-
-
-def test_copy_blocks_copies_the_scales_and_zero_points(tiny_model_dir) -> None:
-    """Beam forks copy blocks; an int4 block without its (scale, zero) pairs would dequantize to the wrong values."""
-    with pipeline(tiny_model_dir("llama"), backend_config=_config(kv_cache_dtype="int4")) as pipe:
-        runner = pipe.engine.runner
-        layer = runner.model.attention_layers()[0]
-        k = torch.randn(4, layer.num_kv_heads, layer.head_dim)
-        write_kv(layer.kv_cache, k, k * 3, torch.tensor([4, 5, 6, 7]), layer.kv_scales)  # block 1
-        runner.copy_blocks([(1, 9)])
-        torch.testing.assert_close(layer.kv_cache[:, 9], layer.kv_cache[:, 1], rtol=0, atol=0)
-        torch.testing.assert_close(layer.kv_scales[:, 9], layer.kv_scales[:, 1], rtol=0, atol=0)
-        assert layer.kv_scales[1, 9].abs().sum() > 0
-        gen = GenerationConfig(use_beam_search=True, n=3, max_new_tokens=6, ignore_eos=True, temperature=0.0)
-        beams = pipe({"input_ids": PROMPTS[0]}, gen_config=gen, do_preprocess=False)
-        assert len(beams) == 3 and all(len(b.token_ids) == 6 for b in beams)
-        pipe.engine.kv.check_invariants()
 
 
 def test_int4_budget_holds_nearly_twice_the_tokens_of_int8(tiny_model_dir) -> None:

@@ -115,9 +115,11 @@ def test_preemption_recomputes_and_frees_everything(tiny_model_dir) -> None:
     assert all(o.finish_reason == "length" and len(o.token_ids) == 12 for o in out)
 
 
-def test_copy_blocks_copies_the_scales_too(tiny_model_dir) -> None:
-    """Beam forks copy blocks; an int8 block without its scales would dequantize to the wrong values."""
-    with pipeline(tiny_model_dir("llama"), backend_config=_config(kv_cache_dtype="int8")) as pipe:
+@pytest.mark.parametrize("kv", CACHE_DTYPES)
+def test_copy_blocks_copies_the_scales_too(tiny_model_dir, kv: str) -> None:
+    """Beam forks copy blocks; a quantized block without its scales (int4: scales and zero points) would dequantize
+    to the wrong values."""
+    with pipeline(tiny_model_dir("llama"), backend_config=_config(kv_cache_dtype=kv)) as pipe:
         runner = pipe.engine.runner
         layer = runner.model.attention_layers()[0]
         k = torch.randn(4, layer.num_kv_heads, layer.head_dim)
@@ -126,6 +128,10 @@ def test_copy_blocks_copies_the_scales_too(tiny_model_dir) -> None:
         torch.testing.assert_close(layer.kv_cache[:, 9], layer.kv_cache[:, 1], rtol=0, atol=0)
         torch.testing.assert_close(layer.kv_scales[:, 9], layer.kv_scales[:, 1], rtol=0, atol=0)
         assert layer.kv_scales[1, 9].abs().sum() > 0
+        gen = GenerationConfig(use_beam_search=True, n=3, max_new_tokens=6, ignore_eos=True, temperature=0.0)
+        beams = pipe({"input_ids": PROMPTS[0]}, gen_config=gen, do_preprocess=False)
+        assert len(beams) == 3 and all(len(b.token_ids) == 6 for b in beams)
+        pipe.engine.kv.check_invariants()
 
 
 def test_beam_search_on_an_int8_cache_finds_the_fp32_beams(tiny_model_dir) -> None:
