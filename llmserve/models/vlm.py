@@ -163,37 +163,36 @@ class VisionLanguageModel(nn.Module):
     def embed_images(self, items: list[ImageItem]) -> list[torch.Tensor]:
         """Each item's features [len(item.positions), hidden], in the language model's dtype: from the encoder cache,
         or computed in one batched pass per group of same-shaped inputs."""
-        out: dict[int, torch.Tensor] = {}
-        todo: list[int] = []
-        for i, item in enumerate(items):
+        features: dict[str, torch.Tensor] = {}  # content hash -> features
+        todo: dict[str, ImageItem] = {}  # content hash -> an item to encode (one per image, repeats share it)
+        for item in items:
+            if item.key in features or item.key in todo:
+                continue
             hit = self.encoder_cache.get(item.key)
             if hit is not None:
                 self.encoder_cache.move_to_end(item.key)
                 self.encoder_stats.cache_hits += 1
-                out[i] = hit
-            elif not any(items[j].key == item.key for j in todo):
-                todo.append(i)
+                features[item.key] = hit
+            else:
+                todo[item.key] = item
         start = time.perf_counter()
-        groups: dict[tuple, list[int]] = {}
-        for i in todo:
-            shapes = tuple((k, tuple(v.shape)) for k, v in sorted(items[i].inputs.items()) if torch.is_tensor(v))
-            groups.setdefault(shapes, []).append(i)
+        groups: dict[tuple, list[ImageItem]] = {}
+        for item in todo.values():
+            shapes = tuple((k, tuple(v.shape)) for k, v in sorted(item.inputs.items()) if torch.is_tensor(v))
+            groups.setdefault(shapes, []).append(item)
         passes = [members[k:k + self.max_batch_size] for members in groups.values()
                   for k in range(0, len(members), self.max_batch_size)]
         for members in passes:
-            for i, feats in zip(members, self._encode([items[i] for i in members])):
-                if feats.shape[0] != len(items[i].positions):
+            for item, feats in zip(members, self._encode(members)):
+                if feats.shape[0] != len(item.positions):
                     raise RuntimeError(f"the vision encoder gave {feats.shape[0]} feature rows for an image the "
-                                       f"processor expanded into {len(items[i].positions)} placeholder tokens")
-                out[i] = feats
-                self._remember(items[i].key, feats)
+                                       f"processor expanded into {len(item.positions)} placeholder tokens")
+                features[item.key] = feats
+                self._remember(item.key, feats)
         if todo:
             self.encoder_stats.images_encoded += len(todo)
             self.encoder_stats.encode_seconds += time.perf_counter() - start
-        for i, item in enumerate(items):
-            if i not in out:  # a repeat of an image encoded in this call
-                out[i] = next(out[j] for j in out if items[j].key == item.key)
-        return [out[i] for i in range(len(items))]
+        return [features[item.key] for item in items]
 
     def _encode(self, items: list[ImageItem]) -> list[torch.Tensor]:
         keys = [k for k, v in items[0].inputs.items() if torch.is_tensor(v)]

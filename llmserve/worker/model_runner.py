@@ -199,9 +199,9 @@ class ModelRunner:
         positions: list[int] = []
         seqs: list[SeqSpec] = []
         logit_rows: list[int] = []
-        image_rows: list[tuple[int, ImageRows]] = []  # (the span's first row in the batch, its images' rows)
+        image_rows: list[tuple[int, ImageRows]] = []  # (batch row of the span's sequence position 0, its image rows)
         for span in spans:
-            image_rows.extend((len(input_ids), rows) for rows in span.images)
+            image_rows.extend((len(input_ids) - span.start, rows) for rows in span.images)
             input_ids.extend(span.token_ids)
             positions.extend(range(span.start, span.start + len(span.token_ids)))
             seqs.append(SeqSpec(span.start, len(span.token_ids), span.block_table))
@@ -213,25 +213,21 @@ class ModelRunner:
             pos = _mrope_positions(spans, positions).to(self.device)
         else:
             pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        embeds = self._image_embeds(image_rows, spans) if image_rows else None
+        embeds = self._image_embeds(image_rows) if image_rows else None
         hidden = self.model(ids, pos, meta, embeds) if embeds is not None else self.model(ids, pos, meta)
         self._prompt_logprobs(hidden, spans)
         if not logit_rows:
             return None
         return self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
 
-    def _image_embeds(self, image_rows: list[tuple[int, ImageRows]], spans: list[Span]
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _image_embeds(self, image_rows: list[tuple[int, ImageRows]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(batch rows, features) of the image placeholders this step computes: the vision encoder runs first, in one
         batched pass over the step's images that its cache does not hold."""
-        items = list({id(r.item): r.item for _, r in image_rows}.values())
-        features = dict(zip((id(i) for i in items), self.model.embed_images(items)))
+        features = self.model.embed_images([r.item for _, r in image_rows])
         rows, values = [], []
-        starts = {id(rows_): span.start for span in spans for rows_ in span.images}
-        for first, r in image_rows:
-            start = starts[id(r)]
-            rows.extend(first + p - start for p in r.item.positions[r.j0:r.j1])
-            values.append(features[id(r.item)][r.j0:r.j1])
+        for (offset, r), feats in zip(image_rows, features):
+            rows.extend(offset + p for p in r.item.positions[r.j0:r.j1])
+            values.append(feats[r.j0:r.j1])
         return torch.tensor(rows, dtype=torch.long, device=self.device), torch.cat(values).to(self.device)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, spans: list[Span]) -> None:
