@@ -104,17 +104,21 @@ class Pipeline:
     # --- calls ---------------------------------------------------------------------------
 
     def __call__(self, prompts: Prompt | list[Prompt], gen_config: GenerationConfig | None = None,
-                 do_preprocess: bool = True, **gen_kwargs: Any) -> Response | list[Response]:
+                 do_preprocess: bool = True, adapter_name: str | list[str | None] | None = None,
+                 **gen_kwargs: Any) -> Response | list[Response]:
+        """`adapter_name` (LMDeploy's): a loaded LoRA adapter for every prompt, or a list with one per prompt (None:
+        the base model). Prompts with different adapters run in the same batch."""
         batch, single = _as_batch(prompts)
         max_length = self._max_length(gen_config, gen_kwargs)
         gen = self._gen_config(gen_config, gen_kwargs)
-        responses = self._collect(batch, gen, do_preprocess, max_length=max_length)
+        responses = self._collect(batch, gen, do_preprocess, max_length=max_length, adapter_name=adapter_name)
         return responses[0] if single and gen.n == 1 else responses
 
     def _collect(self, batch: list[Prompt], gen: GenerationConfig, do_preprocess: bool,
-                 session_id: str | None = None, max_length: int | None = None) -> list[Response]:
+                 session_id: str | None = None, max_length: int | None = None,
+                 adapter_name: str | list[str | None] | None = None) -> list[Response]:
         results: dict[tuple[int, int], Response] = {}
-        for r, out in self._generate(batch, gen, do_preprocess, session_id, max_length):
+        for r, out in self._generate(batch, gen, do_preprocess, session_id, max_length, adapter_name):
             key = (r.index, out.index)
             acc = results.setdefault(key, dataclasses.replace(r, text="", token_ids=[],
                                                               logprobs=[] if gen.logprobs is not None else None))
@@ -123,24 +127,24 @@ class Pipeline:
 
     def stream_infer(self, prompts: Prompt | list[Prompt], gen_config: GenerationConfig | None = None,
                      do_preprocess: bool = True, session_id: str | None = None,
-                     **gen_kwargs: Any) -> Iterator[Response]:
+                     adapter_name: str | list[str | None] | None = None, **gen_kwargs: Any) -> Iterator[Response]:
         """Yield a Response per step and sequence carrying the new text and token ids (deltas);
         `generate_token_len` is cumulative; the last one of each sequence has finish_reason set.
 
         `session_id` (one prompt, one sequence): the engine keeps this conversation's KV after the
         answer, and a later call with the same id prefills only what its prompt adds (engine/sessions.py;
-        `end_session_id` frees it)."""
+        `end_session_id` frees it). `adapter_name`: as for __call__."""
         batch, _ = _as_batch(prompts)
         max_length = self._max_length(gen_config, gen_kwargs)
         gen = self._gen_config(gen_config, gen_kwargs)
         if session_id is not None and len(batch) != 1:  # (n, best_of and beam search: the engine refuses them)
             raise InvalidRequestError(f"session_id: a session continues one sequence; give one prompt, not "
                                       f"{len(batch)}", param="session_id")
-        for r, _ in self._generate(batch, gen, do_preprocess, session_id, max_length):
+        for r, _ in self._generate(batch, gen, do_preprocess, session_id, max_length, adapter_name):
             yield r
 
     def chat(self, prompt: str | tuple, session: Session | None = None, gen_config: GenerationConfig | None = None,
-             **gen_kwargs: Any) -> Session:
+             adapter_name: str | None = None, **gen_kwargs: Any) -> Session:
         """One turn of a conversation: the prompt sees every earlier turn of `session`. A vision-language model takes
         (text, image) or (text, [images]) turns too; later turns see the earlier turns' images."""
         session = session or self.new_session()
@@ -159,7 +163,7 @@ class Pipeline:
             gen = _within(gen, max_length, len(prompt_ids), "the conversation",
                           " (every turn so far, the chat template's tokens included)")
         prepared = {"input_ids": prompt_ids, "_mm": mm}
-        response = self._collect([prepared], gen, True, engine_session_id(session, gen))[0]
+        response = self._collect([prepared], gen, True, engine_session_id(session, gen), adapter_name=adapter_name)[0]
         self.record_turn(session, messages, text, prompt_ids, response.text, response.token_ids)
         session.response = response
         return session
@@ -297,8 +301,11 @@ class Pipeline:
 
     def _generate(self, batch: list[Prompt], gen: GenerationConfig, do_preprocess: bool,
                   session_id: str | None = None, max_length: int | None = None,
-                  ) -> Iterator[tuple[Response, SequenceOutput]]:
+                  adapter_name: str | list[str | None] | None = None) -> Iterator[tuple[Response, SequenceOutput]]:
         engine = self._engine()
+        adapters = _per_prompt(adapter_name, len(batch), "adapter_name")
+        for name in adapters:  # every name is checked before any request is queued
+            engine.adapter(name)
         prepared = [self._prepare(p, do_preprocess) for p in batch]
         token_ids = [ids for ids, _ in prepared]
         # Every prompt's budget is checked before any request is queued.
@@ -308,8 +315,8 @@ class Pipeline:
         ids = [str(next(self._ids)) for _ in batch]
         added: list[str] = []
         try:
-            for rid, (toks, mm), prompt_gen in zip(ids, prepared, gens):
-                engine.add_request(rid, toks, prompt_gen, session_id, mm)
+            for rid, (toks, mm), prompt_gen, adapter in zip(ids, prepared, gens, adapters):
+                engine.add_request(rid, toks, prompt_gen, session_id, mm, adapter)
                 added.append(rid)
             position = {rid: i for i, rid in enumerate(ids)}
             unfinished = len(ids) * gen.n
@@ -349,6 +356,16 @@ def _as_batch(prompts: Any) -> tuple[list[Prompt], bool]:
         raise InvalidRequestError("prompts must be a non-empty string, list of prompts, list of messages or "
                                   "{'input_ids': [...]}", param="prompts")
     return list(prompts), False
+
+
+def _per_prompt(value: Any, count: int, param: str) -> list[Any]:
+    """One value for every prompt, or a list of one per prompt."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise InvalidRequestError(f"{param}: a list needs one entry per prompt ({count}), got {len(value)}",
+                                      param=param)
+        return list(value)
+    return [value] * count
 
 
 def _within(gen: GenerationConfig, max_length: int, prompt_tokens: int, subject: str, note: str) -> GenerationConfig:

@@ -36,6 +36,7 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, names: tuple
                                help=f"{help_text} (default: {default})")
         else:
             parse = _CLI_TYPES[f.metadata["cli_type"]] if "cli_type" in f.metadata else base
+            nargs = f.metadata.get("cli_nargs", nargs)
             group.add_argument(*flags, dest=f.name, type=parse, nargs=nargs, default=None,
                                help=f"{help_text} (default: {default})")
 
@@ -49,7 +50,7 @@ def _limit_mm(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-_CLI_TYPES = {"limit_mm": _limit_mm}
+_CLI_TYPES = {"limit_mm": _limit_mm, "adapters": str}
 
 
 def _element_type(tp: Any) -> tuple[type, str | None]:

@@ -21,6 +21,31 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
+def parse_adapters(value: Any) -> dict[str, str] | None:
+    """EngineConfig.adapters: a dict name -> path, or the command line's NAME=PATH strings (one bare PATH: the
+    adapter 'default', as LMDeploy names it)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, (list, tuple)):
+        _check(all(isinstance(v, str) for v in value), "adapters", "must be NAME=PATH strings")
+        if len(value) == 1 and "=" not in value[0]:
+            return {"default": value[0]}
+        pairs: dict[str, str] = {}
+        for item in value:
+            name, sep, path = item.partition("=")
+            _check(bool(sep and name.strip() and path.strip()), "adapters",
+                   f"expected NAME=PATH (several adapters each need a name), got {item!r}")
+            _check(name.strip() not in pairs, "adapters", f"the name {name.strip()!r} is given twice")
+            pairs[name.strip()] = path.strip()
+        return pairs
+    _check(isinstance(value, dict) and all(isinstance(k, str) and k.strip() and isinstance(v, str) and v
+                                           for k, v in value.items()),
+           "adapters", f"must map adapter names to PEFT adapter directories, got {value!r}")
+    return dict(value)
+
+
 def parse_limit_mm(text: str) -> int:
     """--limit-mm-per-prompt: N, image=N or {"image": N} (vLLM's forms; images are the only modality here)."""
     import json
@@ -296,6 +321,18 @@ class EngineConfig:
                                        "--vision-max-batch-size and VisionConfig.max_batch_size).")
     mm_encoder_cache_bytes: int = _f(256 * 1024 * 1024, "Vision-language models: bytes of image features kept (by "
                                                        "image content) so a repeated image is not encoded again.")
+    # LoRA adapters
+    adapters: dict[str, str] | None = _f(None, "LoRA adapters to serve over the model (LMDeploy's name): name -> PEFT "
+                                               "adapter directory. On the command line NAME=PATH ... (one bare PATH is "
+                                               "named 'default'). Implies enable_lora.", cli_type="adapters",
+                                         cli_nargs="+")
+    enable_lora: bool = _f(False, "Serve LoRA adapters (vLLM's --enable-lora): needed to load adapters at run time "
+                                  "(/v1/load_lora_adapter) when none is given at start.")
+    max_loras: int = _f(4, "LoRA: the most distinct adapters in one batch; a request with another adapter waits "
+                           "(vLLM's --max-loras).")
+    max_lora_rank: int = _f(64, "LoRA: the highest adapter rank accepted (vLLM's --max-lora-rank).")
+    max_cpu_loras: int | None = _f(None, "LoRA: the most adapters loaded at once; loading another is refused until "
+                                         "one is unloaded. Default: no bound.")
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
@@ -340,6 +377,17 @@ class EngineConfig:
                "speculative_method=draft_model needs a draft model (speculative_model)")
         _check(self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min",
                f"must be <= prompt_lookup_max ({self.prompt_lookup_max}), got {self.prompt_lookup_min}")
+        self.adapters = parse_adapters(self.adapters)
+        if self.adapters:
+            self.enable_lora = True
+        for name in ("max_loras", "max_lora_rank"):
+            _check_type(getattr(self, name), (int,), name)
+            _check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        _check_type(self.max_cpu_loras, (int,), "max_cpu_loras", optional=True)
+        _check(self.max_cpu_loras is None or self.max_cpu_loras >= 1, "max_cpu_loras",
+               f"must be >= 1, got {self.max_cpu_loras}")
+        _check(not self.adapters or self.max_cpu_loras is None or len(self.adapters) <= self.max_cpu_loras,
+               "adapters", f"{len(self.adapters or ())} adapters are more than max_cpu_loras={self.max_cpu_loras}")
         _check_type(self.kernel_choice, (str,), "kernel_choice")
         from llmserve.kernels.calibrate import KINDS
         from llmserve.kernels.choice import parse_pins

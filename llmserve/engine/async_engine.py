@@ -41,6 +41,7 @@ class _Add:
     stream: _Stream
     session_id: str | None = None
     mm: MultiModalInputs | None = None  # a vision-language model's images
+    adapter_name: str | None = None  # a loaded LoRA adapter (None: the base model)
 
 
 @dataclass
@@ -139,17 +140,17 @@ class AsyncEngine:
         return await call.future
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], gen: GenerationConfig,
-                       session_id: str | None = None, mm: MultiModalInputs | None = None
-                       ) -> AsyncIterator[SequenceOutput]:
+                       session_id: str | None = None, mm: MultiModalInputs | None = None,
+                       adapter_name: str | None = None) -> AsyncIterator[SequenceOutput]:
         """Outputs of every sequence of the request as they come; ends when all n have finished.
         Raises the engine's InvalidRequestError if the request is refused. Leaving the iteration
         early (client gone, task cancelled) aborts the request and frees its blocks (an aborted
-        turn stores nothing in its session). `session_id`: see LLMEngine.add_request."""
+        turn stores nothing in its session). `session_id`, `adapter_name`: see LLMEngine.add_request."""
         if self._stopping:
             raise RuntimeError("the engine is shutting down")
         await self.compile_grammar(gen)
         stream = _Stream(asyncio.get_running_loop())
-        self._commands.put(_Add(request_id, prompt_token_ids, gen, stream, session_id, mm))
+        self._commands.put(_Add(request_id, prompt_token_ids, gen, stream, session_id, mm, adapter_name))
         unfinished = gen.n
         try:
             while unfinished:
@@ -232,7 +233,8 @@ class AsyncEngine:
             self._streams.pop(cmd.request_id, None)
             return
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.gen, cmd.session_id, cmd.mm)
+            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.gen, cmd.session_id, cmd.mm,
+                                    cmd.adapter_name)
         except Exception as e:  # refused: tell that caller only
             cmd.stream.put(e)
             return

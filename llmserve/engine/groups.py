@@ -66,7 +66,8 @@ class BeamSearch:
         child = Request(request_id=f"{self.group.request_id}#b{self.next_beam}", token_ids=parent.token_ids + [token],
                         num_prompt_tokens=parent.num_prompt_tokens, sampling=parent.sampling,
                         max_new_tokens=parent.max_new_tokens, max_total_tokens=parent.max_total_tokens,
-                        parent_id=parent.parent_id, arrival_time=parent.arrival_time, mm=parent.mm)
+                        parent_id=parent.parent_id, arrival_time=parent.arrival_time, mm=parent.mm,
+                        lora=parent.lora)
         child.num_computed_tokens = parent.num_computed_tokens if parent.status == RequestStatus.RUNNING else 0
         self.next_beam += 1
         return child

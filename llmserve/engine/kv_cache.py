@@ -120,7 +120,7 @@ class KVCacheManager:
         bs = self.block_size
         while len(known) < num_full_blocks:
             i = len(known)
-            parent = hash(known[-1]) if known else 0
+            parent = hash(known[-1]) if known else hash(("root", request.cache_salt))
             tokens = tuple(request.key_ids(i * bs, (i + 1) * bs))
             known.append((parent, tokens))
         return known  # at least num_full_blocks long (longer if an earlier call asked for more)

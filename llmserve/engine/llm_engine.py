@@ -26,6 +26,7 @@ from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutp
 from llmserve.engine.sessions import SessionStore
 from llmserve.engine.speculative import DraftModelProposer, NgramProposer, Proposer, SpecStats
 from llmserve.errors import InvalidRequestError, PromptTooLongError
+from llmserve.lora import LoRAAdapter, LoRAManager
 from llmserve.models.loader import LoadedModel, load_model
 from llmserve.sampling.params import SamplingParams
 from llmserve.sampling.sampler import SamplerOutput
@@ -62,6 +63,13 @@ class LLMEngine:
         cpu = CpuOptions(config.num_threads, config.kernel_choice)
         self.runner = ModelRunner(loaded, num_blocks, config.block_size, cpu, config.kv_cache_dtype, graphs)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            self.lora = LoRAManager(loaded.model, loaded.dtype, loaded.device, config.max_loras,
+                                    config.max_lora_rank, config.max_cpu_loras)
+            for name, path in (config.adapters or {}).items():
+                self.lora.load(name, path)
+            self.runner.lora = self.lora
         self.proposer: Proposer | None = None
         if config.speculative_method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
@@ -72,7 +80,7 @@ class LLMEngine:
         lookahead = config.num_speculative_tokens if self.proposer else 0
         self.sessions = SessionStore(self.kv, config.max_sessions, config.session_ttl)
         self.scheduler = Scheduler(self.kv, config.max_prefill_token_num, config.max_batch_size, lookahead,
-                                   self.sessions)
+                                   self.sessions, config.max_loras if self.lora is not None else None)
         self._tracked: dict[str, _Tracked] = {}  # sequence id -> state
         self._children: dict[str, list[str]] = {}  # caller's request id -> its sequence ids
         self._beams: dict[str, BeamSearch] = {}  # caller's request id -> its beam search
@@ -86,21 +94,25 @@ class LLMEngine:
     # --- requests ------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], gen: GenerationConfig,
-                    session_id: str | None = None, mm: MultiModalInputs | None = None) -> None:
+                    session_id: str | None = None, mm: MultiModalInputs | None = None,
+                    adapter_name: str | None = None) -> None:
         """Queue a request (n sequences). Raises InvalidRequestError before queueing anything.
 
         With a session id, the request starts from the KV the session kept of its last turn (as far
         as the prompt extends that turn's tokens), and its own KV is kept for the next one (see
         engine/sessions.py). The prompt is always the whole conversation: a missing or evicted
-        session only costs a longer prefill."""
+        session only costs a longer prefill.
+
+        `adapter_name`: a loaded LoRA adapter to run the request with (None: the base model)."""
         if request_id in self._children:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         self._validate_prompt(prompt_token_ids, gen)
         self._validate_images(prompt_token_ids, mm)
         self._validate_session(session_id, gen)
+        lora = self.adapter(adapter_name)
         params = self._sampling_params(gen)
         if gen.use_beam_search:
-            return self._add_beam_search(request_id, prompt_token_ids, gen, params, mm)
+            return self._add_beam_search(request_id, prompt_token_ids, gen, params, mm, lora)
         # Compiled on this thread unless already cached (the async engine compiles on a worker thread first).
         compiled = self.grammars.compile(gen.response_format) if gen.response_format is not None else None
         prompt_logprobs = [None] * len(prompt_token_ids) if gen.prompt_logprobs is not None else None
@@ -120,7 +132,8 @@ class LLMEngine:
                 max_new_tokens=gen.max_new_tokens, max_total_tokens=self.session_len,
                 parent_id=request_id, index=i, generator=self._generator(seq_params),
                 prompt_source=seqs[0] if seqs else None,  # the prompt is computed once, then shared
-                session_id=session_id, grammar=self._grammar_state(compiled), prompt_logprobs=prompt_logprobs, mm=mm))
+                session_id=session_id, grammar=self._grammar_state(compiled), prompt_logprobs=prompt_logprobs, mm=mm,
+                lora=lora))
         for r in seqs:
             self.scheduler.add_request(r)  # first one may refuse (too big for the pool): nothing queued yet
             self._tracked[r.request_id] = _Tracked(r, IncrementalDetokenizer(
@@ -131,14 +144,15 @@ class LLMEngine:
             self._best_of[request_id] = BestOf(gen.n, num_seqs, keep_logprobs=gen.logprobs is not None)
 
     def _add_beam_search(self, request_id: str, prompt: list[int], gen: GenerationConfig,
-                         params: SamplingParams, mm: MultiModalInputs | None = None) -> None:
+                         params: SamplingParams, mm: MultiModalInputs | None = None,
+                         lora: LoRAAdapter | None = None) -> None:
         # Beams are greedy rows to the sampler (no temperature, truncation or seed): it hands back
         # their log-probabilities and the engine chooses.
         params = dataclasses.replace(params, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None,
                                      logprobs=None, beam_width=gen.num_beams)
         root = Request(request_id=f"{request_id}#b0", token_ids=list(prompt), num_prompt_tokens=len(prompt),
                        sampling=params, max_new_tokens=gen.max_new_tokens, max_total_tokens=self.session_len,
-                       parent_id=request_id, mm=mm)
+                       parent_id=request_id, mm=mm, lora=lora)
         self.scheduler.add_request(root)
         group = BeamGroup(request_id, gen.num_beams, gen.n, len(prompt), gen.max_new_tokens, self.session_len,
                           params.stop_token_ids, float(gen.length_penalty), gen.early_stopping, live={root: 0.0})
@@ -164,6 +178,34 @@ class LLMEngine:
                 self.proposer.forget(t.request)
             outputs.append(self._output(t, [], t.detok.flush(final=True), [], "abort"))
         return outputs
+
+    # --- LoRA adapters -------------------------------------------------------------------
+
+    def adapter(self, name: str | None, param: str = "adapter_name") -> LoRAAdapter | None:
+        """The loaded adapter of this name (None for None: the base model); a clear error otherwise."""
+        if name is None:
+            return None
+        if not isinstance(name, str):
+            raise InvalidRequestError(f"{param}: must be a string (a loaded LoRA adapter's name) or None, got "
+                                      f"{type(name).__name__}", param=param)
+        if self.lora is None:
+            raise InvalidRequestError(f"{param}: {name!r} names a LoRA adapter, but this engine serves none (start it "
+                                      "with adapters=... or enable_lora)", param=param)
+        return self.lora.get(name, param)
+
+    def load_adapter(self, name: str, path: str) -> LoRAAdapter:
+        """Load a PEFT adapter at run time (between steps); requests may name it from then on."""
+        return self._lora_manager().load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload an adapter: new requests may no longer name it; running ones finish with it."""
+        self._lora_manager().unload(name)
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.lora is None:
+            raise InvalidRequestError("LoRA adapters are not enabled in this engine (start it with enable_lora or "
+                                      "adapters=...)", param="lora_name")
+        return self.lora
 
     def end_session(self, session_id: str) -> bool:
         """Free a session's KV now; False if no such session is kept (never stored, ended, or evicted)."""

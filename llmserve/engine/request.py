@@ -12,6 +12,7 @@ import torch
 from llmserve.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
+    from llmserve.lora import LoRAAdapter
     from llmserve.sampling.logprobs import TokenLogprobs
     from llmserve.structured.matcher import GrammarState
     from llmserve.vl.inputs import MultiModalInputs
@@ -65,6 +66,14 @@ class Request:
     first_scheduled_time: float | None = None
     # A vision-language model's images: where their features go in the prompt, and the encoder's inputs.
     mm: MultiModalInputs | None = None
+    # A LoRA adapter the request runs with (None: the base model). Its KV is its own: see cache_salt.
+    lora: LoRAAdapter | None = None
+
+    @property
+    def cache_salt(self) -> int:
+        """What the prefix cache and sessions key the request's KV by besides its tokens: 0 for the base model, the
+        adapter's load id otherwise (KV computed under one adapter is never served to another)."""
+        return 0 if self.lora is None else self.lora.uid
 
     def key_ids(self, lo: int = 0, hi: int | None = None) -> list[int]:
         """token_ids[lo:hi] as the prefix cache and sessions compare them: each image placeholder replaced by a key

@@ -8,7 +8,8 @@ num_computed_tokens (already in the KV cache); each step hands out at most
    chunk when partially prefilled). When the pool has no block for one of them, the newest
    running request is preempted (blocks freed, back to the head of the queue, recomputed later
    with its generated tokens kept, so its output does not change);
-2. then waiting requests, first come first served, get chunks of the remaining budget. A prompt
+2. then waiting requests, first come first served, get chunks of the remaining budget (a request whose LoRA
+   adapter would make more than `max_loras` distinct adapters running waits, and the ones behind it may start). A prompt
    longer than the budget is prefilled over several steps. A prefix-cache hit starts a request
    with num_computed_tokens = hit blocks * block_size. The siblings of an n > 1 request wait for
    the first one's prompt and share its blocks (see _start_of). A request with a session id starts
@@ -75,8 +76,10 @@ class _Start(NamedTuple):
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_batch_size: int,
-                 num_lookahead_tokens: int = 0, sessions: SessionStore | None = None) -> None:
+                 num_lookahead_tokens: int = 0, sessions: SessionStore | None = None,
+                 max_loras: int | None = None) -> None:
         self.kv = kv
+        self.max_loras = max_loras  # distinct LoRA adapters among the running requests (None: no bound)
         self.sessions = sessions
         self.num_lookahead_tokens = num_lookahead_tokens  # speculative decoding: drafts per decode step
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -124,8 +127,14 @@ class Scheduler:
                 i += 1
             else:
                 break  # the request itself was preempted: it was the newest
-        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size and not preempted:
-            request = self.waiting[0]
+        loras = {id(r.lora) for r in self.running if r.lora is not None}
+        j = 0  # the queue's first request that may start: those before it wait for a LoRA place
+        while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_batch_size and not preempted:
+            request = self.waiting[j]
+            if (request.lora is not None and self.max_loras is not None and id(request.lora) not in loras
+                    and len(loras) >= self.max_loras):
+                j += 1  # its adapter waits until one of the running ones is done; the ones behind it may go
+                continue
             start = self._start_of(request)
             if start is None:
                 break  # waits for its sibling's prompt; first come, first served, so do the ones behind it
@@ -139,7 +148,9 @@ class Scheduler:
             if self.sessions is not None and request.session_id is not None:
                 self.sessions.claim(request, num_cached if start.source == "session" else 0)
             request.prompt_source = None
-            self.waiting.popleft()
+            del self.waiting[j]
+            if request.lora is not None:
+                loras.add(id(request.lora))
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             request.first_scheduled_time = request.first_scheduled_time or time.monotonic()

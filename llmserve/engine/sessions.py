@@ -55,6 +55,7 @@ class Session:
     # the blocks then.
     token_ids: list[int] = field(default_factory=list)
     holder: Request | None = None  # the admitted request that took the blocks, until it finishes
+    cache_salt: int = 0  # Request.cache_salt of the turn that computed them (its LoRA adapter's)
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,9 @@ class SessionStore:
         if s is None or s.holder is not None:
             return None
         table = self.kv.held_table(s.session_id)
-        matched = _common_prefix(s.token_ids, request.key_ids(), limit=request.num_tokens - 1)
+        matched = 0
+        if s.cache_salt == request.cache_salt:  # KV computed under another adapter is nothing in common
+            matched = _common_prefix(s.token_ids, request.key_ids(), limit=request.num_tokens - 1)
         num_full, rest = divmod(matched, self.kv.block_size)
         keep = num_full + (1 if rest and self.kv.writable_in_place(table[num_full]) else 0)
         matched = min(matched, keep * self.kv.block_size)
@@ -143,6 +146,7 @@ class SessionStore:
         self.kv.release_held(sid)  # an earlier turn's content, when this turn ran without claiming it
         self.kv.hold(request, sid)
         s.token_ids = request.key_ids(0, request.num_computed_tokens)
+        s.cache_salt = request.cache_salt
         self._touch(s)
         return True
 

@@ -8,6 +8,8 @@ when it comes, belongs in these loaders too.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -65,8 +67,17 @@ class Linear(nn.Module):
         # int8 where kernels/cpu/packed_gemm.cpp runs (quantize_int8)
         self.int8_packed: torch.Tensor | None = None
         self.wsum: torch.Tensor | None = None  # int32 [out]: row sums of the int8 weight, for int8 activations (w8a8)
+        # LoRA adapters on this layer (llmserve/lora): adds each adapter's x @ A.T @ B.T to its requests' rows
+        self.lora: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_forward(x)
+        if self.lora is not None:
+            y = self.lora(x, y)
+        return y
+
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's own product, without adapters."""
         if self.int8_packed is not None or self.bf16 is not None:
             x2 = x.reshape(-1, self.in_features)  # the packed-weight kernels take [M, K]
             if self.wsum is not None:

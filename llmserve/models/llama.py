@@ -165,6 +165,7 @@ class LlamaModel(nn.Module):
         self._stack: Any = None  # the native decoder stack over the caches bound when it was built (see decoder_stack)
         self._stack_cache: torch.Tensor | None = None
         self._stack_prefills = False  # whether it runs steps with prefill chunks too
+        self.lora_manager: Any = None  # LoRA adapters' steps run layer by layer (llmserve/lora)
 
     def make_mlp(self, cfg: Any, spec: DecoderSpec, layer: int) -> nn.Module:
         """Layer `layer`'s MLP: Llama's everywhere; a MoE model's sparse blocks where its config puts them."""
@@ -176,7 +177,7 @@ class LlamaModel(nn.Module):
         if embeds is not None:  # (rows, values): inputs other than token embeddings at these rows (image features)
             x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         cos, sin = self.rotary_emb(positions, x.dtype)  # shared by every layer
-        if decoder_stack.covers(x):
+        if decoder_stack.covers(x) and (self.lora_manager is None or self.lora_manager.step is None):
             stack = self.native_stack()
             if stack is not None and (not meta.prefills or self._stack_prefills):
                 return self.run_decoder_stack(stack, x, cos, sin, meta)

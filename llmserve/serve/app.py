@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import llmserve
 from llmserve.engine.async_engine import AsyncEngine
-from llmserve.serve import colossal_routes, openai_routes, session_routes, tgi_routes
+from llmserve.serve import colossal_routes, lora_routes, openai_routes, session_routes, tgi_routes
 from llmserve.serve.config import ServerConfig
 from llmserve.serve.errors import TgiError, error_response, install_error_handlers
 from llmserve.serve.state import ServedModel, ServerState
@@ -50,6 +50,7 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None, model: S
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(session_routes.router)
+    app.include_router(lora_routes.router)  # vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter
     app.include_router(tgi_routes.router)
     app.include_router(colossal_routes.router)  # ColossalAI-Inference's /completion, /chat, /engine_check
     _add_service_routes(app, state)

@@ -36,6 +36,7 @@ class EngineRequest:
     param_names: dict[str, str] = field(default_factory=dict)  # our field name -> the API's, for errors
     session_id: str | None = None  # keep/reuse this conversation's KV (engine/sessions.py)
     mm: MultiModalInputs | None = None  # the prompt's images (vl/prompt.py); None for text
+    adapter: str | None = None  # the LoRA adapter the client named as its model (None: the base model)
 
 
 async def open_request(state: ServerState, engine: AsyncEngine, req: EngineRequest) -> Primed:
@@ -80,7 +81,7 @@ async def _tracked(state: ServerState, engine: AsyncEngine, req: EngineRequest) 
     state.in_flight.add(req.request_id)
     try:
         async with aclosing(engine.generate(req.request_id, req.prompt_token_ids, req.gen, req.session_id,
-                                            req.mm)) as outputs:
+                                            req.mm, req.adapter)) as outputs:
             async for out in outputs:
                 if not started:
                     started = True

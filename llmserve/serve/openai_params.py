@@ -39,10 +39,9 @@ PARAM_NAMES = {"max_new_tokens": "max_tokens", "random_seed": "seed", "stop_word
                "min_new_tokens": "min_tokens", "beam_width": "best_of"}
 
 
-def check_model(model: ServedModel, requested: str | None) -> None:
-    if requested is not None and requested != model.name:
-        raise ApiError(404, f"The model `{requested}` does not exist. This server serves `{model.name}`.",
-                       param="model", code="model_not_found")
+def check_model(model: ServedModel, requested: str | None) -> str | None:
+    """The LoRA adapter the request's `model` names (None: the base model); 404 for a model not served here."""
+    return model.adapter_of(requested)
 
 
 class ChatPrompt(NamedTuple):

@@ -70,14 +70,17 @@ async def list_models(request: Request) -> JSONResponse:
     card = {"id": model.name, "object": "model", "created": model.created, "owned_by": "llmserve",
             "root": model.name, "parent": None, "max_model_len": model.session_len,
             "input_modalities": model.input_modalities}
-    return JSONResponse({"object": "list", "data": [card]})
+    # LoRA adapters as vLLM lists them: their own id, the adapter's path as root, the base model as parent
+    cards = [card] + [{**card, "id": name, "root": adapter.path, "parent": model.name}
+                      for name, adapter in list((model.adapters or {}).items())]
+    return JSONResponse({"object": "list", "data": cards})
 
 
 @router.post("/v1/chat/completions", responses=MAY_STREAM)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = _state(request)
     engine, model = state.ready()
-    check_model(model, body.model)
+    adapter = check_model(model, body.model)
     with state.admit() as permit:
         tools = chat_tool_request(model, body)
         prompt = await until_disconnected(request, chat_prompt(model, body, tools, state.image_limits))
@@ -86,7 +89,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         output = chat_output(model, tools, prompt.text)
         gen = chat_generation_config(model, body, max_tokens, output)
         req = EngineRequest(new_request_id("chatcmpl"), prompt.token_ids, gen,
-                            {**PARAM_NAMES, "logprobs": "top_logprobs"}, session_id=session_id_of(body), mm=prompt.mm)
+                            {**PARAM_NAMES, "logprobs": "top_logprobs"}, session_id=session_id_of(body), mm=prompt.mm,
+                            adapter=adapter)
         outputs = await until_disconnected(request, open_request(state, engine, req))
         reply = _ChatReply(model, req, body, output)
         if body.stream:
@@ -106,7 +110,8 @@ class _ChatReply:
         self.outputs = [ChoiceOutput(output) for _ in range(req.gen.n)]
 
     def _envelope(self, obj: str) -> dict[str, Any]:
-        return {"id": self.req.request_id, "object": obj, "created": self.created, "model": self.model.name}
+        return {"id": self.req.request_id, "object": obj, "created": self.created,
+                "model": self.req.adapter or self.model.name}
 
     def _logprobs(self, out: SequenceOutput) -> dict[str, Any] | None:
         return chat_logprobs(self.model.token_text, out.new_logprobs) if self.body.logprobs else None
@@ -166,7 +171,7 @@ class _ChatReply:
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state = _state(request)
     engine, model = state.ready()
-    check_model(model, body.model)
+    adapter = check_model(model, body.model)
     with state.admit() as permit:
         prompts = completion_prompts(model, body.prompt)
         max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -178,7 +183,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         session_id = session_id_of(body, len(prompts))
         rid = new_request_id("cmpl")
         reqs = [EngineRequest(f"{rid}-{i}" if len(prompts) > 1 else rid, p.token_ids, gen, PARAM_NAMES,
-                              session_id=session_id)
+                              session_id=session_id, adapter=adapter)
                 for i, p in enumerate(prompts)]
         streams = await until_disconnected(request, _open_all(state, reqs))
         echoes = [p.echo(model.tokenizer) if body.echo else "" for p in prompts]
@@ -263,7 +268,8 @@ class _CompletionReply:
                                    finish_reason="length" if out.finished else None, stop_reason=None)
 
     def _envelope(self) -> dict[str, Any]:
-        return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model.name}
+        return {"id": self.rid, "object": "text_completion", "created": self.created,
+                "model": self.reqs[0].adapter or self.model.name}
 
     def _usage(self) -> dict[str, int]:
         return usage(sum(len(r.prompt_token_ids) for r in self.reqs), sum(c.num_tokens for c in self.choices))

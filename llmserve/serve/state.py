@@ -52,6 +52,19 @@ class ServedModel:
     processor: Any = None
     check_image_count: Callable[[int], None] | None = None
     max_image_pixels: int = MAX_IMAGE_PIXELS
+    # LoRA adapters clients may name as their model: the engine's live registry (name -> lora.LoRAAdapter; changed
+    # only on the engine thread, read here for names), or None when the engine serves no adapters.
+    adapters: dict[str, Any] | None = None
+
+    def adapter_of(self, requested: str | None) -> str | None:
+        """The adapter a request's `model` names (None: the base model; ApiError 404 for an unknown name)."""
+        if requested is None or requested == self.name:
+            return None
+        if self.adapters is not None and requested in self.adapters:
+            return requested
+        served = ", ".join(f"`{n}`" for n in [self.name, *(self.adapters or ())])
+        raise ApiError(404, f"The model `{requested}` does not exist. This server serves {served}.",
+                       param="model", code="model_not_found")
 
     @property
     def takes_images(self) -> bool:
@@ -76,7 +89,8 @@ class ServedModel:
                    token_text=TokenText(loaded.tokenizer), tool_parser=model_tool_parser(tool_call_parser, template),
                    reasoning=named_reasoning_parser(reasoning_parser) if reasoning_parser else None,
                    processor=loaded.processor, check_image_count=engine.validate_image_count,
-                   max_image_pixels=engine.config.max_image_pixels)
+                   max_image_pixels=engine.config.max_image_pixels,
+                   adapters=engine.lora.adapters if engine.lora is not None else None)
 
 
 def model_tool_parser(name: str | None, template: ChatTemplate) -> ToolParser | None:

@@ -15,8 +15,10 @@ TGI's semantics, not ours, where they differ:
   (structured_params.py);
 - `decoder_input_details` lists the prompt tokens with their logprobs (the first one null), computed in
   the same prefill (the prompt is then computed in full: no prefix-cache reuse);
-- `typical_p` (other than 1), `watermark`, `best_of` > 1, `adapter_id` and any parameter TGI does not
-  document are refused with 400;
+- `adapter_id` names a LoRA adapter the server loaded (--adapters NAME=PATH, or /v1/load_lora_adapter), or the
+  base model;
+- `typical_p` (other than 1), `watermark`, `best_of` > 1 and any parameter TGI does not document are refused with
+  400;
 - a vision-language model takes images as markdown in `inputs`, `![](https://...)` or `![](data:image/...)`,
   each where it stands (TGI's router reads them so); for a text-only model such markdown is plain text, as in TGI.
   The images are counted before any is fetched and loaded on a worker thread (vl/prompt.py).
@@ -166,7 +168,12 @@ def _job(model: ServedModel, body: TgiRequest, prompt: ImagePrompt) -> _Job:
             prompt_logprobs=0 if p.decoder_input_details and p.details else None)
     except InvalidRequestError as e:
         raise ApiError.from_invalid(e, PARAM_NAMES) from None
-    return _Job(EngineRequest(new_request_id("generate"), ids, gen, PARAM_NAMES, mm=prompt.mm), p, seed)
+    try:
+        adapter = model.adapter_of(p.adapter_id)
+    except ApiError as e:
+        raise ApiError(400, f"`adapter_id`: {e.message}", param="adapter_id") from None
+    return _Job(EngineRequest(new_request_id("generate"), ids, gen, PARAM_NAMES, mm=prompt.mm, adapter=adapter), p,
+                seed)
 
 
 def _max_new_tokens(model: ServedModel, p: TgiParameters, num_inputs: int) -> int:
@@ -189,7 +196,6 @@ def _refuse_unsupported(body: TgiRequest, stream: bool) -> None:
         (p.typical_p is not None and p.typical_p != 1.0, "typical_p", "typical sampling is not supported"),
         (p.watermark, "watermark", "watermarking is not supported"),
         (p.best_of is not None and p.best_of != 1, "best_of", "only best_of = 1 is supported"),
-        (p.adapter_id is not None, "adapter_id", "adapters are not supported"),
         (stream and p.decoder_input_details, "decoder_input_details",
          "`decoder_input_details` == true is not supported when streaming tokens"),
     ]

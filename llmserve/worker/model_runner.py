@@ -28,6 +28,7 @@ from llmserve.vl.inputs import ImageItem, MRopePositions
 from llmserve.worker.cpu_tuning import configure_cpu, trim_heap, use_onednn
 
 if TYPE_CHECKING:
+    from llmserve.lora import LoRAAdapter, LoRAManager
     from llmserve.worker.cuda_graphs import CudaGraphDecoder
 
 logger = logging.getLogger(__name__)
@@ -131,6 +132,7 @@ class ModelRunner:
         for layer, cache, scale in zip(layers, pool, scales):
             layer.kv_cache = cache  # [2, num_blocks, block_size, kv_heads, head_dim], contiguous
             layer.kv_scales = scale  # [2, num_blocks, block_size, kv_heads(, 2 for int4)] or None
+        self.lora: LoRAManager | None = None  # the engine's, when LoRA adapters are enabled
         self.graphs: CudaGraphDecoder | None = None
         if use_graphs:
             from llmserve.worker.cuda_graphs import CudaGraphDecoder
@@ -158,7 +160,7 @@ class ModelRunner:
             num_real = s.num_new_tokens - len(s.draft_token_ids)
             spans.append(Span(r.token_ids[start:start + num_real] + list(s.draft_token_ids), start, table,
                               1 + len(s.draft_token_ids) if s.samples else 0, _prompt_logprobs(r, start, num_real),
-                              _image_rows(r, start, num_real), r.mm.mrope if r.mm is not None else None))
+                              _image_rows(r, start, num_real), r.mm.mrope if r.mm is not None else None, r.lora))
             if s.samples:
                 masks = r.grammar.masks_with_drafts(s.draft_token_ids) if r.grammar is not None else None
                 for i in range(len(s.draft_token_ids) + 1):
@@ -214,7 +216,11 @@ class ModelRunner:
         else:
             pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         embeds = self._image_embeds(image_rows) if image_rows else None
-        hidden = self.model(ids, pos, meta, embeds) if embeds is not None else self.model(ids, pos, meta)
+        if self.lora is not None:
+            with self.lora.stepping([span.lora for span in spans], [len(span.token_ids) for span in spans]):
+                hidden = self.model(ids, pos, meta, embeds) if embeds is not None else self.model(ids, pos, meta)
+        else:
+            hidden = self.model(ids, pos, meta, embeds) if embeds is not None else self.model(ids, pos, meta)
         self._prompt_logprobs(hidden, spans)
         if not logit_rows:
             return None
@@ -249,8 +255,10 @@ class ModelRunner:
     def _graph_step(self, spans: list[Span]) -> bool:
         """Whether a captured graph runs this step: decodes only (one token, its logits), within the sizes."""
         assert self.graphs is not None
-        # (a step with image rows runs eagerly: the graph's inputs are token ids, not image features)
-        return (bool(spans) and all(len(s.token_ids) == 1 and s.num_logits == 1 and not s.images for s in spans)
+        # (a step with image rows or LoRA adapters runs eagerly: the graph's inputs are token ids, not image
+        # features, and its layers run without the adapters' hooks)
+        return (bool(spans) and all(len(s.token_ids) == 1 and s.num_logits == 1 and not s.images and s.lora is None
+                                    for s in spans)
                 and self.graphs.fits(len(spans), max(len(s.block_table) for s in spans)))
 
 
@@ -276,6 +284,7 @@ class Span:
     prompt_logprobs: PromptLogprobTask | None = None
     images: tuple[ImageRows, ...] = ()  # image placeholders among the span's tokens
     mrope: MRopePositions | None = None  # an M-RoPE model's request with images: its prompt's 3-D positions
+    lora: LoRAAdapter | None = None  # the sequence's LoRA adapter (None: the base model)
 
 
 @dataclass(frozen=True, eq=False)

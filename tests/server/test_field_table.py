@@ -53,7 +53,7 @@ TGI = {
     "top_k": 5, "top_p": 0.9, "repetition_penalty": 1.2, "frequency_penalty": 0.5, "stop": ["x"], "seed": 1,
     "truncate": 4, "return_full_text": True, "details": True, "decoder_input_details": True, "top_n_tokens": 2,
     "grammar": {"type": "regex", "value": "[a-z ]+"}, "typical_p": 0.5, "watermark": True, "best_of": 2,
-    "adapter_id": "lora-1",
+    "adapter_id": "tiny-llama",  # the base model by name (adapters: tests/lora)
 }
 
 # Fields that only mean something beside another one: sent together.

@@ -1,0 +1,260 @@
+"""LoRA adapters through the whole engine, token for token against transformers + PEFT (fp32, greedy): three
+adapters and the base model in one batch, plain, chunked, prefix-cached and preempted."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from llmserve import EngineConfig, GenerationConfig, pipeline
+from llmserve.errors import InvalidRequestError
+from tests.lora.adapters import ADAPTERS, edit_config, make_adapter, peft_greedy
+
+NEW_TOKENS = 10
+PROMPT_LENS = [4, 9, 17, 26]
+GREEDY = GenerationConfig(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(99)
+    return [torch.randint(3, 300, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module")
+def base_dir(tiny_model_dir) -> str:
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(base_dir, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {name: make_adapter(base_dir, str(root / name), seed=i, **lora)
+            for i, (name, lora) in enumerate(ADAPTERS.items())}
+
+
+@pytest.fixture(scope="module")
+def expected(base_dir, adapter_dirs) -> dict[str | None, list[list[int]]]:
+    out = {name: [peft_greedy(base_dir, d, p, NEW_TOKENS) for p in prompts()] for name, d in adapter_dirs.items()}
+    out[None] = [peft_greedy(base_dir, None, p, NEW_TOKENS) for p in prompts()]
+    return out
+
+
+def test_each_adapter_changes_the_output(expected) -> None:
+    """The reference itself: every adapter moves the greedy tokens away from the base model's (else a test that
+    ignored adapters would pass)."""
+    for name in ADAPTERS:
+        assert expected[name] != expected[None], name
+
+
+MODES = {
+    "plain": dict(),
+    "chunked": dict(max_prefill_token_num=7),
+    "preempted": dict(num_blocks=14, block_size=4),
+    "prefix-cached": dict(enable_prefix_caching=True, block_size=4),
+    "one-lora-at-a-time": dict(max_loras=1),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mixed_batch_matches_peft(mode, base_dir, adapter_dirs, expected) -> None:
+    """Every prompt under every adapter and the base model, all in one call: the same prompts under different
+    adapters must not share KV (prefix cache), and each sequence's tokens are PEFT's."""
+    names = [*ADAPTERS, None]
+    batch = [(p, name) for name in names for p in prompts()]
+    config = EngineConfig(dtype="float32", adapters=adapter_dirs, **MODES[mode])
+    with pipeline(base_dir, backend_config=config) as pipe:
+        runs = 2 if mode == "prefix-cached" else 1  # the second run is served from the cache
+        for _ in range(runs):
+            out = pipe([{"input_ids": p} for p, _ in batch], GREEDY, do_preprocess=False,
+                       adapter_name=[name for _, name in batch])
+            got = {}
+            for (_, name), r in zip(batch, out):
+                got.setdefault(name, []).append(r.token_ids)
+            assert got == expected
+        engine = pipe.engine
+        if mode == "preempted":
+            assert engine.scheduler.num_preemptions > 0
+        if mode == "prefix-cached":
+            assert engine.kv.prefix_stats.hit_tokens > 0
+        engine.kv.check_invariants()
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_single_adapter_name_for_the_whole_call(base_dir, adapter_dirs, expected) -> None:
+    with pipeline(base_dir, backend_config=EngineConfig(dtype="float32", adapters={"qv": adapter_dirs["qv"]})) as pipe:
+        out = pipe([{"input_ids": p} for p in prompts()], GREEDY, do_preprocess=False, adapter_name="qv")
+        assert [r.token_ids for r in out] == expected["qv"]
+        streamed: list[int] = []
+        for r in pipe.stream_infer({"input_ids": prompts()[1]}, GREEDY, do_preprocess=False, adapter_name="qv"):
+            streamed += r.token_ids
+        assert streamed == expected["qv"][1]
+
+
+def test_sessions_do_not_reuse_another_adapters_kv(base_dir, adapter_dirs, expected) -> None:
+    """A session's KV computed under one adapter is not reused by a turn under another."""
+    p = prompts()[3]
+    with pipeline(base_dir, backend_config=EngineConfig(dtype="float32", adapters=adapter_dirs, block_size=4)) as pipe:
+        first = pipe.stream_infer({"input_ids": p}, GREEDY, do_preprocess=False, session_id="s", adapter_name="all")
+        assert [t for r in first for t in r.token_ids] == expected["all"][3]
+        second = pipe.stream_infer({"input_ids": p}, GREEDY, do_preprocess=False, session_id="s", adapter_name="mlp")
+        assert [t for r in second for t in r.token_ids] == expected["mlp"][3]
+        assert pipe.engine.sessions.hit_tokens == 0
+        third = pipe.stream_infer({"input_ids": p}, GREEDY, do_preprocess=False, session_id="s", adapter_name="mlp")
+        assert [t for r in third for t in r.token_ids] == expected["mlp"][3]
+        assert pipe.engine.sessions.hit_tokens > 0  # the same adapter does reuse it
+
+
+def test_load_and_unload_at_run_time(base_dir, adapter_dirs, expected) -> None:
+    with pipeline(base_dir, backend_config=EngineConfig(dtype="float32", enable_lora=True)) as pipe:
+        engine = pipe.engine
+        with pytest.raises(InvalidRequestError, match="no LoRA adapter named 'qv'"):
+            pipe({"input_ids": prompts()[0]}, GREEDY, do_preprocess=False, adapter_name="qv")
+        engine.load_adapter("qv", adapter_dirs["qv"])
+        assert pipe({"input_ids": prompts()[0]}, GREEDY, do_preprocess=False,
+                    adapter_name="qv").token_ids == expected["qv"][0]
+        # unloaded while a request runs with it: that request finishes with it, new ones cannot name it
+        stream = pipe.stream_infer({"input_ids": prompts()[2]}, GREEDY, do_preprocess=False, adapter_name="qv")
+        tokens = list(next(stream).token_ids)
+        engine.unload_adapter("qv")
+        tokens += [t for r in stream for t in r.token_ids]
+        assert tokens == expected["qv"][2]
+        with pytest.raises(InvalidRequestError, match="no LoRA adapter named 'qv'"):
+            pipe({"input_ids": prompts()[0]}, GREEDY, do_preprocess=False, adapter_name="qv")
+        with pytest.raises(InvalidRequestError, match="no LoRA adapter named 'qv'"):
+            engine.unload_adapter("qv")
+        # the same name again, another adapter: nothing computed under the first is served for it
+        engine.load_adapter("qv", adapter_dirs["mlp"])
+        assert pipe({"input_ids": prompts()[0]}, GREEDY, do_preprocess=False,
+                    adapter_name="qv").token_ids == expected["mlp"][0]
+
+
+def test_adapter_names_are_checked_before_anything_runs(base_dir, adapter_dirs) -> None:
+    with pipeline(base_dir, backend_config=EngineConfig(dtype="float32", adapters={"qv": adapter_dirs["qv"]})) as pipe:
+        with pytest.raises(InvalidRequestError, match="one entry per prompt"):
+            pipe([{"input_ids": p} for p in prompts()], GREEDY, do_preprocess=False, adapter_name=["qv"])
+        with pytest.raises(InvalidRequestError, match="no LoRA adapter named 'nope'"):
+            pipe([{"input_ids": p} for p in prompts()[:2]], GREEDY, do_preprocess=False, adapter_name=["qv", "nope"])
+        assert not pipe.engine.has_unfinished_requests()
+    with pipeline(base_dir, backend_config=EngineConfig(dtype="float32")) as pipe:
+        with pytest.raises(InvalidRequestError, match="serves none"):
+            pipe({"input_ids": prompts()[0]}, GREEDY, do_preprocess=False, adapter_name="qv")
+        with pytest.raises(InvalidRequestError, match="not enabled"):
+            pipe.engine.load_adapter("qv", adapter_dirs["qv"])
+
+
+def _bad(tmp_path, adapter_dirs, kind: str) -> str:
+    d = str(tmp_path / kind)
+    shutil.copytree(adapter_dirs["all"], d)
+    if kind == "no-config":
+        os.remove(os.path.join(d, "adapter_config.json"))
+    elif kind == "no-weights":
+        os.remove(os.path.join(d, "adapter_model.safetensors"))
+    elif kind == "corrupt-weights":
+        with open(os.path.join(d, "adapter_model.safetensors"), "wb") as f:
+            f.write(b"\x00\x01 not safetensors")
+    elif kind == "bad-json":
+        with open(os.path.join(d, "adapter_config.json"), "w") as f:
+            f.write("{not json")
+    elif kind == "dora":
+        edit_config(d, use_dora=True)
+    elif kind == "bias":
+        edit_config(d, bias="all")
+    elif kind == "modules-to-save":
+        edit_config(d, modules_to_save=["lm_head"])
+    return d
+
+
+BAD = {
+    "no-config": "has no adapter_config.json",
+    "no-weights": "has no adapter_model.safetensors",
+    "corrupt-weights": "could not be read",
+    "bad-json": "not readable JSON",
+    "dora": "DoRA",
+    "bias": "bias='all' is not supported",
+    "modules-to-save": "modules_to_save",
+}
+
+
+@pytest.mark.parametrize("kind", BAD)
+def test_bad_adapters_are_clear_errors_and_the_engine_keeps_serving(kind, base_dir, adapter_dirs, expected,
+                                                                     tmp_path) -> None:
+    path = _bad(tmp_path, adapter_dirs, kind)
+    with pytest.raises(InvalidRequestError, match=BAD[kind]):
+        pipeline(base_dir, backend_config=EngineConfig(dtype="float32", adapters={"x": path}))
+    with pipeline(base_dir, backend_config=EngineConfig(dtype="float32", adapters={"qv": adapter_dirs["qv"]})) as pipe:
+        with pytest.raises(InvalidRequestError, match=BAD[kind]):
+            pipe.engine.load_adapter("x", path)
+        assert "x" not in pipe.engine.lora.adapters
+        out = pipe([{"input_ids": prompts()[0]}] * 2, GREEDY, do_preprocess=False, adapter_name=["qv", None])
+        assert [r.token_ids for r in out] == [expected["qv"][0], expected[None][0]]
+
+
+def test_shape_rank_and_target_errors(base_dir, adapter_dirs, tiny_model_dir, tmp_path) -> None:
+    other = make_adapter(tiny_model_dir("qwen3"), str(tmp_path / "other"), seed=5, r=4, lora_alpha=8,
+                         target_modules=["q_proj"])  # another base model: head_dim 32
+    with pipeline(base_dir, backend_config=EngineConfig(dtype="float32", enable_lora=True, max_lora_rank=4)) as pipe:
+        engine = pipe.engine
+        with pytest.raises(InvalidRequestError, match="trained for another base model"):
+            engine.load_adapter("other", other)
+        with pytest.raises(InvalidRequestError, match="rank 8, over max_lora_rank=4"):
+            engine.load_adapter("all", adapter_dirs["all"])
+        with pytest.raises(InvalidRequestError, match="is not a directory"):
+            engine.load_adapter("missing", str(tmp_path / "missing"))
+        # a module the model lacks (renamed in the checkpoint)
+        from safetensors.torch import load_file, save_file
+
+        d = tmp_path / "renamed"
+        shutil.copytree(adapter_dirs["qv"], d)
+        tensors = load_file(str(d / "adapter_model.safetensors"))
+        save_file({k.replace("self_attn.q_proj", "self_attn.qq_proj"): v for k, v in tensors.items()},
+                  str(d / "adapter_model.safetensors"))
+        with pytest.raises(InvalidRequestError, match="qq_proj.*which this model lacks"):
+            engine.load_adapter("renamed", str(d))
+        # an embedding adapter
+        save_file({"base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(4, 320)},
+                  str(d / "adapter_model.safetensors"))
+        with pytest.raises(InvalidRequestError, match="embedding adapters"):
+            engine.load_adapter("embed", str(d))
+        assert engine.lora.adapters == {}
+        engine.load_adapter("qv", adapter_dirs["qv"])  # rank 4 fits
+        with pytest.raises(InvalidRequestError, match="already loaded"):
+            engine.load_adapter("qv", adapter_dirs["qv"])
+
+
+def test_max_cpu_loras_bounds_the_loaded_adapters(base_dir, adapter_dirs) -> None:
+    with pipeline(base_dir, backend_config=EngineConfig(dtype="float32", adapters={"qv": adapter_dirs["qv"]},
+                                                        max_cpu_loras=1)) as pipe:
+        with pytest.raises(InvalidRequestError, match="max_cpu_loras=1"):
+            pipe.engine.load_adapter("mlp", adapter_dirs["mlp"])
+        pipe.engine.unload_adapter("qv")
+        pipe.engine.load_adapter("mlp", adapter_dirs["mlp"])
+
+
+def test_config_parsing() -> None:
+    from llmserve.config import parse_adapters
+
+    assert parse_adapters(["a=/x", "b=/y"]) == {"a": "/x", "b": "/y"}
+    assert parse_adapters(["/only"]) == {"default": "/only"}
+    assert EngineConfig(adapters={"a": "/x"}).enable_lora
+    for bad in (["/x", "/y"], ["a=/x", "a=/y"], ["=x"], {"a": 3}, 5):
+        with pytest.raises(InvalidRequestError, match="adapters"):
+            EngineConfig(adapters=bad)
+    with pytest.raises(InvalidRequestError, match="max_loras"):
+        EngineConfig(max_loras=0)
+
+
+def test_bf16_mixed_batch_equals_each_alone(base_dir, adapter_dirs) -> None:
+    """bf16 (the native kernels; a step without adapters may run the native decoder stack, one with them runs layer
+    by layer): a sequence's tokens do not depend on what else is in its batch."""
+    gen = GenerationConfig(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    ps = prompts()[1:]
+    with pipeline(base_dir, backend_config=EngineConfig(dtype="bfloat16", adapters=adapter_dirs)) as pipe:
+        alone = {name: [pipe({"input_ids": p}, gen, do_preprocess=False, adapter_name=name).token_ids for p in ps]
+                 for name in ("qv", None)}
+        mixed = pipe([{"input_ids": p} for p in ps * 2], gen, do_preprocess=False,
+                     adapter_name=[None] * len(ps) + ["qv"] * len(ps))
+        assert [r.token_ids for r in mixed] == alone[None] + alone["qv"]
+        assert alone["qv"] != alone[None]
