@@ -30,10 +30,20 @@ def parse_adapters(value: Any) -> dict[str, str] | None:
         value = [value]
     if isinstance(value, (list, tuple)):
         _check(all(isinstance(v, str) for v in value), "adapters", "must be NAME=PATH strings")
-        if len(value) == 1 and "=" not in value[0]:
+        if len(value) == 1 and "=" not in value[0] and not value[0].lstrip().startswith("{"):
             return {"default": value[0]}
         pairs: dict[str, str] = {}
         for item in value:
+            if item.lstrip().startswith("{"):  # vLLM's --lora-modules JSON form
+                import json
+
+                try:
+                    spec = json.loads(item)
+                except json.JSONDecodeError as e:
+                    raise InvalidRequestError(f"adapters: {item!r} is not valid JSON: {e}", param="adapters") from None
+                _check(isinstance(spec, dict) and isinstance(spec.get("name"), str) and isinstance(spec.get("path"), str),
+                       "adapters", f'expected {{"name": ..., "path": ...}}, got {item!r}')
+                item = f"{spec['name']}={spec['path']}"
             name, sep, path = item.partition("=")
             _check(bool(sep and name.strip() and path.strip()), "adapters",
                    f"expected NAME=PATH (several adapters each need a name), got {item!r}")
@@ -324,8 +334,9 @@ class EngineConfig:
     # LoRA adapters
     adapters: dict[str, str] | None = _f(None, "LoRA adapters to serve over the model (LMDeploy's name): name -> PEFT "
                                                "adapter directory. On the command line NAME=PATH ... (one bare PATH is "
-                                               "named 'default'). Implies enable_lora.", cli_type="adapters",
-                                         cli_nargs="+")
+                                               "named 'default'; vLLM's --lora-modules and its JSON form "
+                                               "'{\"name\": ..., \"path\": ...}' are taken too). Implies enable_lora.",
+                                         cli_type="adapters", cli_nargs="+", aliases=("--lora-modules",))
     enable_lora: bool = _f(False, "Serve LoRA adapters (vLLM's --enable-lora): needed to load adapters at run time "
                                   "(/v1/load_lora_adapter) when none is given at start.")
     max_loras: int = _f(4, "LoRA: the most distinct adapters in one batch; a request with another adapter waits "

@@ -200,7 +200,7 @@ class PytorchEngineConfig(_LMDeployConfig):
                                       "swap (a preempted request is recomputed), so there is nothing to size; "
                                       "num_gpu_blocks sizes the KV pool")
     num_gpu_blocks: int = _maps(0, to="num_blocks", convert=_none_if_zero)
-    adapters: dict[str, str] | None = _refused(None, "LoRA adapters are not supported yet", (None, {}))
+    adapters: dict[str, str] | None = _maps(None, convert=lambda v: _OMIT if v in (None, {}) else v)  # docs/lora.md
     max_prefill_token_num: int = _maps(4096)
     thread_safe: bool = _refused(False, "a pipeline is driven by one thread; for concurrent callers run `llmserve "
                                         "serve` and send it requests")

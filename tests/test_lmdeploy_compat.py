@@ -70,6 +70,11 @@ def test_every_mapped_pytorch_field() -> None:
     assert PytorchEngineConfig(num_gpu_blocks=0).to_engine_config().num_blocks is None  # 0: sized by the engine
 
 
+def test_adapters_map_to_lora() -> None:
+    config = PytorchEngineConfig(adapters={"a": "/lora/a"}).to_engine_config()
+    assert config.adapters == {"a": "/lora/a"} and config.enable_lora
+
+
 def test_values_that_ask_for_nothing_are_accepted() -> None:
     same = TurbomindEngineConfig().to_engine_config()
     assert TurbomindEngineConfig(model_format="hf", cache_chunk_size=1, rope_scaling_factor=0.0, use_logn_attn=False,
@@ -107,8 +112,6 @@ REFUSED: list[tuple[type, dict[str, Any], str, str]] = [
     (TurbomindEngineConfig, {"dtype": "int4"}, "dtype", "TurbomindEngineConfig.dtype: must be auto, float32"),
     (TurbomindEngineConfig, {"devices": [0, 1]}, "devices",
      "TurbomindEngineConfig.devices: not a field llmserve knows"),
-    (PytorchEngineConfig, {"adapters": {"a": "/lora/a"}}, "adapters",
-     "PytorchEngineConfig.adapters={'a': '/lora/a'}: LoRA adapters are not supported yet"),
     (PytorchEngineConfig, {"dp": 2}, "dp", "PytorchEngineConfig.dp=2: the only parallelism llmserve has is tp"),
     (PytorchEngineConfig, {"ep": 4}, "ep", "PytorchEngineConfig.ep=4: the only parallelism llmserve has is tp"),
     (PytorchEngineConfig, {"num_cpu_blocks": 128}, "num_cpu_blocks",
@@ -143,7 +146,7 @@ def test_refused_fields_name_themselves_and_say_why(cls: type, kwargs: dict[str,
 
 def test_every_refusal_is_listed_at_once() -> None:
     with pytest.raises(InvalidRequestError) as e:
-        PytorchEngineConfig(dp=2, adapters={"a": "b"})
+        PytorchEngineConfig(dp=2, thread_safe=True)
     assert (e.value.param, str(e.value).count("PytorchEngineConfig.")) == ("dp", 2)
 
 

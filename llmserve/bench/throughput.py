@@ -40,15 +40,18 @@ class ThroughputResult:
 
 
 def run_engine_throughput(engine: LLMEngine, requests: list[BenchRequest], ignore_eos: bool,
-                          sampling: SamplingKnobs = SamplingKnobs(), structured: str | None = None) -> ThroughputResult:
-    """`structured`: a bench/structured.py kind every request is constrained by."""
+                          sampling: SamplingKnobs = SamplingKnobs(), structured: str | None = None,
+                          adapters: list[str | None] | None = None) -> ThroughputResult:
+    """`structured`: a bench/structured.py kind every request is constrained by. `adapters`: LoRA adapter names
+    (None: the base model) given to the requests in turn."""
     gen = sampling.generation_config(max_new_tokens=1, ignore_eos=ignore_eos)
     if structured is not None:
         from llmserve.bench.structured import response_format
 
         gen = gen.replace(response_format=response_format(structured))
     for i, r in enumerate(requests):
-        engine.add_request(f"bench-{i}", r.prompt_token_ids, gen.replace(max_new_tokens=r.output_len))
+        engine.add_request(f"bench-{i}", r.prompt_token_ids, gen.replace(max_new_tokens=r.output_len),
+                           adapter_name=adapters[i % len(adapters)] if adapters else None)
     hits_before = engine.kv.prefix_stats.hit_tokens, engine.kv.prefix_stats.queried_tokens
     prefill_before = engine.scheduler.num_prefill_tokens
     spec = engine.spec_stats

@@ -9,7 +9,7 @@ alpha / r (alpha / sqrt(r) under rsLoRA).
 Our models fuse q/k/v into one `qkv_proj` and gate/up into `gate_up_proj` (models/llama.py), so each adapted
 module maps to (our linear layer, its shard); the adapter's pairs on one of our layers are stacked into one
 A [sum of ranks, in] and one B [out, sum of ranks] whose blocks put each shard's update on that shard's rows (zeros
-elsewhere), with the scaling folded into B: one x @ A.T @ B.T per layer and adapter. Everything that does not fit
+elsewhere), with the scaling folded into B: one x @ A.T @ B.T per layer and adapter (A and B kept transposed). Everything that does not fit
 (another base model's shapes, a module the model lacks or we cannot adapt, DoRA, biases, embeddings, a rank over
 the limit) is a clear error naming it, before anything is registered.
 """
@@ -45,10 +45,11 @@ class AdapterError(InvalidRequestError):
 
 @dataclass(frozen=True)
 class LoRAWeights:
-    """One adapter's update on one of our linear layers: y += (x @ a.T) @ b.T (scaling folded into b)."""
+    """One adapter's update on one of our linear layers: y += (x @ at) @ bt (scaling folded into bt). Kept
+    transposed, in the layout the matmuls read."""
 
-    a: torch.Tensor  # [R, in], R = the sum of the ranks of the checkpoint modules on this layer
-    b: torch.Tensor  # [out, R]
+    at: torch.Tensor  # [in, R], R = the sum of the ranks of the checkpoint modules on this layer
+    bt: torch.Tensor  # [R, out]
 
 
 @dataclass(eq=False)
@@ -65,7 +66,7 @@ class LoRAAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(w.a.nbytes + w.b.nbytes for w in self.weights.values())
+        return sum(w.at.nbytes + w.bt.nbytes for w in self.weights.values())
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "path": self.path, "rank": self.rank, "target_modules": self.target_modules,
@@ -129,7 +130,7 @@ def read_adapter(name: str, path: str, model: nn.Module, max_rank: int, dtype: t
             big_a[col:col + r] = a
             big_b[lo:hi, col:col + r] = b
             col += r
-        weights[ours] = LoRAWeights(big_a, big_b)
+        weights[ours] = LoRAWeights(big_a.t().contiguous(), big_b.t().contiguous())
     short = sorted({m.rsplit(".", 1)[-1] for m in pairs})
     return LoRAAdapter(name, path, rank, weights, short)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -27,15 +27,36 @@ from llmserve.lora.adapter import AdapterError, LoRAAdapter, read_adapter
 logger = logging.getLogger(__name__)
 
 
+# A step with several adapters and at most this many tokens runs each layer's adapters as one stacked pair of
+# matmuls: x @ [A1 .. An] masked to each token's own adapter's columns, then @ [B1; ..; Bn]. It computes the other
+# adapters' columns too (n times the segmented work) but in 3 ops instead of 4 per adapter, and below this size the
+# ops cost more than the arithmetic. Measured with 4 rank-48 adapters on a 576 -> 960 layer in bf16 (AMD EPYC Zen 5,
+# 2 cores), microseconds per layer, segmented vs stacked: 4 tokens 141 vs 40, 32: 159 vs 60, 64: 170 vs 83,
+# 128: 194 vs 121, 256: 229 vs 198; past that the segmented path's arithmetic wins.
+STACKED_MAX_ROWS = 256
+_STACKS_KEPT = 8  # stacked weights per layer kept for recent adapter combinations (each a copy of their A and B)
+
+
 @dataclass(frozen=True)
 class LoRAGroup:
     adapter: LoRAAdapter
     rows: slice | torch.Tensor  # the batch rows of its tokens: one contiguous run, or their indices
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class LoRAStep:
     groups: tuple[LoRAGroup, ...]
+    stacked: bool  # run each layer's adapters as one stacked pair of matmuls (STACKED_MAX_ROWS)
+    owner: torch.Tensor | None = None  # stacked: [T] each row's group index, -1 for the base model's rows
+    masks: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)  # stacked: by column owners
+
+    def mask(self, columns: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """[T, len(columns)]: 1 where the row's group owns the column (columns: each column's group index)."""
+        m = self.masks.get(columns)
+        if m is None:
+            owner = torch.tensor(columns, device=self.owner.device)
+            m = self.masks[columns] = (self.owner[:, None] == owner[None, :]).to(dtype)
+        return m
 
 
 class LoRALayer:
@@ -44,6 +65,8 @@ class LoRALayer:
     def __init__(self, manager: LoRAManager, name: str) -> None:
         self.manager = manager
         self.name = name
+        # stacked weights by the step's adapters (their uids): (A's [in, sum R], B's [sum R, out], column owners)
+        self._stacks: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None] = {}
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         step = self.manager.step
@@ -51,15 +74,40 @@ class LoRALayer:
             return y
         x2 = x.reshape(-1, x.shape[-1])
         y2 = y.view(-1, y.shape[-1])
+        if step.stacked:
+            stack = self._stack(step)
+            if stack is not None:
+                at, bt, columns = stack
+                y2.addmm_((x2 @ at).mul_(step.mask(columns, x2.dtype)), bt)
+            return y
         for group in step.groups:
             w = group.adapter.weights.get(self.name)
             if w is None:
                 continue
             if isinstance(group.rows, slice):
-                y2[group.rows].addmm_(x2[group.rows] @ w.a.t(), w.b.t())
+                y2[group.rows].addmm_(x2[group.rows] @ w.at, w.bt)
             else:
-                y2.index_add_(0, group.rows, (x2.index_select(0, group.rows) @ w.a.t()) @ w.b.t())
+                y2.index_add_(0, group.rows, (x2.index_select(0, group.rows) @ w.at) @ w.bt)
         return y
+
+    def _stack(self, step: LoRAStep) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None:
+        key = tuple(g.adapter.uid for g in step.groups)
+        if key in self._stacks:
+            return self._stacks[key]
+        parts = [(k, g.adapter.weights[self.name]) for k, g in enumerate(step.groups) if self.name in g.adapter.weights]
+        stack = None
+        if parts:
+            columns = tuple(k for k, w in parts for _ in range(w.at.shape[1]))
+            stack = (torch.cat([w.at for _, w in parts], dim=1), torch.cat([w.bt for _, w in parts]), columns)
+        if len(self._stacks) >= _STACKS_KEPT:
+            self._stacks.pop(next(iter(self._stacks)))
+        self._stacks[key] = stack
+        return stack
+
+    def forget(self, uid: int) -> None:
+        """Drop the stacks holding an unloaded adapter's weights."""
+        for key in [k for k in self._stacks if uid in k]:
+            del self._stacks[key]
 
 
 class LoRAManager:
@@ -73,9 +121,11 @@ class LoRAManager:
         self.max_cpu_loras = max_cpu_loras  # adapters loaded at once (None: no bound)
         self.adapters: dict[str, LoRAAdapter] = {}
         self.step: LoRAStep | None = None
+        self.layers: list[LoRALayer] = []
         for name, module in model.named_modules():
             if isinstance(module, Linear):
                 module.lora = LoRALayer(self, name)
+                self.layers.append(module.lora)
         # the native decoder stack runs every layer in one call, past these hooks: models skip it during LoRA steps
         for module in model.modules():
             if hasattr(module, "native_stack"):
@@ -112,6 +162,8 @@ class LoRAManager:
         if adapter is None:
             raise InvalidRequestError(f"no LoRA adapter named {name!r} is loaded (loaded: "
                                       f"{', '.join(self.adapters) or 'none'})", param="lora_name")
+        for layer in self.layers:
+            layer.forget(adapter.uid)
         logger.info("LoRA adapter %r unloaded", name)
         return adapter
 
@@ -144,7 +196,12 @@ class LoRAManager:
             yield
             return
         groups = []
+        stacked = len(runs) > 1 and offset <= STACKED_MAX_ROWS
+        owner = torch.full((offset,), -1, dtype=torch.long) if stacked else None
         for adapter, spans in runs.values():
+            if owner is not None:
+                for lo, hi in spans:
+                    owner[lo:hi] = len(groups)
             merged = [list(spans[0])]
             for lo, hi in spans[1:]:
                 if lo == merged[-1][1]:
@@ -156,7 +213,7 @@ class LoRAManager:
             else:
                 rows = torch.cat([torch.arange(lo, hi) for lo, hi in merged]).to(self.device)
             groups.append(LoRAGroup(adapter, rows))
-        self.step = LoRAStep(tuple(groups))
+        self.step = LoRAStep(tuple(groups), stacked, None if owner is None else owner.to(self.device))
         try:
             yield
         finally:

@@ -55,6 +55,7 @@ MODES = {
     "preempted": dict(num_blocks=14, block_size=4),
     "prefix-cached": dict(enable_prefix_caching=True, block_size=4),
     "one-lora-at-a-time": dict(max_loras=1),
+    "ngram-speculation": dict(speculative_method="ngram", num_speculative_tokens=3),
 }
 
 
@@ -238,8 +239,9 @@ def test_config_parsing() -> None:
 
     assert parse_adapters(["a=/x", "b=/y"]) == {"a": "/x", "b": "/y"}
     assert parse_adapters(["/only"]) == {"default": "/only"}
+    assert parse_adapters(['{"name": "a", "path": "/x"}', "b=/y"]) == {"a": "/x", "b": "/y"}
     assert EngineConfig(adapters={"a": "/x"}).enable_lora
-    for bad in (["/x", "/y"], ["a=/x", "a=/y"], ["=x"], {"a": 3}, 5):
+    for bad in (["/x", "/y"], ["a=/x", "a=/y"], ["=x"], {"a": 3}, 5, ["{nope"], ['{"name": "a"}']):
         with pytest.raises(InvalidRequestError, match="adapters"):
             EngineConfig(adapters=bad)
     with pytest.raises(InvalidRequestError, match="max_loras"):
@@ -258,3 +260,36 @@ def test_bf16_mixed_batch_equals_each_alone(base_dir, adapter_dirs) -> None:
                      adapter_name=[None] * len(ps) + ["qv"] * len(ps))
         assert [r.token_ids for r in mixed] == alone[None] + alone["qv"]
         assert alone["qv"] != alone[None]
+
+
+def test_quantized_base_with_adapters(base_dir, adapter_dirs) -> None:
+    """int8 weights under the adapters (the update is added to whatever the base layer computes): each adapter still
+    moves the output, and a sequence's tokens do not depend on its batch."""
+    gen = GenerationConfig(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+    ps = prompts()
+    with pipeline(base_dir, backend_config=EngineConfig(dtype="float32", quantization="int8",
+                                                        adapters=adapter_dirs)) as pipe:
+        alone = {name: [pipe({"input_ids": p}, gen, do_preprocess=False, adapter_name=name).token_ids for p in ps]
+                 for name in ("all", None)}
+        assert alone["all"] != alone[None]
+        mixed = pipe([{"input_ids": p} for p in ps * 2], gen, do_preprocess=False,
+                     adapter_name=["all"] * len(ps) + [None] * len(ps))
+        assert [r.token_ids for r in mixed] == alone["all"] + alone[None]
+
+
+def test_beam_search_under_an_adapter(base_dir, adapter_dirs) -> None:
+    """Forked beams keep their request's adapter: the best beam under the adapter differs from the base model's."""
+    gen = GenerationConfig(max_new_tokens=8, use_beam_search=True, beam_width=3, ignore_eos=True)
+    p = {"input_ids": prompts()[2]}
+    with pipeline(base_dir, backend_config=EngineConfig(dtype="float32", adapters=adapter_dirs)) as pipe:
+        with_adapter = pipe(p, gen, do_preprocess=False, adapter_name="all").token_ids
+        base = pipe(p, gen, do_preprocess=False).token_ids
+        assert with_adapter != base
+        assert pipe(p, gen, do_preprocess=False, adapter_name="all").token_ids == with_adapter
+
+
+def test_vision_language_models_refuse_adapters_clearly(tiny_vlm_dir, adapter_dirs) -> None:
+    """Not supported yet (docs/lora.md): a clear refusal, not an adapter silently half-applied."""
+    with pipeline(tiny_vlm_dir("llava"), backend_config=EngineConfig(dtype="float32", enable_lora=True)) as pipe:
+        with pytest.raises(InvalidRequestError, match="does not take LoRA adapters"):
+            pipe.engine.load_adapter("qv", adapter_dirs["qv"])
