@@ -105,6 +105,10 @@ class EngineStats:
     grammars_compiled: int = 0  # structured output: distinct grammars compiled, since start
     grammar_cache_hits: int = 0  # requests whose grammar was already compiled
     grammar_compile_seconds: float = 0.0  # total compile time
+    # LoRA: sequences running / waiting per adapter name (the base model's are not counted), and max_loras (0: off)
+    lora_running: dict[str, int] = field(default_factory=dict)
+    lora_waiting: dict[str, int] = field(default_factory=dict)
+    max_loras: int = 0
 
 
 class AsyncEngine:
@@ -274,4 +278,13 @@ class AsyncEngine:
                            spec.num_accepted_tokens, spec.num_drafts, spec.num_emitted_tokens,
                            sched.num_prefill_tokens, sessions.num_sessions, sessions.num_blocks,
                            sessions.hit_tokens, sessions.num_evicted, grammars.compiled, grammars.cache_hits,
-                           grammars.seconds)
+                           grammars.seconds, _per_adapter(sched.running), _per_adapter(sched.waiting),
+                           self.engine.config.max_loras if self.engine.lora is not None else 0)
+
+
+def _per_adapter(requests: Any) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in requests:
+        if r.lora is not None:
+            counts[r.lora.name] = counts.get(r.lora.name, 0) + 1
+    return counts

@@ -9,6 +9,7 @@ Counts are per sequence: a request with n = 2 finishes twice.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
@@ -144,3 +145,15 @@ class _EngineGauges(Collector):
                  s.grammar_cache_hits),
                 ("structured_output_compile_seconds", "Time spent compiling grammars.", s.grammar_compile_seconds)):
             yield CounterMetricFamily(f"llmserve:{name}", doc, value=float(value))
+        if s.max_loras:
+            # vLLM's lora_requests_info: the adapters with running and waiting requests, as labels
+            info = GaugeMetricFamily("llmserve:lora_requests_info", "LoRA adapters with running and waiting requests.",
+                                     labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+            info.add_metric([",".join(sorted(s.lora_running)), ",".join(sorted(s.lora_waiting)), str(s.max_loras)],
+                            float(time.time()))
+            yield info
+            running = GaugeMetricFamily("llmserve:lora_num_requests_running", "Sequences running with each LoRA "
+                                        "adapter.", labels=["lora_name"])
+            for name, count in sorted(s.lora_running.items()):
+                running.add_metric([name], float(count))
+            yield running

@@ -56,13 +56,19 @@ MODES = {
     "prefix-cached": dict(enable_prefix_caching=True, block_size=4),
     "one-lora-at-a-time": dict(max_loras=1),
     "ngram-speculation": dict(speculative_method="ngram", num_speculative_tokens=3),
+    "segmented": dict(),  # every step's adapters one matmul pair each (no stacked steps; see below)
 }
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_mixed_batch_matches_peft(mode, base_dir, adapter_dirs, expected) -> None:
+def test_mixed_batch_matches_peft(mode, base_dir, adapter_dirs, expected, monkeypatch) -> None:
     """Every prompt under every adapter and the base model, all in one call: the same prompts under different
-    adapters must not share KV (prefix cache), and each sequence's tokens are PEFT's."""
+    adapters must not share KV (prefix cache), and each sequence's tokens are PEFT's. These steps are small, so they
+    run stacked (lora/manager.py) except in the segmented mode."""
+    if mode == "segmented":
+        from llmserve.lora import manager
+
+        monkeypatch.setattr(manager, "STACKED_MAX_ROWS", 0)
     names = [*ADAPTERS, None]
     batch = [(p, name) for name in names for p in prompts()]
     config = EngineConfig(dtype="float32", adapters=adapter_dirs, **MODES[mode])

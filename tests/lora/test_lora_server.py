@@ -158,3 +158,13 @@ def test_routes_without_lora_say_how_to_enable_it(base_dir) -> None:
     with engine_for(base_dir, name="tiny-llama", num_blocks=32) as handle, running_server(handle) as s:
         r = httpx.post(s.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"})
         assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"]
+
+
+def test_metrics_report_adapters(server) -> None:
+    from tests.server.harness import wait_until
+
+    wait_until(lambda: "llmserve:lora_requests_info{" in httpx.get(server.url + "/metrics").text,
+               what="the engine's stats snapshot")
+    text = httpx.get(server.url + "/metrics").text
+    info = next(line for line in text.splitlines() if line.startswith("llmserve:lora_requests_info{"))
+    assert 'max_lora="4"' in info and 'running_lora_adapters=""' in info
