@@ -157,6 +157,17 @@ class VisionLanguageModel(nn.Module):
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ModelLoadError(f"checkpoint is missing vision tensor(s): {shown}")
 
+    def fused_name(self, name: str) -> tuple[str, str | None]:
+        """A checkpoint name of the language model's part -> (our parameter's name, the shard it fills), as the
+        language model maps it (LoRA adapters read this: llmserve/lora). Other parts keep their name, which names no
+        adaptable layer of ours."""
+        name = self._current_name(name)
+        lm_prefix = f"model.{self.lm_name}."
+        if name.startswith(lm_prefix):
+            target, shard = self.language_model.fused_name("model." + name[len(lm_prefix):])
+            return "language_model." + target, shard
+        return name, None
+
     # --- images -------------------------------------------------------------------------------------------
 
     @torch.inference_mode()

@@ -294,8 +294,50 @@ def test_beam_search_under_an_adapter(base_dir, adapter_dirs) -> None:
         assert pipe(p, gen, do_preprocess=False, adapter_name="all").token_ids == with_adapter
 
 
-def test_vision_language_models_refuse_adapters_clearly(tiny_vlm_dir, adapter_dirs) -> None:
-    """Not supported yet (docs/lora.md): a clear refusal, not an adapter silently half-applied."""
-    with pipeline(tiny_vlm_dir("llava"), backend_config=EngineConfig(dtype="float32", enable_lora=True)) as pipe:
-        with pytest.raises(InvalidRequestError, match="does not take LoRA adapters"):
-            pipe.engine.load_adapter("qv", adapter_dirs["qv"])
+def _vl_adapter(model_dir: str, out_dir: str, target_modules: str | list[str]) -> str:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(3)
+    base = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=target_modules,
+                                                 init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape) * 0.3)
+    peft_model.save_pretrained(out_dir)
+    return out_dir
+
+
+def test_vision_language_model_adapters_match_peft(tiny_vlm_dir, tmp_path) -> None:
+    """An adapter on a LLaVA's language model (the vision tower left alone, as LLaVA LoRAs are trained), with an
+    image in the prompt: transformers + PEFT's tokens. An adapter that also adapts the vision tower is refused."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from llmserve.vl.hf_compat import without_video_processor
+    from tests.tiny_vlms import test_image, user_messages
+
+    d = tiny_vlm_dir("llava")
+    adapter = _vl_adapter(d, str(tmp_path / "lm"), r".*language_model.*\.(q_proj|v_proj|down_proj)")
+    text, image = "What is the capital of France?", test_image(0, (40, 50))
+    from transformers import AutoProcessor
+
+    with without_video_processor():
+        proc = AutoProcessor.from_pretrained(d)
+    inputs = proc(text=proc.apply_chat_template(user_messages(text, 1), add_generation_prompt=True), images=[image],
+                  return_tensors="pt", add_special_tokens=False)
+    base = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32).eval()
+    peft_model = PeftModel.from_pretrained(base, adapter).eval()
+    with torch.no_grad():
+        out = peft_model.generate(**inputs, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    expected = out[0, inputs["input_ids"].shape[1]:].tolist()
+    gen = GenerationConfig(temperature=0.0, max_new_tokens=8, min_new_tokens=8)
+    with pipeline(d, backend_config=EngineConfig(dtype="float32", adapters={"lm": adapter})) as pipe:
+        with_adapter = pipe((text, image), gen, adapter_name="lm").token_ids
+        assert with_adapter == expected
+        assert pipe((text, image), gen).token_ids != expected  # the adapter changed them
+        both = _vl_adapter(d, str(tmp_path / "both"), ["q_proj"])  # the vision tower's q_proj too
+        with pytest.raises(InvalidRequestError, match="vision_tower.*which this model lacks"):
+            pipe.engine.load_adapter("both", both)
