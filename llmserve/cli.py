@@ -80,7 +80,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         gen = gen.replace(response_format=response_format) if response_format is not None else gen
         # with images, LMDeploy's (text, [images]): before the text, or where it says <IMAGE_TOKEN>
         prompt = (args.prompt, args.image) if args.image else args.prompt
-        for response in pipe.stream_infer(prompt, gen_config=gen, do_preprocess=not args.no_chat_template):
+        for response in pipe.stream_infer(prompt, gen_config=gen, do_preprocess=not args.no_chat_template,
+                                          adapter_name=args.adapter_name):
             sys.stdout.write(response.text)
             sys.stdout.flush()
         sys.stdout.write("\n")
@@ -231,6 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--image", action="append", metavar="PATH_OR_URL",
                      help="an image for a vision-language model: a file, an http(s) URL or a data: URL; repeat it for "
                           "several. They go before the prompt's text, or each where the prompt says <IMAGE_TOKEN>")
+    gen.add_argument("--adapter-name", metavar="NAME",
+                     help="answer with this LoRA adapter (one of --adapters NAME=PATH ...)")
     add_model_flags(gen)
     add_dataclass_flags(gen, GenerationConfig, _GEN_FLAGS, group_title="generation")
     add_structured_flags(gen)

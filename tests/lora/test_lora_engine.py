@@ -341,3 +341,24 @@ def test_vision_language_model_adapters_match_peft(tiny_vlm_dir, tmp_path) -> No
         both = _vl_adapter(d, str(tmp_path / "both"), ["q_proj"])  # the vision tower's q_proj too
         with pytest.raises(InvalidRequestError, match="vision_tower.*which this model lacks"):
             pipe.engine.load_adapter("both", both)
+
+
+@pytest.mark.slow
+def test_generate_command_with_an_adapter(base_dir, adapter_dirs) -> None:
+    import subprocess
+    import sys
+
+    def generate(*flags: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "llmserve.cli", "generate", base_dir, "Hello", "--temperature", "0",
+               "--max-new-tokens", "8", "--ignore-eos", "--dtype", "float32", "--adapters", f"qv={adapter_dirs['qv']}",
+               *flags]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+
+    with pipeline(base_dir, backend_config=EngineConfig(dtype="float32", adapters={"qv": adapter_dirs["qv"]})) as pipe:
+        gen = GenerationConfig(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+        expected = pipe("Hello", gen, adapter_name="qv").text
+    out = generate("--adapter-name", "qv")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == expected + "\n"
+    out = generate("--adapter-name", "nope")
+    assert out.returncode == 2 and "no LoRA adapter named 'nope'" in out.stderr
