@@ -34,7 +34,9 @@ logger = logging.getLogger(__name__)
 # 2 cores), microseconds per layer, segmented vs stacked: 4 tokens 141 vs 40, 32: 159 vs 60, 64: 170 vs 83,
 # 128: 194 vs 121, 256: 229 vs 198; past that the segmented path's arithmetic wins.
 STACKED_MAX_ROWS = 256
-_STACKS_KEPT = 8  # stacked weights per layer kept for recent adapter combinations (each a copy of their A and B)
+# Stacked weights kept per layer, for the most recent sets of adapters (each a copy of their A and B): decode steps
+# keep one set while the running requests stay; a new set costs one concatenation per layer.
+_STACKS_KEPT = 2
 
 
 @dataclass(frozen=True)
@@ -198,7 +200,8 @@ class LoRAManager:
         groups = []
         stacked = len(runs) > 1 and offset <= STACKED_MAX_ROWS
         owner = torch.full((offset,), -1, dtype=torch.long) if stacked else None
-        for adapter, spans in runs.values():
+        # by load id: the same adapters make the same stack whatever order their requests came in
+        for adapter, spans in sorted(runs.values(), key=lambda run: run[0].uid):
             if owner is not None:
                 for lo, hi in spans:
                     owner[lo:hi] = len(groups)
