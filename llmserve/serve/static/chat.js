@@ -78,6 +78,10 @@ async function errorMessage(resp) {
   return `${resp.status} ${resp.statusText}${text ? `: ${text.slice(0, 300)}` : ""}`;
 }
 
+function chooseModel() {
+  state.model = $("model-select").value || state.model;
+}
+
 async function loadModel() {
   try {
     const resp = await fetch("v1/models", { headers: headers() });
@@ -85,6 +89,11 @@ async function loadModel() {
     const models = (await resp.json()).data || [];
     state.model = models.length ? models[0].id : null;
     $("model-name").textContent = state.model ?? "no model";
+    // LoRA adapters come after the base model (their `parent`): a picker, whose choice goes out as `model`
+    const select = $("model-select");
+    select.replaceChildren(...models.map((m) => new Option(m.parent ? `${m.id} (LoRA)` : m.id, m.id)));
+    select.hidden = models.length < 2;
+    $("model-name").hidden = models.length >= 2;
     state.takesImages = (models[0]?.input_modalities || []).includes("image");
     $("attach").hidden = !state.takesImages;
   } catch (e) {
@@ -482,6 +491,7 @@ document.addEventListener("DOMContentLoaded", () => {
   });
   $("stop").addEventListener("click", () => { state.controller?.abort(); $("prompt").focus(); });
   $("new-chat").addEventListener("click", newChat);
+  $("model-select").addEventListener("change", chooseModel);
   $("error-close").addEventListener("click", hideError);
   for (const id of ["system-prompt", "temperature", "max-tokens", "tools", "api-key"]) {
     $(id).addEventListener("change", saveSettings);
