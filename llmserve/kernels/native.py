@@ -2,7 +2,8 @@
 the fused rotary / add+RMSNorm ops of the decoder layer (kernels/cpu/fused_ops.cpp), the int8-activation linear
 (kernels/cpu/w8a8_linear.cpp), the GEMMs over packed bf16 or int8 weights (kernels/cpu/packed_gemm.cpp), the K/V
 writers (kernels/cpu/kv_int8.cpp), prefill attention (kernels/cpu/prefill_attention.cpp), a step's decoder layers
-in one call (kernels/cpu/decoder_stack.cpp) and the sampler's token choice (kernels/cpu/sampling.cpp), one extension.
+in one call (kernels/cpu/decoder_stack.cpp), the sampler's token choice (kernels/cpu/sampling.cpp) and the linears over
+block-quantized weights (kernels/cpu/qblock_gemm.cpp), one extension.
 
 Compiling takes tens of seconds, so it never happens at import: `load()` builds on first call
 (torch caches the build under ~/.cache/torch_extensions, so later processes only link it) and is
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "cpu" / name
             for name in ("paged_decode.cpp", "fused_ops.cpp", "w8a8_linear.cpp",
                          "packed_gemm.cpp", "kv_int8.cpp", "prefill_attention.cpp", "decoder_stack.cpp",
-                         "sampling.cpp")]
+                         "sampling.cpp", "qblock_gemm.cpp")]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed = False
@@ -302,3 +303,40 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torc
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """The first maximum of each row of logits [B, V] fp32 -> [B] int64, -1 for a row holding a NaN. Needs load()."""
     return _module.argmax_rows(logits)
+
+
+def qblock_weight(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, n: int, k: int, bits: int,
+                  group: int, zero: int) -> object:
+    """The native handle of a block-quantized weight (layers/quant_blocks.py's layout; the tensors are shared, not
+    copied): what qblock_linear and the decoder stack take. Needs qblock_usable()."""
+    return _module.QBlockWeight(codes, scales, mins, n, k, bits, group, zero)
+
+
+def qblock_linear(x: torch.Tensor, weight: object, bias: torch.Tensor | None, vnni: bool | None = None) -> torch.Tensor:
+    """x [M, K] (fp32/bf16) @ the block-quantized weight [n, K] ^T (+ bias) -> [M, n] in x's dtype. vnni (default:
+    where qblock_vnni_usable()): x quantized to int8 per block of 32 and exact int32 block sums; else fp32 FMAs on the
+    widened codes. Either way a row's result does not depend on the other rows. Needs qblock_usable()."""
+    return _module.qblock_linear(x, weight, bias, -1 if vnni is None else int(vnni))
+
+
+def qblock_pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [n, k] -> qblock_linear's layout (layers/quant_blocks.pack_codes, the same bytes). Needs load()."""
+    return _module.qblock_pack(codes, bits)
+
+
+def gguf_nibbles(raw: torch.Tensor, offset: int, size: int) -> torch.Tensor:
+    """GGUF Q4_0 / Q4_1 rows, uint8 [rows, blocks * size] -> their codes, uint8 [rows, blocks * 32] (byte j of a block's
+    16 at `offset`: column j low, j + 16 high). Needs load()."""
+    return _module.gguf_nibbles(raw, offset, size)
+
+
+@functools.cache
+def qblock_usable() -> bool:
+    """Whether qblock_linear runs here: the extension builds and the CPU has AVX-512."""
+    return load() is not None and _module.qblock_linear_supported()
+
+
+@functools.cache
+def qblock_vnni_usable() -> bool:
+    """Whether qblock_linear's int8-activation path runs here (AVX512-VNNI)."""
+    return qblock_usable() and _module.qblock_vnni_supported()

@@ -17,14 +17,16 @@
 
 #include <array>
 #include <chrono>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
 // One projection: bf16 weights in bf16_pack's layout (bf16_gemm), or int8 in w8a8_pack's, with int8 activations
-// (w8a8_linear, given the weight's row sums) or weight-only (int8w_gemm).
+// (w8a8_linear, given the weight's row sums) or weight-only (int8w_gemm), or block-quantized (qblock_linear).
 struct StackLinear {
+  std::optional<QBlockWeight> blocks;
   torch::Tensor packed;
   int64_t n = 0;
   torch::Tensor scale;                // int8 weights
@@ -33,6 +35,7 @@ struct StackLinear {
   int64_t dot = 0;  // bf16 weights: bf16_gemm's dot argument (the measured kernel, llmserve/kernels/choice.py)
 
   torch::Tensor operator()(const torch::Tensor& x) const {
+    if (blocks.has_value()) return qblock_linear(x, *blocks, bias, -1);
     if (packed.scalar_type() != at::kChar) return bf16_gemm(x, packed, n, bias, dot);
     return wsum.has_value() ? w8a8_linear(x, packed, scale, *wsum, bias) : int8w_gemm(x, packed, scale, bias, -1);
   }
@@ -176,8 +179,15 @@ class DecoderStack {
   StackLinear linear(const std::vector<py::object>& args, int64_t expected_n, const char* what) const {
     TORCH_CHECK(args.size() == 6, "DecoderStack: a linear is (packed, n, scale, wsum, bias, dot)");
     StackLinear l;
-    l.packed = args[0].cast<torch::Tensor>();
     l.n = args[1].cast<int64_t>();
+    if (py::isinstance<QBlockWeight>(args[0])) {  // (QBlockWeight, n, None, None, bias, 0)
+      l.blocks = args[0].cast<QBlockWeight>();
+      TORCH_CHECK(expected_n < 0 || l.n == expected_n, "DecoderStack: ", what, " has ", l.n, " outputs, expected ",
+                  expected_n);
+      if (!args[4].is_none()) l.bias = args[4].cast<torch::Tensor>().to(at::kFloat).contiguous();
+      return l;
+    }
+    l.packed = args[0].cast<torch::Tensor>();
     TORCH_CHECK(expected_n < 0 || l.n == expected_n, "DecoderStack: ", what, " has ", l.n, " outputs, expected ",
                 expected_n);
     TORCH_CHECK(l.packed.scalar_type() == at::kChar || l.packed.scalar_type() == at::kBFloat16,

@@ -52,5 +52,20 @@ std::vector<torch::Tensor> verify_rows(torch::Tensor logits, torch::Tensor tempe
                                        torch::Tensor top_p, torch::Tensor min_p, torch::Tensor u, torch::Tensor drafts,
                                        torch::Tensor u2);
 
+// qblock_gemm.cpp: a weight of 4- or 8-bit codes with a scale and a min per group of columns (w = d * q + m; no
+// mins: m = -zero * d), in the tile layout qblock_gemm.cpp describes (llmserve/layers/quant_blocks.py packs it)
+struct QBlockWeight {
+  QBlockWeight(torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins, int64_t n, int64_t k,
+               int64_t bits, int64_t group, int64_t zero);
+  torch::Tensor codes;                // uint8 [ceil(n / 16), k / 32, bits * 64]
+  torch::Tensor scales;               // fp16 or fp32 [ceil(n / 16), k / group, 16]
+  c10::optional<torch::Tensor> mins;  // like scales, or none
+  int64_t n, k, bits, group, zero;
+};
+bool qblock_linear_supported();
+torch::Tensor qblock_linear(torch::Tensor x, const QBlockWeight& weight, c10::optional<torch::Tensor> bias,
+                            int64_t vnni);
+void bind_qblocks(pybind11::module_& m);
+
 // decoder_stack.cpp
 void bind_decoder_stack(pybind11::module_& m);

@@ -787,4 +787,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sampling_avx512", &sampling_avx512, "whether sample_rows and argmax_rows run on AVX-512 here "
         "(LLMSERVE_SAMPLING_AVX512=0: the scalar passes)");
   bind_decoder_stack(m);
+  bind_qblocks(m);
 }

@@ -1,0 +1,211 @@
+"""Block-quantized weights kept at their bit width: GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K, AWQ and GPTQ, run natively.
+
+Every format here is one form: unsigned codes q of 4 or 8 bits, and per row and group of `group` columns a scale d
+and a min m,
+
+    w[n, k] = d[n, k // group] * q[n, k] + m[n, k // group]
+
+with m = -zero * d when the format has one integer zero point (Q4_0: 8, Q8_0: 128), so no mins are stored. Each
+format's reader (models/gguf_blocks.py, models/awq_gptq.py) turns its tensors into a `BlockTensor` (one code per
+byte, the loader's transient form; shards of a fused layer are concatenated in it), and `pack` lays that out for
+kernels/cpu/qblock_gemm.cpp as a `BlockWeight` (two 4-bit codes a byte, tiles of 16 rows), the only copy kept.
+In fp32 the values d * q + m equal the formats' published dequantization exactly (the products are exact; one
+rounding in the sum, as theirs), which `dequantize` gives back and the tests check against gguf.quants.
+
+Where the native kernel runs (a CPU with AVX-512; int8 activations per block of 32 with VNNI) a linear calls it; elsewhere
+(CUDA, other CPUs) the reference path dequantizes the whole weight at each call and multiplies in torch: correct,
+not fast. Nothing in fp32 or bf16 is held between calls either way.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmserve.kernels import native
+
+TILE = 16  # output rows per tile of the packed layout
+BLOCK = 32  # columns per block of the packed layout (and per activation scale in the kernel)
+
+
+@dataclass
+class BlockTensor:
+    """A block-quantized [n, k] weight as a loader reads it: codes uint8 [n, k] (one per byte), scales and mins
+    [n, k // group] (fp16 or fp32; mins None: m = -zero * d)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    bits: int
+    group: int
+    zero: int = 0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def with_mins(self, dtype: torch.dtype) -> BlockTensor:
+        """The same values with explicit mins of `dtype` (exact: zero * d has at most 19 significant bits)."""
+        mins = self.mins if self.mins is not None else self.scales.float() * -float(self.zero)
+        return replace(self, scales=self.scales.to(dtype), mins=mins.to(dtype), zero=0)
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [n, k]: d * q + m, the formats' own values."""
+        d = self.scales.float().repeat_interleave(self.group, dim=1)
+        m = (self.scales.float() * -float(self.zero) if self.mins is None else self.mins.float())
+        return d * self.codes.float() + m.repeat_interleave(self.group, dim=1)
+
+
+def concat(parts: list[BlockTensor]) -> BlockTensor:
+    """Shards of a fused layer (q, k, v) stacked along the rows. They need one bit width, group and width; differing
+    zero points or scale dtypes become explicit fp32 mins (exact). ValueError if they cannot be stacked."""
+    first = parts[0]
+    if any(p.bits != first.bits or p.group != first.group or p.shape[1] != first.shape[1] for p in parts):
+        raise ValueError("shards of different bit widths, groups or columns: "
+                         + ", ".join(f"{p.bits}-bit/{p.group}" for p in parts))
+    if len(parts) == 1:
+        return first
+    if any((p.mins is None, p.zero, p.scales.dtype) != (first.mins is None, first.zero, first.scales.dtype)
+           for p in parts):
+        parts = [p.with_mins(torch.float32) for p in parts]
+    mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
+    return BlockTensor(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), mins,
+                       first.bits, first.group, parts[0].zero)
+
+
+class BlockWeight:
+    """A weight in kernels/cpu/qblock_gemm.cpp's layout (see there): codes [NT, k / 32, bits * 64] uint8 (NT tiles of
+    16 rows, zero-padded past n), scales and mins [NT, k / group, 16]. On CUDA or a CPU without the kernel the same
+    tensors feed the torch reference."""
+
+    def __init__(self, t: BlockTensor, device: torch.device | str = "cpu") -> None:
+        n, k = t.shape
+        if k % BLOCK or t.group % BLOCK or k % t.group:
+            raise ValueError(f"{k} columns in groups of {t.group}: both must be multiples of {BLOCK}")
+        self.n, self.k, self.bits, self.group, self.zero = n, k, t.bits, t.group, t.zero
+        self.codes = pack_codes(t.codes, t.bits).to(device)
+        self.scales = _tiles(t.scales).to(device)
+        self.mins = None if t.mins is None else _tiles(t.mins).to(device)
+        self.native = None
+        if self.codes.device.type == "cpu" and native.qblock_usable():
+            self.native = native.qblock_weight(self.codes, self.scales, self.mins, n, k, t.bits, t.group, t.zero)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.codes, self.scales, self.mins) if t is not None)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., k] -> [..., n] in x's dtype."""
+        if self.native is not None and x.dtype in (torch.float32, torch.bfloat16):
+            y = native.qblock_linear(x.reshape(-1, self.k), self.native, bias)
+            return y.reshape(*x.shape[:-1], self.n)
+        return reference_linear(x, self, bias)
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [n, k], exactly the format's values."""
+        return self.to_tensor().dequantize()
+
+    def to_tensor(self, rows: torch.Tensor | None = None) -> BlockTensor:
+        """Back to one code per byte ([n, k], or the given rows [R] int64 of it)."""
+        codes = unpack_codes(self.codes, self.bits)
+        scales = self.scales.transpose(1, 2).reshape(-1, self.scales.shape[1])
+        mins = None if self.mins is None else self.mins.transpose(1, 2).reshape(-1, self.mins.shape[1])
+        if rows is None:
+            rows = torch.arange(self.n, device=self.codes.device)
+        return BlockTensor(codes[rows], scales[rows], None if mins is None else mins[rows], self.bits, self.group,
+                           self.zero)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 rows [R, k] of the weight (an embedding lookup): only those rows are unpacked."""
+        tiles, lanes = ids // TILE, ids % TILE
+        codes = self.codes[tiles]  # [R, KB, bits * 64]
+        if self.bits == 4:  # vector h's lane r: bytes 64h + 4r + i; low nibble column 8h + i, high 8h + 4 + i
+            raw = codes.view(-1, codes.shape[1], 4, TILE, 4)[torch.arange(len(ids)), :, :, lanes]  # [R, KB, 4, 4]
+            q = torch.stack([raw & 15, raw >> 4], dim=3).reshape(len(ids), self.k)
+        else:
+            q = codes.view(-1, codes.shape[1], 8, TILE, 4)[torch.arange(len(ids)), :, :, lanes].reshape(len(ids), self.k)
+        d = self.scales[tiles, :, lanes].float()
+        m = d * -float(self.zero) if self.mins is None else self.mins[tiles, :, lanes].float()
+        return d.repeat_interleave(self.group, dim=1) * q.float() + m.repeat_interleave(self.group, dim=1)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 [n, k] codes -> [ceil(n / 16), k / 32, bits * 64]: per tile and block of 32 columns, 64-byte vectors v
+    whose lane r (4 bytes) holds row r's columns 4v .. 4v + 3; with 4 bits vector h's low nibbles are vector 2h and
+    its high nibbles vector 2h + 1."""
+    if codes.device.type == "cpu" and native.load() is not None:
+        return native.qblock_pack(codes, bits)  # the same bytes in one pass
+    n, k = codes.shape
+    nt = -(-n // TILE)
+    q = torch.zeros(nt * TILE, k, dtype=torch.uint8, device=codes.device)
+    q[:n] = codes
+    if bits == 8:  # [NT, r, KB, v, i] -> [NT, KB, v, r, i]
+        return q.view(nt, TILE, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).reshape(nt, k // BLOCK, 512).contiguous()
+    q = q.view(nt, TILE, k // BLOCK, 4, 2, 4).permute(0, 2, 3, 1, 4, 5)  # [NT, KB, h, r, nibble, i]
+    return (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(nt, k // BLOCK, 256).contiguous()
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """pack_codes' inverse: uint8 [NT * 16, k] (the padding rows included)."""
+    nt, kb, _ = packed.shape
+    if bits == 8:
+        return packed.view(nt, kb, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(nt * TILE, kb * BLOCK)
+    raw = packed.view(nt, kb, 4, TILE, 4)
+    q = torch.stack([raw & 15, raw >> 4], dim=4)  # [NT, KB, h, r, nibble, i]
+    return q.permute(0, 3, 1, 2, 4, 5).reshape(nt * TILE, kb * BLOCK)
+
+
+def _tiles(s: torch.Tensor) -> torch.Tensor:
+    """[n, groups] -> [ceil(n / 16), groups, 16] (zero past n)."""
+    n, g = s.shape
+    nt = -(-n // TILE)
+    out = torch.zeros(nt * TILE, g, dtype=s.dtype, device=s.device)
+    out[:n] = s
+    return out.view(nt, TILE, g).transpose(1, 2).contiguous()
+
+
+def reference_linear(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """The torch path: the weight dequantized (fp32, the format's values) for this call, then one matmul in x's dtype
+    (fp32 on CPU for 16-bit x: bf16 products are exact in fp32, as in a bf16 GEMM)."""
+    weight = w.dequantize()[:w.n]
+    if x.device.type == "cpu" and x.dtype != torch.float32:
+        return F.linear(x.float(), weight, None if bias is None else bias.float()).to(x.dtype)
+    return F.linear(x, weight.to(x.dtype), bias)
+
+
+# Loading: a Linear whose weight arrives as BlockTensor shards holds a placeholder on the meta device (no memory)
+# until every shard is there, then the packed BlockWeight replaces it (finish).
+
+def expect_blocks(layer: nn.Module) -> None:
+    """Make `layer` (a Linear, MergedLinear or VocabEmbedding) take its weight as BlockTensor shards in load_weights; the plain
+    weight is never allocated for real."""
+    old = layer.weight
+    placeholder = nn.Parameter(torch.empty(old.shape, device="meta"), requires_grad=False)
+    placeholder.shards = old.shards
+    placeholder.parts = {}
+    placeholder.weight_loader = functools.partial(_load_block_shard, old.shape[1])
+    layer.weight = placeholder
+
+
+def _load_block_shard(cols: int, param: nn.Parameter, loaded: object, shard: str | None = None) -> None:
+    from llmserve.layers.linear import ShapeMismatch
+
+    if not isinstance(loaded, BlockTensor):
+        raise ShapeMismatch("expected a block-quantized tensor (this layer's other shards are quantized), got a "
+                            "plain one")
+    start, end = param.shards[shard]
+    if loaded.shape != (end - start, cols):
+        raise ShapeMismatch(f"expected shape {(end - start, cols)}, got {loaded.shape}")
+    param.parts[shard] = loaded
+
+
+def finish_blocks(layer: nn.Module, device: torch.device | str) -> None:
+    """After load_weights: the shards, in row order, packed into layer.qblocks; the placeholder goes."""
+    param = layer.weight
+    order = sorted(param.parts, key=lambda s: param.shards[s][0])
+    layer.qblocks = BlockWeight(concat([param.parts[s] for s in order]), device)
+    layer.weight = None

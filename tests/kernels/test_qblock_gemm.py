@@ -1,0 +1,113 @@
+"""kernels/cpu/qblock_gemm.cpp against torch: the packed layout (native packing = torch packing, unpacking = the codes,
+row lookups), the int8-activation (VNNI) product against the same arithmetic in float64, the FMA path against fp32,
+both against the unquantized-activation product, and a row's result independent of its batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve.kernels import native
+from llmserve.layers import quant_blocks as qb
+
+pytestmark = pytest.mark.skipif(not native.qblock_usable(), reason="needs the native kernels on an AVX-512 CPU")
+
+# (bits, group, zero, mins, scale dtype): Q4_0, Q4_1, Q8_0, AWQ/GPTQ-like (group 64, fp32 mins)
+FORMATS = {
+    "q4_0": (4, 32, 8, False, torch.float16),
+    "q4_1": (4, 32, 0, True, torch.float16),
+    "q8_0": (8, 32, 128, False, torch.float16),
+    "g64": (4, 64, 0, True, torch.float32),
+}
+
+
+def _weight(fmt: str, n: int, k: int, seed: int = 0) -> qb.BlockTensor:
+    bits, group, zero, mins, dtype = FORMATS[fmt]
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2 ** bits, (n, k), dtype=torch.uint8, generator=gen)
+    scales = (torch.rand(n, k // group, generator=gen) * 0.02 + 0.002).to(dtype)
+    m = (torch.randn(n, k // group, generator=gen) * 0.05).to(dtype) if mins else None
+    return qb.BlockTensor(codes, scales, m, bits, group, zero)
+
+
+def _int8_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The VNNI path's arithmetic in float64: x rounded per block of 32 to int8 (max |x| / 127, half to even)."""
+    xb = x.double().reshape(x.shape[0], -1, 32)
+    d = xb.abs().amax(dim=2, keepdim=True) / 127
+    xq = torch.where(d > 0, torch.round(xb / torch.where(d > 0, d, 1)), 0) * d
+    return xq.reshape(x.shape) @ w.double().T
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n, k", [(37, 64), (96, 256)])
+def test_packing_round_trips(fmt: str, n: int, k: int) -> None:
+    t = _weight(fmt, n, k)
+    w = qb.BlockWeight(t)
+    assert torch.equal(qb.unpack_codes(w.codes, t.bits)[:n], t.codes)
+    assert torch.equal(w.dequantize()[:n], t.dequantize())
+    ids = torch.tensor([n - 1, 0, 17, 5])
+    assert torch.equal(w.rows(ids), t.dequantize()[ids])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_native_packing_equals_torch(bits: int, monkeypatch) -> None:
+    codes = torch.randint(0, 2 ** bits, (37, 96), dtype=torch.uint8)
+    native_packed = qb.pack_codes(codes, bits)
+    monkeypatch.setattr(native, "load", lambda: None)
+    assert torch.equal(native_packed, qb.pack_codes(codes, bits))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [1, 3, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_reference(fmt: str, m: int, dtype: torch.dtype) -> None:
+    n, k = 53, 192  # odd n: a partial tile
+    t = _weight(fmt, n, k)
+    w = qb.BlockWeight(t)
+    dense = t.dequantize()
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dtype)
+    bias = torch.randn(n)
+    exact = x.double() @ dense.double().T + bias.double()
+    scale = exact.abs().max().item()
+    y = native.qblock_linear(x, w.native, bias, vnni=True) if native.qblock_vnni_usable() else None
+    if y is not None:
+        # int8 activations: the same arithmetic in float64 to fp32 rounding (bf16 output: its rounding)...
+        tol = 1e-5 if dtype == torch.float32 else 8e-3
+        torch.testing.assert_close(y.double(), _int8_reference(x, dense) + bias.double(), atol=tol * scale, rtol=0)
+        # ... within 2% of the largest output from the unquantized product
+        assert (y.double() - exact).abs().max().item() <= 0.02 * scale
+    y_fma = native.qblock_linear(x, w.native, bias, vnni=False)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(y_fma.double(), exact, atol=tol * scale, rtol=0)
+    # the torch reference (CUDA's path): the dequantized weight in one matmul
+    torch.testing.assert_close(qb.reference_linear(x, w, bias).double(), exact, atol=tol * scale, rtol=0)
+
+
+@pytest.mark.parametrize("vnni", [True, False])
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_rows_do_not_depend_on_the_batch(fmt: str, vnni: bool) -> None:
+    if vnni and not native.qblock_vnni_usable():
+        pytest.skip("no AVX512-VNNI")
+    w = qb.BlockWeight(_weight(fmt, 80, 160))
+    x = torch.randn(64, 160).bfloat16()
+    whole = native.qblock_linear(x, w.native, None, vnni=vnni)
+    for rows in ([0], [5, 6, 7], list(range(13, 30))):
+        assert torch.equal(native.qblock_linear(x[rows], w.native, None, vnni=vnni), whole[rows])
+
+
+def test_concat_unifies_zero_points_exactly() -> None:
+    a, b = _weight("q4_0", 16, 64), _weight("q4_1", 20, 64, seed=1)
+    both = qb.concat([a, b])
+    assert both.mins is not None and both.mins.dtype == torch.float32
+    assert torch.equal(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    with pytest.raises(ValueError, match="different bit widths"):
+        qb.concat([a, _weight("q8_0", 16, 64)])
+
+
+def test_bad_shapes_are_refused() -> None:
+    t = _weight("q4_1", 16, 64)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        qb.BlockWeight(qb.BlockTensor(t.codes[:, :48], t.scales[:, :1], t.mins[:, :1], 4, 48))
+    w = qb.BlockWeight(t)
+    with pytest.raises(RuntimeError, match="columns"):
+        native.qblock_linear(torch.randn(2, 96), w.native, None)
