@@ -195,6 +195,8 @@ class Pipeline:
     # --- lifecycle -----------------------------------------------------------------------
 
     def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
         self.engine = None
         gc.collect()
 

@@ -281,7 +281,10 @@ class EngineConfig:
                                   "read; every weight is random (normal with the config's initializer_range, "
                                   "norms 1, biases 0), for benchmarking a model's shape from its config.json "
                                   "alone.")
-    tp: int = _f(1, "Tensor-parallel degree.")
+    tp: int = _f(1, "Tensor-parallel degree (LMDeploy's tp, vLLM's --tensor-parallel-size): the model's heads and "
+                    "features split over tp processes (torch.distributed: gloo on CPUs, NCCL with one GPU per rank), "
+                    "which split the CPU's cores. Llama-family models (Llama, Mistral, Qwen2, Qwen3, InternLM3).",
+                 aliases=("--tensor-parallel-size",))
     enforce_eager: bool = _f(False, "CUDA: run every step eagerly instead of replaying CUDA graphs captured at start "
                                     "for decode steps (one per batch size up to max_batch_size).")
     session_len: int | None = _f(None, "Maximum tokens in one sequence (prompt + output). "
@@ -378,8 +381,6 @@ class EngineConfig:
         _check(self.max_sessions >= 0, "max_sessions", f"must be >= 0, got {self.max_sessions}")
         _check_type(self.session_ttl, (int, float), "session_ttl")
         _check(self.session_ttl > 0, "session_ttl", f"must be > 0, got {self.session_ttl}")
-        # Refused rather than ignored: a user asking for tp=2 must not silently get one device.
-        _check(self.tp == 1, "tp", f"tensor parallelism is not implemented yet (got tp={self.tp}); use tp=1")
         if self.speculative_model is not None and self.speculative_method is None:
             self.speculative_method = "draft_model"
         _check(self.speculative_method in (None, "ngram", "draft_model"), "speculative_method",
@@ -399,6 +400,10 @@ class EngineConfig:
                f"must be >= 1, got {self.max_cpu_loras}")
         _check(not self.adapters or self.max_cpu_loras is None or len(self.adapters) <= self.max_cpu_loras,
                "adapters", f"{len(self.adapters or ())} adapters are more than max_cpu_loras={self.max_cpu_loras}")
+        if self.tp > 1:  # (refused rather than ignored: each would need its own sharding)
+            _check(not self.enable_lora, "tp", "LoRA adapters run with tp=1 so far")
+            _check(self.speculative_method != "draft_model", "tp", "a draft model runs with tp=1 so far (ngram "
+                   "speculation works with any tp)")
         _check_type(self.kernel_choice, (str,), "kernel_choice")
         from llmserve.kernels.calibrate import KINDS
         from llmserve.kernels.choice import parse_pins

@@ -26,3 +26,8 @@ class PromptTooLongError(InvalidRequestError):
 
 class ModelLoadError(LLMServeError):
     """A model path, hub id, file or tensor that cannot be loaded."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot go on: a tensor-parallel rank died or stopped answering. Not the user's doing; the message
+    names the rank. The async engine stops on it (the server's /health turns 503 and the server exits non-zero)."""

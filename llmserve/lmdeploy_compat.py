@@ -64,7 +64,7 @@ def _device(value: Any) -> Any:
     raise ValueError("llmserve runs on cuda or cpu (LMDeploy's ascend, maca and camb back ends are not supported)")
 
 
-_TP_REASON = "the only parallelism llmserve has is tp (and only tp=1 so far); data and expert parallelism are not " \
+_TP_REASON = "the only parallelism llmserve has is tensor parallelism (tp); data and expert parallelism are not " \
              "implemented"
 _SCHEDULING = ("llmserve has no prefill and decode phases: every step mixes decode tokens and prefill chunks under "
                "the token budget (max_prefill_token_num), so there is no interval or pass count to set; the output "
@@ -175,7 +175,8 @@ class TurbomindEngineConfig(_LMDeployConfig):
     # max_prefill_token_num means: when > 0 it wins (it comes after max_prefill_token_num).
     num_tokens_per_iter: int = _maps(0, to="max_prefill_token_num", convert=_step_budget)
     max_prefill_iters: int = _no_effect(1, _SCHEDULING, minimum=1)
-    communicator: str = _no_effect("nccl", "how tensor-parallel ranks talk; with tp=1 there is nobody to talk to",
+    communicator: str = _no_effect("nccl", "how tensor-parallel ranks talk: llmserve's always use torch.distributed "
+                                           "(NCCL on GPUs, gloo on CPUs)",
                                    kind=str)
     model_name: str | None = _refused(None, "deprecated in LMDeploy (no effect since 0.2.1); name a chat template "
                                             "with ChatTemplateConfig(model_name=...)", (None, ""))
@@ -213,7 +214,8 @@ class PytorchEngineConfig(_LMDeployConfig):
     download_dir: str | None = _maps(None)
     revision: str | None = _maps(None)
     quant_policy: int = _maps(0)
-    distributed_executor_backend: str | None = _refused(None, "llmserve runs in one process (tp=1)", (None, "uni"))
+    distributed_executor_backend: str | None = _refused(None, "llmserve starts its tensor-parallel ranks itself, as "
+                                                              "processes (torch.multiprocessing)", (None, "uni", "mp"))
     should_execute_dummy_batch: bool = _refused(False, _TP_REASON)
     eviction_type: str = _refused("recompute", "llmserve evicts by recompute only (LMDeploy's 'copy' swaps to host "
                                                "memory)")

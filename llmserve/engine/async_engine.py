@@ -28,6 +28,7 @@ from typing import Any
 from llmserve.config import GenerationConfig
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.output import SequenceOutput
+from llmserve.errors import EngineDeadError
 from llmserve.vl.inputs import MultiModalInputs
 
 logger = logging.getLogger(__name__)
@@ -187,6 +188,8 @@ class AsyncEngine:
         self._commands.put(None)
         self._thread.join(timeout)
         self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+        if not self._thread.is_alive():
+            self.engine.close()
 
     # --- engine thread -------------------------------------------------------------------
 
@@ -196,7 +199,8 @@ class AsyncEngine:
             if not self._drain_commands(block):
                 break
             if self.engine.has_unfinished_requests():
-                self._step()
+                if not self._step():
+                    break
             else:  # step() expires idle sessions itself; an idle engine wakes twice a second for it
                 self.engine.sessions.expire()
             self._stats = self._read_stats()
@@ -244,20 +248,28 @@ class AsyncEngine:
             return
         self._streams[cmd.request_id] = cmd.stream
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step; False when the engine cannot go on (EngineDeadError): the thread then stops."""
         self._num_steps += 1
         try:
             outputs = self.engine.step()
         except Exception as e:
-            logger.exception("engine step failed; aborting its requests")
+            fatal = isinstance(e, EngineDeadError)
+            if fatal:
+                logger.error("the engine cannot go on: %s", e)
+                self._stopping = True
+            else:
+                logger.exception("engine step failed; aborting its requests")
             for rid, stream in list(self._streams.items()):
-                self.engine.abort(rid)
+                if not fatal:
+                    self.engine.abort(rid)
                 stream.put(RuntimeError(f"the engine failed while running this request: {e}"))
             self._streams.clear()
-            return
+            return not fatal
         if self.on_step is not None:
             self.on_step(outputs)
         self._dispatch(outputs)
+        return True
 
     def _dispatch(self, outputs: list[SequenceOutput]) -> None:
         for out in outputs:

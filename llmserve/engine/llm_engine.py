@@ -58,10 +58,18 @@ class LLMEngine:
         draft = self._load_draft(loaded, config)
         num_blocks = config.num_blocks or num_blocks_for(loaded, config.block_size, config.cache_max_bytes,
                                                          config.cache_max_entry_count, draft, config.kv_cache_dtype)
-        graphs = GraphOptions(not config.enforce_eager and config.quantization is None, config.max_batch_size,
-                              self.session_len + config.num_speculative_tokens)
-        cpu = CpuOptions(config.num_threads, config.kernel_choice)
+        graphs = GraphOptions(not config.enforce_eager and config.quantization is None and config.tp == 1,
+                              config.max_batch_size, self.session_len + config.num_speculative_tokens)
+        threads = config.num_threads
+        if config.tp > 1:  # the ranks split the cores
+            from llmserve.distributed.workers import threads_per_rank
+
+            threads = threads_per_rank(config)
+        cpu = CpuOptions(threads, config.kernel_choice)
         self.runner = ModelRunner(loaded, num_blocks, config.block_size, cpu, config.kv_cache_dtype, graphs)
+        if loaded.tp_workers is not None:  # the other ranks load their shards and caches now (after rank 0's timings)
+            loaded.tp_workers.build(num_blocks, config.block_size, config.kv_cache_dtype)
+            self.runner.tp_workers = loaded.tp_workers
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.lora: LoRAManager | None = None
         if config.enable_lora:
@@ -206,6 +214,11 @@ class LLMEngine:
             raise InvalidRequestError("LoRA adapters are not enabled in this engine (start it with enable_lora or "
                                       "adapters=...)", param="lora_name")
         return self.lora
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do with tp = 1). The engine cannot step after this."""
+        if self.loaded.tp_workers is not None:
+            self.loaded.tp_workers.close()
 
     def end_session(self, session_id: str) -> bool:
         """Free a session's KV now; False if no such session is kept (never stored, ended, or evicted)."""

@@ -1,15 +1,22 @@
-"""Token embedding; the same layout ([vocab, hidden]) serves as the LM head, tied or not."""
+"""Token embedding; the same layout ([vocab, hidden]) serves as the LM head, tied or not.
+
+Under tensor parallelism (tp > 1) the vocabulary is split: each rank holds a contiguous share of the rows (the
+vocabulary padded with zero rows to a multiple of tp). A lookup takes the ids in this rank's share, zeroes the rest
+and sums over the group; the LM head's logits are this rank's columns, gathered in rank order."""
 
 from __future__ import annotations
+
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve.distributed.state import all_gather_last, all_reduce_, tp_state
 from llmserve.kernels import native
 from llmserve.kernels.choice import OpChoice
 from llmserve.layers.linear import (
     Bf16Matmul,
+    ShapeMismatch,
     default_weight_loader,
     int8_linear,
     int8_packed_ok,
@@ -22,8 +29,15 @@ from llmserve.layers.linear import (
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
+        state = tp_state()
+        self.tp = state.size > 1
+        self.full_vocab_size = vocab_size
+        self.vocab_start = 0
+        if self.tp:  # this rank's rows [vocab_start, vocab_start + vocab_size) of the padded vocabulary
+            local = -(-vocab_size // state.size)
+            self.vocab_start, vocab_size = state.rank * local, local
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
-        self.weight.weight_loader = default_weight_loader
+        self.weight.weight_loader = self._load_rows if self.tp else default_weight_loader
         self.weight.shards = {None: (0, vocab_size)}
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
@@ -36,8 +50,25 @@ class VocabEmbedding(nn.Module):
         # lookup keeps the plain table), or quantize_int8 where the packed kernel runs (lookups read it too)
         self.head_int8_packed: torch.Tensor | None = None
 
+    def _load_rows(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+        """This rank's rows of the checkpoint's [vocab, hidden] table; padding rows past the vocabulary are zero."""
+        if tuple(loaded.shape) != (self.full_vocab_size, self.hidden_size):
+            raise ShapeMismatch(f"expected shape {(self.full_vocab_size, self.hidden_size)}, got {tuple(loaded.shape)}")
+        rows = loaded[self.vocab_start:self.vocab_start + self.vocab_size]
+        param.data.zero_()
+        param.data[:rows.shape[0]].copy_(rows)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] int64 -> [T, hidden]."""
+        if not self.tp:
+            return self._lookup(input_ids)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.vocab_size)
+        rows = self._lookup(local.clamp(0, self.vocab_size - 1))
+        rows = rows * mine[:, None].to(rows.dtype)
+        return all_reduce_(rows)
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
             return F.embedding(input_ids, self.weight)
         if self.qweight is not None:
@@ -48,6 +79,11 @@ class VocabEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (the matmul runs in the model dtype, as HF's lm_head does)."""
+        if self.tp:
+            return all_gather_last(self._logits(hidden))[:, :self.full_vocab_size]
+        return self._logits(hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             return int8_linear(hidden, self.qweight, self.scale, None).float()
         if self.head_int8_packed is not None:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.cpu_features import fp32_compute_for_bf16
+from llmserve.distributed.state import all_reduce_, shard, tp_state
 from llmserve.kernels import native
 from llmserve.kernels.choice import OpChoice
 
@@ -23,7 +24,32 @@ class ShapeMismatch(ValueError):
     """A checkpoint tensor whose shape does not fit its parameter (or shard); the model names it."""
 
 
+def tp_slice(param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> torch.Tensor:
+    """A tensor-parallel rank's part of a checkpoint tensor (llmserve/distributed): the rows of its heads or
+    features (`tp_rows`: shard -> (start, the checkpoint's row count)), the columns of a row-parallel layer's input
+    (`tp_cols`: (start, count, the checkpoint's column count)), or zeros for the bias every rank but 0 adds (the
+    all-reduce would add it size times). The whole tensor where the parameter has none of these (tp = 1)."""
+    rows = getattr(param, "tp_rows", None)
+    if rows is not None and shard in rows:
+        start, full = rows[shard]
+        if loaded.shape[0] != full:
+            raise ShapeMismatch(f"expected {full} rows{'' if shard is None else f' for shard {shard}'}, got "
+                                f"{tuple(loaded.shape)}")
+        lo, hi = param.shards[shard]
+        loaded = loaded.narrow(0, start, hi - lo)
+    cols = getattr(param, "tp_cols", None)
+    if cols is not None:
+        start, count, full = cols
+        if loaded.shape[-1] != full:
+            raise ShapeMismatch(f"expected {full} columns, got {tuple(loaded.shape)}")
+        loaded = loaded.narrow(-1, start, count)
+    if getattr(param, "tp_zero", False):
+        loaded = torch.zeros_like(loaded)
+    return loaded
+
+
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+    loaded = tp_slice(param, loaded, shard)
     if tuple(loaded.shape) != tuple(param.shape):
         raise ShapeMismatch(f"expected shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
     # copy_ converts dtype and moves across devices in one pass: the only copy of the weight.
@@ -34,6 +60,7 @@ def sharded_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard: str 
     if shard not in param.shards:
         raise ShapeMismatch(f"unknown shard {shard!r}; expected one of {sorted(param.shards)}")
     start, end = param.shards[shard]
+    loaded = tp_slice(param, loaded, shard)
     target = param.data[start:end]
     if tuple(loaded.shape) != tuple(target.shape):
         raise ShapeMismatch(f"expected shape {tuple(target.shape)} for shard {shard}, got {tuple(loaded.shape)}")
@@ -49,14 +76,39 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """y = x @ W.T (+ b); W: [out_features, in_features]."""
+    """y = x @ W.T (+ b); W: [out_features, in_features].
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    Under tensor parallelism (llmserve/distributed, tp > 1) `tp` shards it Megatron's way: "column" keeps this rank's
+    share of the output features (out_features is then the share), "row" its share of the input features and sums
+    the ranks' partial products with one all-reduce (in_features is the share; the bias is added once)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: str | None = None) -> None:
         super().__init__()
+        state = tp_state()
+        self.reduce = False  # a row-parallel layer's output is summed over the group
+        col_share = row_share = None
+        if tp is not None and state.size > 1:
+            if tp == "column":
+                col_share = (*shard(out_features, "output features"), out_features)
+                out_features = col_share[1]
+            elif tp == "row":
+                row_share = (*shard(in_features, "input features"), in_features)
+                in_features = row_share[1]
+                self.reduce = True
+            else:
+                raise ValueError(f"tp must be 'column' or 'row', got {tp!r}")
         self.in_features = in_features
         self.out_features = out_features
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
+        if col_share is not None:
+            for p in (self.weight, self.bias):
+                if p is not None:
+                    p.tp_rows = {None: (col_share[0], col_share[2])}
+        if row_share is not None:
+            self.weight.tp_cols = row_share
+            if self.bias is not None and state.rank != 0:
+                self.bias.tp_zero = True
 
         # oneDNN-blocked copy of an fp32 weight (CPU), see pack_for_cpu; the plain weight is then freed
         self.packed: torch.Tensor | None = None
@@ -74,6 +126,8 @@ class Linear(nn.Module):
         y = self.base_forward(x)
         if self.lora is not None:
             y = self.lora(x, y)
+        if self.reduce:
+            all_reduce_(y)
         return y
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -237,7 +291,10 @@ class MergedLinear(Linear):
     QKV: {"q": H*D, "k": KVH*D, "v": KVH*D}; gate/up: {"gate": I, "up": I}.
     """
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False) -> None:
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False,
+                 tp_rows: dict[str, tuple[int, int]] | None = None) -> None:
+        """tp_rows (tensor parallelism): shard -> (the first checkpoint row of this rank's share, the checkpoint's
+        row count); shard_sizes are then the shares' sizes."""
         super().__init__(in_features, sum(shard_sizes.values()), bias)
         offsets: dict[str | None, tuple[int, int]] = {}
         start = 0
@@ -249,6 +306,8 @@ class MergedLinear(Linear):
             if p is not None:
                 p.weight_loader = sharded_weight_loader
                 p.shards = offsets
+                if tp_rows is not None:
+                    p.tp_rows = dict(tp_rows)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """[T, out_features] -> one view per shard, in order."""

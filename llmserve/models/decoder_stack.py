@@ -24,6 +24,7 @@ import torch
 
 from llmserve.attention import registry
 from llmserve.attention.metadata import AttentionMetadata
+from llmserve.distributed.state import tp_state
 from llmserve.kernels import native
 from llmserve.layers.linear import Linear
 
@@ -94,7 +95,8 @@ def build(model: LlamaModel) -> Any | None:
 
 def covers(x: torch.Tensor) -> bool:
     """Whether a step over x [T, E] may run in a stack: native kernels on x's device, the stack enabled."""
-    return x.shape[0] > 0 and registry.native_enabled(x) and enabled()
+    # (tensor parallelism: the layers' all-reduces sit between the stack's ops)
+    return x.shape[0] > 0 and registry.native_enabled(x) and enabled() and tp_state().size == 1
 
 
 def runs_prefills(model: LlamaModel) -> bool:

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from llmserve.attention import Attention, AttentionMetadata
+from llmserve.distributed.state import shard as tp_share
+from llmserve.distributed.state import tp_state
 from llmserve.errors import ModelLoadError
 from llmserve.kernels import calibrate
 from llmserve.kernels.choice import ChoiceTable, OpChoice
@@ -81,15 +83,39 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def tp_heads(num_heads: int, num_kv_heads: int) -> tuple[int, int, int, int]:
+    """(first query head, query heads, first KV head, KV heads) of this tensor-parallel rank: query heads split
+    evenly; KV heads split too, or, where there are fewer than ranks, each rank keeps the one its query heads read
+    (replicated)."""
+    state = tp_state()
+    if state.size == 1:
+        return 0, num_heads, 0, num_kv_heads
+    if num_heads % state.size:
+        raise ModelLoadError(f"tp={state.size}: the model's {num_heads} attention heads do not split evenly")
+    heads = num_heads // state.size
+    if num_kv_heads % state.size == 0:
+        kv = num_kv_heads // state.size
+        return state.rank * heads, heads, state.rank * kv, kv
+    if state.size % num_kv_heads:
+        raise ModelLoadError(f"tp={state.size}: the model's {num_kv_heads} KV heads neither split evenly over the "
+                             "ranks nor divide them")
+    return state.rank * heads, heads, state.rank * heads // (num_heads // num_kv_heads), 1
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: Any, spec: DecoderSpec, layer: int) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = d = head_dim_of(cfg)
+        h, kvh = cfg.num_attention_heads, cfg.num_key_value_heads
+        q0, self.num_heads, k0, self.num_kv_heads = tp_heads(h, kvh)  # this rank's (all of them with tp = 1)
         self.rotary_dim = rotary_dim_of(cfg)
+        tp_rows = None
+        if tp_state().size > 1:  # the checkpoint's q/k/v rows of this rank's heads
+            tp_rows = {"q": (q0 * d, h * d), "k": (k0 * d, kvh * d), "v": (k0 * d, kvh * d)}
         self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": self.num_heads * d, "k": self.num_kv_heads * d,
-                                                       "v": self.num_kv_heads * d}, bias=spec.qkv_bias)
-        self.o_proj = Linear(self.num_heads * d, cfg.hidden_size, bias=spec.o_bias)
+                                                       "v": self.num_kv_heads * d}, bias=spec.qkv_bias,
+                                     tp_rows=tp_rows)
+        self.o_proj = Linear(h * d, cfg.hidden_size, bias=spec.o_bias, tp="row")
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if spec.qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, d**-0.5, spec.sliding_windows[layer])
@@ -126,9 +152,14 @@ class LlamaMLP(nn.Module):
         if cfg.hidden_act != "silu":
             raise ModelLoadError(f"config.json hidden_act={cfg.hidden_act!r} is not supported (only 'silu')")
         i = intermediate_size or cfg.intermediate_size  # another size: a MoE model's shared expert (models/moe.py)
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": i, "up": i}, bias=spec.mlp_bias)
+        tp_rows, share = None, i
+        if tp_state().size > 1:  # this rank's share of the intermediate features: gate/up by rows, down by columns
+            start, share = tp_share(i, "intermediate_size")
+            tp_rows = {"gate": (start, i), "up": (start, i)}
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": share, "up": share}, bias=spec.mlp_bias,
+                                         tp_rows=tp_rows)
         self.act = SiluAndMul()
-        self.down_proj = Linear(i, cfg.hidden_size, bias=spec.mlp_bias)
+        self.down_proj = Linear(i, cfg.hidden_size, bias=spec.mlp_bias, tp="row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))  # [T, E] -> [T, 2I] -> [T, I] -> [T, E]

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from llmserve.config import EngineConfig
+from llmserve.distributed.state import tp_state
 from llmserve.errors import InvalidRequestError, ModelLoadError
 from llmserve.kernels import native
 from llmserve.layers.linear import int8_packed_ok
@@ -58,6 +59,8 @@ class LoadedModel:
     served_name: str  # hub id, directory basename or GGUF file stem
     load_seconds: float = 0.0
     gguf_converted: bool | None = None  # GGUF only: True on a cold (converting) load, False from the cache
+    # tp > 1, rank 0: the other ranks (distributed/workers.py), which load their shards once the engine asks
+    tp_workers: Any = None
     # Vision-language models: the whole config (hf_config is then its text config) and the image processor.
     vision_config: Any = None
     processor: Any = None  # llmserve.vl.processor.VLProcessor
@@ -83,11 +86,23 @@ def load_model(model: str | None, config: EngineConfig) -> LoadedModel:
     dtype = resolve_dtype(config.dtype, getattr(hf_config, "dtype", None), device)
     if config.quantization == "w8a8":
         check_w8a8(device, dtype)
-    net = cls(hf_config, dtype, device)
-    if config.load_format == "dummy":
-        net.init_dummy_weights(float(getattr(hf_config, "initializer_range", 0.02)))
-    else:
-        net.load_weights(iter_safetensors(safetensors_files(loc.model_dir)))
+    tp_workers = None
+    if config.tp > 1 and tp_state().size == 1:  # rank 0: start the other ranks, then load this rank's shard
+        from llmserve.distributed.workers import TPWorkers, check_tp_supported, rank_device
+
+        check_tp_supported(config, hf_config.architectures[0])
+        device = torch.device(rank_device(str(device), 0))
+        tp_workers = TPWorkers(model, config, str(device))
+    try:
+        net = cls(hf_config, dtype, device)
+        if config.load_format == "dummy":
+            net.init_dummy_weights(float(getattr(hf_config, "initializer_range", 0.02)))
+        else:
+            net.load_weights(iter_safetensors(safetensors_files(loc.model_dir)))
+    except BaseException:
+        if tp_workers is not None:
+            tp_workers.close()
+        raise
     if config.quantization is not None:
         net.quantize(config.quantization)
     if config.quantization == "int8" and not int8_packed_ok(torch.empty(0, dtype=dtype, device=device)):
@@ -115,7 +130,7 @@ def load_model(model: str | None, config: EngineConfig) -> LoadedModel:
         eos_token_ids=_unique_ids(getattr(vision_config, "eos_token_id", None), getattr(hf_config, "eos_token_id", None),
                                   generation.get("eos_token_id"), tokenizer.eos_token_id),
         max_model_len=model_max_positions(hf_config), served_name=loc.served_name,
-        load_seconds=time.perf_counter() - start, gguf_converted=loc.gguf_converted)
+        load_seconds=time.perf_counter() - start, gguf_converted=loc.gguf_converted, tp_workers=tp_workers)
     kind = {None: "", True: " (GGUF, cold: converted)", False: " (GGUF, warm: from cache)"}[loc.gguf_converted]
     log.info("loaded %s%s from %s in %.1f s: %s, %s on %s", loaded.served_name, kind, loc.model_dir,
              loaded.load_seconds, (vision_config or hf_config).architectures[0], dtype, device)

@@ -131,6 +131,15 @@ class _Server(uvicorn.Server):
             logger.error("could not load the model: %s", e, exc_info=not isinstance(e, LLMServeError))
             self.exit_code = 2
             self.should_exit = True
+            return
+        # An engine that stops on its own (a tensor-parallel rank died) ends the server: /health is 503 meanwhile
+        while not self.should_exit:
+            engine = self.state.engine
+            if engine is not None and not engine.is_alive and not self.state.draining:
+                logger.error("the engine has stopped (see the error above); exiting")
+                self.exit_code = 1
+                self.should_exit = True
+            await asyncio.sleep(0.5)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         first = not self.should_exit

@@ -28,6 +28,7 @@ from llmserve.vl.inputs import ImageItem, MRopePositions
 from llmserve.worker.cpu_tuning import configure_cpu, trim_heap, use_onednn
 
 if TYPE_CHECKING:
+    from llmserve.distributed.workers import TPWorkers
     from llmserve.lora import LoRAAdapter, LoRAManager
     from llmserve.worker.cuda_graphs import CudaGraphDecoder
 
@@ -133,6 +134,7 @@ class ModelRunner:
             layer.kv_cache = cache  # [2, num_blocks, block_size, kv_heads, head_dim], contiguous
             layer.kv_scales = scale  # [2, num_blocks, block_size, kv_heads(, 2 for int4)] or None
         self.lora: LoRAManager | None = None  # the engine's, when LoRA adapters are enabled
+        self.tp_workers: TPWorkers | None = None  # tp > 1: the other ranks run every forward and block copy too
         self.graphs: CudaGraphDecoder | None = None
         if use_graphs:
             from llmserve.worker.cuda_graphs import CudaGraphDecoder
@@ -179,6 +181,8 @@ class ModelRunner:
         """Copy whole KV blocks, source -> destination, in every layer (copy-on-write of forked beams)."""
         if not pairs:
             return
+        if self.tp_workers is not None:
+            self.tp_workers.copy_blocks(pairs)
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
         for layer in self.model.attention_layers():
@@ -191,6 +195,15 @@ class ModelRunner:
         """Run the model over each span's tokens (K/V written to the span's blocks) and return the
         logits of the last `num_logits` tokens of every span, in span order: [sum num_logits, V].
         Single-token spans must come first."""
+        if self.tp_workers is not None:
+            self.tp_workers.forward(spans)
+            try:
+                return self._forward(spans)
+            except Exception as e:  # the ranks are out of step after a failure inside a forward: nothing can go on
+                raise self.tp_workers.failed(e) from e
+        return self._forward(spans)
+
+    def _forward(self, spans: list[Span]) -> torch.Tensor | None:
         if self.graphs is not None and self._graph_step(spans):
             # M-RoPE: a decode's token is past every image (a sampled token with no image rows is the last of
             # its sequence), so its three rows are equal, start + delta: plain rotary there

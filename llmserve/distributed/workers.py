@@ -1,0 +1,221 @@
+"""The worker processes of tensor parallelism: ranks 1..tp-1, started by the engine (rank 0).
+
+Rank 0 keeps everything above the model runner: the scheduler, the KV block tables, sampling. Every rank holds its
+shard of the weights (each loads only its rows and columns of each checkpoint tensor) and a KV cache for its heads,
+with the same block ids. Each step rank 0 broadcasts what to run (the step's spans, pickled) and every rank runs the
+same forward: the sharded layers' all-reduces and the vocabulary-parallel logits' all-gather meet inside it. Only
+rank 0 samples.
+
+Commands travel by torch.distributed's broadcast over the same group as the collectives (gloo on CPUs, NCCL on
+GPUs), started by `torch.multiprocessing` (spawn). On a CPU the ranks split the cores (each rank's torch threads:
+the cores / tp, unless num_threads says otherwise).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import socket
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from llmserve.distributed.state import TPState, set_tp_state, tp_state
+from llmserve.errors import EngineDeadError, ModelLoadError
+
+if TYPE_CHECKING:
+    from llmserve.config import EngineConfig
+    from llmserve.worker.model_runner import Span
+
+logger = logging.getLogger(__name__)
+
+# How long a collective waits for a rank that does not answer (a hung or dead worker) before it fails with an error
+# naming the ranks, instead of hanging the engine.
+TIMEOUT_S = float(os.environ.get("LLMSERVE_TP_TIMEOUT", "120"))
+
+# The model classes whose layers shard (models/llama.py's attention and MLP): the rest run with tp = 1 for now.
+TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                    "InternLM3ForCausalLM")
+
+
+def check_tp_supported(config: EngineConfig, architecture: str) -> None:
+    if architecture not in TP_ARCHITECTURES:
+        raise ModelLoadError(f"tp={config.tp}: tensor parallelism runs the Llama family ({', '.join(TP_ARCHITECTURES)})"
+                             f" so far; {architecture} runs with tp=1")
+
+
+def threads_per_rank(config: EngineConfig) -> int:
+    """Each rank's CPU threads: num_threads if set, else an even share of the cores this process may use."""
+    if config.num_threads is not None:
+        return config.num_threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // config.tp)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _backend(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def rank_device(device: str, rank: int) -> str:
+    """One GPU per rank (cuda:rank); the CPU for every rank on a CPU."""
+    return f"cuda:{rank}" if device.startswith("cuda") else device
+
+
+class TPWorkers:
+    """Rank 0's handle on the other ranks: starts them, joins the group, and sends each step."""
+
+    def __init__(self, model: str | None, config: EngineConfig, device: str) -> None:
+        import torch.distributed as dist
+        import torch.multiprocessing as mp
+
+        if tp_state().size > 1:
+            raise ModelLoadError("this process already runs a tensor-parallel engine; one per process")
+        self.size = config.tp
+        port = _free_port()
+        backend = _backend(device)
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=_worker_main, name=f"llmserve-tp{rank}", daemon=True,
+                                  args=(rank, self.size, port, backend, model, config, device))
+                      for rank in range(1, self.size)]
+        for p in self.procs:
+            p.start()
+        try:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=self.size,
+                                    timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        except Exception as e:
+            self._kill()
+            raise ModelLoadError(f"tp={self.size}: the worker ranks did not join: {self._dead() or e}") from None
+        set_tp_state(TPState(0, self.size, dist.group.WORLD))
+        self.closed = False
+
+    def build(self, num_blocks: int, block_size: int, kv_cache_dtype: str) -> None:
+        """The workers load their shards and bind KV caches of the same blocks, after rank 0 built its own runner
+        (so that they reuse the kernel timings rank 0 measured instead of timing while it does)."""
+        self._send(("build", (num_blocks, block_size, kv_cache_dtype)))
+        errors = self._gather_status()
+        bad = [(rank, e) for rank, e in enumerate(errors) if e]
+        if bad:
+            self.close()
+            raise ModelLoadError("; ".join(f"tensor-parallel rank {rank}: {e}" for rank, e in bad))
+
+    def forward(self, spans: list[Span]) -> None:
+        self._send(("forward", [_for_workers(s) for s in spans]))
+
+    def failed(self, error: BaseException) -> EngineDeadError:
+        """What a failure inside a tensor-parallel forward means: the ranks are out of step, so the engine stops."""
+        cause = self._dead() or f"a rank did not answer within {TIMEOUT_S:.0f} s (LLMSERVE_TP_TIMEOUT), or failed"
+        return EngineDeadError(f"tensor parallelism: {cause}: {type(error).__name__}: {error}")
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        self._send(("copy_blocks", pairs))
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if not self._dead():
+                self._send(("stop", None))
+        except EngineDeadError:
+            pass
+        for p in self.procs:
+            p.join(10)
+        self._kill()
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - the group may be broken already (a dead rank)
+            pass
+        set_tp_state(TPState())
+
+    def _send(self, command: tuple[str, Any]) -> None:
+        import torch.distributed as dist
+
+        dead = self._dead()
+        if dead:
+            raise EngineDeadError(f"tensor parallelism: {dead}; the engine cannot go on")
+        try:
+            dist.broadcast_object_list([command], src=0)
+        except Exception as e:
+            raise EngineDeadError(f"tensor parallelism: {self._dead() or 'a rank did not answer'} ({e})") from None
+
+    def _gather_status(self) -> list[str | None]:
+        import torch.distributed as dist
+
+        statuses: list[Any] = [None] * self.size
+        dist.all_gather_object(statuses, None)
+        return statuses
+
+    def _dead(self) -> str:
+        gone = [f"rank {rank} exited with code {p.exitcode}" for rank, p in enumerate(self.procs, start=1)
+                if not p.is_alive()]
+        return ", ".join(gone)
+
+    def _kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def _for_workers(span: Span) -> Span:
+    """The span as the workers need it: prompt logprobs go to a scratch list of the same length (only rank 0's are
+    kept), not a copy of the request's."""
+    task = span.prompt_logprobs
+    if task is None:
+        return span
+    return dataclasses.replace(span, prompt_logprobs=dataclasses.replace(task, sink=[None] * len(task.sink)))
+
+
+def _worker_main(rank: int, size: int, port: int, backend: str, model: str | None, config: EngineConfig,
+                 device: str) -> None:
+    import torch.distributed as dist
+
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s tp{rank} %(levelname)s %(name)s: %(message)s")
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    set_tp_state(TPState(rank, size, dist.group.WORLD))
+    runner = None
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        command, arg = box[0]
+        if command == "forward":
+            runner.forward(arg)
+        elif command == "build":
+            runner = _build(rank, model, config, device, *arg)
+        elif command == "copy_blocks":
+            runner.copy_blocks(arg)
+        elif command == "stop":
+            break
+    dist.destroy_process_group()
+
+
+def _build(rank: int, model: str | None, config: EngineConfig, device: str, num_blocks: int, block_size: int,
+           kv_cache_dtype: str) -> Any:
+    import torch.distributed as dist
+
+    from llmserve.models.loader import load_model
+    from llmserve.worker.model_runner import CpuOptions, ModelRunner
+
+    runner, error = None, None
+    try:
+        config = dataclasses.replace(config, device=rank_device(device, rank))
+        loaded = load_model(model, config)
+        runner = ModelRunner(loaded, num_blocks, block_size, CpuOptions(threads_per_rank(config), config.kernel_choice),
+                             kv_cache_dtype)
+    except Exception as e:  # noqa: BLE001 - reported to rank 0, which names this rank
+        error = f"{type(e).__name__}: {e}"
+    statuses: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(statuses, error)
+    torch.set_grad_enabled(False)
+    return runner
