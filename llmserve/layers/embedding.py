@@ -6,6 +6,7 @@ and sums over the group; the LM head's logits are this rank's columns, gathered 
 
 from __future__ import annotations
 
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,8 @@ class VocabEmbedding(nn.Module):
         # int8 rows in w8a8_pack's layout for logits() (kernels/cpu/packed_gemm.cpp), with `scale`: quantize_head_int8 (the
         # lookup keeps the plain table), or quantize_int8 where the packed kernel runs (lookups read it too)
         self.head_int8_packed: torch.Tensor | None = None
+        # A block-quantized table (GGUF) replacing the weight, for lookups and logits alike: layers/quant_blocks.py
+        self.qblocks: Any = None
 
     def _load_rows(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
         """This rank's rows of the checkpoint's [vocab, hidden] table; padding rows past the vocabulary are zero."""
@@ -71,6 +74,8 @@ class VocabEmbedding(nn.Module):
     def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
             return F.embedding(input_ids, self.weight)
+        if self.qblocks is not None:
+            return self.qblocks.rows(input_ids).to(self.dtype)
         if self.qweight is not None:
             rows = self.qweight[input_ids]
         else:  # row n of the packed table: block n // 16, lane n % 16 of every group of 4 columns
@@ -84,6 +89,8 @@ class VocabEmbedding(nn.Module):
         return self._logits(hidden)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.qblocks is not None:
+            return self.qblocks.linear(hidden, None).float()
         if self.qweight is not None:
             return int8_linear(hidden, self.qweight, self.scale, None).float()
         if self.head_int8_packed is not None:
@@ -99,7 +106,7 @@ class VocabEmbedding(nn.Module):
         oneDNN-blocked); the plain weight stays if the lookup needs it (tied embeddings): then the vocab matrix is
         held twice. An int8 table stays as it is, and so does an int8 LM head (only the plain weight is dropped where
         the lookup does not need it)."""
-        if self.qweight is not None:
+        if self.qweight is not None or self.qblocks is not None:
             return
         if self.head_int8_packed is not None:
             if not keep_plain:

@@ -121,6 +121,8 @@ class Linear(nn.Module):
         self.wsum: torch.Tensor | None = None  # int32 [out]: row sums of the int8 weight, for int8 activations (w8a8)
         # LoRA adapters on this layer (llmserve/lora): adds each adapter's x @ A.T @ B.T to its requests' rows
         self.lora: Any = None
+        # A block-quantized weight (GGUF, AWQ, GPTQ) kept at its bit width, replacing the weight: layers/quant_blocks.py
+        self.qblocks: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_forward(x)
@@ -132,6 +134,8 @@ class Linear(nn.Module):
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The layer's own product, without adapters."""
+        if self.qblocks is not None:
+            return self.qblocks.linear(x, self.bias)
         if self.int8_packed is not None or self.bf16 is not None:
             x2 = x.reshape(-1, self.in_features)  # the packed-weight kernels take [M, K]
             if self.wsum is not None:

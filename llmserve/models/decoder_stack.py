@@ -8,9 +8,10 @@ single-request decode went from 88-90 to 143-155 tokens/s in w8a8 and from 61-63
 token of a 36-token prompt from 24-26 to 19 ms in w8a8, 47-49 to 43 in bf16.
 
 It covers the Llama family (Llama, Mistral, Qwen2, Qwen3's per-head q/k norm, InternLM3, Phi-3 with rotary over whole
-heads; not Gemma: `computes`) with: linears in
-kernels/cpu/packed_gemm.cpp's or kernels/cpu/w8a8_linear.cpp's layout (bf16 models on AVX-512 CPUs whose measured
-choice is a packed kernel, and --quantization int8 or w8a8 on AVX-512 CPUs), a cache paged_decode reads, for steps with prefill chunks native prefill attention (AVX-512, head_dim % 16 ==
+heads; not Gemma: `computes`) with: linears in kernels/cpu/packed_gemm.cpp's, kernels/cpu/w8a8_linear.cpp's or
+kernels/cpu/qblock_gemm.cpp's (block-quantized: GGUF, AWQ, GPTQ) layout (bf16 models on AVX-512 CPUs whose measured
+choice is a packed kernel, --quantization int8 or w8a8, and block-quantized checkpoints on AVX-512 CPUs), a cache
+paged_decode reads, for steps with prefill chunks native prefill attention (AVX-512, head_dim % 16 ==
 0), and the native kernels enabled (not LLMSERVE_ATTENTION=torch, not LLMSERVE_FUSED_OPS=0).
 `LLMSERVE_DECODER_STACK=0` turns it off. Anything else keeps the Python layers, which stay the reference.
 """
@@ -39,6 +40,9 @@ def enabled() -> bool:
 def _linear_args(linear: Linear) -> list[Any] | None:
     """(packed weight, outputs, scale, wsum, bias, dot) of a linear the stack runs, or None. A bf16 linear runs in the
     stack where its measured kernel is a packed one (fma, or dot: bf16_gemm's dot argument; kernels/choice.py)."""
+    if linear.qblocks is not None:  # block-quantized (layers/quant_blocks.py), where the native kernel runs
+        native_weight = linear.qblocks.native
+        return None if native_weight is None else [native_weight, linear.out_features, None, None, linear.bias, 0]
     if linear.int8_packed is not None:  # w8a8 (with wsum) or weight-only
         return [linear.int8_packed, linear.out_features, linear.scale, linear.wsum, linear.bias, 0]
     if linear.bf16 is not None and linear.bf16.packed:

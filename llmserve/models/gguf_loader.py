@@ -8,8 +8,11 @@ files, generation_config.json) lives under `$LLMSERVE_CACHE_DIR/gguf/<stem>-<key
 replaced file converts again. It is written to a temporary directory and renamed into place:
 a crash never leaves a half-written cache that a later start would trust.
 
-Quantized tensors are stored dequantized in fp32 (exactly `gguf.quants.dequantize`'s values);
-F16/BF16/F32 tensors keep their dtype.
+Quantized tensors are stored dequantized in fp32 (exactly `gguf.quants.dequantize`'s values), so the directory stays
+a checkpoint transformers and other engines read; F16/BF16/F32 tensors keep their dtype. Quantized matrices are also
+kept as their raw GGUF blocks (uint8 [rows, bytes per row], Q/K rows un-permuted like the others) in
+llmserve_gguf_blocks.data (a safetensors file), listed with their type and width in llmserve_gguf_blocks.json: the
+model loader runs them on their blocks, never touching their fp32 copy, or loads that copy (models/quantized_weights.py).
 """
 
 from __future__ import annotations
@@ -30,11 +33,12 @@ from safetensors.torch import save_file
 
 from llmserve.errors import ModelLoadError
 from llmserve.layers.rotary import RopeConfig, base_inv_freq, llama3_inv_freq
+from llmserve.models.quantized_weights import GGUF_BLOCKS, GGUF_MANIFEST
 from llmserve.models.registry import MODEL_TYPES
 
 log = logging.getLogger(__name__)
 
-_FORMAT_VERSION = 1  # part of the cache key: bump when the conversion changes
+_FORMAT_VERSION = 3  # part of the cache key: bump when the conversion changes (3: raw quantized blocks beside)
 _SHARD_BYTES = 2 << 30  # bounds the memory held while writing; one file for small models
 
 # llama.cpp tensor names -> HF names (suffix .weight / .bias kept).
@@ -113,7 +117,12 @@ def _convert(path: str, out_dir: str, trust_remote_code: bool) -> None:
     except (ValueError, OSError, KeyError, NotImplementedError) as e:
         raise ModelLoadError(f"{path}: transformers cannot read its config/tokenizer ({e})") from None
     _complete_config(cfg, reader, path)
-    _save_weights(_hf_tensors(reader, cfg, path), out_dir)
+    blocks: dict[str, torch.Tensor] = {}
+    manifest: dict[str, dict[str, Any]] = {}
+    _save_weights(_hf_tensors(reader, cfg, path, blocks, manifest), out_dir)
+    save_file(blocks, os.path.join(out_dir, GGUF_BLOCKS), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, GGUF_MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
     cfg.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
@@ -213,7 +222,27 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _hf_tensors(reader: Any, cfg: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_raw_blocks(tensor: Any) -> torch.Tensor | None:
+    """A quantized GGUF matrix's blocks as uint8 [rows, bytes per row] (rows: the HF layout's output rows), or None
+    for a float tensor or one whose type the installed gguf package cannot dequantize (gguf_tensor_to_torch says
+    which)."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize
+
+    if tensor.tensor_type in (Q.F32, Q.F16, Q.BF16) or len(tensor.shape) != 2:
+        return None
+    raw = np.array(tensor.data)  # copy out of the read-only mmap
+    try:
+        dequantize(raw[:1], tensor.tensor_type)
+    except NotImplementedError:
+        return None
+    return torch.from_numpy(raw).reshape(int(tensor.shape[1]), -1)
+
+
+def _hf_tensors(reader: Any, cfg: Any, path: str, blocks: dict[str, torch.Tensor],
+                manifest: dict[str, dict[str, Any]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors (quantized ones dequantized); the quantized matrices' raw blocks also go into `blocks`, each
+    listed in `manifest` (name -> type, columns)."""
     # llama.cpp permutes Q/K only for the llama architecture (Mistral included), as transformers undoes.
     permute = _field(reader, "general.architecture") == "llama"
     for tensor in reader.tensors:
@@ -222,12 +251,20 @@ def _hf_tensors(reader: Any, cfg: Any, path: str) -> Iterator[tuple[str, torch.T
         name = hf_tensor_name(tensor.name)
         if name is None:
             raise ModelLoadError(f"{path}: GGUF tensor {tensor.name!r} has no HF equivalent we know")
-        w = gguf_tensor_to_torch(tensor)
-        if permute and name.endswith("q_proj.weight"):
-            w = unpermute_qk(w, cfg.num_attention_heads)
-        elif permute and name.endswith("k_proj.weight"):
-            w = unpermute_qk(w, cfg.num_key_value_heads)
-        yield name, w.contiguous()
+        raw = gguf_raw_blocks(tensor)
+        if raw is not None:
+            blocks[name] = _unpermute(raw, name, cfg, permute).contiguous()
+            manifest[name] = {"type": tensor.tensor_type.name, "cols": int(tensor.shape[0])}
+        yield name, _unpermute(gguf_tensor_to_torch(tensor), name, cfg, permute).contiguous()
+
+
+def _unpermute(w: torch.Tensor, name: str, cfg: Any, permute: bool) -> torch.Tensor:
+    """Q/K rows back in HF's order (they are whole rows: dequantized or raw blocks alike)."""
+    if permute and name.endswith("q_proj.weight"):
+        return unpermute_qk(w, cfg.num_attention_heads)
+    if permute and name.endswith("k_proj.weight"):
+        return unpermute_qk(w, cfg.num_key_value_heads)
+    return w
 
 
 def _save_weights(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: str) -> None:

@@ -33,6 +33,7 @@ from llmserve.layers.linear import int8_packed_ok
 from llmserve.layers.rotary import model_max_positions
 from llmserve.models import model_config
 from llmserve.models.gguf_loader import gguf_to_hf_dir
+from llmserve.models.quantized_weights import checkpoint_names, load_checkpoint
 from llmserve.models.registry import MODEL_TYPES, get_model_class, is_vision_language
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,9 @@ def load_model(model: str | None, config: EngineConfig) -> LoadedModel:
         if config.load_format == "dummy":
             net.init_dummy_weights(float(getattr(hf_config, "initializer_range", 0.02)))
         else:
-            net.load_weights(iter_safetensors(safetensors_files(loc.model_dir)))
+            files = safetensors_files(loc.model_dir)
+            load_checkpoint(net, loc.model_dir, iter_safetensors(files), checkpoint_names(files), config, dtype,
+                            device)
     except BaseException:
         if tp_workers is not None:
             tp_workers.close()

@@ -111,8 +111,8 @@ def test_second_load_uses_the_cache(tmp_path, cache_dir, monkeypatch) -> None:
     assert cold.gguf_converted is True
     assert os.path.dirname(cold.model_dir) == os.path.join(cache_dir, "gguf")
     assert sorted(os.listdir(cold.model_dir)) == [
-        "chat_template.jinja", "config.json", "generation_config.json", "llmserve_gguf_source.json",
-        "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+        "chat_template.jinja", "config.json", "generation_config.json", "llmserve_gguf_blocks.data", "llmserve_gguf_blocks.json",
+        "llmserve_gguf_source.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 
     def no_conversion(*args):
         raise AssertionError("converted again")

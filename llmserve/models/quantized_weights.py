@@ -1,0 +1,154 @@
+"""Loading checkpoints whose weights come block-quantized: GGUF (the conversion cache keeps the raw blocks, see
+models/gguf_loader.py), AWQ and GPTQ (config.json's quantization_config, see models/awq_gptq.py).
+
+Which layers run on their blocks (layers/quant_blocks.py) and which are dequantized at load:
+- AWQ / GPTQ: every quantized linear runs on its blocks, on any device (the native kernel on AVX-512 CPUs, the torch
+  reference elsewhere). There is nothing else to run: --quantization int8 / w8a8 are refused.
+- GGUF: its Q4_0 / Q4_1 / Q8_0 / Q4_K linears, and the embedding / LM head, run on their blocks by default where the
+  native kernel runs (a CPU with AVX-512): faster and smaller than dequantized weights. The dequantized weights (the
+  cache's fp32 copy, exactly gguf.quants' values, in the model dtype: as before) instead where the user asks --quantization int8 / w8a8 (which
+  quantize those), dtype float32 (the exact reference: the kernel rounds activations to int8), LLMSERVE_GGUF_NATIVE=0,
+  on CUDA (no fast kernel there yet), and for tensors of other types (Q5_K, Q6_K, ...) or a fused layer whose shards
+  differ in bit width (one Q8_0, one Q4_1).
+
+A linear taking blocks gets a placeholder weight on the meta device before load_weights (expect_blocks), so no
+full-precision copy is ever allocated, and its packed BlockWeight after (finish_blocks).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmserve.config import EngineConfig
+from llmserve.errors import ModelLoadError
+from llmserve.kernels import native
+from llmserve.layers.embedding import VocabEmbedding
+from llmserve.layers.linear import Linear
+from llmserve.layers.quant_blocks import BLOCK, BlockTensor, expect_blocks, finish_blocks
+from llmserve.models import awq_gptq, gguf_blocks
+
+log = logging.getLogger(__name__)
+
+# written by gguf_loader beside the dequantized model.safetensors: the raw blocks (a safetensors file named so that
+# no loader takes it for weights) and {hf name: {"type": "Q4_1", "cols": 576}}
+GGUF_BLOCKS = "llmserve_gguf_blocks.data"
+GGUF_MANIFEST = "llmserve_gguf_blocks.json"
+
+
+def load_checkpoint(net: nn.Module, model_dir: str, weights: Iterable[tuple[str, Any]], names: list[str],
+                    config: EngineConfig, dtype: torch.dtype, device: torch.device) -> None:
+    """net.load_weights over `weights` (every checkpoint tensor; `names`: theirs, known before reading), with the
+    quantized ones as blocks or dequantized as the module docstring says."""
+    manifest_path = os.path.join(model_dir, GGUF_MANIFEST)
+    qc = awq_gptq.read_quant_config(_read_json(os.path.join(model_dir, "config.json")), model_dir)
+    if qc is not None:
+        if config.quantization is not None:
+            raise ModelLoadError(f"{model_dir}: the checkpoint is already quantized ({qc.method}, {qc.bits}-bit); "
+                                 f"drop quantization={config.quantization!r}")
+        layers = awq_gptq.quantized_layers(names)
+        weights = awq_gptq.group_tensors(weights, qc, layers)
+        kinds = {f"{p}.weight": (qc.bits, qc.group) for p in layers}
+        native_names = set(kinds)
+    elif os.path.isfile(manifest_path) and os.path.isfile(os.path.join(model_dir, GGUF_BLOCKS)):
+        manifest = _read_json(manifest_path)
+        kinds = {name: _gguf_kind(t["type"]) for name, t in manifest.items() if t["type"] in gguf_blocks.NATIVE_TYPES}
+        native_names = set(kinds) if gguf_native(config, device) else set()
+        weights = _gguf_tensors(weights, manifest, native_names, os.path.join(model_dir, GGUF_BLOCKS))
+    else:
+        return net.load_weights(weights)
+    layers = _block_layers(net, kinds, native_names)
+    if layers:
+        taken = {n for layer in layers.values() for n in _checkpoint_names(net, layer)}
+        weights = _dequantize_rest(weights, taken)
+        for layer in layers.values():
+            expect_blocks(layer)
+    net.load_weights(weights)
+    for layer in layers.values():
+        finish_blocks(layer, device)
+        if isinstance(layer, VocabEmbedding):
+            layer.dtype = dtype  # of its lookups
+    if layers:
+        nbytes = sum(layer.qblocks.nbytes for layer in layers.values())
+        log.info("%d layers run on their quantized blocks (%.1f MB)", len(layers), nbytes / 2**20)
+
+
+def gguf_native(config: EngineConfig, device: torch.device) -> bool:
+    """Whether a GGUF's quantized tensors run on their blocks (see the module docstring) rather than dequantized."""
+    return (config.quantization is None and config.dtype != "float32" and device.type == "cpu"
+            and os.environ.get("LLMSERVE_GGUF_NATIVE", "1") != "0" and native.qblock_usable())
+
+
+def checkpoint_names(files: list[str]) -> list[str]:
+    """The tensor names of safetensors files, from their headers only."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            names.extend(f.keys())
+    return names
+
+
+def _gguf_kind(qtype: str) -> tuple[int, int]:
+    return (8 if qtype == "Q8_0" else 4), BLOCK
+
+
+def _checkpoint_names(net: nn.Module, layer: nn.Module) -> list[str]:
+    prefix = next(n for n, m in net.named_modules() if m is layer)
+    param = f"{prefix}.weight"
+    return [net.checkpoint_name(param, s) for s in layer.weight.shards]
+
+
+def _block_layers(net: nn.Module, kinds: dict[str, tuple[int, int]], native_names: set[str]) -> dict[str, nn.Module]:
+    """The linears / embeddings all of whose shards arrive as blocks of one bit width and group, the kernel's
+    columns (multiples of 32)."""
+    chosen = {}
+    for prefix, m in net.named_modules():
+        if not isinstance(m, (Linear, VocabEmbedding)) or getattr(m, "weight", None) is None:
+            continue
+        names = _checkpoint_names(net, m)
+        if not all(n in native_names for n in names):
+            continue
+        shard_kinds = {kinds[n] for n in names}
+        cols = m.weight.shape[1]
+        bits, group = next(iter(shard_kinds))
+        group = cols if group == -1 else group
+        if len(shard_kinds) == 1 and cols % BLOCK == 0 and group % BLOCK == 0 and cols % group == 0:
+            chosen[prefix] = m
+    return chosen
+
+
+def _gguf_tensors(weights: Iterable[tuple[str, torch.Tensor]], manifest: dict[str, dict[str, Any]],
+                  native_names: set[str], blocks_path: str) -> Iterator[tuple[str, Any]]:
+    """The dequantized checkpoint, with the tensors in native_names replaced by their blocks (BlockTensor); their
+    fp32 copies (mmap-backed views) are never read."""
+    from safetensors import safe_open
+
+    with safe_open(blocks_path, framework="pt", device="cpu") as blocks:
+        for name, t in weights:
+            if name in native_names:
+                info = manifest[name]
+                yield name, gguf_blocks.block_tensor(blocks.get_tensor(name), info["type"], info["cols"])
+            else:
+                yield name, t
+
+
+def _dequantize_rest(weights: Iterable[tuple[str, Any]], taken: set[str]) -> Iterator[tuple[str, Any]]:
+    """Blocks for a layer that does not take them (a fused layer with other shards plain) as fp32."""
+    for name, t in weights:
+        yield name, (t.dequantize() if isinstance(t, BlockTensor) and name not in taken else t)
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: cannot read it ({e})") from None

@@ -1,0 +1,113 @@
+"""GGUF quantized weights run on their blocks (models/quantized_weights.py, layers/quant_blocks.py): each native type
+read exactly as gguf.quants dequantizes it, tiny Q4_0/Q4_1/Q8_0 Llamas through the model against their dequantized
+weights, the embedded SmolLM2 Q4_1 natively (its linears' outputs against the dequantized reference), and the
+fallbacks (dtype float32, quantization int8, LLMSERVE_GGUF_NATIVE=0) dequantizing as before."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from llmserve.config import EngineConfig
+from llmserve.kernels import native
+from llmserve.models import gguf_blocks, load_model
+from llmserve.models.gguf_loader import unpermute_qk
+from tests.tiny_models import PagedRunner, make_hf_model, write_tiny_gguf
+
+Q = gguf.GGMLQuantizationType
+BF16 = EngineConfig(dtype="bfloat16", device="cpu")
+IDS = list(range(3, 30))
+native_only = pytest.mark.skipif(not native.qblock_usable(), reason="needs the native kernels on an AVX-512 CPU")
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(monkeypatch, tmp_path) -> str:
+    path = str(tmp_path / "cache")
+    monkeypatch.setenv("LLMSERVE_CACHE_DIR", path)
+    return path
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_blocks_read_exactly_as_gguf_dequantizes(qtype: str) -> None:
+    a = np.random.default_rng(0).standard_normal((5, 256)).astype(np.float32)
+    raw = gguf.quants.quantize(a, Q[qtype])
+    t = gguf_blocks.block_tensor(torch.from_numpy(raw), qtype, 256)
+    assert torch.equal(t.dequantize(), torch.from_numpy(gguf.quants.dequantize(raw, Q[qtype])))
+
+
+def test_q4_k_blocks_read_exactly_as_gguf_dequantizes() -> None:
+    # gguf cannot quantize Q4_K: random blocks with sane fp16 d / dmin (every 6-bit scale and min pattern occurs)
+    raw = np.random.default_rng(1).integers(0, 256, (6, 2, 144), dtype=np.uint8)
+    raw[..., 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    raw[..., 2:4] = np.frombuffer(np.float16(0.003).tobytes(), np.uint8)
+    raw = raw.reshape(6, 288)
+    t = gguf_blocks.block_tensor(torch.from_numpy(raw), "Q4_K", 512)
+    assert torch.equal(t.dequantize(), torch.from_numpy(gguf.quants.dequantize(raw, Q.Q4_K)))
+
+
+def _linears(model) -> dict[str, torch.nn.Module]:
+    return {n: m for n, m in model.named_modules() if hasattr(m, "qblocks")}
+
+
+@native_only
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_tiny_gguf_runs_on_its_blocks_like_its_dequantized_weights(qtype: str, tmp_path, monkeypatch) -> None:
+    hf = make_hf_model("llama", vocab_size=300, hidden_size=64, intermediate_size=128)
+    path = write_tiny_gguf(hf, tmp_path / f"tiny.{qtype}.gguf", Q[qtype])
+    ours = load_model(path, BF16)
+    linears = _linears(ours.model)
+    assert all(m.qblocks is not None and m.weight is None for m in linears.values())
+    assert ours.model.lm_head.qblocks is not None and ours.model.model.embed_tokens.qblocks is not None
+    monkeypatch.setenv("LLMSERVE_GGUF_NATIVE", "0")
+    ref = load_model(path, BF16)
+    ref_linears = _linears(ref.model)
+    for name, m in linears.items():  # the very values the dequantizing path loads (bf16 holds them as rounded)
+        assert torch.equal(m.qblocks.dequantize()[:m.qblocks.n].bfloat16(), ref_linears[name].weight), name
+    a = PagedRunner(ours.model).step([(0, IDS)])[0]
+    b = PagedRunner(ref.model).step([(0, IDS)])[0]
+    # int8 activations per block of 32 and bf16 rounding: within 6% of the logits' range here (measured 3.0-3.2%)
+    assert (a - b).abs().max().item() <= 0.06 * b.abs().max().item()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.9
+
+
+@native_only
+def test_embedded_q4_1_runs_natively_with_its_own_bytes() -> None:
+    from gguf import GGUFReader
+
+    from llmserve.models.loader import embedded_model_path
+
+    path = embedded_model_path()
+    lm = load_model(None, BF16)
+    layer = lm.model.model.layers[3]
+    reader = GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    # the q rows as llama.cpp stores them (permuted), dequantized by gguf, against our blocks
+    q = tensors["blk.3.attn_q.weight"]
+    assert q.tensor_type == Q.Q4_1
+    expected = unpermute_qk(torch.from_numpy(gguf.quants.dequantize(q.data, Q.Q4_1)), 9)
+    qkv = layer.self_attn.qkv_proj
+    assert qkv.weight is None and qkv.qblocks.bits == 4
+    assert torch.equal(qkv.qblocks.dequantize()[:576], expected)
+    x = torch.randn(3, 576).bfloat16()
+    for lin in (qkv, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        w = lin.qblocks.dequantize()[:lin.out_features]
+        x_in = x if lin.in_features == 576 else torch.randn(3, lin.in_features).bfloat16()
+        want = x_in.double() @ w.double().T
+        got = lin(x_in).double()
+        assert (got - want).abs().max().item() <= 0.02 * want.abs().max().item()
+    head = lm.model.model.embed_tokens.qblocks
+    assert head.bits == 8  # token_embd is Q8_0, tied
+    ids = torch.tensor([0, 1, 49151])
+    emb = torch.from_numpy(gguf.quants.dequantize(tensors["token_embd.weight"].data, Q.Q8_0))[ids]
+    assert torch.equal(lm.model.model.embed_tokens(ids), emb.bfloat16())
+
+
+@pytest.mark.parametrize("config", [EngineConfig(dtype="float32", device="cpu"),
+                                    EngineConfig(dtype="bfloat16", device="cpu", quantization="int8")],
+                         ids=["float32", "int8"])
+def test_fallbacks_dequantize(config: EngineConfig, tmp_path) -> None:
+    hf = make_hf_model("llama", vocab_size=300)
+    lm = load_model(write_tiny_gguf(hf, tmp_path / "tiny.Q4_1.gguf", Q.Q4_1), config)
+    assert all(m.qblocks is None for m in _linears(lm.model).values())
