@@ -165,7 +165,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.backend is not None:  # LMDeploy's flag: taken so its command lines run, said so rather than ignored
         logging.getLogger("llmserve").warning("--backend %s: llmserve has one engine, which serves either way (see "
                                               "docs/compat.md)", args.backend)
-    return serve(args.model, dataclass_from_args(EngineConfig, args), dataclass_from_args(ServerConfig, args),
+    engine_config = dataclass_from_args(EngineConfig, args)
+    from llmserve.distributed.workers import run_worker_node, torchrun_rank
+
+    rank = torchrun_rank()
+    if engine_config.node_rank > 0 or (rank is not None and rank > 0):  # only this node's tensor-parallel ranks
+        logging.basicConfig(level=args.log_level)
+        return run_worker_node(args.model, engine_config)
+    return serve(args.model, engine_config, dataclass_from_args(ServerConfig, args),
                  chat_template_config_from_args(args), log_level=args.log_level)
 
 

@@ -285,6 +285,13 @@ class EngineConfig:
                     "features split over tp processes (torch.distributed: gloo on CPUs, NCCL with one GPU per rank), "
                     "which split the CPU's cores. Llama-family models (Llama, Mistral, Qwen2, Qwen3, InternLM3).",
                  aliases=("--tensor-parallel-size",))
+    nnodes: int = _f(1, "Machines the tp group spans (torchrun's name): each runs `llmserve serve` with the same "
+                        "model and flags and its own --node-rank; tp / nnodes ranks per machine. Node 0 serves HTTP.")
+    node_rank: int = _f(0, "This machine's place among --nnodes (torchrun's name); nodes other than 0 only run "
+                           "their tensor-parallel ranks.")
+    master_addr: str = _f("127.0.0.1", "The address of node 0, where the ranks meet (torchrun's name).")
+    master_port: int | None = _f(None, "The port on node 0 where the ranks meet (torchrun's name). Default: a free "
+                                       "port with one node; with several, it must be given.")
     enforce_eager: bool = _f(False, "CUDA: run every step eagerly instead of replaying CUDA graphs captured at start "
                                     "for decode steps (one per batch size up to max_batch_size).")
     session_len: int | None = _f(None, "Maximum tokens in one sequence (prompt + output). "
@@ -400,6 +407,15 @@ class EngineConfig:
                f"must be >= 1, got {self.max_cpu_loras}")
         _check(not self.adapters or self.max_cpu_loras is None or len(self.adapters) <= self.max_cpu_loras,
                "adapters", f"{len(self.adapters or ())} adapters are more than max_cpu_loras={self.max_cpu_loras}")
+        for name in ("nnodes", "node_rank"):
+            _check_type(getattr(self, name), (int,), name)
+        _check(self.nnodes >= 1, "nnodes", f"must be >= 1, got {self.nnodes}")
+        _check(0 <= self.node_rank < self.nnodes, "node_rank", f"must be in [0, nnodes={self.nnodes}), got "
+               f"{self.node_rank}")
+        _check(self.tp % self.nnodes == 0, "nnodes", f"tp={self.tp} ranks do not split evenly over {self.nnodes} nodes")
+        _check_type(self.master_port, (int,), "master_port", optional=True)
+        _check(self.nnodes == 1 or self.master_port is not None, "master_port",
+               "several nodes must agree on a port: give --master-port (and --master-addr, node 0's address)")
         if self.tp > 1:  # (refused rather than ignored: each would need its own sharding)
             _check(not self.enable_lora, "tp", "LoRA adapters run with tp=1 so far")
             _check(self.speculative_method != "draft_model", "tp", "a draft model runs with tp=1 so far (ngram "

@@ -9,6 +9,11 @@ rank 0 samples.
 Commands travel by torch.distributed's broadcast over the same group as the collectives (gloo on CPUs, NCCL on
 GPUs), started by `torch.multiprocessing` (spawn). On a CPU the ranks split the cores (each rank's torch threads:
 the cores / tp, unless num_threads says otherwise).
+
+Several machines (nnodes > 1): every node runs `llmserve serve` with the same model and flags and its own
+node_rank; node k starts ranks k * tp/nnodes .. (k+1) * tp/nnodes - 1, and all meet at master_addr:master_port.
+Node 0 holds rank 0 and serves HTTP; the others only run their ranks (run_worker_node). Under torchrun (RANK and
+WORLD_SIZE set) each process is one rank already: rank 0 serves, the others run the worker loop in place.
 """
 
 from __future__ import annotations
@@ -60,6 +65,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun_rank() -> int | None:
+    """This process's rank when torchrun (or another launcher setting RANK and WORLD_SIZE > 1) started it."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    return None
+
+
+def node_ranks(config: EngineConfig) -> list[int]:
+    """The ranks this node runs (node 0 includes rank 0, the engine's own)."""
+    per_node = config.tp // config.nnodes
+    return list(range(config.node_rank * per_node, (config.node_rank + 1) * per_node))
+
+
+def _local_rank(rank: int, config: EngineConfig) -> int:
+    """The rank's index on its machine (its GPU's number): torchrun's LOCAL_RANK, or from node_rank."""
+    if torchrun_rank() is not None and "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    return rank - config.node_rank * (config.tp // config.nnodes)
+
+
+def _init_method(config: EngineConfig, port: int | None) -> str:
+    if torchrun_rank() is not None:
+        return "env://"
+    return f"tcp://{config.master_addr}:{port}"
+
+
 def _backend(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
@@ -79,16 +110,22 @@ class TPWorkers:
         if tp_state().size > 1:
             raise ModelLoadError("this process already runs a tensor-parallel engine; one per process")
         self.size = config.tp
-        port = _free_port()
+        if torchrun_rank() is not None and int(os.environ["WORLD_SIZE"]) != self.size:
+            raise ModelLoadError(f"tp={self.size} but the launcher started {os.environ['WORLD_SIZE']} processes "
+                                 "(WORLD_SIZE): they must be equal")
+        port = config.master_port or _free_port()
         backend = _backend(device)
         ctx = mp.get_context("spawn")
+        # this node's other ranks (none under torchrun: it started them)
+        local = [] if torchrun_rank() is not None else [r for r in node_ranks(config) if r != 0]
         self.procs = [ctx.Process(target=_worker_main, name=f"llmserve-tp{rank}", daemon=True,
                                   args=(rank, self.size, port, backend, model, config, device))
-                      for rank in range(1, self.size)]
+                      for rank in local]
+        self.ranks = local
         for p in self.procs:
             p.start()
         try:
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=self.size,
+            dist.init_process_group(backend, init_method=_init_method(config, port), rank=0, world_size=self.size,
                                     timeout=datetime.timedelta(seconds=TIMEOUT_S))
         except Exception as e:
             self._kill()
@@ -156,7 +193,7 @@ class TPWorkers:
         return statuses
 
     def _dead(self) -> str:
-        gone = [f"rank {rank} exited with code {p.exitcode}" for rank, p in enumerate(self.procs, start=1)
+        gone = [f"rank {rank} exited with code {p.exitcode}" for rank, p in zip(self.ranks, self.procs)
                 if not p.is_alive()]
         return ", ".join(gone)
 
@@ -181,7 +218,7 @@ def _worker_main(rank: int, size: int, port: int, backend: str, model: str | Non
     import torch.distributed as dist
 
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s tp{rank} %(levelname)s %(name)s: %(message)s")
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+    dist.init_process_group(backend, init_method=_init_method(config, port), rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
     set_tp_state(TPState(rank, size, dist.group.WORLD))
     runner = None
@@ -197,7 +234,10 @@ def _worker_main(rank: int, size: int, port: int, backend: str, model: str | Non
             runner.copy_blocks(arg)
         elif command == "stop":
             break
-    dist.destroy_process_group()
+    # Stopped cleanly. Leave without running C++ destructors: gloo's threads, torn down at interpreter exit while
+    # rank 0 closes its side, abort the process now and then ("terminate called without an active exception").
+    logging.shutdown()
+    os._exit(0)
 
 
 def _build(rank: int, model: str | None, config: EngineConfig, device: str, num_blocks: int, block_size: int,
@@ -209,7 +249,7 @@ def _build(rank: int, model: str | None, config: EngineConfig, device: str, num_
 
     runner, error = None, None
     try:
-        config = dataclasses.replace(config, device=rank_device(device, rank))
+        config = dataclasses.replace(config, device=rank_device(device, _local_rank(rank, config)))
         loaded = load_model(model, config)
         runner = ModelRunner(loaded, num_blocks, block_size, CpuOptions(threads_per_rank(config), config.kernel_choice),
                              kv_cache_dtype)
@@ -219,3 +259,34 @@ def _build(rank: int, model: str | None, config: EngineConfig, device: str, num_
     dist.all_gather_object(statuses, error)
     torch.set_grad_enabled(False)
     return runner
+
+
+def run_worker_node(model: str | None, config: EngineConfig) -> int:
+    """A node other than 0 (node_rank > 0), or a non-zero rank under torchrun: run this node's ranks until rank 0
+    stops them. Returns the exit code: 0, or 1 when a rank failed."""
+    from llmserve.models.loader import resolve_device
+
+    device = str(resolve_device(config.device))
+    backend = _backend(device)
+    rank = torchrun_rank()
+    if rank is not None:  # torchrun started this process as one rank
+        _worker_main(rank, config.tp, None, backend, model, config, device)
+        return 0
+    if not config.master_port:
+        raise ModelLoadError("node_rank > 0 needs --master-port (and --master-addr): where node 0 listens")
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker_main, name=f"llmserve-tp{r}", args=(r, config.tp, config.master_port,
+                                                                             backend, model, config, device))
+             for r in node_ranks(config)]
+    for p in procs:
+        p.start()
+    logger.warning("node %d of %d: ranks %s joining %s:%d", config.node_rank, config.nnodes, node_ranks(config),
+                   config.master_addr, config.master_port)
+    for p in procs:
+        p.join()
+    failed = [f"rank {r} exited with code {p.exitcode}" for r, p in zip(node_ranks(config), procs) if p.exitcode]
+    if failed:
+        logger.error("node %d: %s", config.node_rank, ", ".join(failed))
+    return 1 if failed else 0

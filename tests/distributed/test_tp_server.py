@@ -103,3 +103,69 @@ def test_a_killed_worker_ends_the_server(servers) -> None:
     r = httpx.post(tp2 + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=60)
     assert r.status_code in (500, 503) and "rank 1" in r.text
     assert proc.wait(30) == 1  # a bound on waiting: the server notices and exits
+
+
+def _start(args: list[str], log_path) -> subprocess.Popen:
+    log = open(log_path, "w")
+    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _wait_healthy(url: str, procs: list[subprocess.Popen], log_path) -> None:
+    deadline = time.monotonic() + 120
+    while True:
+        for p in procs:
+            assert p.poll() is None, f"a process exited with {p.returncode}:\n{open(log_path).read()}"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, open(log_path).read()
+        time.sleep(0.2)
+
+
+def _stop(procs: list[subprocess.Popen]) -> list[int]:
+    procs[0].send_signal(signal.SIGINT)  # node 0: its engine stops the other ranks
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(30))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append(p.wait())
+    return codes
+
+
+def test_two_nodes_on_localhost(servers, tiny_model_dir, tmp_path) -> None:
+    """tp=2 across two `llmserve serve` processes acting as two machines over TCP (--nnodes 2, --node-rank,
+    --master-addr, --master-port): node 0 serves HTTP and answers as tp=1; stopping it stops node 1 cleanly."""
+    tp1 = servers[0]
+    model, master, port = tiny_model_dir("llama"), _free_port(), _free_port()
+    common = [sys.executable, "-m", "llmserve.cli", "serve", model, "--dtype", "float32", "--tp", "2", "--nnodes",
+              "2", "--master-addr", "127.0.0.1", "--master-port", str(master)]
+    node1 = _start(common + ["--node-rank", "1"], tmp_path / "node1.log")
+    node0 = _start(common + ["--node-rank", "0", "--server-name", "127.0.0.1", "--server-port", str(port)],
+                   tmp_path / "node0.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, [node0, node1], tmp_path / "node0.log")
+        assert [_answer(url, p) for p in PROMPTS] == [_answer(tp1, p) for p in PROMPTS]
+    finally:
+        codes = _stop([node0, node1])
+    assert codes == [0, 0], (open(tmp_path / "node0.log").read(), open(tmp_path / "node1.log").read())
+
+
+def test_under_torchrun(servers, tiny_model_dir, tmp_path) -> None:
+    """Started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment): rank 0 serves, rank 1 follows."""
+    tp1 = servers[0]
+    port = _free_port()
+    proc = _start([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                   str(_free_port()), "-m", "llmserve.cli", "serve", tiny_model_dir("llama"), "--dtype", "float32",
+                   "--tp", "2", "--server-name", "127.0.0.1", "--server-port", str(port)], tmp_path / "torchrun.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, [proc], tmp_path / "torchrun.log")
+        assert [_answer(url, p) for p in PROMPTS] == [_answer(tp1, p) for p in PROMPTS]
+    finally:
+        _stop([proc])  # (torchrun itself exits 1 on the SIGINT it forwards: its own convention)
+    assert "engine stopped" in open(tmp_path / "torchrun.log").read()
