@@ -52,6 +52,8 @@ def load_checkpoint(net: nn.Module, model_dir: str, weights: Iterable[tuple[str,
         if config.quantization is not None:
             raise ModelLoadError(f"{model_dir}: the checkpoint is already quantized ({qc.method}, {qc.bits}-bit); "
                                  f"drop quantization={config.quantization!r}")
+        if config.tp > 1:  # (their blocks are not sliced by rank)
+            raise ModelLoadError(f"{model_dir}: {qc.method} checkpoints run with tp=1 so far")
         layers = awq_gptq.quantized_layers(names)
         weights = awq_gptq.group_tensors(weights, qc, layers)
         kinds = {f"{p}.weight": (qc.bits, qc.group) for p in layers}
@@ -81,7 +83,7 @@ def load_checkpoint(net: nn.Module, model_dir: str, weights: Iterable[tuple[str,
 
 def gguf_native(config: EngineConfig, device: torch.device) -> bool:
     """Whether a GGUF's quantized tensors run on their blocks (see the module docstring) rather than dequantized."""
-    return (config.quantization is None and config.dtype != "float32" and device.type == "cpu"
+    return (config.quantization is None and config.dtype != "float32" and device.type == "cpu" and config.tp == 1
             and os.environ.get("LLMSERVE_GGUF_NATIVE", "1") != "0" and native.qblock_usable())
 
 
