@@ -40,14 +40,16 @@ logger = logging.getLogger(__name__)
 # naming the ranks, instead of hanging the engine.
 TIMEOUT_S = float(os.environ.get("LLMSERVE_TP_TIMEOUT", "120"))
 
-# The model classes whose layers shard (models/llama.py's attention and MLP): the rest run with tp = 1 for now.
+# The model classes whose layers shard (models/llama.py's and gemma2.py's attention and MLP, layers/moe.py's experts):
+# vision-language models run with tp = 1 for now.
 TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                    "InternLM3ForCausalLM")
+                    "InternLM3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                    "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def check_tp_supported(config: EngineConfig, architecture: str) -> None:
     if architecture not in TP_ARCHITECTURES:
-        raise ModelLoadError(f"tp={config.tp}: tensor parallelism runs the Llama family ({', '.join(TP_ARCHITECTURES)})"
+        raise ModelLoadError(f"tp={config.tp}: tensor parallelism runs the text models ({', '.join(TP_ARCHITECTURES)})"
                              f" so far; {architecture} runs with tp=1")
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve.distributed.state import all_reduce_, shard, tp_state
 from llmserve.layers.activation import SiluAndMul
 from llmserve.layers.linear import ShapeMismatch, default_weight_loader
 
@@ -69,6 +70,18 @@ def expert_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard: str |
     if shard not in param.shards:
         raise ShapeMismatch(f"unknown shard {shard!r} of a parameter of {param.shape[0]} experts")
     expert, start, end = param.shards[shard]
+    rows = getattr(param, "tp_expert_rows", None)  # tensor parallelism: this rank's share of each expert's features
+    if rows is not None and not shard.startswith("down"):
+        first, full = rows
+        if loaded.shape[0] != full:
+            raise ShapeMismatch(f"expected {full} rows for expert shard {shard}, got {tuple(loaded.shape)}")
+        loaded = loaded.narrow(0, first, end - start)
+    cols = getattr(param, "tp_cols", None)
+    if cols is not None:
+        first, count, full = cols
+        if loaded.shape[-1] != full:
+            raise ShapeMismatch(f"expected {full} columns for expert shard {shard}, got {tuple(loaded.shape)}")
+        loaded = loaded.narrow(-1, first, count)
     target = param.data[expert, start:end]
     if tuple(loaded.shape) != tuple(target.shape):
         raise ShapeMismatch(f"expected shape {tuple(target.shape)} for expert shard {shard}, got {tuple(loaded.shape)}")
@@ -93,13 +106,20 @@ class StackedExperts(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        i = intermediate_size
+        i = full = intermediate_size
+        self.reduce = tp_state().size > 1  # tensor parallelism: every expert's features split, the output summed
+        if self.reduce:
+            start, i = shard(full, "expert intermediate size")
         self.gate_up_proj = _stacked(num_experts, {"gate": i, "up": i}, hidden_size)  # [E, 2I, H]
         self.down_proj = _stacked(num_experts, {"down": hidden_size}, i)  # [E, H, I]
+        if self.reduce:
+            self.gate_up_proj.tp_expert_rows = (start, full)
+            self.down_proj.tp_cols = (start, i, full)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        return grouped_experts(x, routing, self.gate_up_proj, self.down_proj, self.act)
+        y = grouped_experts(x, routing, self.gate_up_proj, self.down_proj, self.act)
+        return all_reduce_(y) if self.reduce else y
 
 
 class TopKRouter(nn.Module):

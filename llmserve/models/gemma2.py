@@ -19,13 +19,15 @@ import torch
 from torch import nn
 
 from llmserve.attention import Attention, AttentionMetadata
+from llmserve.distributed.state import shard as tp_share
+from llmserve.distributed.state import tp_state
 from llmserve.errors import ModelLoadError
 from llmserve.layers.activation import GeluAndMul
 from llmserve.layers.embedding import VocabEmbedding
 from llmserve.layers.linear import Linear, MergedLinear
 from llmserve.layers.norm import GemmaRMSNorm
 from llmserve.layers.rotary import RotaryEmbedding, rope_config, rotate_
-from llmserve.models.llama import DecoderSpec, LlamaForCausalLM, head_dim_of, layer_sliding_windows
+from llmserve.models.llama import DecoderSpec, LlamaForCausalLM, head_dim_of, layer_sliding_windows, tp_heads
 
 _GELU = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # HF's ACT2FN names -> F.gelu's approximate
 
@@ -35,11 +37,16 @@ class GemmaAttention(nn.Module):
 
     def __init__(self, cfg: Any, spec: DecoderSpec, layer: int) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = d = head_dim_of(cfg)
+        h, kvh = cfg.num_attention_heads, cfg.num_key_value_heads
+        q0, self.num_heads, k0, self.num_kv_heads = tp_heads(h, kvh)  # this rank's (all of them with tp = 1)
+        tp_rows = None
+        if tp_state().size > 1:  # the checkpoint's q/k/v rows of this rank's heads (models/llama.py)
+            tp_rows = {"q": (q0 * d, h * d), "k": (k0 * d, kvh * d), "v": (k0 * d, kvh * d)}
         self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": self.num_heads * d, "k": self.num_kv_heads * d,
-                                                       "v": self.num_kv_heads * d}, bias=spec.qkv_bias)
-        self.o_proj = Linear(self.num_heads * d, cfg.hidden_size, bias=spec.o_bias)
+                                                       "v": self.num_kv_heads * d}, bias=spec.qkv_bias,
+                                     tp_rows=tp_rows)
+        self.o_proj = Linear(h * d, cfg.hidden_size, bias=spec.o_bias, tp="row")
         self.q_norm = GemmaRMSNorm(d, cfg.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = GemmaRMSNorm(d, cfg.rms_norm_eps) if spec.qk_norm else None
         softcap = getattr(cfg, "attn_logit_softcapping", None) if self.caps_scores else None
@@ -64,9 +71,13 @@ class GemmaMLP(nn.Module):
         if act not in _GELU:
             raise ModelLoadError(f"config.json hidden_activation={act!r} is not supported (only {', '.join(_GELU)})")
         i = cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": i, "up": i}, bias=False)
+        tp_rows, share = None, i
+        if tp_state().size > 1:  # this rank's share of the intermediate features
+            start, share = tp_share(i, "intermediate_size")
+            tp_rows = {"gate": (start, i), "up": (start, i)}
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": share, "up": share}, bias=False, tp_rows=tp_rows)
         self.act = GeluAndMul(_GELU[act])
-        self.down_proj = Linear(i, cfg.hidden_size, bias=False)
+        self.down_proj = Linear(i, cfg.hidden_size, bias=False, tp="row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))  # [T, E] -> [T, 2I] -> [T, I] -> [T, E]

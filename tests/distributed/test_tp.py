@@ -34,10 +34,12 @@ def run(model_dir: str, gen: GenerationConfig, **config) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen2", "qwen3", "mistral", "internlm3"])
+@pytest.mark.parametrize("arch", ["llama", "llama-tied", "llama3-rope", "qwen2", "qwen3", "mistral", "internlm3",
+                                  "phi3", "gemma2", "gemma3", "mixtral", "qwen2-moe", "qwen3-moe"])
 def test_tp2_equals_tp1(arch, tiny_model_dir) -> None:
-    """Every family that shards: heads split (Qwen3's 2 KV heads one per rank), biases (Qwen2, Qwen3), q/k norms,
-    sliding windows, a tied and vocabulary-parallel LM head."""
+    """Every text architecture: heads split (2 KV heads, one per rank), biases (Qwen2, Qwen3, InternLM3), q/k norms,
+    sliding windows, soft-capping (Gemma 2), longrope and partial rotary (Phi-3), experts split by their features
+    with the router replicated (Mixtral, Qwen MoE, a shared expert), a tied and vocabulary-parallel LM head."""
     d = tiny_model_dir(arch)
     assert run(d, GREEDY, tp=2) == run(d, GREEDY)
 
@@ -68,9 +70,9 @@ def test_kv_heads_fewer_than_ranks_are_replicated(tiny_model_dir, tmp_path) -> N
     assert run(d, GREEDY, tp=2) == run(d, GREEDY)
 
 
-def test_refusals(tiny_model_dir) -> None:
-    with pytest.raises(ModelLoadError, match="tensor parallelism runs the Llama family"):
-        pipeline(tiny_model_dir("gemma2"), backend_config=EngineConfig(dtype="float32", tp=2))
+def test_refusals(tiny_model_dir, tiny_vlm_dir) -> None:
+    with pytest.raises(ModelLoadError, match="tensor parallelism runs the text models"):
+        pipeline(tiny_vlm_dir("llava"), backend_config=EngineConfig(dtype="float32", tp=2))
     with pytest.raises(InvalidRequestError, match="LoRA adapters run with tp=1"):
         EngineConfig(tp=2, enable_lora=True)
     with pytest.raises(ModelLoadError, match="do not split evenly"):
