@@ -38,7 +38,8 @@ logger = logging.getLogger(__name__)
 
 # How long a collective waits for a rank that does not answer (a hung or dead worker) before it fails with an error
 # naming the ranks, instead of hanging the engine.
-TIMEOUT_S = float(os.environ.get("LLMSERVE_TP_TIMEOUT", "120"))
+def timeout_s() -> float:
+    return float(os.environ.get("LLMSERVE_TP_TIMEOUT", "120"))
 
 # The model classes whose layers shard (models/llama.py's and gemma2.py's attention and MLP, layers/moe.py's experts):
 # vision-language models run with tp = 1 for now.
@@ -128,7 +129,7 @@ class TPWorkers:
             p.start()
         try:
             dist.init_process_group(backend, init_method=_init_method(config, port), rank=0, world_size=self.size,
-                                    timeout=datetime.timedelta(seconds=TIMEOUT_S))
+                                    timeout=datetime.timedelta(seconds=timeout_s()))
         except Exception as e:
             self._kill()
             raise ModelLoadError(f"tp={self.size}: the worker ranks did not join: {self._dead() or e}") from None
@@ -150,7 +151,7 @@ class TPWorkers:
 
     def failed(self, error: BaseException) -> EngineDeadError:
         """What a failure inside a tensor-parallel forward means: the ranks are out of step, so the engine stops."""
-        cause = self._dead() or f"a rank did not answer within {TIMEOUT_S:.0f} s (LLMSERVE_TP_TIMEOUT), or failed"
+        cause = self._dead() or f"a rank did not answer within {timeout_s():.0f} s (LLMSERVE_TP_TIMEOUT), or failed"
         return EngineDeadError(f"tensor parallelism: {cause}: {type(error).__name__}: {error}")
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -185,7 +186,8 @@ class TPWorkers:
         try:
             dist.broadcast_object_list([command], src=0)
         except Exception as e:
-            raise EngineDeadError(f"tensor parallelism: {self._dead() or 'a rank did not answer'} ({e})") from None
+            cause = self._dead() or f"a rank did not answer within {timeout_s():.0f} s (LLMSERVE_TP_TIMEOUT)"
+            raise EngineDeadError(f"tensor parallelism: {cause} ({e})") from None
 
     def _gather_status(self) -> list[str | None]:
         import torch.distributed as dist
@@ -221,7 +223,7 @@ def _worker_main(rank: int, size: int, port: int, backend: str, model: str | Non
 
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s tp{rank} %(levelname)s %(name)s: %(message)s")
     dist.init_process_group(backend, init_method=_init_method(config, port), rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+                            timeout=datetime.timedelta(seconds=timeout_s()))
     set_tp_state(TPState(rank, size, dist.group.WORLD))
     runner = None
     while True:

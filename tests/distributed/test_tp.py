@@ -103,3 +103,21 @@ def test_quantized_weights_shard(quantization, tiny_model_dir) -> None:
         out = pipe(prompts(), GREEDY, do_preprocess=False)
         assert all(len(r.token_ids) == NEW_TOKENS for r in out)
         assert pipe.engine.kv.num_free_blocks == pipe.engine.kv.num_blocks
+
+
+def test_a_hung_worker_is_a_clear_error_after_the_timeout(tiny_model_dir, monkeypatch) -> None:
+    """A rank that stops answering (SIGSTOP): the step fails once LLMSERVE_TP_TIMEOUT passes, never a silent hang."""
+    import os
+    import signal
+
+    monkeypatch.setenv("LLMSERVE_TP_TIMEOUT", "5")
+    with pipeline(tiny_model_dir("llama"), backend_config=EngineConfig(dtype="float32", tp=2)) as pipe:
+        worker = pipe.engine.loaded.tp_workers.procs[0]
+        os.kill(worker.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(RuntimeError, match="did not answer within 5 s"):
+                pipe(prompts(), GREEDY, do_preprocess=False)
+            assert time.monotonic() - start < 60  # a bound on waiting, not a timing check
+        finally:
+            os.kill(worker.pid, signal.SIGCONT)
