@@ -31,12 +31,15 @@ def tp_slice(param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> to
     all-reduce would add it size times). The whole tensor where the parameter has none of these (tp = 1)."""
     rows = getattr(param, "tp_rows", None)
     if rows is not None and shard in rows:
-        start, full = rows[shard]
+        start, full = rows[shard]  # start: the first row, or a list of the rows (gathered)
         if loaded.shape[0] != full:
             raise ShapeMismatch(f"expected {full} rows{'' if shard is None else f' for shard {shard}'}, got "
                                 f"{tuple(loaded.shape)}")
         lo, hi = param.shards[shard]
-        loaded = loaded.narrow(0, start, hi - lo)
+        if isinstance(start, list):
+            loaded = loaded[torch.tensor(start)]
+        else:
+            loaded = loaded.narrow(0, start, hi - lo)
     cols = getattr(param, "tp_cols", None)
     if cols is not None:
         start, count, full = cols
@@ -82,17 +85,19 @@ class Linear(nn.Module):
     share of the output features (out_features is then the share), "row" its share of the input features and sums
     the ranks' partial products with one all-reduce (in_features is the share; the bias is added once)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: str | None = None) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: str | None = None,
+                 tp_share: tuple[int, int] | None = None) -> None:
+        """tp_share: (start, count) of this rank's features where they are not an even split (a rank's heads)."""
         super().__init__()
         state = tp_state()
         self.reduce = False  # a row-parallel layer's output is summed over the group
         col_share = row_share = None
         if tp is not None and state.size > 1:
             if tp == "column":
-                col_share = (*shard(out_features, "output features"), out_features)
+                col_share = (*(tp_share or shard(out_features, "output features")), out_features)
                 out_features = col_share[1]
             elif tp == "row":
-                row_share = (*shard(in_features, "input features"), in_features)
+                row_share = (*(tp_share or shard(in_features, "input features")), in_features)
                 in_features = row_share[1]
                 self.reduce = True
             else:

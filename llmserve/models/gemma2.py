@@ -27,7 +27,14 @@ from llmserve.layers.embedding import VocabEmbedding
 from llmserve.layers.linear import Linear, MergedLinear
 from llmserve.layers.norm import GemmaRMSNorm
 from llmserve.layers.rotary import RotaryEmbedding, rope_config, rotate_
-from llmserve.models.llama import DecoderSpec, LlamaForCausalLM, head_dim_of, layer_sliding_windows, tp_heads
+from llmserve.models.llama import (
+    DecoderSpec,
+    LlamaForCausalLM,
+    head_dim_of,
+    layer_sliding_windows,
+    tp_heads,
+    tp_qkv_rows,
+)
 
 _GELU = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # HF's ACT2FN names -> F.gelu's approximate
 
@@ -39,14 +46,13 @@ class GemmaAttention(nn.Module):
         super().__init__()
         self.head_dim = d = head_dim_of(cfg)
         h, kvh = cfg.num_attention_heads, cfg.num_key_value_heads
-        q0, self.num_heads, k0, self.num_kv_heads = tp_heads(h, kvh)  # this rank's (all of them with tp = 1)
-        tp_rows = None
-        if tp_state().size > 1:  # the checkpoint's q/k/v rows of this rank's heads (models/llama.py)
-            tp_rows = {"q": (q0 * d, h * d), "k": (k0 * d, kvh * d), "v": (k0 * d, kvh * d)}
+        q0, self.num_heads, kv_heads = tp_heads(h, kvh)  # this rank's (all of them with tp = 1)
+        self.num_kv_heads = len(kv_heads)
+        tp_rows = tp_qkv_rows(q0, self.num_heads, kv_heads, h, kvh, d)  # the checkpoint's rows of this rank's heads
         self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": self.num_heads * d, "k": self.num_kv_heads * d,
                                                        "v": self.num_kv_heads * d}, bias=spec.qkv_bias,
                                      tp_rows=tp_rows)
-        self.o_proj = Linear(h * d, cfg.hidden_size, bias=spec.o_bias, tp="row")
+        self.o_proj = Linear(h * d, cfg.hidden_size, bias=spec.o_bias, tp="row", tp_share=(q0 * d, self.num_heads * d))
         self.q_norm = GemmaRMSNorm(d, cfg.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = GemmaRMSNorm(d, cfg.rms_norm_eps) if spec.qk_norm else None
         softcap = getattr(cfg, "attn_logit_softcapping", None) if self.caps_scores else None

@@ -83,23 +83,39 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def tp_heads(num_heads: int, num_kv_heads: int) -> tuple[int, int, int, int]:
-    """(first query head, query heads, first KV head, KV heads) of this tensor-parallel rank: query heads split
-    evenly; KV heads split too, or, where there are fewer than ranks, each rank keeps the one its query heads read
-    (replicated)."""
+def tp_heads(num_heads: int, num_kv_heads: int) -> tuple[int, int, list[int]]:
+    """(first query head, query heads, the KV heads it keeps) of this tensor-parallel rank.
+
+    The query heads are split into contiguous ranges, as evenly as they go (9 heads over 2 ranks: 5 and 4). A rank
+    keeps the KV heads its query heads read: a share of them when the split follows the KV groups, the one they
+    share when there are fewer KV heads than ranks (replicated). Where a rank's heads cover KV groups unevenly
+    (SmolLM2's 9 heads in 3 groups over 2 ranks), it keeps one KV row per query head, in order (attention then runs
+    as multi-head on that rank: the same values, a larger cache)."""
     state = tp_state()
     if state.size == 1:
-        return 0, num_heads, 0, num_kv_heads
-    if num_heads % state.size:
-        raise ModelLoadError(f"tp={state.size}: the model's {num_heads} attention heads do not split evenly")
-    heads = num_heads // state.size
-    if num_kv_heads % state.size == 0:
-        kv = num_kv_heads // state.size
-        return state.rank * heads, heads, state.rank * kv, kv
-    if state.size % num_kv_heads:
-        raise ModelLoadError(f"tp={state.size}: the model's {num_kv_heads} KV heads neither split evenly over the "
-                             "ranks nor divide them")
-    return state.rank * heads, heads, state.rank * heads // (num_heads // num_kv_heads), 1
+        return 0, num_heads, list(range(num_kv_heads))
+    if num_heads < state.size:
+        raise ModelLoadError(f"tp={state.size}: the model has only {num_heads} attention heads")
+    base, extra = divmod(num_heads, state.size)
+    count = base + (state.rank < extra)
+    first = state.rank * base + min(state.rank, extra)
+    group = num_heads // num_kv_heads
+    reads = [h // group for h in range(first, first + count)]  # each local query head's KV head
+    kept = sorted(set(reads))
+    if count % len(kept) == 0 and all(reads.count(k) == count // len(kept) for k in kept):
+        return first, count, kept  # grouped as in the model: local head i reads kept[i // (count / len(kept))]
+    return first, count, reads
+
+
+def tp_qkv_rows(q0: int, num_heads: int, kv_heads: list[int], h: int, kvh: int, d: int) -> dict | None:
+    """The checkpoint's q/k/v rows of a rank's heads (MergedLinear's tp_rows); None with tp = 1."""
+    if tp_state().size == 1:
+        return None
+    if kv_heads == list(range(kv_heads[0], kv_heads[0] + len(kv_heads))):
+        kv = (kv_heads[0] * d, kvh * d)
+    else:  # rows gathered head by head
+        kv = ([k * d + i for k in kv_heads for i in range(d)], kvh * d)
+    return {"q": (q0 * d, h * d), "k": kv, "v": kv}
 
 
 class LlamaAttention(nn.Module):
@@ -107,15 +123,14 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.head_dim = d = head_dim_of(cfg)
         h, kvh = cfg.num_attention_heads, cfg.num_key_value_heads
-        q0, self.num_heads, k0, self.num_kv_heads = tp_heads(h, kvh)  # this rank's (all of them with tp = 1)
+        q0, self.num_heads, kv_heads = tp_heads(h, kvh)  # this rank's (all of them with tp = 1)
+        self.num_kv_heads = len(kv_heads)
         self.rotary_dim = rotary_dim_of(cfg)
-        tp_rows = None
-        if tp_state().size > 1:  # the checkpoint's q/k/v rows of this rank's heads
-            tp_rows = {"q": (q0 * d, h * d), "k": (k0 * d, kvh * d), "v": (k0 * d, kvh * d)}
+        tp_rows = tp_qkv_rows(q0, self.num_heads, kv_heads, h, kvh, d)
         self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": self.num_heads * d, "k": self.num_kv_heads * d,
                                                        "v": self.num_kv_heads * d}, bias=spec.qkv_bias,
                                      tp_rows=tp_rows)
-        self.o_proj = Linear(h * d, cfg.hidden_size, bias=spec.o_bias, tp="row")
+        self.o_proj = Linear(h * d, cfg.hidden_size, bias=spec.o_bias, tp="row", tp_share=(q0 * d, self.num_heads * d))
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if spec.qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, d**-0.5, spec.sliding_windows[layer])

@@ -121,3 +121,24 @@ def test_a_hung_worker_is_a_clear_error_after_the_timeout(tiny_model_dir, monkey
             assert time.monotonic() - start < 60  # a bound on waiting, not a timing check
         finally:
             os.kill(worker.pid, signal.SIGCONT)
+
+
+def test_heads_that_do_not_split_evenly(tmp_path) -> None:
+    """9 heads in 3 KV groups over 2 ranks (SmolLM2's layout): 5 and 4 query heads, each rank keeping one KV row per
+    query head where its heads cover the groups unevenly."""
+    from tests.tiny_models import make_tiny_model
+
+    d = make_tiny_model("llama", tmp_path / "nine", hidden_size=72, num_attention_heads=9, num_key_value_heads=3,
+                        head_dim=8)
+    assert run(d, GREEDY, tp=2) == run(d, GREEDY)
+
+
+def test_the_embedded_model_with_tp2() -> None:
+    """SmolLM2-135M (9 heads, 3 KV heads) as the issue asks: fp32 greedy, tp=2 as tp=1."""
+    gen = GenerationConfig(temperature=0.0, max_new_tokens=24)
+    texts = ["What is the capital of France?", "Write a haiku about the sea."]
+    out = {}
+    for tp in (1, 2):
+        with pipeline(backend_config=EngineConfig(dtype="float32", tp=tp)) as pipe:
+            out[tp] = [r.text for r in pipe(texts, gen)]
+    assert out[2] == out[1]
