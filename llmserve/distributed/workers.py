@@ -42,16 +42,21 @@ def timeout_s() -> float:
     return float(os.environ.get("LLMSERVE_TP_TIMEOUT", "120"))
 
 # The model classes whose layers shard (models/llama.py's and gemma2.py's attention and MLP, layers/moe.py's experts):
-# vision-language models run with tp = 1 for now.
+# every architecture llmserve runs.
 TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                     "InternLM3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-                    "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+                    "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                    # vision-language models: the language model shards, the vision tower runs whole on every rank
+                    "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                    "InternVLForConditionalGeneration", "Idefics3ForConditionalGeneration",
+                    "SmolVLMForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+                    "Qwen2_5_VLForConditionalGeneration")
 
 
 def check_tp_supported(config: EngineConfig, architecture: str) -> None:
     if architecture not in TP_ARCHITECTURES:
-        raise ModelLoadError(f"tp={config.tp}: tensor parallelism runs the text models ({', '.join(TP_ARCHITECTURES)})"
-                             f" so far; {architecture} runs with tp=1")
+        raise ModelLoadError(f"tp={config.tp}: tensor parallelism runs {', '.join(TP_ARCHITECTURES)}; "
+                             f"{architecture} runs with tp=1")
 
 
 def threads_per_rank(config: EngineConfig) -> int:

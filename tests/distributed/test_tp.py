@@ -70,9 +70,7 @@ def test_kv_heads_fewer_than_ranks_are_replicated(tiny_model_dir, tmp_path) -> N
     assert run(d, GREEDY, tp=2) == run(d, GREEDY)
 
 
-def test_refusals(tiny_model_dir, tiny_vlm_dir) -> None:
-    with pytest.raises(ModelLoadError, match="tensor parallelism runs the text models"):
-        pipeline(tiny_vlm_dir("llava"), backend_config=EngineConfig(dtype="float32", tp=2))
+def test_refusals(tiny_model_dir) -> None:
     with pytest.raises(InvalidRequestError, match="LoRA adapters run with tp=1"):
         EngineConfig(tp=2, enable_lora=True)
     with pytest.raises(ModelLoadError, match="do not split evenly"):
@@ -141,4 +139,22 @@ def test_the_embedded_model_with_tp2() -> None:
     for tp in (1, 2):
         with pipeline(backend_config=EngineConfig(dtype="float32", tp=tp)) as pipe:
             out[tp] = [r.text for r in pipe(texts, gen)]
+    assert out[2] == out[1]
+
+
+VL_ARCHS = ["llava", "llava_next", "internvl", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl"]
+
+
+@pytest.mark.parametrize("arch", VL_ARCHS)
+def test_vision_language_models_with_tp2(arch, tiny_vlm_dir) -> None:
+    """The language model shards; the vision tower runs whole on every rank (each encodes the step's images, which
+    travel with the step). An image prompt and a text prompt, greedy, as tp=1; M-RoPE included (Qwen2-VL)."""
+    from tests.tiny_vlms import test_image
+
+    gen = GenerationConfig(temperature=0.0, max_new_tokens=10, min_new_tokens=10)
+    batch = [("What is the capital of France?", test_image(0, (40, 50))), "Hello world"]
+    out = {}
+    for tp in (1, 2):
+        with pipeline(tiny_vlm_dir(arch), backend_config=EngineConfig(dtype="float32", tp=tp)) as pipe:
+            out[tp] = [r.token_ids for r in pipe(batch, gen)]
     assert out[2] == out[1]
