@@ -98,6 +98,9 @@ class Pipeline:
         self.processor = loaded.processor  # vision-language models: llmserve.vl.processor.VLProcessor
         self.image_limits = ImageLimits(max_pixels=config.max_image_pixels)  # paths allowed: the user's own files
         self.default_gen_config = default_generation_config(loaded)
+        if config.dp > 1:
+            raise InvalidRequestError("dp: data-parallel replicas are a server option (llmserve serve --dp N); a "
+                                      "pipeline runs one engine", param="dp")
         self.engine: LLMEngine | None = LLMEngine(loaded, config)
         self._ids = itertools.count()
 

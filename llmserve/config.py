@@ -285,6 +285,10 @@ class EngineConfig:
                     "features split over tp processes (torch.distributed: gloo on CPUs, NCCL with one GPU per rank), "
                     "which split the CPU's cores. Llama-family models (Llama, Mistral, Qwen2, Qwen3, InternLM3).",
                  aliases=("--tensor-parallel-size",))
+    dp: int = _f(1, "Data-parallel replicas behind one server (vLLM's --data-parallel-size): `llmserve serve` runs "
+                    "this many engines, each a whole copy of the model with its own KV cache (and its own tp group), "
+                    "and sends each request to the one with the fewest outstanding tokens (a session stays on its "
+                    "replica).", aliases=("--data-parallel-size",))
     nnodes: int = _f(1, "Machines the tp group spans (torchrun's name): each runs `llmserve serve` with the same "
                         "model and flags and its own --node-rank; tp / nnodes ranks per machine. Node 0 serves HTTP.")
     node_rank: int = _f(0, "This machine's place among --nnodes (torchrun's name); nodes other than 0 only run "
@@ -407,6 +411,10 @@ class EngineConfig:
                f"must be >= 1, got {self.max_cpu_loras}")
         _check(not self.adapters or self.max_cpu_loras is None or len(self.adapters) <= self.max_cpu_loras,
                "adapters", f"{len(self.adapters or ())} adapters are more than max_cpu_loras={self.max_cpu_loras}")
+        _check_type(self.dp, (int,), "dp")
+        _check(self.dp >= 1, "dp", f"must be >= 1, got {self.dp}")
+        _check(self.dp == 1 or not self.enable_lora, "dp", "LoRA adapters run with dp=1 so far (run-time loading "
+               "would reach one replica)")
         for name in ("nnodes", "node_rank"):
             _check_type(getattr(self, name), (int,), name)
         _check(self.nnodes >= 1, "nnodes", f"must be >= 1, got {self.nnodes}")

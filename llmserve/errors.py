@@ -19,6 +19,9 @@ class InvalidRequestError(LLMServeError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self) -> tuple:  # pickled whole (param included): a data-parallel replica sends it back
+        return type(self), (str(self), self.param)
+
 
 class PromptTooLongError(InvalidRequestError):
     """The prompt (plus the requested output) does not fit the context or the KV pool."""

@@ -74,6 +74,11 @@ def _add_service_routes(app: FastAPI, state: ServerState) -> None:
             return error_response("/health", 503, "the engine thread has stopped")
         if state.draining:  # tell load balancers to stop sending traffic here
             return error_response("/health", 503, "the server is shutting down")
+        replicas = getattr(state.engine, "replica_health", None)
+        health = replicas() if replicas is not None else []
+        if any(h != "ok" for h in health):
+            # --dp: serving, with fewer replicas (a dead one is being started again)
+            return JSONResponse({"status": "degraded", "replicas": health})
         return Response(status_code=200)
 
     @app.get("/metrics", response_class=PlainTextResponse)

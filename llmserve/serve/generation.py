@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from llmserve.config import GenerationConfig
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.output import SequenceOutput
-from llmserve.errors import InvalidRequestError
+from llmserve.errors import EngineDeadError, InvalidRequestError
 from llmserve.serve.errors import ApiError
 from llmserve.serve.state import ServerState
 from llmserve.vl.inputs import MultiModalInputs
@@ -99,7 +99,8 @@ async def _tracked(state: ServerState, engine: AsyncEngine, req: EngineRequest) 
         raise ApiError.from_invalid(e, req.param_names) from None
     except RuntimeError as e:  # the engine is stopping, or a step failed
         open_seqs.clear()
-        status = 500 if engine.is_alive and not state.draining else 503
+        # 503 where the request can be retried: a replica died (the others serve), or the engine is stopping
+        status = 503 if isinstance(e, EngineDeadError) or not engine.is_alive or state.draining else 500
         error = str(e)
         raise ApiError(status, error) from None
     except Exception as e:

@@ -31,7 +31,8 @@ disable_created_metrics()
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], EngineStats | None] = lambda: None) -> None:
+    def __init__(self, stats: Callable[[], EngineStats | None] = lambda: None,
+                 replicas: Callable[[], list[tuple[EngineStats, bool, int, int]] | None] = lambda: None) -> None:
         self.registry = CollectorRegistry()
         r: CollectorRegistry = self.registry
         self.request_success = Counter("llmserve:request_success", "Sequences finished, by finish reason "
@@ -54,6 +55,7 @@ class ServerMetrics:
         self.request_generation_tokens = Histogram("llmserve:request_generation_tokens", "Output length of "
                                                    "finished sequences.", buckets=_TOKEN_BUCKETS, registry=r)
         r.register(_EngineGauges(stats))
+        r.register(_ReplicaGauges(replicas))
         for reason in FINISH_REASONS:  # present (at 0) from the start, so rates work from the first scrape
             self.request_success.labels(reason)
 
@@ -89,6 +91,45 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _ReplicaGauges(Collector):
+    """--dp: each replica's figures, labelled by its index (the unlabelled gauges are their sums)."""
+
+    def __init__(self, replicas: Callable[[], list[tuple[EngineStats, bool, int, int]] | None]) -> None:
+        self._replicas = replicas
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        figures = self._replicas()
+        if not figures:
+            return
+        families = {
+            "running": GaugeMetricFamily("llmserve:replica_num_requests_running", "Sequences running, per "
+                                         "data-parallel replica.", labels=["replica"]),
+            "waiting": GaugeMetricFamily("llmserve:replica_num_requests_waiting", "Sequences waiting, per replica.",
+                                         labels=["replica"]),
+            "kv": GaugeMetricFamily("llmserve:replica_kv_cache_usage_perc", "Fraction of the replica's KV blocks in "
+                                    "use.", labels=["replica"]),
+            "outstanding": GaugeMetricFamily("llmserve:replica_outstanding_tokens", "Prompt and max_new_tokens of "
+                                             "the requests the router sent the replica and it has not finished.",
+                                             labels=["replica"]),
+            "up": GaugeMetricFamily("llmserve:replica_up", "1 while the replica runs, 0 while it is started again.",
+                                    labels=["replica"]),
+            "restarts": GaugeMetricFamily("llmserve:replica_restarts", "Times the replica was started again after "
+                                          "dying.", labels=["replica"]),
+            "computed": GaugeMetricFamily("llmserve:replica_prompt_tokens_computed", "Prompt tokens the replica "
+                                          "computed since it started.", labels=["replica"]),
+        }
+        for i, (s, up, outstanding, restarts) in enumerate(figures):
+            label = [str(i)]
+            families["running"].add_metric(label, float(s.num_running))
+            families["waiting"].add_metric(label, float(s.num_waiting))
+            families["kv"].add_metric(label, s.kv_blocks_in_use / max(1, s.kv_blocks_total))
+            families["outstanding"].add_metric(label, float(outstanding))
+            families["up"].add_metric(label, float(up))
+            families["restarts"].add_metric(label, float(restarts))
+            families["computed"].add_metric(label, float(s.prefill_tokens))
+        yield from families.values()
 
 
 class _EngineGauges(Collector):

@@ -83,6 +83,15 @@ class _Loader(threading.Thread):
             self.error = e
             return
         async_engine = AsyncEngine(engine)
+        if self.engine_config.dp > 1:  # the other replicas load in their own processes, then the router serves
+            from llmserve.serve.replicas import ReplicaSet
+
+            try:
+                async_engine = ReplicaSet(async_engine, self.model, self.engine_config)
+            except BaseException as e:  # noqa: BLE001  (reported by the main thread)
+                self.error = e
+                return
+            logger.info("%d data-parallel replicas", self.engine_config.dp)
         self.state.attach(async_engine, served)
         async_engine.warm_up_grammars()  # structured output's vocabulary, read in the background
         c = self.config

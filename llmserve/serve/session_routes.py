@@ -23,6 +23,8 @@ async def close_session(session_id: str, request: Request) -> JSONResponse:
     state: ServerState = request.app.state.llm
     engine, _ = state.ready()
     closed, enabled = await engine.call(lambda e: (e.end_session(session_id), e.sessions.max_sessions > 0))
+    if not closed and hasattr(engine, "end_session"):  # --dp: the session may live on another replica
+        closed = await engine.end_session(session_id)
     if closed:
         return JSONResponse({"id": session_id, "object": "session", "deleted": True})
     # Returned, not raised: this is not a refused generation request, so it is not counted as one.

@@ -129,7 +129,8 @@ class ServerState:
         self.tracer = tracer  # --otlp-traces-endpoint: a span per engine request (tracing.py); None: off
         self.engine: AsyncEngine | None = None
         self.model: ServedModel | None = None
-        self.metrics = ServerMetrics(lambda: self.engine.stats if self.engine is not None else None)
+        self.metrics = ServerMetrics(lambda: self.engine.stats if self.engine is not None else None,
+                                     lambda: getattr(self.engine, "replica_figures", lambda: None)())
         self.draining = False  # set on SIGINT/SIGTERM: new requests get 503
         self.num_active = 0  # admitted generation requests (HTTP), for max_concurrent_requests
         self.in_flight: set[str] = set()  # engine request ids, for aborting on shutdown

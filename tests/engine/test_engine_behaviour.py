@@ -136,8 +136,10 @@ def test_generation_config_defaults_come_from_the_model(pipe):
     assert set(pipe.engine.loaded.eos_token_ids) == {0, 2}
 
 
-def test_unimplemented_tensor_parallelism_is_refused_not_ignored():
+def test_tensor_parallel_degree_is_checked():
     from llmserve import InvalidRequestError
 
-    with pytest.raises(InvalidRequestError, match="tensor parallelism is not implemented yet"):
-        EngineConfig(tp=2)
+    with pytest.raises(InvalidRequestError, match="tp: must be >= 1"):
+        EngineConfig(tp=0)
+    with pytest.raises(InvalidRequestError, match="do not split evenly over 2 nodes"):
+        EngineConfig(tp=3, nnodes=2, master_port=29500)
