@@ -64,8 +64,8 @@ def _device(value: Any) -> Any:
     raise ValueError("llmserve runs on cuda or cpu (LMDeploy's ascend, maca and camb back ends are not supported)")
 
 
-_TP_REASON = "the only parallelism llmserve has is tensor parallelism (tp); data and expert parallelism are not " \
-             "implemented"
+_TP_REASON = "expert parallelism is not implemented (tensor parallelism is: tp; data-parallel replicas are a server " \
+             "option: llmserve serve --dp N)"
 _SCHEDULING = ("llmserve has no prefill and decode phases: every step mixes decode tokens and prefill chunks under "
                "the token budget (max_prefill_token_num), so there is no interval or pass count to set; the output "
                "and the KV memory are the same whatever the value")
@@ -189,9 +189,9 @@ class PytorchEngineConfig(_LMDeployConfig):
 
     dtype: str = _maps("auto")
     tp: int = _maps(1)
-    dp: int = _refused(1, _TP_REASON)
+    dp: int = _maps(1)  # data-parallel replicas: a server option (llmserve serve --dp N; a pipeline refuses it)
     ep: int = _refused(1, _TP_REASON)
-    dp_rank: int = _refused(0, _TP_REASON)
+    dp_rank: int = _refused(0, "llmserve starts its data-parallel replicas itself (dp); there is no rank to name")
     session_len: int | None = _maps(None)
     max_batch_size: int | None = _maps(None, convert=_batch_size)
     cache_max_entry_count: float = _maps(0.8)

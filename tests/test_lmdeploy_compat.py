@@ -111,8 +111,8 @@ REFUSED: list[tuple[type, dict[str, Any], str, str]] = [
     (TurbomindEngineConfig, {"dtype": "int4"}, "dtype", "TurbomindEngineConfig.dtype: must be auto, float32"),
     (TurbomindEngineConfig, {"devices": [0, 1]}, "devices",
      "TurbomindEngineConfig.devices: not a field llmserve knows"),
-    (PytorchEngineConfig, {"dp": 2}, "dp", "PytorchEngineConfig.dp=2: the only parallelism llmserve has is tp"),
-    (PytorchEngineConfig, {"ep": 4}, "ep", "PytorchEngineConfig.ep=4: the only parallelism llmserve has is tp"),
+    (PytorchEngineConfig, {"dp_rank": 1}, "dp_rank", "PytorchEngineConfig.dp_rank=1: llmserve starts its data-parallel"),
+    (PytorchEngineConfig, {"ep": 4}, "ep", "PytorchEngineConfig.ep=4: expert parallelism is not implemented"),
     (PytorchEngineConfig, {"num_cpu_blocks": 128}, "num_cpu_blocks",
      "PytorchEngineConfig.num_cpu_blocks=128: LMDeploy's host-memory swap space"),
     (PytorchEngineConfig, {"eviction_type": "copy"}, "eviction_type",
@@ -124,7 +124,7 @@ REFUSED: list[tuple[type, dict[str, Any], str, str]] = [
     (PytorchEngineConfig, {"custom_module_map": {"a": "b"}}, "custom_module_map",
      "PytorchEngineConfig.custom_module_map={'a': 'b'}: llmserve's model code is its own"),
     (PytorchEngineConfig, {"distributed_executor_backend": "ray"}, "distributed_executor_backend",
-     "PytorchEngineConfig.distributed_executor_backend='ray': llmserve runs in one process"),
+     "PytorchEngineConfig.distributed_executor_backend='ray': llmserve starts its tensor-parallel ranks itself"),
     (PytorchEngineConfig, {"prefill_interval": "16"}, "prefill_interval",
      "PytorchEngineConfig.prefill_interval: expected int >= 1, got '16'"),
     (PytorchEngineConfig, {"block_size": 0}, "block_size", "PytorchEngineConfig.block_size: must be >= 1, got 0"),
@@ -145,8 +145,8 @@ def test_refused_fields_name_themselves_and_say_why(cls: type, kwargs: dict[str,
 
 def test_every_refusal_is_listed_at_once() -> None:
     with pytest.raises(InvalidRequestError) as e:
-        PytorchEngineConfig(dp=2, thread_safe=True)
-    assert (e.value.param, str(e.value).count("PytorchEngineConfig.")) == ("dp", 2)
+        PytorchEngineConfig(ep=2, thread_safe=True)
+    assert (e.value.param, str(e.value).count("PytorchEngineConfig.")) == ("ep", 2)
 
 
 def test_a_config_changed_after_construction_is_checked_when_used() -> None:

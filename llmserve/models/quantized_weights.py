@@ -89,12 +89,16 @@ def gguf_native(config: EngineConfig, device: torch.device) -> bool:
 
 def checkpoint_names(files: list[str]) -> list[str]:
     """The tensor names of safetensors files, from their headers only."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     names: list[str] = []
     for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            names.extend(f.keys())
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                names.extend(f.keys())
+        except (SafetensorError, OSError) as e:  # as iter_safetensors words it (models/loader.py)
+            raise ModelLoadError(f"{path}: not a readable safetensors file ({e}); it may be truncated or "
+                                 "corrupt: download or convert it again") from None
     return names
 
 

@@ -49,7 +49,11 @@ class RemoteEngine:
                                 daemon=True)
         self.proc.start()
         child.close()
-        kind, payload = self.conn.recv()  # blocks while the replica loads (the server's loader thread)
+        try:
+            kind, payload = self.conn.recv()  # blocks while the replica loads (the server's loader thread)
+        except (EOFError, OSError):
+            self.proc.join(10)
+            kind, payload = "failed", f"the process exited with code {self.proc.exitcode} while loading"
         if kind != "ready":
             self.proc.join(10)
             raise RuntimeError(f"data-parallel replica {index} did not start: {payload}")
