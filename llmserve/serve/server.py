@@ -13,6 +13,7 @@ SIGINT quits without waiting.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import threading
@@ -74,6 +75,13 @@ class _Loader(threading.Thread):
         from llmserve.engine.llm_engine import LLMEngine
         from llmserve.models.loader import load_model
 
+        if self.engine_config.dp > 1 and self.engine_config.num_threads is None:
+            # the replicas split the cores, as tensor-parallel ranks do (each is a whole engine: sharing every core
+            # between them measured 0.6-0.7x one engine on 2 cores)
+            from llmserve.distributed.workers import threads_per_rank
+
+            threads = threads_per_rank(dataclasses.replace(self.engine_config, tp=self.engine_config.dp * self.engine_config.tp))
+            self.engine_config = dataclasses.replace(self.engine_config, num_threads=threads)
         try:
             loaded = load_model(self.model, self.engine_config)
             engine = LLMEngine(loaded, self.engine_config)
