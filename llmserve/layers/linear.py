@@ -40,15 +40,21 @@ def tp_slice(param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> to
             loaded = loaded[torch.tensor(start)]
         else:
             loaded = loaded.narrow(0, start, hi - lo)
-    cols = getattr(param, "tp_cols", None)
-    if cols is not None:
-        start, count, full = cols
-        if loaded.shape[-1] != full:
-            raise ShapeMismatch(f"expected {full} columns, got {tuple(loaded.shape)}")
-        loaded = loaded.narrow(-1, start, count)
+    loaded = tp_columns(param, loaded)
     if getattr(param, "tp_zero", False):
         loaded = torch.zeros_like(loaded)
     return loaded
+
+
+def tp_columns(param: nn.Parameter, loaded: torch.Tensor) -> torch.Tensor:
+    """A row-parallel rank's columns of a checkpoint tensor (`tp_cols`: (start, count, the checkpoint's count))."""
+    cols = getattr(param, "tp_cols", None)
+    if cols is None:
+        return loaded
+    start, count, full = cols
+    if loaded.shape[-1] != full:
+        raise ShapeMismatch(f"expected {full} columns, got {tuple(loaded.shape)}")
+    return loaded.narrow(-1, start, count)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:

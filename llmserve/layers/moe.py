@@ -26,7 +26,7 @@ from torch import nn
 
 from llmserve.distributed.state import all_reduce_, shard, tp_state
 from llmserve.layers.activation import SiluAndMul
-from llmserve.layers.linear import ShapeMismatch, default_weight_loader
+from llmserve.layers.linear import ShapeMismatch, default_weight_loader, tp_columns
 
 
 class Routing(NamedTuple):
@@ -76,12 +76,7 @@ def expert_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard: str |
         if loaded.shape[0] != full:
             raise ShapeMismatch(f"expected {full} rows for expert shard {shard}, got {tuple(loaded.shape)}")
         loaded = loaded.narrow(0, first, end - start)
-    cols = getattr(param, "tp_cols", None)
-    if cols is not None:
-        first, count, full = cols
-        if loaded.shape[-1] != full:
-            raise ShapeMismatch(f"expected {full} columns for expert shard {shard}, got {tuple(loaded.shape)}")
-        loaded = loaded.narrow(-1, first, count)
+    loaded = tp_columns(param, loaded)
     target = param.data[expert, start:end]
     if tuple(loaded.shape) != tuple(target.shape):
         raise ShapeMismatch(f"expected shape {tuple(target.shape)} for expert shard {shard}, got {tuple(loaded.shape)}")

@@ -26,25 +26,16 @@ PROMPTS = ["The capital of France is", "Paged attention keeps", "Hello world, th
 def servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[str, str, subprocess.Popen]]:
     """(tp=1 URL, tp=2 URL, the tp=2 server's process)."""
     model = tiny_model_dir("llama")
-    procs, urls = [], []
+    procs, urls, logs = [], [], []
     for tp in (1, 2):
         port = _free_port()
-        log = open(tmp_path_factory.mktemp(f"tp{tp}") / "serve.log", "w")
-        procs.append(subprocess.Popen([sys.executable, "-m", "llmserve.cli", "serve", model, "--server-name",
-                                       "127.0.0.1", "--server-port", str(port), "--dtype", "float32", "--tp", str(tp),
-                                       "--enable-debug-routes"], stdout=log, stderr=subprocess.STDOUT))
+        logs.append(tmp_path_factory.mktemp(f"tp{tp}") / "serve.log")
+        procs.append(_start([sys.executable, "-m", "llmserve.cli", "serve", model, "--server-name", "127.0.0.1",
+                             "--server-port", str(port), "--dtype", "float32", "--tp", str(tp),
+                             "--enable-debug-routes"], logs[-1]))
         urls.append(f"http://127.0.0.1:{port}")
-    deadline = time.monotonic() + 120
-    for url, proc in zip(urls, procs):
-        while True:
-            assert proc.poll() is None, f"the server exited with {proc.returncode}"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not become healthy"
-            time.sleep(0.2)
+    for url, proc, log in zip(urls, procs, logs):
+        _wait_healthy(url, [proc], log)
     yield urls[0], urls[1], procs[1]
     for proc in procs:
         if proc.poll() is None:

@@ -24,18 +24,6 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def base_dir(tiny_model_dir) -> str:
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def adapter_dirs(base_dir, tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("adapters")
-    return {name: make_adapter(base_dir, str(root / name), seed=i, **lora)
-            for i, (name, lora) in enumerate(ADAPTERS.items())}
-
-
-@pytest.fixture(scope="module")
 def expected(base_dir, adapter_dirs) -> dict[str | None, list[list[int]]]:
     out = {name: [peft_greedy(base_dir, d, p, NEW_TOKENS) for p in prompts()] for name, d in adapter_dirs.items()}
     out[None] = [peft_greedy(base_dir, None, p, NEW_TOKENS) for p in prompts()]

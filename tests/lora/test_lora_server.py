@@ -9,23 +9,11 @@ import httpx
 import openai
 import pytest
 
-from tests.lora.adapters import ADAPTERS, make_adapter, peft_greedy
+from tests.lora.adapters import peft_greedy
 from tests.server.harness import engine_for, running_server
 
 NEW_TOKENS = 8
 TEXTS = ["The capital of France is", "Paged attention keeps the KV cache in blocks, and"]
-
-
-@pytest.fixture(scope="module")
-def base_dir(tiny_model_dir) -> str:
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def adapter_dirs(base_dir, tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("server-adapters")
-    return {name: make_adapter(base_dir, str(root / name), seed=10 + i, **lora)
-            for i, (name, lora) in enumerate(ADAPTERS.items())}
 
 
 @pytest.fixture(scope="module")
