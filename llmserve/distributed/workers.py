@@ -18,6 +18,7 @@ WORLD_SIZE set) each process is one rank already: rank 0 serves, the others run 
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import logging
@@ -140,6 +141,7 @@ class TPWorkers:
             raise ModelLoadError(f"tp={self.size}: the worker ranks did not join: {self._dead() or e}") from None
         set_tp_state(TPState(0, self.size, dist.group.WORLD))
         self.closed = False
+        atexit.register(self.close)  # a pipeline never closed: the workers still get their stop at exit
 
     def build(self, num_blocks: int, block_size: int, kv_cache_dtype: str) -> None:
         """The workers load their shards and bind KV caches of the same blocks, after rank 0 built its own runner
