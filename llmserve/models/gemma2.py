@@ -19,21 +19,18 @@ import torch
 from torch import nn
 
 from llmserve.attention import Attention, AttentionMetadata
-from llmserve.distributed.state import shard as tp_share
-from llmserve.distributed.state import tp_state
 from llmserve.errors import ModelLoadError
 from llmserve.layers.activation import GeluAndMul
 from llmserve.layers.embedding import VocabEmbedding
-from llmserve.layers.linear import Linear, MergedLinear
 from llmserve.layers.norm import GemmaRMSNorm
 from llmserve.layers.rotary import RotaryEmbedding, rope_config, rotate_
 from llmserve.models.llama import (
     DecoderSpec,
     LlamaForCausalLM,
+    gated_mlp_projections,
     head_dim_of,
+    init_attention_projections,
     layer_sliding_windows,
-    tp_heads,
-    tp_qkv_rows,
 )
 
 _GELU = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # HF's ACT2FN names -> F.gelu's approximate
@@ -44,15 +41,8 @@ class GemmaAttention(nn.Module):
 
     def __init__(self, cfg: Any, spec: DecoderSpec, layer: int) -> None:
         super().__init__()
-        self.head_dim = d = head_dim_of(cfg)
-        h, kvh = cfg.num_attention_heads, cfg.num_key_value_heads
-        q0, self.num_heads, kv_heads = tp_heads(h, kvh)  # this rank's (all of them with tp = 1)
-        self.num_kv_heads = len(kv_heads)
-        tp_rows = tp_qkv_rows(q0, self.num_heads, kv_heads, h, kvh, d)  # the checkpoint's rows of this rank's heads
-        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": self.num_heads * d, "k": self.num_kv_heads * d,
-                                                       "v": self.num_kv_heads * d}, bias=spec.qkv_bias,
-                                     tp_rows=tp_rows)
-        self.o_proj = Linear(h * d, cfg.hidden_size, bias=spec.o_bias, tp="row", tp_share=(q0 * d, self.num_heads * d))
+        init_attention_projections(self, cfg, spec)
+        d = self.head_dim
         self.q_norm = GemmaRMSNorm(d, cfg.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = GemmaRMSNorm(d, cfg.rms_norm_eps) if spec.qk_norm else None
         softcap = getattr(cfg, "attn_logit_softcapping", None) if self.caps_scores else None
@@ -76,14 +66,8 @@ class GemmaMLP(nn.Module):
         act = getattr(cfg, "hidden_activation", None) or cfg.hidden_act
         if act not in _GELU:
             raise ModelLoadError(f"config.json hidden_activation={act!r} is not supported (only {', '.join(_GELU)})")
-        i = cfg.intermediate_size
-        tp_rows, share = None, i
-        if tp_state().size > 1:  # this rank's share of the intermediate features
-            start, share = tp_share(i, "intermediate_size")
-            tp_rows = {"gate": (start, i), "up": (start, i)}
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": share, "up": share}, bias=False, tp_rows=tp_rows)
+        self.gate_up_proj, self.down_proj = gated_mlp_projections(cfg.hidden_size, cfg.intermediate_size, False)
         self.act = GeluAndMul(_GELU[act])
-        self.down_proj = Linear(i, cfg.hidden_size, bias=False, tp="row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))  # [T, E] -> [T, 2I] -> [T, I] -> [T, E]

@@ -118,19 +118,36 @@ def tp_qkv_rows(q0: int, num_heads: int, kv_heads: list[int], h: int, kvh: int, 
     return {"q": (q0 * d, h * d), "k": kv, "v": kv}
 
 
+def init_attention_projections(attn: nn.Module, cfg: Any, spec: DecoderSpec) -> None:
+    """Set attn's head_dim, num_heads, num_kv_heads (this rank's: all of them with tp = 1), its fused qkv_proj
+    (column-parallel over the heads) and o_proj (row-parallel): Llama's and Gemma's attention alike."""
+    attn.head_dim = d = head_dim_of(cfg)
+    h, kvh = cfg.num_attention_heads, cfg.num_key_value_heads
+    q0, attn.num_heads, kv_heads = tp_heads(h, kvh)
+    attn.num_kv_heads = len(kv_heads)
+    attn.qkv_proj = MergedLinear(cfg.hidden_size, {"q": attn.num_heads * d, "k": attn.num_kv_heads * d,
+                                                   "v": attn.num_kv_heads * d}, bias=spec.qkv_bias,
+                                 tp_rows=tp_qkv_rows(q0, attn.num_heads, kv_heads, h, kvh, d))
+    attn.o_proj = Linear(h * d, cfg.hidden_size, bias=spec.o_bias, tp="row", tp_share=(q0 * d, attn.num_heads * d))
+
+
+def gated_mlp_projections(hidden_size: int, intermediate_size: int, bias: bool) -> tuple[MergedLinear, Linear]:
+    """(gate_up_proj, down_proj) of a gated MLP: gate/up column-parallel by rows, down row-parallel by columns (the
+    whole of each with tp = 1)."""
+    i, tp_rows, share = intermediate_size, None, intermediate_size
+    if tp_state().size > 1:  # this rank's share of the intermediate features
+        start, share = tp_share(i, "intermediate_size")
+        tp_rows = {"gate": (start, i), "up": (start, i)}
+    gate_up = MergedLinear(hidden_size, {"gate": share, "up": share}, bias=bias, tp_rows=tp_rows)
+    return gate_up, Linear(i, hidden_size, bias=bias, tp="row")
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: Any, spec: DecoderSpec, layer: int) -> None:
         super().__init__()
-        self.head_dim = d = head_dim_of(cfg)
-        h, kvh = cfg.num_attention_heads, cfg.num_key_value_heads
-        q0, self.num_heads, kv_heads = tp_heads(h, kvh)  # this rank's (all of them with tp = 1)
-        self.num_kv_heads = len(kv_heads)
+        init_attention_projections(self, cfg, spec)
+        d = self.head_dim
         self.rotary_dim = rotary_dim_of(cfg)
-        tp_rows = tp_qkv_rows(q0, self.num_heads, kv_heads, h, kvh, d)
-        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": self.num_heads * d, "k": self.num_kv_heads * d,
-                                                       "v": self.num_kv_heads * d}, bias=spec.qkv_bias,
-                                     tp_rows=tp_rows)
-        self.o_proj = Linear(h * d, cfg.hidden_size, bias=spec.o_bias, tp="row", tp_share=(q0 * d, self.num_heads * d))
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if spec.qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, d**-0.5, spec.sliding_windows[layer])
@@ -167,14 +184,8 @@ class LlamaMLP(nn.Module):
         if cfg.hidden_act != "silu":
             raise ModelLoadError(f"config.json hidden_act={cfg.hidden_act!r} is not supported (only 'silu')")
         i = intermediate_size or cfg.intermediate_size  # another size: a MoE model's shared expert (models/moe.py)
-        tp_rows, share = None, i
-        if tp_state().size > 1:  # this rank's share of the intermediate features: gate/up by rows, down by columns
-            start, share = tp_share(i, "intermediate_size")
-            tp_rows = {"gate": (start, i), "up": (start, i)}
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": share, "up": share}, bias=spec.mlp_bias,
-                                         tp_rows=tp_rows)
+        self.gate_up_proj, self.down_proj = gated_mlp_projections(cfg.hidden_size, i, spec.mlp_bias)
         self.act = SiluAndMul()
-        self.down_proj = Linear(i, cfg.hidden_size, bias=spec.mlp_bias, tp="row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))  # [T, E] -> [T, 2I] -> [T, I] -> [T, E]
