@@ -13,7 +13,9 @@ requests while the ones running finish with it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import os
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -27,13 +29,13 @@ from llmserve.lora.adapter import AdapterError, LoRAAdapter, read_adapter
 logger = logging.getLogger(__name__)
 
 
-# A step with several adapters and at most this many tokens runs each layer's adapters as one stacked pair of
-# matmuls: x @ [A1 .. An] masked to each token's own adapter's columns, then @ [B1; ..; Bn]. It computes the other
-# adapters' columns too (n times the segmented work) but in 3 ops instead of 4 per adapter, and below this size the
-# ops cost more than the arithmetic. Measured with 4 rank-48 adapters on a 576 -> 960 layer in bf16 (AMD EPYC Zen 5,
-# 2 cores), microseconds per layer, segmented vs stacked: 4 tokens 141 vs 40, 32: 159 vs 60, 64: 170 vs 83,
-# 128: 194 vs 121, 256: 229 vs 198; past that the segmented path's arithmetic wins.
-STACKED_MAX_ROWS = 256
+# A step with several adapters and few tokens runs each layer's adapters as one stacked pair of matmuls: x @ [A1 .. An]
+# masked to each token's own adapter's columns, then @ [B1; ..; Bn]. It computes the other adapters' columns too (n
+# times the segmented work) but in 3 ops instead of 4 per adapter: below some number of rows the ops cost more than
+# the arithmetic. That number is measured on the running machine at the first step with several adapters
+# (measure_stacked_max_rows; LLMSERVE_LORA_STACKED_MAX_ROWS pins it). On a 2-core AMD EPYC Zen 5, 4 rank-48 adapters
+# on a 576 -> 960 bf16 layer, microseconds, segmented vs stacked: 4 rows 141 vs 40, 64: 170 vs 83, 256: 229 vs 198.
+STACKED_ROW_BUCKETS = (16, 64, 256, 1024)
 # Stacked weights kept per layer, for the most recent sets of adapters (each a copy of their A and B): decode steps
 # keep one set while the running requests stay; a new set costs one concatenation per layer.
 _STACKS_KEPT = 2
@@ -123,6 +125,7 @@ class LoRAManager:
         self.max_cpu_loras = max_cpu_loras  # adapters loaded at once (None: no bound)
         self.adapters: dict[str, LoRAAdapter] = {}
         self.step: LoRAStep | None = None
+        self.stacked_max_rows: int | None = None  # measured at the first step with several adapters
         self.layers: list[LoRALayer] = []
         for name, module in model.named_modules():
             if isinstance(module, Linear):
@@ -184,6 +187,22 @@ class LoRAManager:
 
     # --- a step ------------------------------------------------------------------------
 
+    def _stacked_max_rows(self, runs: list[tuple[LoRAAdapter, list]]) -> int:
+        """The most rows a step with several adapters runs stacked: pinned, or measured once (on the widest update
+        of the step's adapters, for as many adapters as the step has)."""
+        if self.stacked_max_rows is None:
+            pinned = os.environ.get("LLMSERVE_LORA_STACKED_MAX_ROWS")
+            if pinned is not None:
+                self.stacked_max_rows = int(pinned)
+            else:
+                w = max((w for adapter, _ in runs for w in adapter.weights.values()),
+                        key=lambda w: w.at.numel() + w.bt.numel())
+                self.stacked_max_rows = measure_stacked_max_rows(w.at.shape[0], w.bt.shape[1], w.at.shape[1],
+                                                                 len(runs), self.dtype, self.device)
+                logger.info("LoRA: steps of several adapters up to %d rows run stacked (measured)",
+                            self.stacked_max_rows)
+        return self.stacked_max_rows
+
     @contextmanager
     def stepping(self, adapters: list[LoRAAdapter | None], lengths: list[int]) -> Iterator[None]:
         """While the model runs a step whose sequences (in batch order, `lengths` tokens each) use these adapters
@@ -198,7 +217,7 @@ class LoRAManager:
             yield
             return
         groups = []
-        stacked = len(runs) > 1 and offset <= STACKED_MAX_ROWS
+        stacked = len(runs) > 1 and offset <= self._stacked_max_rows(list(runs.values()))
         owner = torch.full((offset,), -1, dtype=torch.long) if stacked else None
         # by load id: the same adapters make the same stack whatever order their requests came in
         for adapter, spans in sorted(runs.values(), key=lambda run: run[0].uid):
@@ -221,3 +240,54 @@ class LoRAManager:
             yield
         finally:
             self.step = None
+
+
+def measure_stacked_max_rows(in_features: int, out_features: int, rank: int, num_adapters: int, dtype: torch.dtype,
+                             device: torch.device,
+                             timer: Callable[[str, int, Callable[[], object]], float] | None = None) -> int:
+    """The largest of STACKED_ROW_BUCKETS at which the stacked pair of matmuls ran faster than the segmented ones on
+    this machine (0 where it never did): one layer of `num_adapters` random updates of `rank` columns, the rows
+    spread over the adapters as decode steps spread them. `timer(path, rows, fn)` gives fn's seconds (default: the
+    best of a few runs); path is "stacked" or "segmented"."""
+    timer = timer or (lambda path, rows, fn: _best_seconds(fn))
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    ats = [torch.randn(in_features, rank, generator=gen).to(device, dtype) for _ in range(num_adapters)]
+    bts = [torch.randn(rank, out_features, generator=gen).to(device, dtype) for _ in range(num_adapters)]
+    best = 0
+    for rows in STACKED_ROW_BUCKETS:
+        segmented, stacked = _lora_paths(ats, bts, torch.randn(rows, in_features, generator=gen).to(device, dtype))
+        if timer("stacked", rows, stacked) < timer("segmented", rows, segmented):
+            best = rows
+        else:
+            break
+    return best
+
+
+def _lora_paths(ats: list[torch.Tensor], bts: list[torch.Tensor], x: torch.Tensor
+                ) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(segmented, stacked): the two ways LoRALayer adds these updates to x's rows, each row its own adapter's."""
+    n, device = len(ats), x.device
+    y = torch.zeros(x.shape[0], bts[0].shape[1], dtype=x.dtype, device=device)
+    owner = torch.arange(x.shape[0], device=device) % n
+    index = [torch.nonzero(owner == k).flatten() for k in range(n)]
+    mask = (owner[:, None] == torch.arange(n * ats[0].shape[1], device=device)[None, :] // ats[0].shape[1]).to(x.dtype)
+    at_all, bt_all = torch.cat(ats, dim=1), torch.cat(bts)
+
+    def segmented() -> None:
+        for k in range(n):
+            y.index_add_(0, index[k], (x.index_select(0, index[k]) @ ats[k]) @ bts[k])
+
+    def stacked() -> None:
+        y.addmm_((x @ at_all).mul_(mask), bt_all)
+
+    return segmented, stacked
+
+
+def _best_seconds(fn: Callable[[], object], repeats: int = 5) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best

@@ -44,7 +44,8 @@ MODES = {
     "prefix-cached": dict(enable_prefix_caching=True, block_size=4),
     "one-lora-at-a-time": dict(max_loras=1),
     "ngram-speculation": dict(speculative_method="ngram", num_speculative_tokens=3),
-    "segmented": dict(),  # every step's adapters one matmul pair each (no stacked steps; see below)
+    "segmented": dict(),  # every step's adapters one matmul pair each (LLMSERVE_LORA_STACKED_MAX_ROWS=0, below)
+    "stacked": dict(),  # every step with several adapters stacked, however large (pinned, below)
 }
 
 
@@ -52,11 +53,9 @@ MODES = {
 def test_mixed_batch_matches_peft(mode, base_dir, adapter_dirs, expected, monkeypatch) -> None:
     """Every prompt under every adapter and the base model, all in one call: the same prompts under different
     adapters must not share KV (prefix cache), and each sequence's tokens are PEFT's. These steps are small, so they
-    run stacked (lora/manager.py) except in the segmented mode."""
-    if mode == "segmented":
-        from llmserve.lora import manager
-
-        monkeypatch.setattr(manager, "STACKED_MAX_ROWS", 0)
+    run stacked or segmented as measured on this machine (lora/manager.py), or as the two modes below pin."""
+    if mode in ("segmented", "stacked"):
+        monkeypatch.setenv("LLMSERVE_LORA_STACKED_MAX_ROWS", "0" if mode == "segmented" else "100000")
     names = [*ADAPTERS, None]
     batch = [(p, name) for name in names for p in prompts()]
     config = EngineConfig(dtype="float32", adapters=adapter_dirs, **MODES[mode])
@@ -350,3 +349,19 @@ def test_generate_command_with_an_adapter(base_dir, adapter_dirs) -> None:
     assert out.stdout == expected + "\n"
     out = generate("--adapter-name", "nope")
     assert out.returncode == 2 and "no LoRA adapter named 'nope'" in out.stderr
+
+
+def test_the_stacked_threshold_follows_the_faster_path() -> None:
+    """A fake timer drives the measurement: the threshold is the last bucket where stacked ran faster."""
+    from llmserve.lora.manager import measure_stacked_max_rows
+
+    def measure(limit: int) -> int:
+        def timer(path: str, rows: int, fn) -> float:
+            fn()  # the path runs (shapes check out)
+            return 1.0 if (path == "stacked") == (rows <= limit) else 2.0
+
+        return measure_stacked_max_rows(8, 12, 2, 3, torch.float32, torch.device("cpu"), timer)
+
+    assert measure(64) == 64
+    assert measure(1024) == 1024
+    assert measure(0) == 0
