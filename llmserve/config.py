@@ -414,7 +414,7 @@ class EngineConfig:
         _check_type(self.dp, (int,), "dp")
         _check(self.dp >= 1, "dp", f"must be >= 1, got {self.dp}")
         _check(self.dp == 1 or not self.enable_lora, "dp", "LoRA adapters run with dp=1 so far (run-time loading "
-               "would reach one replica)")
+               "would reach one replica): serve them with dp=1")
         for name in ("nnodes", "node_rank"):
             _check_type(getattr(self, name), (int,), name)
         _check(self.nnodes >= 1, "nnodes", f"must be >= 1, got {self.nnodes}")
@@ -425,7 +425,7 @@ class EngineConfig:
         _check(self.nnodes == 1 or self.master_port is not None, "master_port",
                "several nodes must agree on a port: give --master-port (and --master-addr, node 0's address)")
         if self.tp > 1:  # (refused rather than ignored: each would need its own sharding)
-            _check(not self.enable_lora, "tp", "LoRA adapters run with tp=1 so far")
+            _check(not self.enable_lora, "tp", "LoRA adapters run with tp=1 so far: serve them with tp=1")
             _check(self.speculative_method != "draft_model", "tp", "a draft model runs with tp=1 so far (ngram "
                    "speculation works with any tp)")
         _check_type(self.kernel_choice, (str,), "kernel_choice")

@@ -38,7 +38,8 @@ def shard(n: int, what: str) -> tuple[int, int]:
     if n % s.size:
         from llmserve.errors import ModelLoadError
 
-        raise ModelLoadError(f"tp={s.size}: the model's {what} ({n}) do not split evenly over {s.size} ranks")
+        raise ModelLoadError(f"tp={s.size}: the model's {what} ({n}) do not split evenly over {s.size} ranks; "
+                             f"choose a tp that divides {n}")
     length = n // s.size
     return s.rank * length, length
 

@@ -95,7 +95,7 @@ def tp_heads(num_heads: int, num_kv_heads: int) -> tuple[int, int, list[int]]:
     if state.size == 1:
         return 0, num_heads, list(range(num_kv_heads))
     if num_heads < state.size:
-        raise ModelLoadError(f"tp={state.size}: the model has only {num_heads} attention heads")
+        raise ModelLoadError(f"tp={state.size}: the model has only {num_heads} attention heads; use tp <= {num_heads}")
     base, extra = divmod(num_heads, state.size)
     count = base + (state.rank < extra)
     first = state.rank * base + min(state.rank, extra)

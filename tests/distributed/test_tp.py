@@ -90,17 +90,23 @@ def test_a_killed_worker_is_a_clear_error_naming_its_rank(tiny_model_dir) -> Non
 
 @pytest.mark.parametrize("quantization", ["int8", "w8a8"])
 def test_quantized_weights_shard(quantization, tiny_model_dir) -> None:
-    """int8 and w8a8 quantize each rank's shard after loading (a row-parallel layer's per-row scales then cover its
-    half of the inputs, so the rounding, and on this random model some tokens, differ from tp=1's)."""
+    """int8 and w8a8 quantize each rank's shard after loading. A row-parallel layer's per-row scales then cover its
+    half of the inputs, so the rounding differs from tp=1's, but only by rounding: the first token's top logprobs
+    agree within 0.06 (measured up to 0.03 on this random model)."""
     from llmserve.kernels import native
 
     if quantization == "w8a8" and not native.w8a8_usable():
         pytest.skip("w8a8 needs a CPU with AVX-512 and VNNI")
     d = tiny_model_dir("llama")
-    with pipeline(d, backend_config=EngineConfig(dtype="bfloat16", quantization=quantization, tp=2)) as pipe:
-        out = pipe(prompts(), GREEDY, do_preprocess=False)
-        assert all(len(r.token_ids) == NEW_TOKENS for r in out)
-        assert pipe.engine.kv.num_free_blocks == pipe.engine.kv.num_blocks
+    gen = GenerationConfig(temperature=0.0, max_new_tokens=1, logprobs=3)
+    out = {}
+    for tp in (1, 2):
+        with pipeline(d, backend_config=EngineConfig(dtype="bfloat16", quantization=quantization, tp=tp)) as pipe:
+            out[tp] = [r.logprobs[0] for r in pipe(prompts(), gen, do_preprocess=False)]
+            assert pipe.engine.kv.num_free_blocks == pipe.engine.kv.num_blocks
+    for one, two in zip(out[1], out[2]):
+        top = max(one, key=one.get)
+        assert top in two and abs(two[top] - one[top]) < 0.06, (one, two)
 
 
 def test_a_hung_worker_is_a_clear_error_after_the_timeout(tiny_model_dir, monkeypatch) -> None:
