@@ -7,9 +7,14 @@ from typing import Any
 from llmserve.models.llama import DecoderSpec, LlamaForCausalLM
 
 
+def one_window_spec(cfg: Any) -> DecoderSpec:
+    """No biases, no q/k norms, config.sliding_window (or none) on every layer: Mistral's and Phi-3's decoder."""
+    window = getattr(cfg, "sliding_window", None)
+    return DecoderSpec(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
+                       sliding_windows=(window,) * cfg.num_hidden_layers)
+
+
 class MistralForCausalLM(LlamaForCausalLM):
     @classmethod
     def decoder_spec(cls, cfg: Any) -> DecoderSpec:
-        window = getattr(cfg, "sliding_window", None)
-        return DecoderSpec(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
-                           sliding_windows=(window,) * cfg.num_hidden_layers)
+        return one_window_spec(cfg)

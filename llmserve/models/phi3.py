@@ -12,14 +12,13 @@ import torch
 
 from llmserve.errors import ModelLoadError
 from llmserve.models.llama import DecoderSpec, LlamaForCausalLM, head_dim_of
+from llmserve.models.mistral import one_window_spec
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def decoder_spec(cls, cfg: Any) -> DecoderSpec:
-        window = getattr(cfg, "sliding_window", None)
-        return DecoderSpec(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
-                           sliding_windows=(window,) * cfg.num_hidden_layers)
+        return one_window_spec(cfg)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._unfused(weights))
