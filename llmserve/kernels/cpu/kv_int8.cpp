@@ -154,34 +154,37 @@ void check_side(const torch::Tensor& x, const torch::Tensor& cache, const torch:
   TORCH_CHECK(x.device().is_cpu() && cache.device().is_cpu() && scales.device().is_cpu(), "write_kv_int8/int4 are CPU only");
 }
 
+// K and V of a step into an int8 (INT4 false) or int4 cache, each row with its scale(s).
+template <bool INT4>
+void write_kv_quantized(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                        torch::Tensor& k_scales, torch::Tensor& v_scales, torch::Tensor slots) {
+  check_side(k, k_cache, k_scales, INT4);
+  check_side(v, v_cache, v_scales, INT4);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(), "K and V differ in shape or dtype");
+  slots = slots.contiguous();
+  const int64_t* sp = checked_slots(slots, k.size(0), k_cache);
+  dispatch_float(k.scalar_type(), INT4 ? "write_kv_int4 (K/V)" : "write_kv_int8 (K/V)", [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (INT4) {
+      write_impl_int4<T>(k, k_cache, k_scales, sp);
+      write_impl_int4<T>(v, v_cache, v_scales, sp);
+    } else {
+      write_impl<T>(k, k_cache, k_scales, sp);
+      write_impl<T>(v, v_cache, v_scales, sp);
+    }
+  });
+}
+
 }  // namespace
 
 void write_kv_int8(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor k_scales, torch::Tensor v_scales, torch::Tensor slots) {
-  check_side(k, k_cache, k_scales);
-  check_side(v, v_cache, v_scales);
-  TORCH_CHECK(k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(), "K and V differ in shape or dtype");
-  slots = slots.contiguous();
-  const int64_t* sp = checked_slots(slots, k.size(0), k_cache);
-  dispatch_float(k.scalar_type(), "write_kv_int8 (K/V)", [&](auto tag) {
-    using T = decltype(tag);
-    write_impl<T>(k, k_cache, k_scales, sp);
-    write_impl<T>(v, v_cache, v_scales, sp);
-  });
+  write_kv_quantized<false>(k, v, k_cache, v_cache, k_scales, v_scales, slots);
 }
 
 void write_kv_int4(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor k_scales, torch::Tensor v_scales, torch::Tensor slots) {
-  check_side(k, k_cache, k_scales, true);
-  check_side(v, v_cache, v_scales, true);
-  TORCH_CHECK(k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(), "K and V differ in shape or dtype");
-  slots = slots.contiguous();
-  const int64_t* sp = checked_slots(slots, k.size(0), k_cache);
-  dispatch_float(k.scalar_type(), "write_kv_int4 (K/V)", [&](auto tag) {
-    using T = decltype(tag);
-    write_impl_int4<T>(k, k_cache, k_scales, sp);
-    write_impl_int4<T>(v, v_cache, v_scales, sp);
-  });
+  write_kv_quantized<true>(k, v, k_cache, v_cache, k_scales, v_scales, slots);
 }
 
 // The 16- and 32-bit caches: K and V rows [T, kv_heads, head_dim] (heads contiguous, rows may be strided) copied into
