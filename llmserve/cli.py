@@ -135,9 +135,10 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         return 0
     threads = configure_cpu(config.num_threads)
     with torch.inference_mode():
-        table = calibrate.plan(loaded.model, threads, config.kernel_choice, remeasure=True)
+        table = calibrate.plan(loaded.model, threads, config.kernel_choice, remeasure=True, dtype=loaded.dtype)
     if table is None:
-        print(f"nothing to tune: the model has no bf16 matmuls (dtype {loaded.dtype}; try --dtype bfloat16)")
+        print(f"nothing to tune: the model has no bf16 matmuls or native bf16 attention (dtype {loaded.dtype}; try "
+              "--dtype bfloat16)")
         return 0
     print(f"{calibrate.cpu_model()}, {threads} threads, torch {torch.__version__}")
     print(calibrate.report(table))

@@ -83,12 +83,15 @@ def bf16_weights(model: nn.Module) -> Iterator[torch.Tensor]:
             yield w
 
 
-def attention_op(model: nn.Module, kind: str) -> str | None:
+def attention_op(model: nn.Module, kind: str, dtype: torch.dtype | None = None) -> str | None:
     """The op name of the model's native prefill or decode attention where a choice exists: a bf16 model whose heads
     the kernels take (head_dim % 16 == 0), on a CPU where they run; else None. (A decode choice applies to a bf16
-    cache: the runner's default for a bf16 model; another cache dtype keeps FMAs.)"""
+    cache: the runner's default for a bf16 model; another cache dtype keeps FMAs.) dtype: the model's compute dtype;
+    None reads it from the model's weights (bf16 if any linear is), which misses a bf16 model whose linears are all
+    quantized (a GGUF on its blocks): the runner passes it."""
     layers = model.attention_layers() if hasattr(model, "attention_layers") else []
-    if not layers or next(bf16_weights(model), None) is None or not native.prefill_attention_usable():
+    bf16 = dtype == torch.bfloat16 if dtype is not None else next(bf16_weights(model), None) is not None
+    if not layers or not bf16 or not native.prefill_attention_usable():
         return None
     a = layers[0]
     return f"{kind}:{a.num_heads}/{a.num_kv_heads}x{a.head_dim}" if a.head_dim % 16 == 0 else None
@@ -203,13 +206,12 @@ def key(ops: list[str], threads: int) -> dict[str, object]:
 
 
 def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, timer: Timer = wall_clock,
-         remeasure: bool = False) -> ChoiceTable | None:
+         remeasure: bool = False, dtype: torch.dtype | None = None) -> ChoiceTable | None:
     """The choice table for the model's bf16 matmuls and, where its attention runs natively, its prefill and decode
-    attention on this machine (None for a model without bf16 weights): pinned by kernel_choice (else
-    LLMSERVE_KERNEL_CHOICE, else "auto"), read from the cache, or measured now."""
+    attention on this machine (None where there is nothing to choose: no bf16 matmul and no native bf16 attention):
+    pinned by kernel_choice (else LLMSERVE_KERNEL_CHOICE, else "auto"), read from the cache, or measured now. dtype:
+    the model's compute dtype, as attention_op takes it."""
     shapes = {op_name(w): (w.shape[0], w.shape[1]) for w in bf16_weights(model)}
-    if not shapes:
-        return None
     spec = kernel_choice if kernel_choice not in (None, "auto") else os.environ.get(ENV, kernel_choice)
     pins = parse_pins(spec, KINDS)
     for kind, name in pins.items():
@@ -221,11 +223,13 @@ def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, timer
                for op, (n, k) in shapes.items()}
     for kind, make, buckets in ((PREFILL_ATTENTION, prefill_attention_candidates, ATTENTION_BUCKETS),
                                 (DECODE_ATTENTION, decode_attention_candidates, DECODE_BUCKETS)):
-        op = attention_op(model, kind)
+        op = attention_op(model, kind, dtype)
         if op is not None:
             a = model.attention_layers()[0]
             measure[op] = functools.partial(_measure, make, (a.num_heads, a.num_kv_heads, a.head_dim, available(kind)),
                                             timer, buckets)
+    if not measure:
+        return None
     pinned_ops = {op: pinned(pins[op.partition(":")[0]]) for op in measure if op.partition(":")[0] in pins}
     return load_or_measure(key(list(measure), threads), measure, pinned_ops, remeasure)
 

@@ -102,7 +102,7 @@ class ModelRunner:
             cpu = cpu or CpuOptions()
             threads = configure_cpu(cpu.num_threads)
             if use_onednn(loaded):
-                self.kernel_choices = calibrate.plan(loaded.model, threads, cpu.kernel_choice)
+                self.kernel_choices = calibrate.plan(loaded.model, threads, cpu.kernel_choice, dtype=loaded.dtype)
                 if self.kernel_choices is not None:
                     logger.info("kernel choice: %s", self.kernel_choices.describe())
                     if not self.kernel_choices.reused:
@@ -146,7 +146,7 @@ class ModelRunner:
 
     def _dot(self, loaded: LoadedModel, kind: str) -> bool:
         """Whether the measured kernel of the model's `kind` attention op is the dot-product one."""
-        choice = self.kernel_choices.ops.get(calibrate.attention_op(loaded.model, kind) or "")
+        choice = self.kernel_choices.ops.get(calibrate.attention_op(loaded.model, kind, loaded.dtype) or "")
         return choice is not None and choice.kernel == "dot"
 
     @torch.inference_mode()

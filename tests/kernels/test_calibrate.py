@@ -81,15 +81,41 @@ def test_an_fp32_model_has_nothing_to_choose(tiny_model_dir: Callable[[str], str
     assert calibrate.attention_op(model, calibrate.PREFILL_ATTENTION) is None
 
 
+@pytest.fixture
+def q4_1_gguf(tmp_path) -> str:
+    """A tiny Llama as a Q4_1 GGUF: in bf16 its linears, embedding and LM head all run on their blocks (no bf16 weight)."""
+    import gguf
+
+    from tests.tiny_models import make_hf_model, write_tiny_gguf
+
+    hf = make_hf_model("llama", vocab_size=300, hidden_size=64, intermediate_size=128)
+    return write_tiny_gguf(hf, tmp_path / "tiny.Q4_1.gguf", gguf.GGMLQuantizationType.Q4_1)
+
+
+@pytest.mark.skipif(not native.qblock_usable(), reason="the blocks need the native kernel")
+def test_a_bf16_model_on_quantized_blocks_still_chooses_its_attention(q4_1_gguf: str) -> None:
+    """Its attention runs in bf16 like any bf16 model's: the choice is measured though no linear is bf16 (it was
+    skipped when the model's dtype was read from its linears)."""
+    model = load_model(q4_1_gguf, EngineConfig(dtype="bfloat16")).model
+    assert next(calibrate.bf16_weights(model), None) is None
+    table = calibrate.plan(model, 2, timer=lambda name, rows, fn: 1.0 if name == "dot" else 2.0, dtype=torch.bfloat16)
+    ops = {calibrate.attention_op(model, kind, torch.bfloat16)
+           for kind in (calibrate.PREFILL_ATTENTION, calibrate.DECODE_ATTENTION)}
+    assert None not in ops and set(table.ops) == ops
+    assert {c.kernel for c in table.ops.values()} == ({"dot"} if native.bf16_dot_usable() else {"fp32"})
+
+
 @pytest.mark.skipif(not native.bf16_dot_usable(), reason="the dot path needs AVX512-BF16")
 @pytest.mark.parametrize("pin", ["dot", "fp32"])
 @pytest.mark.parametrize("op,kernel,steps", [("prefill_attention", "prefill_attention", 1),
                                              ("decode_attention", "paged_decode", 2)])
+@pytest.mark.parametrize("weights", ["bf16", "q4_1_blocks"])
 def test_the_steps_attention_choice_reaches_the_kernel(tiny_model_dir: Callable[[str], str], pin: str, op: str,
-                                                       kernel: str, steps: int,
+                                                       kernel: str, steps: int, weights: str, request,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """One prefill step and two decode steps (3 tokens): each of the kind's steps calls its kernel in every layer with
-    the pinned path's dot flag."""
+    the pinned path's dot flag, whether the linears are bf16 or quantized blocks."""
+    path = tiny_model_dir("llama") if weights == "bf16" else request.getfixturevalue("q4_1_gguf")
     monkeypatch.setenv("LLMSERVE_DECODER_STACK", "0")  # the Python layers call the kernels through native
     seen: list[bool] = []
     real = getattr(native, kernel)
@@ -100,11 +126,11 @@ def test_the_steps_attention_choice_reaches_the_kernel(tiny_model_dir: Callable[
 
     monkeypatch.setattr(native, kernel, spy)
     config = EngineConfig(dtype="bfloat16", num_blocks=64, kernel_choice=f"{op}={pin}")
-    with pipeline(tiny_model_dir("llama"), backend_config=config) as pipe:
+    with pipeline(path, backend_config=config) as pipe:
         out = pipe([{"input_ids": list(range(3, 40))}], gen_config=GenerationConfig(max_new_tokens=3, temperature=0),
                    do_preprocess=False)
     assert len(out[0].token_ids) == 3
-    assert seen == [pin == "dot"] * (steps * len(pipe_layers(tiny_model_dir("llama"))))
+    assert seen == [pin == "dot"] * (steps * len(pipe_layers(path)))
 
 
 def pipe_layers(path: str) -> list:
