@@ -94,6 +94,14 @@ LLMSERVE_AVX512 void store_rows(T* y, int64_t N, int64_t row, int64_t n, __m512 
   storeu16(y + row * N + n, v, mask);
 }
 
+// s += v (unsigned bytes) . x[K] (4 signed bytes of the row's block x, broadcast), read from memory by the instruction.
+// Why asm: with the intrinsic, GCC loads the 8 broadcasts of a row once for all the NR tiles of the register tile and
+// spills them (and then the accumulators) to the stack, a load and a store per product. x[8] is declared as read.
+template <int K>
+LLMSERVE_VNNI inline void dpbusd_bcast(__m512i& s, __m512i v, const int32_t* x) {
+  asm("vpdpbusd %c3(%2)%{1to16%}, %1, %0" : "+v"(s) : "v"(v), "r"(x), "i"(4 * K), "m"(*reinterpret_cast<const int32_t(*)[8]>(x)));
+}
+
 // y[i0 : i0 + MR, tiles t0 .. t0 + NR) by int8 dot products. no-tree-pre as in w8a8_linear.cpp (GCC otherwise spills
 // the accumulators on every iteration). A block's 8 dot products run as two chains of 4 (exact int32, so the sum is
 // the same): one chain of 8 waits on vpdpbusd's latency (over SmolLM2's decoder linears at 64 rows, 2-core Zen 5, a
@@ -118,10 +126,9 @@ LLMSERVE_VNNI __attribute__((optimize("no-tree-pre"))) void tile_vnni(const Act&
         const int64_t row = i0 + i;
         const int32_t* xq = reinterpret_cast<const int32_t*>(a.q + row * a.K + b * kBlock);
         __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-        _Pragma("GCC unroll 4") for (int k = 0; k < 8; k += 2) {
-          s0 = _mm512_dpbusd_epi32(s0, v[k], _mm512_set1_epi32(xq[k]));
-          s1 = _mm512_dpbusd_epi32(s1, v[k + 1], _mm512_set1_epi32(xq[k + 1]));
-        }
+        dpbusd_bcast<0>(s0, v[0], xq), dpbusd_bcast<1>(s1, v[1], xq), dpbusd_bcast<2>(s0, v[2], xq);
+        dpbusd_bcast<3>(s1, v[3], xq), dpbusd_bcast<4>(s0, v[4], xq), dpbusd_bcast<5>(s1, v[5], xq);
+        dpbusd_bcast<6>(s0, v[6], xq), dpbusd_bcast<7>(s1, v[7], xq);
         const __m512i s = _mm512_add_epi32(s0, s1);
         const __m512 t = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sx[row * a.KB + b]), _mm512_mul_ps(d, _mm512_cvtepi32_ps(s)));
         acc[i][j] = _mm512_fmadd_ps(t, _mm512_set1_ps(a.dx[row * a.KB + b]), acc[i][j]);
