@@ -239,7 +239,8 @@ def write_tiny_gguf(hf_model: Any, path: str | os.PathLike, qtype: Any = None,
                     rope_freqs: Any = None, orig_ctx: int | None = None) -> str:
     """A GGUF of `hf_model` (llama, qwen2 or qwen3; vocab must equal the tiny tokenizer's 300) with
     the tiny tokenizer and chat template as metadata, written as llama.cpp's converter would (Q/K
-    permuted for llama). 2-D weights are stored as `qtype` (default F32), 1-D ones as F32."""
+    permuted for llama). 2-D weights are stored as `qtype` (default F32), 1-D ones as F32. K-quants (Q4_K, Q5_K,
+    Q6_K; tests/gguf_k_quants.py encodes them) need 2-D weights of whole 256-column rows."""
     import gguf
 
     cfg, tok = hf_model.config, tiny_tokenizer()
@@ -271,7 +272,7 @@ def write_tiny_gguf(hf_model: Any, path: str | os.PathLike, qtype: Any = None,
         elif arch == "llama" and name.endswith("k_proj.weight"):
             arr = _llama_cpp_permute(arr, cfg.num_key_value_heads)
         if arr.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(_gguf_name(name), gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+            w.add_tensor(_gguf_name(name), _quantize(arr, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(_gguf_name(name), arr)
     if rope_freqs is not None:
@@ -281,6 +282,16 @@ def write_tiny_gguf(hf_model: Any, path: str | os.PathLike, qtype: Any = None,
     w.write_tensors_to_file()
     w.close()
     return os.fspath(path)
+
+
+def _quantize(arr: Any, qtype: Any) -> Any:
+    import gguf
+
+    if qtype.name in ("Q4_K", "Q5_K", "Q6_K"):  # gguf cannot quantize these
+        from tests import gguf_k_quants
+
+        return gguf_k_quants.quantize(arr, qtype.name)
+    return gguf.quants.quantize(arr, qtype)
 
 
 def _add_tokenizer(w: Any, tok: PreTrainedTokenizerFast) -> None:

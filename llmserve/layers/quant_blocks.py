@@ -1,14 +1,16 @@
-"""Block-quantized weights kept at their bit width: GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K, AWQ and GPTQ, run natively.
+"""Block-quantized weights kept at their bit width: GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K, AWQ and GPTQ, run
+natively.
 
-Every format here is one form: unsigned codes q of 4 or 8 bits, and per row and group of `group` columns a scale d
-and a min m,
+Every format here is one form: unsigned codes q of 4, 5, 6 or 8 bits, and per row and group of `group` columns (16,
+or a multiple of 32) a scale d and a min m,
 
     w[n, k] = d[n, k // group] * q[n, k] + m[n, k // group]
 
-with m = -zero * d when the format has one integer zero point (Q4_0: 8, Q8_0: 128), so no mins are stored. Each
-format's reader (models/gguf_blocks.py, models/awq_gptq.py) turns its tensors into a `BlockTensor` (one code per
-byte, the loader's transient form; shards of a fused layer are concatenated in it), and `pack` lays that out for
-kernels/cpu/qblock_gemm.cpp as a `BlockWeight` (two 4-bit codes a byte, tiles of 16 rows), the only copy kept.
+with m = -zero * d when the format has one integer zero point (Q4_0: 8, Q8_0: 128, Q6_K: 32), so no mins are
+stored. Each format's reader (models/gguf_blocks.py, models/awq_gptq.py) turns its tensors into a `BlockTensor` (one
+code per byte, the loader's transient form; shards of a fused layer are concatenated in it), and `BlockWeight` packs
+that for kernels/cpu/qblock_gemm.cpp (bits / 8 bytes a code: a nibble plane and 5- and 6-bit codes' high bits beside
+it; tiles of 16 rows), the only copy kept.
 In fp32 the values d * q + m equal the formats' published dequantization exactly (the products are exact; one
 rounding in the sum, as theirs), which `dequantize` gives back and the tests check against gguf.quants.
 
@@ -77,15 +79,24 @@ def concat(parts: list[BlockTensor]) -> BlockTensor:
                        first.bits, first.group, parts[0].zero)
 
 
+def fits(cols: int, group: int) -> bool:
+    """Whether the kernel's layout takes `cols` columns in groups of `group`: blocks of 32, groups of 16 (two a
+    block) or whole blocks."""
+    return cols > 0 and cols % BLOCK == 0 and (group == 16 or (group > 0 and group % BLOCK == 0)) and cols % group == 0
+
+
 class BlockWeight:
     """A weight in kernels/cpu/qblock_gemm.cpp's layout (see there): codes [NT, k / 32, bits * 64] uint8 (NT tiles of
-    16 rows, zero-padded past n), scales and mins [NT, k / group, 16]. On CUDA or a CPU without the kernel the same
-    tensors feed the torch reference."""
+    16 rows, zero-padded past n), scales and mins [NT, k / group, 16] (group 16: fp32, as the kernel takes them; fp16
+    widens exactly). On CUDA or a CPU without the kernel the same tensors feed the torch reference."""
 
     def __init__(self, t: BlockTensor, device: torch.device | str = "cpu") -> None:
         n, k = t.shape
-        if k % BLOCK or t.group % BLOCK or k % t.group:
-            raise ValueError(f"{k} columns in groups of {t.group}: both must be multiples of {BLOCK}")
+        if not fits(k, t.group):
+            raise ValueError(f"{k} columns in groups of {t.group}: the columns must be a multiple of {BLOCK}, the "
+                             f"group 16 or a multiple of {BLOCK} dividing them")
+        if t.group == 16:
+            t = replace(t, scales=t.scales.float(), mins=None if t.mins is None else t.mins.float())
         self.n, self.k, self.bits, self.group, self.zero = n, k, t.bits, t.group, t.zero
         self.codes = pack_codes(t.codes, t.bits).to(device)
         self.scales = _tiles(t.scales).to(device)
@@ -122,41 +133,64 @@ class BlockWeight:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 rows [R, k] of the weight (an embedding lookup): only those rows are unpacked."""
         tiles, lanes = ids // TILE, ids % TILE
-        codes = self.codes[tiles]  # [R, KB, bits * 64]
-        if self.bits == 4:  # vector h's lane r: bytes 64h + 4r + i; low nibble column 8h + i, high 8h + 4 + i
-            raw = codes.view(-1, codes.shape[1], 4, TILE, 4)[torch.arange(len(ids)), :, :, lanes]  # [R, KB, 4, 4]
-            q = torch.stack([raw & 15, raw >> 4], dim=3).reshape(len(ids), self.k)
-        else:
-            q = codes.view(-1, codes.shape[1], 8, TILE, 4)[torch.arange(len(ids)), :, :, lanes].reshape(len(ids), self.k)
+        codes = self.codes[tiles]  # [R, KB, bits * 64]: vector v's lane r is bytes 64v + 4r .. 64v + 4r + 3
+        lane_vectors = codes.view(len(ids), -1, self.bits, TILE, 4)[torch.arange(len(ids)), :, :, lanes]
+        q = _codes(lane_vectors, self.bits).reshape(len(ids), self.k)
         d = self.scales[tiles, :, lanes].float()
         m = d * -float(self.zero) if self.mins is None else self.mins[tiles, :, lanes].float()
         return d.repeat_interleave(self.group, dim=1) * q.float() + m.repeat_interleave(self.group, dim=1)
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 [n, k] codes -> [ceil(n / 16), k / 32, bits * 64]: per tile and block of 32 columns, 64-byte vectors v
-    whose lane r (4 bytes) holds row r's columns 4v .. 4v + 3; with 4 bits vector h's low nibbles are vector 2h and
-    its high nibbles vector 2h + 1."""
+    """uint8 [n, k] codes -> [ceil(n / 16), k / 32, bits * 64]: per tile and block of 32 columns, `bits` 64-byte
+    vectors whose lane r (4 bytes) serves row r. 8 bits: vector v holds columns 4v .. 4v + 3. Fewer: the codes' low
+    nibbles first (vector h: low nibbles columns 8h .. 8h + 3, high nibbles 8h + 4 .. 8h + 7), then the high bits
+    (bits - 4 a code) of columns 4u .. 4u + 3, u = 8 / (bits - 4) * j + p, at bit (bits - 4) * p of vector 4 + j."""
     if codes.device.type == "cpu" and native.load() is not None:
         return native.qblock_pack(codes, bits)  # the same bytes in one pass
     n, k = codes.shape
     nt = -(-n // TILE)
     q = torch.zeros(nt * TILE, k, dtype=torch.uint8, device=codes.device)
     q[:n] = codes
-    if bits == 8:  # [NT, r, KB, v, i] -> [NT, KB, v, r, i]
-        return q.view(nt, TILE, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).reshape(nt, k // BLOCK, 512).contiguous()
-    q = q.view(nt, TILE, k // BLOCK, 4, 2, 4).permute(0, 2, 3, 1, 4, 5)  # [NT, KB, h, r, nibble, i]
-    return (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(nt, k // BLOCK, 256).contiguous()
+    vectors = _vectors(q.view(nt, TILE, k // BLOCK, BLOCK), bits)  # [NT, r, KB, bits, i]
+    return vectors.permute(0, 2, 3, 1, 4).reshape(nt, k // BLOCK, bits * 64).contiguous()
 
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """pack_codes' inverse: uint8 [NT * 16, k] (the padding rows included)."""
     nt, kb, _ = packed.shape
+    lane_vectors = packed.view(nt, kb, bits, TILE, 4).permute(0, 3, 1, 2, 4)  # [NT, r, KB, bits, i]
+    return _codes(lane_vectors, bits).reshape(nt * TILE, kb * BLOCK)
+
+
+def _vectors(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes [..., 32] of one lane and block -> that lane's 4 bytes of each of the block's vectors [..., bits, 4]."""
     if bits == 8:
-        return packed.view(nt, kb, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(nt * TILE, kb * BLOCK)
-    raw = packed.view(nt, kb, 4, TILE, 4)
-    q = torch.stack([raw & 15, raw >> 4], dim=4)  # [NT, KB, h, r, nibble, i]
-    return q.permute(0, 3, 1, 2, 4, 5).reshape(nt * TILE, kb * BLOCK)
+        return q.unflatten(-1, (8, 4))
+    nib = (q & 15).unflatten(-1, (4, 2, 4))  # [..., h, low / high nibble, i]
+    planes = [nib[..., 0, :] | (nib[..., 1, :] << 4)]
+    if bits > 4:
+        hb = bits - 4
+        hi = (q >> 4).unflatten(-1, (hb, 8 // hb, 4))  # [..., j, p, i]
+        plane = torch.zeros_like(hi[..., 0, :])
+        for p in range(8 // hb):
+            plane |= hi[..., p, :] << (hb * p)
+        planes.append(plane)
+    return torch.cat(planes, dim=-2)
+
+
+def _codes(vectors: torch.Tensor, bits: int) -> torch.Tensor:
+    """_vectors' inverse: [..., bits, 4] -> codes [..., 32]."""
+    if bits == 8:
+        return vectors.flatten(-2)
+    nib = vectors[..., :4, :]
+    q = torch.stack([nib & 15, nib >> 4], dim=-2).flatten(-3)
+    if bits > 4:
+        hb = bits - 4
+        shifts = torch.arange(0, 8, hb, dtype=torch.uint8, device=vectors.device)[:, None]  # [p, 1]
+        hi = (vectors[..., 4:, None, :] >> shifts) & ((1 << hb) - 1)  # [..., j, p, i]
+        q = q | (hi.flatten(-3) << 4)
+    return q
 
 
 def _tiles(s: torch.Tensor) -> torch.Tensor:

@@ -4,12 +4,13 @@ models/gguf_loader.py), AWQ and GPTQ (config.json's quantization_config, see mod
 Which layers run on their blocks (layers/quant_blocks.py) and which are dequantized at load:
 - AWQ / GPTQ: every quantized linear runs on its blocks, on any device (the native kernel on AVX-512 CPUs, the torch
   reference elsewhere). There is nothing else to run: --quantization int8 / w8a8 are refused.
-- GGUF: its Q4_0 / Q4_1 / Q8_0 / Q4_K linears, and the embedding / LM head, run on their blocks by default where the
-  native kernel runs (a CPU with AVX-512): faster and smaller than dequantized weights. The dequantized weights (the
-  cache's fp32 copy, exactly gguf.quants' values, in the model dtype: as before) instead where the user asks --quantization int8 / w8a8 (which
-  quantize those), dtype float32 (the exact reference: the kernel rounds activations to int8), LLMSERVE_GGUF_NATIVE=0,
-  on CUDA (no fast kernel there yet), and for tensors of other types (Q5_K, Q6_K, ...) or a fused layer whose shards
-  differ in bit width (one Q8_0, one Q4_1).
+- GGUF: its Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K linears, and the embedding / LM head, run on their blocks by
+  default where the native kernel runs (a CPU with AVX-512): faster and smaller than dequantized weights. The
+  dequantized weights (the cache's fp32 copy, exactly gguf.quants' values, in the model dtype: as before) instead
+  where the user asks --quantization int8 / w8a8 (which quantize those), dtype float32 (the exact reference: the
+  kernel rounds activations to int8), LLMSERVE_GGUF_NATIVE=0, on CUDA (no fast kernel there yet), and for tensors of
+  other types (Q2_K, Q3_K, Q5_0, IQ*, ...) or a fused layer whose shards differ in bit width or group (a Q5_K q_proj
+  beside a Q6_K v_proj, as Q5_K_M files have).
 
 A linear taking blocks gets a placeholder weight on the meta device before load_weights (expect_blocks), so no
 full-precision copy is ever allocated, and its packed BlockWeight after (finish_blocks).
@@ -31,7 +32,7 @@ from llmserve.errors import ModelLoadError
 from llmserve.kernels import native
 from llmserve.layers.embedding import VocabEmbedding
 from llmserve.layers.linear import Linear
-from llmserve.layers.quant_blocks import BLOCK, BlockTensor, expect_blocks, finish_blocks
+from llmserve.layers.quant_blocks import BlockTensor, expect_blocks, finish_blocks, fits
 from llmserve.models import awq_gptq, gguf_blocks
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,8 @@ def checkpoint_names(files: list[str]) -> list[str]:
 
 
 def _gguf_kind(qtype: str) -> tuple[int, int]:
-    return (8 if qtype == "Q8_0" else 4), BLOCK
+    """(code bits, group) of a natively run GGUF type."""
+    return gguf_blocks.KINDS[qtype]
 
 
 def _checkpoint_names(net: nn.Module, layer: nn.Module) -> list[str]:
@@ -114,7 +116,7 @@ def _checkpoint_names(net: nn.Module, layer: nn.Module) -> list[str]:
 
 def _block_layers(net: nn.Module, kinds: dict[str, tuple[int, int]], native_names: set[str]) -> dict[str, nn.Module]:
     """The linears / embeddings all of whose shards arrive as blocks of one bit width and group, the kernel's
-    columns (multiples of 32)."""
+    columns and groups (quant_blocks.fits)."""
     chosen = {}
     for prefix, m in net.named_modules():
         if not isinstance(m, (Linear, VocabEmbedding)) or getattr(m, "weight", None) is None:
@@ -126,7 +128,7 @@ def _block_layers(net: nn.Module, kinds: dict[str, tuple[int, int]], native_name
         cols = m.weight.shape[1]
         bits, group = next(iter(shard_kinds))
         group = cols if group == -1 else group
-        if len(shard_kinds) == 1 and cols % BLOCK == 0 and group % BLOCK == 0 and cols % group == 0:
+        if len(shard_kinds) == 1 and fits(cols, group):
             chosen[prefix] = m
     return chosen
 

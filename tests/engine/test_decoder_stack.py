@@ -1,6 +1,7 @@
 """The native decoder stack (kernels/cpu/decoder_stack.cpp) through the whole engine: the steps it runs (decodes, chunked
 prefills, both at once) give the same bits as the Python layers (LLMSERVE_DECODER_STACK=0), batched, windowed,
-preempted, prefix-cached, over 16-bit and int8 caches; models and settings it does not cover keep the Python layers."""
+preempted, prefix-cached, over 16-bit and int8 caches, bf16, int8 and GGUF block weights; models and settings it does
+not cover keep the Python layers."""
 
 from __future__ import annotations
 
@@ -74,6 +75,19 @@ def test_int8_weight_stacks_give_the_python_layers_bits(tiny_model_dir, monkeypa
                                                         kv: str) -> None:
     _check_same_bits(tiny_model_dir("qwen2"), monkeypatch, True, dtype=dtype, quantization=quantization,
                      kv_cache_dtype=kv)
+
+
+@pytest.mark.skipif(not native.qblock_usable(), reason="GGUF blocks run natively on AVX-512 CPUs")
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_K", "Q6_K"])  # 4-bit; 5-bit; 6-bit in groups of 16
+def test_gguf_block_stacks_give_the_python_layers_bits(tmp_path, monkeypatch, qtype: str) -> None:
+    import gguf
+
+    from tests.tiny_models import make_hf_model, write_tiny_gguf
+
+    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    hf = make_hf_model("llama", vocab_size=300, hidden_size=256, intermediate_size=256)  # K-quants: 256-column rows
+    path = write_tiny_gguf(hf, tmp_path / f"tiny.{qtype}.gguf", gguf.GGMLQuantizationType[qtype])
+    _check_same_bits(path, monkeypatch, True)
 
 
 def test_prefix_cache_hits_give_the_same_bits(tiny_model_dir, monkeypatch) -> None:

@@ -1,6 +1,7 @@
-"""kernels/cpu/qblock_gemm.cpp against torch: the packed layout (native packing = torch packing, unpacking = the codes,
-row lookups), the int8-activation (VNNI) product against the same arithmetic in float64, the FMA path against fp32,
-both against the unquantized-activation product, and a row's result independent of its batch."""
+"""kernels/cpu/qblock_gemm.cpp against torch, for 4-, 5-, 6- and 8-bit codes in groups of 16, 32 and 64: the packed
+layout (native packing = torch packing, the high-bit planes where the header says, unpacking = the codes, row
+lookups), the int8-activation (VNNI) product against the same arithmetic in float64, the FMA path against fp32, both
+against the unquantized-activation product, and a row's result independent of its batch."""
 
 from __future__ import annotations
 
@@ -12,12 +13,17 @@ from llmserve.layers import quant_blocks as qb
 
 pytestmark = pytest.mark.skipif(not native.qblock_usable(), reason="needs the native kernels on an AVX-512 CPU")
 
-# (bits, group, zero, mins, scale dtype): Q4_0, Q4_1, Q8_0, AWQ/GPTQ-like (group 64, fp32 mins)
+# (bits, group, zero, mins, scale dtype): Q4_0, Q4_1, Q8_0, AWQ/GPTQ-like (group 64, fp32 mins), Q5_K, Q6_K, and
+# groups of 16 with fp16 scales (widened at packing) and with mins
 FORMATS = {
     "q4_0": (4, 32, 8, False, torch.float16),
     "q4_1": (4, 32, 0, True, torch.float16),
     "q8_0": (8, 32, 128, False, torch.float16),
     "g64": (4, 64, 0, True, torch.float32),
+    "q5_k": (5, 32, 0, True, torch.float32),
+    "q6_k": (6, 16, 32, False, torch.float32),
+    "g16_q4": (4, 16, 8, False, torch.float16),
+    "g16_q5_mins": (5, 16, 0, True, torch.float32),
 }
 
 
@@ -49,7 +55,7 @@ def test_packing_round_trips(fmt: str, n: int, k: int) -> None:
     assert torch.equal(w.rows(ids), t.dequantize()[ids])
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 def test_native_packing_equals_torch(bits: int, monkeypatch) -> None:
     codes = torch.randint(0, 2 ** bits, (37, 96), dtype=torch.uint8)
     native_packed = qb.pack_codes(codes, bits)
@@ -57,8 +63,20 @@ def test_native_packing_equals_torch(bits: int, monkeypatch) -> None:
     assert torch.equal(native_packed, qb.pack_codes(codes, bits))
 
 
+@pytest.mark.parametrize("bits, column, byte, value", [
+    (5, 4 * 5 + 2, 256 + 4 * 3 + 2, 1 << 5),  # vector 5's high bit: bit 5 of the plane
+    (6, 4 * 6 + 1, 320 + 4 * 3 + 1, 3 << 4),  # vector 6 = 4 * 1 + 2: bits 4-5 of the plane's second vector
+])
+def test_high_bits_sit_where_the_header_says(bits: int, column: int, byte: int, value: int) -> None:
+    codes = torch.zeros(16, 32, dtype=torch.uint8)
+    codes[3, column] = 2 ** bits - 16  # high bits only (row 3: lane 3)
+    expected = torch.zeros(1, 1, bits * 64, dtype=torch.uint8)
+    expected[0, 0, byte] = value
+    assert torch.equal(qb.pack_codes(codes, bits), expected)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("m", [1, 3, 64])
+@pytest.mark.parametrize("m", [1, 3, 17, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_reference(fmt: str, m: int, dtype: torch.dtype) -> None:
     n, k = 53, 192  # odd n: a partial tile
@@ -84,7 +102,7 @@ def test_kernel_matches_reference(fmt: str, m: int, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("vnni", [True, False])
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q5_k", "q6_k"])
 def test_rows_do_not_depend_on_the_batch(fmt: str, vnni: bool) -> None:
     if vnni and not native.qblock_vnni_usable():
         pytest.skip("no AVX512-VNNI")
@@ -106,8 +124,16 @@ def test_concat_unifies_zero_points_exactly() -> None:
 
 def test_bad_shapes_are_refused() -> None:
     t = _weight("q4_1", 16, 64)
-    with pytest.raises(ValueError, match="multiples of 32"):
+    with pytest.raises(ValueError, match="a multiple of 32"):
         qb.BlockWeight(qb.BlockTensor(t.codes[:, :48], t.scales[:, :1], t.mins[:, :1], 4, 48))
+    with pytest.raises(ValueError, match="the group 16 or a multiple of 32"):
+        qb.BlockWeight(qb.BlockTensor(t.codes, t.scales[:, :1], t.mins[:, :1], 4, 8))
+    g16 = qb.BlockWeight(_weight("g16_q4", 16, 64))
+    assert g16.scales.dtype == torch.float32
+    with pytest.raises(RuntimeError, match="group 16 takes fp32 scales"):
+        native.qblock_weight(g16.codes, g16.scales.half(), None, 16, 64, 4, 16, 8)
+    with pytest.raises(RuntimeError, match="4-, 5-, 6- or 8-bit"):
+        native.qblock_weight(g16.codes, g16.scales, None, 16, 64, 7, 16, 8)
     w = qb.BlockWeight(t)
     with pytest.raises(RuntimeError, match="columns"):
         native.qblock_linear(torch.randn(2, 96), w.native, None)

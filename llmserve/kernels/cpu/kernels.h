@@ -52,7 +52,7 @@ std::vector<torch::Tensor> verify_rows(torch::Tensor logits, torch::Tensor tempe
                                        torch::Tensor top_p, torch::Tensor min_p, torch::Tensor u, torch::Tensor drafts,
                                        torch::Tensor u2);
 
-// qblock_gemm.cpp: a weight of 4- or 8-bit codes with a scale and a min per group of columns (w = d * q + m; no
+// qblock_gemm.cpp: a weight of 4-, 5-, 6- or 8-bit codes with a scale and a min per group of columns (w = d * q + m; no
 // mins: m = -zero * d), in the tile layout qblock_gemm.cpp describes (llmserve/layers/quant_blocks.py packs it)
 struct QBlockWeight {
   QBlockWeight(torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins, int64_t n, int64_t k,

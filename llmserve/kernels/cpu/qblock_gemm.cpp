@@ -1,13 +1,18 @@
-// Linear layers over block-quantized weights (GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K, AWQ, GPTQ) kept at their bit width:
+// Linear layers over block-quantized weights (GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K, AWQ, GPTQ) kept at their
+// bit width:
 //
-//   w[n, k] = d[n, g] * q[n, k] + m[n, g]       q: unsigned 4- or 8-bit codes, g = k / group (group % 32 == 0)
+//   w[n, k] = d[n, g] * q[n, k] + m[n, g]       q: unsigned 4-, 5-, 6- or 8-bit codes, g = k / group (group 16 or a
+//                                               multiple of 32)
 //   m = mins[n, g], or -zero * d[n, g] where the format has one integer zero point for every group (Q4_0: 8, Q8_0:
-//   128; the products are exact in fp32, so the values are the format's own)
+//   128, Q6_K: 32; the products are exact in fp32, so the values are the format's own)
 //
 // The layout (llmserve/layers/quant_blocks.py packs it at load): per tile of 16 output rows and block of 32 columns,
-// 256 bytes of 4-bit codes (512 of 8-bit) in the order vpdpbusd reads: 64-byte vector v holds, in lane r's 4 bytes,
-// row r's columns 4v .. 4v + 3 (4-bit: vector h's low nibbles are vector 2h, its high nibbles 2h + 1); tiles are
-// consecutive in k, so one tile is one stream. scales / mins: [tiles, K / group, 16], fp16 or fp32.
+// bits * 64 bytes in the order vpdpbusd reads. 8-bit: 64-byte vector v (v < 8) holds, in lane r's 4 bytes, row r's
+// columns 4v .. 4v + 3. 4-, 5- and 6-bit: the codes' low nibbles first (256 bytes: vector h's low nibbles are vector
+// 2h, its high nibbles vector 2h + 1), then their high bits (5-bit: 64 bytes, byte 4r + i's bit v is bit 4 of vector
+// v's byte 4r + i; 6-bit: 128 bytes, vector j's byte 4r + i holds in bits 2u, 2u + 1 the bits 4-5 of vector 4j + u's
+// byte 4r + i), so each vector gets its high bits with one shift and one masked or. Tiles are consecutive in k, so
+// one tile is one stream. scales / mins: [tiles, K / group, 16], fp16 or fp32 (group 16: fp32).
 //
 // The product: each row of x is quantized per block of 32 to int8 with its own scale (max |x| / 127, as llama.cpp
 // quantizes activations for its Q8 dot products) and the block's sums are exact int32 (vpdpbusd: the codes are the
@@ -15,11 +20,12 @@
 //
 //   y[i, n] = sum_b dx[i, b] * (d[n, g] * sum_k q[n, k] xq[i, k] + m[n, g] * sum_k xq[i, k])
 //
-// summed over blocks b in order with fused multiply-adds, the same operations whatever the tile: a row's result does
-// not depend on the rows batched with it. Why int8 activations: measured against fp32 FMAs on the unpacked codes
-// (the same layout, x in fp32: qblock_linear(..., vnni=0)) over SmolLM2-135M's Q4_1-shaped decoder linears (30 layers,
-// bf16 x, 2-core AMD EPYC Zen 5, best of 20, a busy machine): M = 1: 1.66 ms vs 2.18 ms; M = 64: 15.4 ms vs 54.2 ms
-// (w8a8_linear over int8 weights: 2.31 and 9.9 ms). The FMA path stays for AVX-512 CPUs without VNNI.
+// (group 16: the block's two halves, each with its own d, m and sums), summed over blocks b in order with fused
+// multiply-adds, the same operations whatever the tile: a row's result does not depend on the rows batched with it.
+// Why int8 activations: measured against fp32 FMAs on the unpacked codes (the same layout, x in fp32:
+// qblock_linear(..., vnni=0)) over SmolLM2-135M's Q4_1-shaped decoder linears (30 layers, bf16 x, 2-core AMD EPYC
+// Zen 5, best of 20, a busy machine): M = 1: 1.66 ms vs 2.18 ms; M = 64: 15.4 ms vs 54.2 ms (w8a8_linear over int8
+// weights: 2.31 and 9.9 ms). The FMA path stays for AVX-512 CPUs without VNNI.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -30,6 +36,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 
 #define LLMSERVE_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 
@@ -47,10 +54,11 @@ struct Weight {
   const uint8_t* codes;
   const void* scales;  // float or c10::Half [NT, KG, 16]
   const void* mins;    // the same, or null: m = -zero * d
-  int64_t KB, KG, blocks_per_group, bytes, zero;
+  int64_t KB, KG, blocks_per_group, bytes, zero;  // blocks_per_group: 1 for group 16 (two groups a block)
 };
 
-// Quantized activations: xq [M, K] int8, per block of 32: dx (scale) and sx (sum of xq, as float) [M, KB].
+// Quantized activations: xq [M, K] int8, per block of 32: dx (scale) [M, KB] and sx (sum of xq, as float) [M, KB],
+// or with group 16 the sums of the block's two halves [M, KB, 2].
 struct Act {
   const int8_t* q;
   const float* dx;
@@ -72,18 +80,40 @@ LLMSERVE_AVX512 inline void group_scales(const Weight& w, int64_t t, int64_t g, 
                         : _mm512_mul_ps(d, _mm512_set1_ps(-static_cast<float>(w.zero)));
 }
 
+// x's 16-bit words shifted left by S (right by -S). Moving a high-bit field to bits 4-5 takes a shift of at most 4
+// towards it, so no bit from the neighbouring byte lands in the field.
+template <int S>
+LLMSERVE_AVX512 inline __m512i shift16(__m512i x) {
+  if constexpr (S > 0) return _mm512_slli_epi16(x, S);
+  else if constexpr (S < 0) return _mm512_srli_epi16(x, -S);
+  else return x;
+}
+
+// 5- and 6-bit codes: vector u gets its high bits from the high plane after the nibbles (see the header):
+// v[u] |= (plane shifted so that u's field is at bit 4) & field, one vpternlogd (0xF8: a | (b & c)) a vector.
+template <int BITS, int... U>
+LLMSERVE_AVX512 inline void add_high_bits(const uint8_t* c, __m512i* v, std::integer_sequence<int, U...>) {
+  constexpr int HB = BITS - 4, PER = 8 / HB;  // high bits a code; vectors served by one vector of the plane
+  const __m512i field = _mm512_set1_epi8(static_cast<char>(((1 << HB) - 1) << 4));
+  __m512i hi[2];
+  hi[0] = _mm512_loadu_si512(c + 256);
+  if constexpr (HB == 2) hi[1] = _mm512_loadu_si512(c + 320);
+  ((v[U] = _mm512_ternarylogic_epi32(v[U], shift16<4 - HB * (U % PER)>(hi[U / PER]), field, 0xF8)), ...);
+}
+
 // The 8 vectors of one (tile, block): vector v = lane r's columns 4v .. 4v + 3 as unsigned bytes.
 template <int BITS>
 LLMSERVE_AVX512 inline void unpack_codes(const uint8_t* c, __m512i* v) {
-  if constexpr (BITS == 4) {
+  if constexpr (BITS == 8) {
+    _Pragma("GCC unroll 8") for (int h = 0; h < 8; ++h) v[h] = _mm512_loadu_si512(c + 64 * h);
+  } else {
     const __m512i low = _mm512_set1_epi8(0x0F);
     _Pragma("GCC unroll 4") for (int h = 0; h < 4; ++h) {
       const __m512i raw = _mm512_loadu_si512(c + 64 * h);
       v[2 * h] = _mm512_and_si512(raw, low);
       v[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
     }
-  } else {
-    _Pragma("GCC unroll 8") for (int h = 0; h < 8; ++h) v[h] = _mm512_loadu_si512(c + 64 * h);
+    if constexpr (BITS > 4) add_high_bits<BITS>(c, v, std::make_integer_sequence<int, 8>{});
   }
 }
 
@@ -105,32 +135,44 @@ LLMSERVE_VNNI inline void dpbusd_bcast(__m512i& s, __m512i v, const int32_t* x) 
 // y[i0 : i0 + MR, tiles t0 .. t0 + NR) by int8 dot products. no-tree-pre as in w8a8_linear.cpp (GCC otherwise spills
 // the accumulators on every iteration). A block's 8 dot products run as two chains of 4 (exact int32, so the sum is
 // the same): one chain of 8 waits on vpdpbusd's latency (over SmolLM2's decoder linears at 64 rows, 2-core Zen 5, a
-// noisy VM: 1.03-1.18x bf16's dot tile with two chains against 1.08-1.09x with one; four chains spill).
-template <int MR, int NR, int BITS, typename S, typename T>
+// noisy VM: 1.03-1.18x bf16's dot tile with two chains against 1.08-1.09x with one; four chains spill). G16 (group
+// 16): the chains are the block's two halves (vectors 0-3: columns 0-15, 4-7: 16-31), each with its own d and m.
+template <int MR, int NR, int BITS, bool G16, typename S, typename T>
 LLMSERVE_VNNI __attribute__((optimize("no-tree-pre"))) void tile_vnni(const Act& a, const Weight& w, int64_t i0,
                                                                       int64_t t0, int64_t N, const float* bias, T* y) {
   __m512 acc[MR][NR];
   _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i)
     _Pragma("GCC unroll 4") for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.KB; ++b) {
-    const int64_t g = b / w.blocks_per_group;
+    const int64_t g = G16 ? 2 * b : b / w.blocks_per_group;
     _Pragma("GCC unroll 4") for (int j = 0; j < NR; ++j) {
       const uint8_t* c = w.codes + ((t0 + j) * a.KB + b) * w.bytes;
       if (MR <= 2)
         for (int64_t off = 0; off < w.bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(c + off + kPrefetchBytes), _MM_HINT_T0);
       __m512i v[8];
       unpack_codes<BITS>(c, v);
-      __m512 d, m;
+      __m512 d, m, d1, m1;
       group_scales<S>(w, t0 + j, g, d, m);
+      if constexpr (G16) group_scales<S>(w, t0 + j, g + 1, d1, m1);
       _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i) {
         const int64_t row = i0 + i;
         const int32_t* xq = reinterpret_cast<const int32_t*>(a.q + row * a.K + b * kBlock);
         __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-        dpbusd_bcast<0>(s0, v[0], xq), dpbusd_bcast<1>(s1, v[1], xq), dpbusd_bcast<2>(s0, v[2], xq);
-        dpbusd_bcast<3>(s1, v[3], xq), dpbusd_bcast<4>(s0, v[4], xq), dpbusd_bcast<5>(s1, v[5], xq);
-        dpbusd_bcast<6>(s0, v[6], xq), dpbusd_bcast<7>(s1, v[7], xq);
-        const __m512i s = _mm512_add_epi32(s0, s1);
-        const __m512 t = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sx[row * a.KB + b]), _mm512_mul_ps(d, _mm512_cvtepi32_ps(s)));
+        __m512 t;
+        if constexpr (G16) {  // the block's halves: vectors 0-3 and 4-7
+          dpbusd_bcast<0>(s0, v[0], xq), dpbusd_bcast<4>(s1, v[4], xq), dpbusd_bcast<1>(s0, v[1], xq);
+          dpbusd_bcast<5>(s1, v[5], xq), dpbusd_bcast<2>(s0, v[2], xq), dpbusd_bcast<6>(s1, v[6], xq);
+          dpbusd_bcast<3>(s0, v[3], xq), dpbusd_bcast<7>(s1, v[7], xq);
+          const float* sx = a.sx + (row * a.KB + b) * 2;
+          t = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[0]), _mm512_mul_ps(d, _mm512_cvtepi32_ps(s0)));
+          t = _mm512_fmadd_ps(d1, _mm512_cvtepi32_ps(s1), _mm512_fmadd_ps(m1, _mm512_set1_ps(sx[1]), t));
+        } else {
+          dpbusd_bcast<0>(s0, v[0], xq), dpbusd_bcast<1>(s1, v[1], xq), dpbusd_bcast<2>(s0, v[2], xq);
+          dpbusd_bcast<3>(s1, v[3], xq), dpbusd_bcast<4>(s0, v[4], xq), dpbusd_bcast<5>(s1, v[5], xq);
+          dpbusd_bcast<6>(s0, v[6], xq), dpbusd_bcast<7>(s1, v[7], xq);
+          const __m512i s = _mm512_add_epi32(s0, s1);
+          t = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sx[row * a.KB + b]), _mm512_mul_ps(d, _mm512_cvtepi32_ps(s)));
+        }
         acc[i][j] = _mm512_fmadd_ps(t, _mm512_set1_ps(a.dx[row * a.KB + b]), acc[i][j]);
       }
     }
@@ -141,8 +183,8 @@ LLMSERVE_VNNI __attribute__((optimize("no-tree-pre"))) void tile_vnni(const Act&
 }
 
 // The same product with x in fp32 and fp32 FMAs on the widened codes (AVX-512 without VNNI). xf: [M, K] fp32; a.sx:
-// the blocks' sums of x.
-template <int MR, int NR, int BITS, typename S, typename T>
+// the blocks' sums of x (G16: of their halves).
+template <int MR, int NR, int BITS, bool G16, typename S, typename T>
 LLMSERVE_AVX512 __attribute__((optimize("no-tree-pre"))) void tile_fma(const float* xf, const Act& a, const Weight& w,
                                                                       int64_t i0, int64_t t0, int64_t N,
                                                                       const float* bias, T* y) {
@@ -151,22 +193,28 @@ LLMSERVE_AVX512 __attribute__((optimize("no-tree-pre"))) void tile_fma(const flo
     _Pragma("GCC unroll 4") for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   const __m512i byte = _mm512_set1_epi32(0xFF);
   for (int64_t b = 0; b < a.KB; ++b) {
-    const int64_t g = b / w.blocks_per_group;
+    const int64_t g = G16 ? 2 * b : b / w.blocks_per_group;
     _Pragma("GCC unroll 4") for (int j = 0; j < NR; ++j) {
       __m512i v[8];
       unpack_codes<BITS>(w.codes + ((t0 + j) * a.KB + b) * w.bytes, v);
-      __m512 d, m;
+      __m512 d, m, d1, m1;
       group_scales<S>(w, t0 + j, g, d, m);
-      __m512 s[MR];
-      _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i) s[i] = _mm512_setzero_ps();
+      if constexpr (G16) group_scales<S>(w, t0 + j, g + 1, d1, m1);
+      __m512 s[MR], s1[MR];  // s1: G16's columns 16-31
+      _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i) s[i] = s1[i] = _mm512_setzero_ps();
       _Pragma("GCC unroll 8") for (int k = 0; k < 8; ++k)
         _Pragma("GCC unroll 4") for (int c = 0; c < 4; ++c) {
           const __m512 q = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v[k], 8 * c), byte));
-          _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i)
-            s[i] = _mm512_fmadd_ps(q, _mm512_set1_ps(xf[(i0 + i) * a.K + b * kBlock + 4 * k + c]), s[i]);
+          _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i) {
+            const __m512 xv = _mm512_set1_ps(xf[(i0 + i) * a.K + b * kBlock + 4 * k + c]);
+            if (G16 && k >= 4) s1[i] = _mm512_fmadd_ps(q, xv, s1[i]);
+            else s[i] = _mm512_fmadd_ps(q, xv, s[i]);
+          }
         }
       _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i) {
-        const __m512 t = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sx[(i0 + i) * a.KB + b]), _mm512_mul_ps(d, s[i]));
+        const int64_t at = ((i0 + i) * a.KB + b) * (G16 ? 2 : 1);
+        __m512 t = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sx[at]), _mm512_mul_ps(d, s[i]));
+        if constexpr (G16) t = _mm512_fmadd_ps(d1, s1[i], _mm512_fmadd_ps(m1, _mm512_set1_ps(a.sx[at + 1]), t));
         acc[i][j] = _mm512_add_ps(acc[i][j], t);
       }
     }
@@ -177,8 +225,8 @@ LLMSERVE_AVX512 __attribute__((optimize("no-tree-pre"))) void tile_fma(const flo
 }
 
 // One row of x, per block of 32: int8 codes round(x / dx) with dx = max |x| / 127 (0 for an all-zero block), their
-// sum, and dx.
-template <typename T>
+// sum (G16: the sums of the block's two halves), and dx.
+template <bool G16, typename T>
 LLMSERVE_AVX512 void quantize_row(const T* x, int64_t KB, int8_t* q, float* dx, float* sx) {
   for (int64_t b = 0; b < KB; ++b) {
     const __m512 v0 = load16(x + b * kBlock), v1 = load16(x + b * kBlock + 16);
@@ -189,18 +237,28 @@ LLMSERVE_AVX512 void quantize_row(const T* x, int64_t KB, int8_t* q, float* dx, 
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtsepi32_epi8(q0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtsepi32_epi8(q1));
     dx[b] = d;
-    sx[b] = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+    if constexpr (G16) {
+      sx[2 * b] = static_cast<float>(_mm512_reduce_add_epi32(q0));
+      sx[2 * b + 1] = static_cast<float>(_mm512_reduce_add_epi32(q1));
+    } else {
+      sx[b] = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+    }
   }
 }
 
-// One row of x in fp32 and its blocks' sums (the FMA path).
-template <typename T>
+// One row of x in fp32 and its blocks' sums (G16: their halves' sums; the FMA path).
+template <bool G16, typename T>
 LLMSERVE_AVX512 void widen_row(const T* x, int64_t KB, float* xf, float* sx) {
   for (int64_t b = 0; b < KB; ++b) {
     const __m512 v0 = load16(x + b * kBlock), v1 = load16(x + b * kBlock + 16);
     _mm512_storeu_ps(xf + b * kBlock, v0);
     _mm512_storeu_ps(xf + b * kBlock + 16, v1);
-    sx[b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+    if constexpr (G16) {
+      sx[2 * b] = _mm512_reduce_add_ps(v0);
+      sx[2 * b + 1] = _mm512_reduce_add_ps(v1);
+    } else {
+      sx[b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+    }
   }
 }
 
@@ -209,27 +267,28 @@ bool vnni_supported() {
   return ok;
 }
 
-template <typename T, typename S, int BITS>
+template <typename T, typename S, int BITS, bool G16>
 void run(const torch::Tensor& x, const QBlockWeight& qw, const Weight& w, const float* bias, bool vnni, T* yp) {
   const int64_t M = x.size(0), K = x.size(1), KB = K / kBlock, N = qw.n, NT = qw.codes.size(0);
+  constexpr int64_t kSums = G16 ? 2 : 1;  // activation sums a block
   const T* xp = x.data_ptr<T>();
   auto dx = torch::empty({M, KB}, x.options().dtype(at::kFloat));
-  auto sx = torch::empty({M, KB}, x.options().dtype(at::kFloat));
+  auto sx = torch::empty({M, KB * kSums}, x.options().dtype(at::kFloat));
   torch::Tensor xq = torch::empty({M, K}, x.options().dtype(vnni ? at::kChar : at::kFloat));
   float* dxp = dx.data_ptr<float>();
   float* sxp = sx.data_ptr<float>();
   at::parallel_for(0, M, std::max<int64_t>(1, kSerialElems / K), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      if (vnni) quantize_row(xp + i * K, KB, xq.data_ptr<int8_t>() + i * K, dxp + i * KB, sxp + i * KB);
-      else widen_row(xp + i * K, KB, xq.data_ptr<float>() + i * K, sxp + i * KB);
+      if (vnni) quantize_row<G16>(xp + i * K, KB, xq.data_ptr<int8_t>() + i * K, dxp + i * KB, sxp + i * KB * kSums);
+      else widen_row<G16>(xp + i * K, KB, xq.data_ptr<float>() + i * K, sxp + i * KB * kSums);
     }
   });
   const Act a{vnni ? xq.data_ptr<int8_t>() : nullptr, dxp, sxp, K, KB};
   const float* xf = vnni ? nullptr : xq.data_ptr<float>();
   auto tile = [&](auto mr, auto nt, int64_t i, int64_t t) {
     constexpr int MR = decltype(mr)::value, NR = decltype(nt)::value;
-    if (vnni) tile_vnni<MR, NR, BITS, S, T>(a, w, i, t, N, bias, yp);
-    else tile_fma<MR, NR, BITS, S, T>(xf, a, w, i, t, N, bias, yp);
+    if (vnni) tile_vnni<MR, NR, BITS, G16, S, T>(a, w, i, t, N, bias, yp);
+    else tile_fma<MR, NR, BITS, G16, S, T>(xf, a, w, i, t, N, bias, yp);
   };
   // A row or two read each tile's codes as one stream (tiles one after the other); more rows share each tile's
   // unpacked codes across up to 3 tiles.
@@ -261,18 +320,25 @@ torch::Tensor qblock_linear(torch::Tensor x, const QBlockWeight& qw, c10::option
   const auto xc = x.contiguous();
   auto y = torch::empty({x.size(0), qw.n}, x.options());
   const Weight w{qw.codes.data_ptr<uint8_t>(), qw.scales.data_ptr(), qw.mins.has_value() ? qw.mins->data_ptr() : nullptr,
-                 qw.k / kBlock, qw.scales.size(1), qw.group / kBlock, qw.bits * 64, qw.zero};
+                 qw.k / kBlock, qw.scales.size(1), std::max<int64_t>(1, qw.group / kBlock), qw.bits * 64, qw.zero};
   const bool half = qw.scales.scalar_type() == at::kHalf;
   auto go = [&](auto t) {
     using T = decltype(t);
     T* yp = y.data_ptr<T>();
-    if (half) {
-      if (qw.bits == 4) run<T, c10::Half, 4>(xc, qw, w, bp, use_vnni, yp);
-      else run<T, c10::Half, 8>(xc, qw, w, bp, use_vnni, yp);
-    } else {
-      if (qw.bits == 4) run<T, float, 4>(xc, qw, w, bp, use_vnni, yp);
-      else run<T, float, 8>(xc, qw, w, bp, use_vnni, yp);
-    }
+    auto with_bits = [&](auto s, auto g16) {
+      using S = decltype(s);
+      constexpr bool G16 = decltype(g16)::value;
+      switch (qw.bits) {
+        case 4: return run<T, S, 4, G16>(xc, qw, w, bp, use_vnni, yp);
+        case 5: return run<T, S, 5, G16>(xc, qw, w, bp, use_vnni, yp);
+        case 6: return run<T, S, 6, G16>(xc, qw, w, bp, use_vnni, yp);
+        default: return run<T, S, 8, G16>(xc, qw, w, bp, use_vnni, yp);
+      }
+    };
+    // group 16 has fp32 scales (the constructor checks): half as many instantiations to compile
+    if (qw.group == 16) with_bits(float{}, std::true_type{});
+    else if (half) with_bits(c10::Half{}, std::false_type{});
+    else with_bits(float{}, std::false_type{});
   };
   if (xc.scalar_type() == at::kBFloat16) go(c10::BFloat16{});
   else go(float{});
@@ -284,9 +350,11 @@ QBlockWeight::QBlockWeight(torch::Tensor codes_, torch::Tensor scales_, c10::opt
     : codes(std::move(codes_)), scales(std::move(scales_)), mins(std::move(mins_)), n(n_), k(k_), bits(bits_),
       group(group_), zero(zero_) {
   const int64_t NT = (n + kTileRows - 1) / kTileRows;
-  TORCH_CHECK(bits == 4 || bits == 8, "QBlockWeight: 4- or 8-bit codes, got ", bits);
-  TORCH_CHECK(k > 0 && k % kBlock == 0 && group > 0 && group % kBlock == 0 && k % group == 0,
-              "QBlockWeight: columns (", k, ") and group (", group, ") must be multiples of 32, the group dividing k");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "QBlockWeight: 4-, 5-, 6- or 8-bit codes, got ", bits);
+  TORCH_CHECK(k > 0 && k % kBlock == 0 && (group == 16 || (group > 0 && group % kBlock == 0)) && k % group == 0,
+              "QBlockWeight: columns (", k, ") must be a multiple of 32 and group (", group,
+              ") 16 or a multiple of 32 dividing them");
+  TORCH_CHECK(group != 16 || scales.scalar_type() == at::kFloat, "QBlockWeight: group 16 takes fp32 scales");
   TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   codes.dim() == 3 && codes.size(0) == NT && codes.size(1) == k / kBlock && codes.size(2) == bits * 64,
               "QBlockWeight: codes must be contiguous uint8 [", NT, ", ", k / kBlock, ", ", bits * 64, "]");
@@ -300,14 +368,15 @@ QBlockWeight::QBlockWeight(torch::Tensor codes_, torch::Tensor scales_, c10::opt
   if (mins.has_value()) check(*mins, "mins");
 }
 
-// codes uint8 [n, k] (one per byte, < 2^bits) -> the packed layout [ceil(n / 16), k / 32, bits * 64] (zero past n),
-// as llmserve/layers/quant_blocks.py's pack_codes (its torch reference) lays it out; one pass at load.
+// codes uint8 [n, k] (one per byte, < 2^bits) -> the packed layout [ceil(n / 16), k / 32, bits * 64] (zero past n;
+// see the header), as llmserve/layers/quant_blocks.py's pack_codes (its torch reference) lays it out; one pass at load.
 torch::Tensor qblock_pack(torch::Tensor codes, int64_t bits) {
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.device().is_cpu() && codes.size(1) % kBlock == 0,
               "qblock_pack: codes must be uint8 [n, k] on the CPU, k a multiple of 32");
-  TORCH_CHECK(bits == 4 || bits == 8, "qblock_pack: 4 or 8 bits");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "qblock_pack: 4, 5, 6 or 8 bits");
   const auto c = codes.contiguous();
   const int64_t n = c.size(0), k = c.size(1), NT = (n + kTileRows - 1) / kTileRows, KB = k / kBlock, bytes = bits * 64;
+  const int64_t hb = bits - 4, per = hb > 0 ? 8 / hb : 0;  // high bits a code; vectors a high-plane vector serves
   auto out = torch::zeros({NT, KB, bytes}, c.options());
   const uint8_t* src = c.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
@@ -320,8 +389,13 @@ torch::Tensor qblock_pack(torch::Tensor codes, int64_t bits) {
           const uint8_t* q = row + b * kBlock;
           for (int64_t v = 0; v < 8; ++v)
             for (int64_t i = 0; i < 4; ++i) {
-              if (bits == 8) o[64 * v + i] = q[4 * v + i];
-              else o[64 * (v / 2) + i] |= static_cast<uint8_t>((q[4 * v + i] & 15) << (4 * (v % 2)));
+              const uint8_t code = q[4 * v + i];
+              if (bits == 8) {
+                o[64 * v + i] = code;
+                continue;
+              }
+              o[64 * (v / 2) + i] |= static_cast<uint8_t>((code & 15) << (4 * (v % 2)));
+              if (hb > 0) o[256 + 64 * (v / per) + i] |= static_cast<uint8_t>((code >> 4) << (hb * (v % per)));
             }
         }
       }
@@ -355,8 +429,8 @@ torch::Tensor gguf_nibbles(torch::Tensor raw, int64_t offset, int64_t size) {
 }
 
 void bind_qblocks(pybind11::module_& m) {
-  m.def("qblock_pack", &qblock_pack, "uint8 codes [n, k] -> qblock_linear's packed layout", py::arg("codes"),
-        py::arg("bits"));
+  m.def("qblock_pack", &qblock_pack, "uint8 codes [n, k] (4, 5, 6 or 8 bits) -> qblock_linear's packed layout",
+        py::arg("codes"), py::arg("bits"));
   m.def("gguf_nibbles", &gguf_nibbles, "the nibbles of GGUF Q4_0/Q4_1 blocks as one code per byte", py::arg("raw"),
         py::arg("offset"), py::arg("size"));
   py::class_<QBlockWeight>(m, "QBlockWeight", "a block-quantized weight in qblock_gemm.cpp's layout")
