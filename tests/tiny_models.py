@@ -236,11 +236,12 @@ def _llama_cpp_permute(w: Any, n_head: int) -> Any:
 
 
 def write_tiny_gguf(hf_model: Any, path: str | os.PathLike, qtype: Any = None,
-                    rope_freqs: Any = None, orig_ctx: int | None = None) -> str:
+                    rope_freqs: Any = None, orig_ctx: int | None = None, qtypes: dict[str, Any] | None = None) -> str:
     """A GGUF of `hf_model` (llama, qwen2 or qwen3; vocab must equal the tiny tokenizer's 300) with
     the tiny tokenizer and chat template as metadata, written as llama.cpp's converter would (Q/K
-    permuted for llama). 2-D weights are stored as `qtype` (default F32), 1-D ones as F32. K-quants (Q4_K, Q5_K,
-    Q6_K; tests/gguf_k_quants.py encodes them) need 2-D weights of whole 256-column rows."""
+    permuted for llama). 2-D weights are stored as `qtype` (default F32), or as qtypes[suffix] for the HF names ending
+    in a suffix it lists (a "_M" mix: {"v_proj.weight": Q6_K}), 1-D ones as F32. K-quants (Q4_K, Q5_K, Q6_K;
+    tests/gguf_k_quants.py encodes them) need 2-D weights of whole 256-column rows."""
     import gguf
 
     cfg, tok = hf_model.config, tiny_tokenizer()
@@ -271,8 +272,9 @@ def write_tiny_gguf(hf_model: Any, path: str | os.PathLike, qtype: Any = None,
             arr = _llama_cpp_permute(arr, cfg.num_attention_heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             arr = _llama_cpp_permute(arr, cfg.num_key_value_heads)
-        if arr.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(_gguf_name(name), _quantize(arr, qtype), raw_dtype=qtype)
+        t_type = next((q for suffix, q in (qtypes or {}).items() if name.endswith(suffix)), qtype)
+        if arr.ndim == 2 and t_type != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(_gguf_name(name), _quantize(arr, t_type), raw_dtype=t_type)
         else:
             w.add_tensor(_gguf_name(name), arr)
     if rope_freqs is not None:

@@ -62,21 +62,44 @@ class BlockTensor:
         return d * self.codes.float() + m.repeat_interleave(self.group, dim=1)
 
 
+def common_kind(kinds: set[tuple[int, int]]) -> tuple[int, int] | None:
+    """The (bits, group) that shards of these kinds are stacked in: the widest codes and the smallest group, where
+    every group is a multiple of it (else None). Each shard's values stay exactly its own: a code of fewer bits is a
+    valid wider one, and a group's scale and min repeat over the smaller groups it splits into."""
+    bits = max(b for b, _ in kinds)
+    group = min(g for _, g in kinds)
+    return (bits, group) if all(g % group == 0 for _, g in kinds) else None
+
+
+def widen(t: BlockTensor, bits: int, group: int) -> BlockTensor:
+    """t's values with `bits`-bit codes (>= t.bits) in groups of `group` (dividing t.group): exact."""
+    if (t.bits, t.group) == (bits, group):
+        return t
+    r = t.group // group
+    mins = None if t.mins is None else t.mins.repeat_interleave(r, dim=1)
+    return BlockTensor(t.codes, t.scales.repeat_interleave(r, dim=1), mins, bits, group, t.zero)
+
+
 def concat(parts: list[BlockTensor]) -> BlockTensor:
-    """Shards of a fused layer (q, k, v) stacked along the rows. They need one bit width, group and width; differing
-    zero points or scale dtypes become explicit fp32 mins (exact). ValueError if they cannot be stacked."""
+    """Shards of a fused layer (q, k, v) stacked along the rows. Shards of different bit widths or groups (a
+    Q4_K_M GGUF's Q4_K q and k beside a Q6_K v) are widened to their common kind (common_kind: exact, the narrower
+    shards' codes then take the wider form's memory); differing zero points or scale dtypes become explicit fp32
+    mins (exact). ValueError if they cannot be stacked (different widths, groups that do not nest)."""
     first = parts[0]
-    if any(p.bits != first.bits or p.group != first.group or p.shape[1] != first.shape[1] for p in parts):
-        raise ValueError("shards of different bit widths, groups or columns: "
-                         + ", ".join(f"{p.bits}-bit/{p.group}" for p in parts))
+    if any(p.shape[1] != first.shape[1] for p in parts):
+        raise ValueError("shards of different columns: " + ", ".join(str(p.shape[1]) for p in parts))
+    kind = common_kind({(p.bits, p.group) for p in parts})
+    if kind is None:
+        raise ValueError("shards whose groups do not nest: " + ", ".join(f"{p.bits}-bit/{p.group}" for p in parts))
     if len(parts) == 1:
         return first
-    if any((p.mins is None, p.zero, p.scales.dtype) != (first.mins is None, first.zero, first.scales.dtype)
+    parts = [widen(p, *kind) for p in parts]
+    if any((p.mins is None, p.zero, p.scales.dtype) != (parts[0].mins is None, parts[0].zero, parts[0].scales.dtype)
            for p in parts):
         parts = [p.with_mins(torch.float32) for p in parts]
     mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
     return BlockTensor(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), mins,
-                       first.bits, first.group, parts[0].zero)
+                       *kind, parts[0].zero)
 
 
 def fits(cols: int, group: int) -> bool:

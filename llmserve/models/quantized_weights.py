@@ -9,8 +9,9 @@ Which layers run on their blocks (layers/quant_blocks.py) and which are dequanti
   dequantized weights (the cache's fp32 copy, exactly gguf.quants' values, in the model dtype: as before) instead
   where the user asks --quantization int8 / w8a8 (which quantize those), dtype float32 (the exact reference: the
   kernel rounds activations to int8), LLMSERVE_GGUF_NATIVE=0, on CUDA (no fast kernel there yet), and for tensors of
-  other types (Q2_K, Q3_K, Q5_0, IQ*, ...) or a fused layer whose shards differ in bit width or group (a Q5_K q_proj
-  beside a Q6_K v_proj, as Q5_K_M files have).
+  other types (Q2_K, Q3_K, Q5_0, IQ*, ...). A fused layer whose shards differ in bit width or group (a Q4_K q_proj
+  beside a Q6_K v_proj, as Q4_K_M and Q5_K_M files have) runs on their common form (quant_blocks.concat: the widest
+  codes in the smallest group, exact).
 
 A linear taking blocks gets a placeholder weight on the meta device before load_weights (expect_blocks), so no
 full-precision copy is ever allocated, and its packed BlockWeight after (finish_blocks).
@@ -32,7 +33,7 @@ from llmserve.errors import ModelLoadError
 from llmserve.kernels import native
 from llmserve.layers.embedding import VocabEmbedding
 from llmserve.layers.linear import Linear
-from llmserve.layers.quant_blocks import BlockTensor, expect_blocks, finish_blocks, fits
+from llmserve.layers.quant_blocks import BlockTensor, common_kind, expect_blocks, finish_blocks, fits
 from llmserve.models import awq_gptq, gguf_blocks
 
 log = logging.getLogger(__name__)
@@ -115,8 +116,8 @@ def _checkpoint_names(net: nn.Module, layer: nn.Module) -> list[str]:
 
 
 def _block_layers(net: nn.Module, kinds: dict[str, tuple[int, int]], native_names: set[str]) -> dict[str, nn.Module]:
-    """The linears / embeddings all of whose shards arrive as blocks of one bit width and group, the kernel's
-    columns and groups (quant_blocks.fits)."""
+    """The linears / embeddings all of whose shards arrive as blocks, of kinds with a common one (shards of a fused
+    layer may differ: quant_blocks.concat widens them), in the kernel's columns and groups (quant_blocks.fits)."""
     chosen = {}
     for prefix, m in net.named_modules():
         if not isinstance(m, (Linear, VocabEmbedding)) or getattr(m, "weight", None) is None:
@@ -124,11 +125,9 @@ def _block_layers(net: nn.Module, kinds: dict[str, tuple[int, int]], native_name
         names = _checkpoint_names(net, m)
         if not all(n in native_names for n in names):
             continue
-        shard_kinds = {kinds[n] for n in names}
         cols = m.weight.shape[1]
-        bits, group = next(iter(shard_kinds))
-        group = cols if group == -1 else group
-        if len(shard_kinds) == 1 and fits(cols, group):
+        kind = common_kind({(bits, cols if group == -1 else group) for bits, group in (kinds[n] for n in names)})
+        if kind is not None and fits(cols, kind[1]):
             chosen[prefix] = m
     return chosen
 

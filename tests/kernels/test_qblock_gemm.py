@@ -118,8 +118,11 @@ def test_concat_unifies_zero_points_exactly() -> None:
     both = qb.concat([a, b])
     assert both.mins is not None and both.mins.dtype == torch.float32
     assert torch.equal(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
-    with pytest.raises(ValueError, match="different bit widths"):
-        qb.concat([a, _weight("q8_0", 16, 64)])
+    c = _weight("q8_0", 16, 64)  # another bit width: the 4-bit codes widen to 8, exactly
+    mixed = qb.concat([a, c])
+    assert mixed.bits == 8 and torch.equal(mixed.dequantize(), torch.cat([a.dequantize(), c.dequantize()]))
+    with pytest.raises(ValueError, match="different columns"):
+        qb.concat([a, _weight("q4_0", 16, 96)])
 
 
 def test_bad_shapes_are_refused() -> None:

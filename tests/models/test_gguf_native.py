@@ -108,6 +108,47 @@ def test_tiny_gguf_runs_on_its_blocks_like_its_dequantized_weights(qtype: str, t
 
 
 @native_only
+def test_a_q4_k_m_mix_runs_its_fused_layers_on_their_common_form(tmp_path, monkeypatch) -> None:
+    """Q4_K_M's mix: Q4_K q/k beside a Q6_K v (and a Q6_K down_proj). The fused qkv takes 6-bit codes in groups of
+    16, every shard's values exactly its own; the model matches its dequantized weights as a plain Q4_K one does."""
+    hf = make_hf_model("llama", vocab_size=300, hidden_size=256, intermediate_size=256)
+    path = write_tiny_gguf(hf, tmp_path / "tiny.Q4_K_M.gguf", Q.Q4_K,
+                           qtypes={"v_proj.weight": Q.Q6_K, "down_proj.weight": Q.Q6_K})
+    ours = load_model(path, BF16)
+    layer = ours.model.model.layers[0]
+    qkv, down, gate_up = layer.self_attn.qkv_proj, layer.mlp.down_proj, layer.mlp.gate_up_proj
+    assert all(m.weight is None for m in (qkv, down, gate_up))
+    assert (qkv.qblocks.bits, qkv.qblocks.group) == (6, 16) == (down.qblocks.bits, down.qblocks.group)
+    assert (gate_up.qblocks.bits, gate_up.qblocks.group) == (4, 32)
+    monkeypatch.setenv("LLMSERVE_GGUF_NATIVE", "0")
+    ref = load_model(path, BF16)
+    ref_linears = _linears(ref.model)
+    for name, m in _linears(ours.model).items():
+        assert torch.equal(m.qblocks.dequantize()[:m.qblocks.n].bfloat16(), ref_linears[name].weight), name
+    a = PagedRunner(ours.model).step([(0, IDS)])[0]
+    b = PagedRunner(ref.model).step([(0, IDS)])[0]
+    assert (a - b).abs().max().item() <= 0.1 * b.abs().max().item()  # the K-quant bound above
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_shards_of_different_kinds_stack_exactly() -> None:
+    from llmserve.layers import quant_blocks as qb
+
+    g = torch.Generator().manual_seed(0)
+    q4 = qb.BlockTensor(torch.randint(0, 16, (3, 64), generator=g, dtype=torch.uint8), torch.rand(3, 2, generator=g),
+                        -torch.rand(3, 2, generator=g), 4, 32)
+    q6 = qb.BlockTensor(torch.randint(0, 64, (2, 64), generator=g, dtype=torch.uint8), torch.rand(2, 4, generator=g),
+                        None, 6, 16, zero=32)
+    both = qb.concat([q4, q6])
+    assert (both.bits, both.group) == (6, 16)
+    assert torch.equal(both.dequantize(), torch.cat([q4.dequantize(), q6.dequantize()]))
+    assert qb.common_kind({(4, 32), (8, 48)}) is None
+    codes = torch.zeros(1, 96, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="do not nest"):
+        qb.concat([qb.BlockTensor(codes, torch.ones(1, 3), None, 4, 32), qb.BlockTensor(codes, torch.ones(1, 2), None, 4, 48)])
+
+
+@native_only
 def test_embedded_q4_1_runs_natively_with_its_own_bytes() -> None:
     from gguf import GGUFReader
 
