@@ -72,8 +72,11 @@ def load_checkpoint(net: nn.Module, model_dir: str, weights: Iterable[tuple[str,
         for layer in layers.values():
             expect_blocks(layer)
     net.load_weights(weights)
-    for layer in layers.values():
-        finish_blocks(layer, device)
+    for prefix, layer in layers.items():
+        try:
+            finish_blocks(layer, device)
+        except ValueError as e:  # shards that cannot be fused (act-order ones with different g_idx)
+            raise ModelLoadError(f"{model_dir}: {prefix}: {e}") from None
         if isinstance(layer, VocabEmbedding):
             layer.dtype = dtype  # of its lookups
     if layers:
