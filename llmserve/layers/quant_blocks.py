@@ -15,14 +15,19 @@ GPTQ act-order weights keep their columns sorted by group (`perm`, see models/aw
 columns as everywhere else, and a linear gathers x's columns by perm before the kernel. Only linears: `rows` (an
 embedding lookup) reads the stored order.
 
-Where the native kernel runs (a CPU with AVX-512; int8 activations per block of 32 with VNNI) a linear calls it; elsewhere
-(CUDA, other CPUs) the reference path dequantizes the whole weight at each call and multiplies in torch: correct,
-not fast. Nothing in fp32 or bf16 is held between calls either way.
+What a linear runs: where the native kernel runs (a CPU with AVX-512; int8 activations per block of 32 with VNNI),
+that; on CUDA, kernels/triton/qblock.py's GEMM, which reads the same packed tensors and dequantizes tiles in
+registers (4 and 8 bits, groups of multiples of 32; LLMSERVE_QBLOCK_TRITON=0 pins the reference, for A/B runs);
+elsewhere (other CPUs, CUDA without triton) the reference path dequantizes the whole weight at each call and
+multiplies in torch: correct, not fast. Nothing in fp32 or bf16 is held between calls on any of them.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -30,6 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.kernels import native
+
+log = logging.getLogger(__name__)
 
 TILE = 16  # output rows per tile of the packed layout
 BLOCK = 32  # columns per block of the packed layout (and per activation scale in the kernel)
@@ -106,8 +113,8 @@ def concat(parts: list[BlockTensor]) -> BlockTensor:
 
 class BlockWeight:
     """A weight in kernels/cpu/qblock_gemm.cpp's layout (see there): codes [NT, k / 32, bits * 64] uint8 (NT tiles of
-    16 rows, zero-padded past n), scales and mins [NT, k / group, 16]. On CUDA or a CPU without the kernel the same
-    tensors feed the torch reference."""
+    16 rows, zero-padded past n), scales and mins [NT, k / group, 16]. On CUDA the same tensors feed the Triton
+    kernel; on a CPU without the native kernel, the torch reference."""
 
     def __init__(self, t: BlockTensor, device: torch.device | str = "cpu") -> None:
         n, k = t.shape
@@ -122,6 +129,8 @@ class BlockWeight:
         self.native = None
         if self.codes.device.type == "cpu" and native.qblock_usable():
             self.native = native.qblock_weight(self.codes, self.scales, self.mins, n, k, t.bits, t.group, t.zero)
+        # kernels/triton/qblock.py's linear on CUDA (its bit widths and groups), else None
+        self.triton = _triton_linear(self.codes.device) if t.bits in (4, 8) and t.group % BLOCK == 0 else None
 
     @property
     def nbytes(self) -> int:
@@ -132,6 +141,8 @@ class BlockWeight:
         if self.native is not None and x.dtype in (torch.float32, torch.bfloat16):
             y = native.qblock_linear(self.gather(x).reshape(-1, self.k), self.native, bias)
             return y.reshape(*x.shape[:-1], self.n)
+        if self.triton is not None and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            return self.triton(self.gather(x), self, bias)
         return reference_linear(x, self, bias)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -199,6 +210,24 @@ def _tiles(s: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(nt * TILE, g, dtype=s.dtype, device=s.device)
     out[:n] = s
     return out.view(nt, TILE, g).transpose(1, 2).contiguous()
+
+
+def _triton_linear(device: torch.device) -> Callable[..., torch.Tensor] | None:
+    """The Triton GEMM for weights on CUDA; None elsewhere, without triton, or with LLMSERVE_QBLOCK_TRITON=0 (which
+    pins the reference path, for A/B comparisons)."""
+    if device.type != "cuda" or os.environ.get("LLMSERVE_QBLOCK_TRITON", "1") == "0":
+        return None
+    return _import_triton_linear()
+
+
+@functools.cache
+def _import_triton_linear() -> Callable[..., torch.Tensor] | None:
+    try:
+        from llmserve.kernels.triton.qblock import qblock_linear
+    except ImportError:  # CPU-only torch builds bring no triton
+        log.warning("triton is not installed: block-quantized linears on CUDA dequantize their weight at every call")
+        return None
+    return qblock_linear
 
 
 def reference_linear(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None) -> torch.Tensor:

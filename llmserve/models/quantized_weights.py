@@ -2,13 +2,15 @@
 models/gguf_loader.py), AWQ and GPTQ (config.json's quantization_config, see models/awq_gptq.py).
 
 Which layers run on their blocks (layers/quant_blocks.py) and which are dequantized at load:
-- AWQ / GPTQ: every quantized linear runs on its blocks, on any device (the native kernel on AVX-512 CPUs, the torch
-  reference elsewhere). There is nothing else to run: --quantization int8 / w8a8 are refused.
+- AWQ / GPTQ: every quantized linear runs on its blocks, on any device (the native kernel on AVX-512 CPUs, the Triton
+  kernel kernels/triton/qblock.py on CUDA, the torch reference elsewhere). There is nothing else to run:
+  --quantization int8 / w8a8 are refused.
 - GGUF: its Q4_0 / Q4_1 / Q8_0 / Q4_K linears, and the embedding / LM head, run on their blocks by default where the
   native kernel runs (a CPU with AVX-512): faster and smaller than dequantized weights. The dequantized weights (the
   cache's fp32 copy, exactly gguf.quants' values, in the model dtype: as before) instead where the user asks --quantization int8 / w8a8 (which
   quantize those), dtype float32 (the exact reference: the kernel rounds activations to int8), LLMSERVE_GGUF_NATIVE=0,
-  on CUDA (no fast kernel there yet), and for tensors of other types (Q5_K, Q6_K, ...) or a fused layer whose shards
+  on CUDA (as before: the Triton kernel could run these blocks, but GGUF on CUDA is not switched over to it yet),
+  and for tensors of other types (Q5_K, Q6_K, ...) or a fused layer whose shards
   differ in bit width (one Q8_0, one Q4_1).
 
 A linear taking blocks gets a placeholder weight on the meta device before load_weights (expect_blocks), so no
