@@ -58,7 +58,9 @@ def _qblock_kernel(X, Codes, Scales, Mins, Bias, Out, M, N, stride_xm, stride_om
     x_rows = X + rm.to(tl.int64)[:, None] * stride_xm
     dtype = X.dtype.element_ty
 
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # tl.full, not tl.zeros: tl.zeros is a jit'd library function, which the interpreter cannot call where triton
+    # was imported before TRITON_INTERPRET was set (a test session that imported it elsewhere first)
+    acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
     first = split * steps_per_split
     last = tl.minimum(first + steps_per_split, steps)
     for step in range(first, last):
