@@ -13,15 +13,23 @@ that for kernels/cpu/qblock_gemm.cpp (bits / 8 bytes a code: a nibble plane and 
 it; tiles of 16 rows), the only copy kept.
 In fp32 the values d * q + m equal the formats' published dequantization exactly (the products are exact; one
 rounding in the sum, as theirs), which `dequantize` gives back and the tests check against gguf.quants.
+GPTQ act-order weights keep their columns sorted by group (`perm`, see models/awq_gptq.py): each group is a run of
+columns as everywhere else, and a linear gathers x's columns by perm before the kernel. Only linears: `rows` (an
+embedding lookup) reads the stored order.
 
-Where the native kernel runs (a CPU with AVX-512; int8 activations per block of 32 with VNNI) a linear calls it; elsewhere
-(CUDA, other CPUs) the reference path dequantizes the whole weight at each call and multiplies in torch: correct,
-not fast. Nothing in fp32 or bf16 is held between calls either way.
+What a linear runs: where the native kernel runs (a CPU with AVX-512; int8 activations per block of 32 with VNNI),
+that; on CUDA, kernels/triton/qblock.py's GEMM, which reads the same packed tensors and dequantizes tiles in
+registers (4 and 8 bits, groups of multiples of 32; LLMSERVE_QBLOCK_TRITON=0 pins the reference, for A/B runs);
+elsewhere (other CPUs, CUDA without triton) the reference path dequantizes the whole weight at each call and
+multiplies in torch: correct, not fast. Nothing in fp32 or bf16 is held between calls on any of them.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -30,6 +38,8 @@ from torch import nn
 
 from llmserve.kernels import native
 
+log = logging.getLogger(__name__)
+
 TILE = 16  # output rows per tile of the packed layout
 BLOCK = 32  # columns per block of the packed layout (and per activation scale in the kernel)
 
@@ -37,7 +47,9 @@ BLOCK = 32  # columns per block of the packed layout (and per activation scale i
 @dataclass
 class BlockTensor:
     """A block-quantized [n, k] weight as a loader reads it: codes uint8 [n, k] (one per byte), scales and mins
-    [n, k // group] (fp16 or fp32; mins None: m = -zero * d)."""
+    [n, k // group] (fp16 or fp32; mins None: m = -zero * d). With `perm` (int64 [k], GPTQ act-order) the columns are
+    stored in another order: stored column j is the weight's column perm[j], and the groups are runs of the stored
+    columns; a product needs x's columns gathered alike (x[..., perm])."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -45,6 +57,7 @@ class BlockTensor:
     bits: int
     group: int
     zero: int = 0
+    perm: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -56,10 +69,28 @@ class BlockTensor:
         return replace(self, scales=self.scales.to(dtype), mins=mins.to(dtype), zero=0)
 
     def dequantize(self) -> torch.Tensor:
-        """fp32 [n, k]: d * q + m, the formats' own values."""
+        """fp32 [n, k]: d * q + m, the formats' own values, in the weight's column order."""
         d = self.scales.float().repeat_interleave(self.group, dim=1)
         m = (self.scales.float() * -float(self.zero) if self.mins is None else self.mins.float())
-        return d * self.codes.float() + m.repeat_interleave(self.group, dim=1)
+        w = d * self.codes.float() + m.repeat_interleave(self.group, dim=1)
+        return w if self.perm is None else w[:, self.perm.argsort()]
+
+    def in_order(self, perm: torch.Tensor | None) -> BlockTensor:
+        """The same weight with its columns stored in the order `perm` (None: the weight's own). ValueError where a
+        run of `group` stored columns would not lie in one of this weight's groups."""
+        k = self.shape[1]
+        mine = torch.arange(k) if self.perm is None else self.perm.cpu()
+        theirs = torch.arange(k) if perm is None else perm.cpu()
+        if torch.equal(mine, theirs):
+            return self
+        src = mine.argsort()[theirs]  # new stored column j is my stored column src[j]
+        runs = (src // self.group).view(-1, self.group)
+        if not (runs == runs[:, :1]).all():
+            raise ValueError("act-order shards whose g_idx put different columns in one group cannot share one "
+                             "column order (GPTQ gives the layers of one input one g_idx: quantize them together)")
+        groups = runs[:, 0]
+        return replace(self, codes=self.codes[:, src], scales=self.scales[:, groups],
+                       mins=None if self.mins is None else self.mins[:, groups], perm=perm)
 
 
 def common_kind(kinds: set[tuple[int, int]]) -> tuple[int, int] | None:
@@ -77,14 +108,15 @@ def widen(t: BlockTensor, bits: int, group: int) -> BlockTensor:
         return t
     r = t.group // group
     mins = None if t.mins is None else t.mins.repeat_interleave(r, dim=1)
-    return BlockTensor(t.codes, t.scales.repeat_interleave(r, dim=1), mins, bits, group, t.zero)
+    return BlockTensor(t.codes, t.scales.repeat_interleave(r, dim=1), mins, bits, group, t.zero, t.perm)
 
 
 def concat(parts: list[BlockTensor]) -> BlockTensor:
     """Shards of a fused layer (q, k, v) stacked along the rows. Shards of different bit widths or groups (a
     Q4_K_M GGUF's Q4_K q and k beside a Q6_K v) are widened to their common kind (common_kind: exact, the narrower
     shards' codes then take the wider form's memory); differing zero points or scale dtypes become explicit fp32
-    mins (exact). ValueError if they cannot be stacked (different widths, groups that do not nest)."""
+    mins (exact); act-order shards take the first one's column order (GPTQ gives shards of one input the same
+    g_idx). ValueError if they cannot be stacked (different widths, groups that do not nest)."""
     first = parts[0]
     if any(p.shape[1] != first.shape[1] for p in parts):
         raise ValueError("shards of different columns: " + ", ".join(str(p.shape[1]) for p in parts))
@@ -93,13 +125,14 @@ def concat(parts: list[BlockTensor]) -> BlockTensor:
         raise ValueError("shards whose groups do not nest: " + ", ".join(f"{p.bits}-bit/{p.group}" for p in parts))
     if len(parts) == 1:
         return first
-    parts = [widen(p, *kind) for p in parts]
+    perm = next((p.perm for p in parts if p.perm is not None), None)
+    parts = [widen(p.in_order(perm), *kind) for p in parts]
     if any((p.mins is None, p.zero, p.scales.dtype) != (parts[0].mins is None, parts[0].zero, parts[0].scales.dtype)
            for p in parts):
         parts = [p.with_mins(torch.float32) for p in parts]
     mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
     return BlockTensor(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), mins,
-                       *kind, parts[0].zero)
+                       *kind, parts[0].zero, perm)
 
 
 def fits(cols: int, group: int) -> bool:
@@ -111,7 +144,8 @@ def fits(cols: int, group: int) -> bool:
 class BlockWeight:
     """A weight in kernels/cpu/qblock_gemm.cpp's layout (see there): codes [NT, k / 32, bits * 64] uint8 (NT tiles of
     16 rows, zero-padded past n), scales and mins [NT, k / group, 16] (group 16: fp32, as the kernel takes them; fp16
-    widens exactly). On CUDA or a CPU without the kernel the same tensors feed the torch reference."""
+    widens exactly). On CUDA the same tensors feed the Triton kernel (4 and 8 bits, groups of 32 or more) or else the
+    torch reference, as on a CPU without the native kernel."""
 
     def __init__(self, t: BlockTensor, device: torch.device | str = "cpu") -> None:
         n, k = t.shape
@@ -124,20 +158,30 @@ class BlockWeight:
         self.codes = pack_codes(t.codes, t.bits).to(device)
         self.scales = _tiles(t.scales).to(device)
         self.mins = None if t.mins is None else _tiles(t.mins).to(device)
+        # act-order: the codes' columns are in this order (int64 [k]); x's columns are gathered alike per call
+        self.perm = None if t.perm is None else t.perm.to(device)
         self.native = None
         if self.codes.device.type == "cpu" and native.qblock_usable():
             self.native = native.qblock_weight(self.codes, self.scales, self.mins, n, k, t.bits, t.group, t.zero)
+        # kernels/triton/qblock.py's linear on CUDA (its bit widths and groups), else None
+        self.triton = _triton_linear(self.codes.device) if t.bits in (4, 8) and t.group % BLOCK == 0 else None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.codes, self.scales, self.mins) if t is not None)
+        return sum(t.nbytes for t in (self.codes, self.scales, self.mins, self.perm) if t is not None)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., k] -> [..., n] in x's dtype."""
         if self.native is not None and x.dtype in (torch.float32, torch.bfloat16):
-            y = native.qblock_linear(x.reshape(-1, self.k), self.native, bias)
+            y = native.qblock_linear(self.gather(x).reshape(-1, self.k), self.native, bias)
             return y.reshape(*x.shape[:-1], self.n)
+        if self.triton is not None and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            return self.triton(self.gather(x), self, bias)
         return reference_linear(x, self, bias)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., k] with its columns in the codes' order (act-order); x itself otherwise."""
+        return x if self.perm is None else x.index_select(-1, self.perm)
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [n, k], exactly the format's values."""
@@ -151,7 +195,7 @@ class BlockWeight:
         if rows is None:
             rows = torch.arange(self.n, device=self.codes.device)
         return BlockTensor(codes[rows], scales[rows], None if mins is None else mins[rows], self.bits, self.group,
-                           self.zero)
+                           self.zero, self.perm)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 rows [R, k] of the weight (an embedding lookup): only those rows are unpacked."""
@@ -225,9 +269,28 @@ def _tiles(s: torch.Tensor) -> torch.Tensor:
     return out.view(nt, TILE, g).transpose(1, 2).contiguous()
 
 
+def _triton_linear(device: torch.device) -> Callable[..., torch.Tensor] | None:
+    """The Triton GEMM for weights on CUDA; None elsewhere, without triton, or with LLMSERVE_QBLOCK_TRITON=0 (which
+    pins the reference path, for A/B comparisons)."""
+    if device.type != "cuda" or os.environ.get("LLMSERVE_QBLOCK_TRITON", "1") == "0":
+        return None
+    return _import_triton_linear()
+
+
+@functools.cache
+def _import_triton_linear() -> Callable[..., torch.Tensor] | None:
+    try:
+        from llmserve.kernels.triton.qblock import qblock_linear
+    except ImportError:  # CPU-only torch builds bring no triton
+        log.warning("triton is not installed: block-quantized linears on CUDA dequantize their weight at every call")
+        return None
+    return qblock_linear
+
+
 def reference_linear(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """The torch path: the weight dequantized (fp32, the format's values) for this call, then one matmul in x's dtype
-    (fp32 on CPU for 16-bit x: bf16 products are exact in fp32, as in a bf16 GEMM)."""
+    """The torch path: the weight dequantized (fp32, the format's values, in its own column order: no gather) for this
+    call, then one matmul in x's dtype (fp32 on CPU for 16-bit x: bf16 products are exact in fp32, as in a bf16
+    GEMM)."""
     weight = w.dequantize()[:w.n]
     if x.device.type == "cpu" and x.dtype != torch.float32:
         return F.linear(x.float(), weight, None if bias is None else bias.float()).to(x.dtype)

@@ -8,8 +8,14 @@ GPTQ (AutoGPTQ / GPTQModel, "quant_method": "gptq"): qweight int32 [in * bits / 
 consecutive input rows of one column, lowest bits first; qzeros int32 [groups, out * bits / 32] packed along the
 columns alike; scales [groups, out]; g_idx [in]: each input row's group. w[o, k] = s[g, o] * (q[k, o] - z[g, o])
 with g = g_idx[k] and, in the v1 format ("checkpoint_format" "gptq" or absent), z the stored zero + 1 (v2: as stored).
-A g_idx other than k // group (act-order with desc_act) is refused: the groups would not be contiguous runs of
-columns. As BlockTensor: codes q, scales s, mins -z * s in fp32 (exact).
+As BlockTensor: codes q, scales s, mins -z * s in fp32 (exact).
+
+Act-order (desc_act): g_idx is not k // group, each group's columns are spread over the row. Sorting the columns by
+g_idx (a stable argsort, `perm`) makes group g the stored columns g * group .. (g + 1) * group - 1, so the codes are
+kept in that order with the scales and zeros as stored, and the BlockTensor carries perm: a product gathers x's
+columns by it (layers/quant_blocks.py). That needs every group to hold exactly `group` columns, as GPTQ's quantizer
+writes them (g_idx = the inverse of its column order // group); a g_idx of another length, with groups out of range,
+or with groups of other sizes is refused.
 """
 
 from __future__ import annotations
@@ -142,15 +148,31 @@ def _gptq(p: dict[str, torch.Tensor], qc: QuantConfig) -> BlockTensor:
     _check(p["qzeros"], (groups, n // per), "qzeros")
     _check(p["scales"], (groups, n), "scales", None)
     _check(p["g_idx"], (k,), "g_idx", None)
-    if not torch.equal(p["g_idx"].long(), torch.arange(k) // group):
-        raise ValueError("g_idx is not column // group_size (act-order / desc_act checkpoints are not supported: "
-                         "re-quantize with desc_act=false)")
+    perm = _act_order(p["g_idx"], group, groups)
     q = _unpack_cols(p["qweight"].T.contiguous(), qc.bits).T  # [k, n]: rows packed along k
     z = _unpack_cols(p["qzeros"], qc.bits) + (1 if qc.v1_zeros else 0)
-    return _block(q, z, p["scales"], qc.bits, group)
+    return _block(q if perm is None else q[perm], z, p["scales"], qc.bits, group, perm)
 
 
-def _block(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, bits: int, group: int) -> BlockTensor:
-    """codes [k, n], zeros / scales [groups, n] -> BlockTensor [n, k] with fp32 scales and mins -z * s."""
+def _act_order(g_idx: torch.Tensor, group: int, groups: int) -> torch.Tensor | None:
+    """The column order that makes each group a run of `group` columns (int64 [k]), None where g_idx is k // group
+    already."""
+    g = g_idx.long()
+    if torch.equal(g, torch.arange(len(g)) // group):
+        return None
+    if g.min() < 0 or g.max() >= groups:
+        raise ValueError(f"g_idx names groups {g.min().item()} .. {g.max().item()}, the weights have 0 .. {groups - 1}")
+    sizes = torch.bincount(g, minlength=groups)
+    if not (sizes == group).all():
+        bad = int((sizes != group).nonzero()[0])
+        raise ValueError(f"g_idx puts {sizes[bad].item()} columns in group {bad}, not group_size {group} (act-order "
+                         "runs with every group of group_size columns, as GPTQ's quantizer writes them)")
+    return torch.argsort(g, stable=True)
+
+
+def _block(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, bits: int, group: int,
+           perm: torch.Tensor | None = None) -> BlockTensor:
+    """codes [k, n] (stored order), zeros / scales [groups, n] -> BlockTensor [n, k] with fp32 scales and mins
+    -z * s."""
     scales = s.float().T.contiguous()
-    return BlockTensor(q.T.to(torch.uint8).contiguous(), scales, -(z.T.float() * scales), bits, group)
+    return BlockTensor(q.T.to(torch.uint8).contiguous(), scales, -(z.T.float() * scales), bits, group, perm=perm)

@@ -42,7 +42,9 @@ def _linear_args(linear: Linear) -> list[Any] | None:
     stack where its measured kernel is a packed one (fma, or dot: bf16_gemm's dot argument; kernels/choice.py)."""
     if linear.qblocks is not None:  # block-quantized (layers/quant_blocks.py), where the native kernel runs
         native_weight = linear.qblocks.native
-        return None if native_weight is None else [native_weight, linear.out_features, None, None, linear.bias, 0]
+        if native_weight is None or linear.qblocks.perm is not None:  # (act-order: the stack would not gather x)
+            return None
+        return [native_weight, linear.out_features, None, None, linear.bias, 0]
     if linear.int8_packed is not None:  # w8a8 (with wsum) or weight-only
         return [linear.int8_packed, linear.out_features, linear.scale, linear.wsum, linear.bias, 0]
     if linear.bf16 is not None and linear.bf16.packed:

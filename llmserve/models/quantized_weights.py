@@ -2,16 +2,17 @@
 models/gguf_loader.py), AWQ and GPTQ (config.json's quantization_config, see models/awq_gptq.py).
 
 Which layers run on their blocks (layers/quant_blocks.py) and which are dequantized at load:
-- AWQ / GPTQ: every quantized linear runs on its blocks, on any device (the native kernel on AVX-512 CPUs, the torch
-  reference elsewhere). There is nothing else to run: --quantization int8 / w8a8 are refused.
+- AWQ / GPTQ: every quantized linear runs on its blocks, on any device (the native kernel on AVX-512 CPUs, the Triton
+  kernel kernels/triton/qblock.py on CUDA, the torch reference elsewhere). There is nothing else to run:
+  --quantization int8 / w8a8 are refused.
 - GGUF: its Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K linears, and the embedding / LM head, run on their blocks by
   default where the native kernel runs (a CPU with AVX-512): faster and smaller than dequantized weights. The
   dequantized weights (the cache's fp32 copy, exactly gguf.quants' values, in the model dtype: as before) instead
   where the user asks --quantization int8 / w8a8 (which quantize those), dtype float32 (the exact reference: the
-  kernel rounds activations to int8), LLMSERVE_GGUF_NATIVE=0, on CUDA (no fast kernel there yet), and for tensors of
-  other types (Q2_K, Q3_K, Q5_0, IQ*, ...). A fused layer whose shards differ in bit width or group (a Q4_K q_proj
-  beside a Q6_K v_proj, as Q4_K_M and Q5_K_M files have) runs on their common form (quant_blocks.concat: the widest
-  codes in the smallest group, exact).
+  kernel rounds activations to int8), LLMSERVE_GGUF_NATIVE=0, on CUDA (the Triton kernel could run 4/8-bit blocks,
+  but GGUF on CUDA is not switched over to it yet), and for tensors of other types (Q2_K, Q3_K, Q5_0, IQ*, ...). A
+  fused layer whose shards differ in bit width or group (a Q4_K q_proj beside a Q6_K v_proj, as Q4_K_M and Q5_K_M
+  files have) runs on their common form (quant_blocks.concat: the widest codes in the smallest group, exact).
 
 A linear taking blocks gets a placeholder weight on the meta device before load_weights (expect_blocks), so no
 full-precision copy is ever allocated, and its packed BlockWeight after (finish_blocks).
@@ -74,8 +75,11 @@ def load_checkpoint(net: nn.Module, model_dir: str, weights: Iterable[tuple[str,
         for layer in layers.values():
             expect_blocks(layer)
     net.load_weights(weights)
-    for layer in layers.values():
-        finish_blocks(layer, device)
+    for prefix, layer in layers.items():
+        try:
+            finish_blocks(layer, device)
+        except ValueError as e:  # shards that cannot be fused (act-order ones with different g_idx)
+            raise ModelLoadError(f"{model_dir}: {prefix}: {e}") from None
         if isinstance(layer, VocabEmbedding):
             layer.dtype = dtype  # of its lookups
     if layers:
