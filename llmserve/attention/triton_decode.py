@@ -53,8 +53,10 @@ def _decode_kernel(Q, K, V, KS, VS, Tables, Lens, MidO, MidL, Out,
     if WIDEN_DOTS:
         q = q.to(tl.float32)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_sum = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    # tl.full, not tl.zeros (a jit'd library function): the interpreter cannot call it where triton was imported before
+    # TRITON_INTERPRET was set, as in a test session that imported it elsewhere first (kernels/triton/qblock.py too)
+    l_sum = tl.full([GROUP_PAD], 0.0, tl.float32)
+    acc = tl.full([GROUP_PAD, D_PAD], 0.0, tl.float32)
     qk_scale = sm_scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
