@@ -83,14 +83,13 @@ def bf16_weights(model: nn.Module) -> Iterator[torch.Tensor]:
             yield w
 
 
-def attention_op(model: nn.Module, kind: str, dtype: torch.dtype | None = None) -> str | None:
-    """The op name of the model's native prefill or decode attention where a choice exists: a bf16 model whose heads
-    the kernels take (head_dim % 16 == 0), on a CPU where they run; else None. (A decode choice applies to a bf16
-    cache: the runner's default for a bf16 model; another cache dtype keeps FMAs.) dtype: the model's compute dtype;
-    None reads it from the model's weights (bf16 if any linear is), which misses a bf16 model whose linears are all
-    quantized (a GGUF on its blocks): the runner passes it."""
+def attention_op(model: nn.Module, kind: str, dtype: torch.dtype) -> str | None:
+    """The op name of the model's native prefill or decode attention where a choice exists: a bf16 model (dtype: its
+    compute dtype, whatever its linears hold: a GGUF's may all be quantized blocks) whose heads the kernels take
+    (head_dim % 16 == 0), on a CPU where they run; else None. (A decode choice applies to a bf16 cache: the runner's
+    default for a bf16 model; another cache dtype keeps FMAs.)"""
     layers = model.attention_layers() if hasattr(model, "attention_layers") else []
-    bf16 = dtype == torch.bfloat16 if dtype is not None else next(bf16_weights(model), None) is not None
+    bf16 = dtype == torch.bfloat16
     if not layers or not bf16 or not native.prefill_attention_usable():
         return None
     a = layers[0]
@@ -205,12 +204,12 @@ def key(ops: list[str], threads: int) -> dict[str, object]:
             "kernels": kernels_hash(), "ops": sorted(ops)}
 
 
-def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, timer: Timer = wall_clock,
-         remeasure: bool = False, dtype: torch.dtype | None = None) -> ChoiceTable | None:
+def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dtype: torch.dtype,
+         timer: Timer = wall_clock, remeasure: bool = False) -> ChoiceTable | None:
     """The choice table for the model's bf16 matmuls and, where its attention runs natively, its prefill and decode
     attention on this machine (None where there is nothing to choose: no bf16 matmul and no native bf16 attention):
     pinned by kernel_choice (else LLMSERVE_KERNEL_CHOICE, else "auto"), read from the cache, or measured now. dtype:
-    the model's compute dtype, as attention_op takes it."""
+    the model's compute dtype (attention_op)."""
     shapes = {op_name(w): (w.shape[0], w.shape[1]) for w in bf16_weights(model)}
     spec = kernel_choice if kernel_choice not in (None, "auto") else os.environ.get(ENV, kernel_choice)
     pins = parse_pins(spec, KINDS)

@@ -14,6 +14,7 @@ from llmserve.kernels import calibrate, choice, native
 from llmserve.models.loader import load_model
 
 pytestmark = pytest.mark.skipif(not native.packed_gemm_usable(), reason="needs the extension and AVX-512")
+BF16 = torch.bfloat16
 
 
 @pytest.fixture(autouse=True)
@@ -37,10 +38,10 @@ def test_a_fake_timer_decides_every_op_of_the_model(bf16_model) -> None:
         small = rows <= 16
         return {"fma": 1.0 if small else 9.0, "fp32": 9.0 if small else 0.5}.get(name, 5.0)
 
-    table = calibrate.plan(bf16_model, 2, timer=timer)
+    table = calibrate.plan(bf16_model, 2, dtype=BF16, timer=timer)
     shapes = {calibrate.op_name(w) for w in calibrate.bf16_weights(bf16_model)}
-    attention = calibrate.attention_op(bf16_model, calibrate.PREFILL_ATTENTION)
-    decode = calibrate.attention_op(bf16_model, calibrate.DECODE_ATTENTION)
+    attention = calibrate.attention_op(bf16_model, calibrate.PREFILL_ATTENTION, BF16)
+    decode = calibrate.attention_op(bf16_model, calibrate.DECODE_ATTENTION, BF16)
     assert set(table.ops) == shapes | {op for op in (attention, decode) if op}
     for op in shapes:
         assert table.ops[op].kernel == "fp32", op
@@ -53,7 +54,7 @@ def test_a_fake_timer_decides_every_op_of_the_model(bf16_model) -> None:
     assert {rows for _, rows in calls} >= set(choice.ROW_BUCKETS)
     # a second plan reads the cache (this process's memory first): the timer is not called again
     calls.clear()
-    again = calibrate.plan(bf16_model, 2, timer=timer)
+    again = calibrate.plan(bf16_model, 2, dtype=BF16, timer=timer)
     assert calls == [] and again.reused and again.ops == table.ops
 
 
@@ -61,24 +62,25 @@ def test_pins_are_not_measured_and_unknown_ones_are_refused(bf16_model, monkeypa
     def never(name: str, rows: int, fn: Callable[[], object]) -> float:
         raise AssertionError("a pinned op was measured")
 
-    table = calibrate.plan(bf16_model, 2, "bf16_linear=fma,prefill_attention=fp32,decode_attention=fp32", timer=never)
+    table = calibrate.plan(bf16_model, 2, "bf16_linear=fma,prefill_attention=fp32,decode_attention=fp32", dtype=BF16,
+                           timer=never)
     assert {c.kernel for c in table.ops.values()} <= {"fma", "fp32"}
     assert all(c.pinned for c in table.ops.values())
     monkeypatch.setenv(calibrate.ENV, "bf16_linear=fp32,prefill_attention=fp32,decode_attention=fp32")  # where auto
-    assert {c.kernel for c in calibrate.plan(bf16_model, 2, timer=never).ops.values()} == {"fp32"}
+    assert {c.kernel for c in calibrate.plan(bf16_model, 2, dtype=BF16, timer=never).ops.values()} == {"fp32"}
     with pytest.raises(InvalidRequestError, match="kernel_choice"):
         EngineConfig(kernel_choice="bf16_linear=amx")
     with pytest.raises(InvalidRequestError, match="kernel_choice"):
         EngineConfig(kernel_choice="attention=dot")
     if "dot" not in calibrate.available(calibrate.BF16_LINEAR):
         with pytest.raises(InvalidRequestError, match="cannot run on this machine"):
-            calibrate.plan(bf16_model, 2, "bf16_linear=dot", timer=never)
+            calibrate.plan(bf16_model, 2, "bf16_linear=dot", dtype=BF16, timer=never)
 
 
 def test_an_fp32_model_has_nothing_to_choose(tiny_model_dir: Callable[[str], str]) -> None:
     model = load_model(tiny_model_dir("llama"), EngineConfig(dtype="float32")).model
-    assert calibrate.plan(model, 2) is None
-    assert calibrate.attention_op(model, calibrate.PREFILL_ATTENTION) is None
+    assert calibrate.plan(model, 2, dtype=torch.float32) is None
+    assert calibrate.attention_op(model, calibrate.PREFILL_ATTENTION, torch.float32) is None
 
 
 @pytest.fixture
@@ -98,8 +100,8 @@ def test_a_bf16_model_on_quantized_blocks_still_chooses_its_attention(q4_1_gguf:
     skipped when the model's dtype was read from its linears)."""
     model = load_model(q4_1_gguf, EngineConfig(dtype="bfloat16")).model
     assert next(calibrate.bf16_weights(model), None) is None
-    table = calibrate.plan(model, 2, timer=lambda name, rows, fn: 1.0 if name == "dot" else 2.0, dtype=torch.bfloat16)
-    ops = {calibrate.attention_op(model, kind, torch.bfloat16)
+    table = calibrate.plan(model, 2, dtype=BF16, timer=lambda name, rows, fn: 1.0 if name == "dot" else 2.0)
+    ops = {calibrate.attention_op(model, kind, BF16)
            for kind in (calibrate.PREFILL_ATTENTION, calibrate.DECODE_ATTENTION)}
     assert None not in ops and set(table.ops) == ops
     assert {c.kernel for c in table.ops.values()} == ({"dot"} if native.bf16_dot_usable() else {"fp32"})
@@ -140,7 +142,7 @@ def pipe_layers(path: str) -> list:
 def test_plan_times_real_kernels_when_asked(bf16_model) -> None:
     """The real timer on real candidates (a smoke run: every op gets a winner among what runs here)."""
     with torch.inference_mode():
-        table = calibrate.plan(bf16_model, torch.get_num_threads())
+        table = calibrate.plan(bf16_model, torch.get_num_threads(), dtype=BF16)
     for op, c in table.ops.items():
         kind = op.partition(":")[0]
         assert c.kernel in calibrate.available(kind) and all(len(t) == len(c.rows) for t in c.seconds.values())
