@@ -25,9 +25,8 @@ import torch
 from llmserve.kernels import native
 from llmserve.layers.quant_blocks import BlockTensor
 
-# type -> (code bits, group) of its BlockTensor
+# the types run natively -> (code bits, group) of their BlockTensor
 KINDS = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q8_0": (8, 32), "Q4_K": (4, 32), "Q5_K": (5, 32), "Q6_K": (6, 16)}
-NATIVE_TYPES = tuple(KINDS)
 BLOCK_BYTES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176),
                "Q6_K": (256, 210)}
 

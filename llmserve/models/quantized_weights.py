@@ -63,7 +63,7 @@ def load_checkpoint(net: nn.Module, model_dir: str, weights: Iterable[tuple[str,
         native_names = set(kinds)
     elif os.path.isfile(manifest_path) and os.path.isfile(os.path.join(model_dir, GGUF_BLOCKS)):
         manifest = _read_json(manifest_path)
-        kinds = {name: _gguf_kind(t["type"]) for name, t in manifest.items() if t["type"] in gguf_blocks.NATIVE_TYPES}
+        kinds = {name: gguf_blocks.KINDS[t["type"]] for name, t in manifest.items() if t["type"] in gguf_blocks.KINDS}
         native_names = set(kinds) if gguf_native(config, device) else set()
         weights = _gguf_tensors(weights, manifest, native_names, os.path.join(model_dir, GGUF_BLOCKS))
     else:
@@ -106,11 +106,6 @@ def checkpoint_names(files: list[str]) -> list[str]:
             raise ModelLoadError(f"{path}: not a readable safetensors file ({e}); it may be truncated or "
                                  "corrupt: download or convert it again") from None
     return names
-
-
-def _gguf_kind(qtype: str) -> tuple[int, int]:
-    """(code bits, group) of a natively run GGUF type."""
-    return gguf_blocks.KINDS[qtype]
 
 
 def _checkpoint_names(net: nn.Module, layer: nn.Module) -> list[str]:
