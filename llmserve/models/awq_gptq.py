@@ -161,12 +161,14 @@ def _act_order(g_idx: torch.Tensor, group: int, groups: int) -> torch.Tensor | N
     if torch.equal(g, torch.arange(len(g)) // group):
         return None
     if g.min() < 0 or g.max() >= groups:
-        raise ValueError(f"g_idx names groups {g.min().item()} .. {g.max().item()}, the weights have 0 .. {groups - 1}")
+        raise ValueError(f"g_idx names groups {g.min().item()} .. {g.max().item()}, the weights have 0 .. {groups - 1}: "
+                         "its g_idx and scales disagree; export the checkpoint again")
     sizes = torch.bincount(g, minlength=groups)
     if not (sizes == group).all():
         bad = int((sizes != group).nonzero()[0])
         raise ValueError(f"g_idx puts {sizes[bad].item()} columns in group {bad}, not group_size {group} (act-order "
-                         "runs with every group of group_size columns, as GPTQ's quantizer writes them)")
+                         "runs with every group of group_size columns, as GPTQ's quantizer writes them): quantize it "
+                         "again, or with desc_act=false")
     return torch.argsort(g, stable=True)
 
 
