@@ -321,7 +321,9 @@ class EngineConfig:
                                     "team size where OMP_NUM_THREADS or thread binding is set).")
     kernel_choice: str = _f("auto", "CPU kernels of a bf16 model's matmuls and attention: auto times the candidates at the first "
                                     "start (cached under ~/.cache/llmserve/tuning; `llmserve tune` measures again), "
-                                    "or pin for A/B runs: bf16_linear=fma|dot|onednn|fp32, prefill_attention=fp32|dot, "
+                                    "or pin for A/B runs: bf16_linear=fma|dot|amx|onednn|fp32, "
+                                    "qblock_linear=blocks|fma|dot|amx|onednn|fp32 (block-quantized weights: kept, or "
+                                    "dequantized to bf16 for that kernel), prefill_attention=fp32|dot, "
                                     "decode_attention=fp32|dot (comma-separated). "
                                     "LLMSERVE_KERNEL_CHOICE sets it where this is auto.")
     revision: str | None = _f(None, "Hub revision (branch, tag or commit) of the model.")

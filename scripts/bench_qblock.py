@@ -1,5 +1,5 @@
 """qblock_linear (kernels/cpu/qblock_gemm.cpp) over SmolLM2-135M-shaped decoder linears, one form of block-quantized
-weights after another, against the bf16 packed GEMM (bf16_gemm's dot kernel) on the same shapes.
+weights after another, against the bf16 packed GEMM (bf16_gemm's amx kernel where it runs, else dot, else fma) on the same shapes.
 
 Each layer: qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536 (out x in), 30 layers. The weights are random
 codes in each GGUF type's kernel form ((bits, group, scale dtype, mins) as models/gguf_blocks.py reads the type;
@@ -44,7 +44,7 @@ Inputs = dict[int, torch.Tensor]  # columns -> x [M, columns] bf16, contiguous (
 Pass = Callable[[Inputs], None]
 
 
-def passes(layers: int, vnni: bool | None, dot: bool) -> dict[str, tuple[Pass, int]]:
+def passes(layers: int, vnni: bool | None, kernel: str) -> dict[str, tuple[Pass, int]]:
     """form -> (one pass of every linear, bytes of its weights)."""
     gen = torch.Generator().manual_seed(0)
     out: dict[str, tuple[Pass, int]] = {}
@@ -53,7 +53,7 @@ def passes(layers: int, vnni: bool | None, dot: bool) -> dict[str, tuple[Pass, i
         out[form] = (_qblock_pass(weights, vnni), sum(w.nbytes for w in weights))
     packed = [(native.bf16_pack(torch.randn(n, k, generator=gen).bfloat16()), n, k)
               for _ in range(layers) for n, k in SHAPES]
-    out["bf16"] = (_bf16_pass(packed, dot), sum(p.nbytes for p, _, _ in packed))
+    out["bf16"] = (_bf16_pass(packed, kernel), sum(p.nbytes for p, _, _ in packed))
     return out
 
 
@@ -64,10 +64,10 @@ def _qblock_pass(weights: list[BlockWeight], vnni: bool | None) -> Pass:
     return run
 
 
-def _bf16_pass(packed: list[tuple[torch.Tensor, int, int]], dot: bool) -> Pass:
+def _bf16_pass(packed: list[tuple[torch.Tensor, int, int]], kernel: str) -> Pass:
     def run(xs: Inputs) -> None:
         for p, n, k in packed:
-            native.bf16_gemm(xs[k], p, n, None, dot=dot)
+            native.bf16_gemm(xs[k], p, n, None, kernel)
     return run
 
 
@@ -82,8 +82,8 @@ def main() -> None:
     if not (native.qblock_usable() and native.packed_gemm_usable()):
         raise SystemExit("needs the native kernels on a CPU with AVX-512")
     vnni = {"auto": None, "vnni": True, "fma": False}[args.path]
-    dot = native.bf16_dot_usable()
-    runs = passes(args.layers, vnni, dot)
+    kernel = "amx" if native.amx_usable() else "dot" if native.bf16_dot_usable() else "fma"
+    runs = passes(args.layers, vnni, kernel)
     x = {m: {k: torch.randn(m, k).bfloat16() for k in {k for _, k in SHAPES}} for m in args.rows}
     for run, _ in runs.values():  # warm-up: first-touch pages, thread pool
         for m in args.rows:
@@ -98,7 +98,7 @@ def main() -> None:
     params = args.layers * sum(n * k for n, k in SHAPES)
     path = "auto (vnni)" if vnni is None and native.qblock_vnni_usable() else args.path
     print(f"{args.layers} layers, {params / 1e6:.1f}M weights, {torch.get_num_threads()} threads, best of "
-          f"{args.rounds} rounds; qblock path {path}; bf16 kernel {'dot' if dot else 'fma'}")
+          f"{args.rounds} rounds; qblock path {path}; bf16 kernel {kernel}")
     header = f"{'form':6} {'bits/w':>7} {'MB':>7}" + "".join(f" {f'M={m} ms':>10} {'x bf16':>7}" for m in args.rows)
     print(header)
     for form, (_, nbytes) in runs.items():

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from llmserve.attention import registry
 from llmserve.attention.metadata import AttentionMetadata
-from llmserve.cpu_features import fp32_compute_for_bf16
 from llmserve.kernels import native
 
 
@@ -135,8 +134,10 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
     flat = kv_cache.view(2, -1, kv_heads, row)
     flat_scales = None if kv_scales is None else kv_scales.view(2, -1, *kv_scales.shape[3:])
     gqa = q.shape[1] != k.shape[1]
-    # bf16 prefill attention runs in fp32 on CPUs where that is faster (torch's bf16 SDPA: half the speed)
-    wide = torch.float32 if q.dtype == torch.bfloat16 and q.is_cpu and fp32_compute_for_bf16() else q.dtype
+    # bf16 prefill attention runs in fp32 on every CPU, as the native kernels compute it: on CPUs with AMX torch's bf16
+    # SDPA is faster, but rounds otherwise, so a prompt's first token would depend on which path ran (an int4 cache's
+    # prefill comes here, a bf16 cache's to the native kernel: their first tokens' logprobs differed on a Xeon with AMX)
+    wide = torch.float32 if q.dtype == torch.bfloat16 and q.is_cpu else q.dtype
     # CUDA: K/V heads expanded to the query heads here, because SDPA's memory-efficient kernel (the one that takes a
     # mask, and fp32) refuses enable_gqa, and its math fallback materialises [heads, q_len, context] scores
     # (4 GiB for a 4,096-token chunk over 8k of context at 32 heads)

@@ -180,5 +180,5 @@ def _bf16_paths() -> tuple[str, ...]:
 def _bf16_path_gflops(name: str, m: int, k: int, n: int, seconds: float) -> float:
     from llmserve.kernels.calibrate import bf16_linear_candidates
 
-    (candidate,) = bf16_linear_candidates(n, k, (name,))
+    (candidate,) = bf16_linear_candidates(n, k, (name,), invariant_only=False)
     return _gflops(lambda: candidate.run(m), 2 * m * k * n, torch.device("cpu"), seconds / 2)

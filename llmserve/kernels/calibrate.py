@@ -7,7 +7,17 @@ Ops with equivalent paths, and their candidates where each can run at all (the C
   dot     the same packed weights, vdpbf16ps on bf16 x (AVX512-BF16);
   onednn  oneDNN's bf16 matmul on its blocked weights (AMX where the CPU has it);
   fp32    both widened to fp32 per call, oneDNN's fp32 matmul.
-  fma and dot share one copy of the weight; onednn and fp32 add their own where they win a bucket.
+  amx     the same packed weights on AMX tiles (AMX-BF16; K a multiple of 32): kernels/cpu/amx_gemm.cpp;
+  fma, dot and amx share one copy of the weight; onednn and fp32 add their own where they win. Each path must give a
+  row the same result whatever the batch (the engine's tokens never depend on it): ours do by construction; onednn and
+  fp32 are candidates for a shape only where a check at calibration finds them so (oneDNN's AMX matmul is not:
+  batch_invariant).
+- `qblock_linear:NxK:B-bit/G` (a block-quantized weight, GGUF's or AWQ/GPTQ's, of B-bit codes in groups of G columns,
+  where the native block kernel runs and the model computes in bf16):
+  blocks  kernels/cpu/qblock_gemm.cpp on the blocks as loaded;
+  fma, dot, amx, onednn, fp32  the bf16_linear paths over the dequantized weight (exactly the format's values, rounded
+          to bf16), which then replaces the blocks. Offered only where every block layer's dequantized weights fit in
+          a quarter of the memory available (dequantize_fits): blocks are a quarter to a half of bf16's bytes.
 - `prefill_attention:H/KVHxD` (native prefill attention of a bf16 model, by the step's prefill tokens):
   fp32    kernels/cpu/prefill_attention.cpp with fp32 FMAs (AVX-512);
   dot     the same with the scores by vdpbf16ps on the keys as stored (AVX512-BF16); P stays fp32.
@@ -15,8 +25,9 @@ Ops with equivalent paths, and their candidates where each can run at all (the C
   fp32    kernels/cpu/paged_decode.cpp, scores by FMAs over widened keys (AVX-512);
   dot     the scores by vdpbf16ps on the keys as stored (AVX512-BF16).
 
-Each op is timed on random weights of its shape, so calibration needs no checkpoint and runs before the real weights
-are packed. The embedded SmolLM2-135M's five shapes take ~3 s here (2-core Zen 5); later starts read the cache.
+Each op is timed on random weights of its shape (a qblock_linear on the first such layer's own blocks), so calibration
+runs before the weights are packed. The embedded SmolLM2-135M's five shapes take ~3 s on a 2-core Zen 5; later starts
+read the cache.
 """
 
 from __future__ import annotations
@@ -53,10 +64,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 BF16_LINEAR = "bf16_linear"
+QBLOCK_LINEAR = "qblock_linear"
 PREFILL_ATTENTION = "prefill_attention"
 DECODE_ATTENTION = "decode_attention"
-KINDS: dict[str, tuple[str, ...]] = {BF16_LINEAR: ("fma", "dot", "onednn", "fp32"), PREFILL_ATTENTION: ("fp32", "dot"),
-                                     DECODE_ATTENTION: ("fp32", "dot")}
+BF16_KERNELS = ("fma", "dot", "amx", "onednn", "fp32")
+KINDS: dict[str, tuple[str, ...]] = {BF16_LINEAR: BF16_KERNELS, QBLOCK_LINEAR: ("blocks",) + BF16_KERNELS,
+                                     PREFILL_ATTENTION: ("fp32", "dot"), DECODE_ATTENTION: ("fp32", "dot")}
+# dequantize_fits: the share of the memory available that a model's dequantized block layers may take
+DEQUANTIZE_SHARE = 0.25
 # prefill tokens in a step: a chunk's attention grows with its square, so its buckets are wider than a linear's
 ATTENTION_BUCKETS = (16, 64, 256, 1024, 4096)
 DECODE_BUCKETS = (1, 4, 16, 64, 256)  # decodes in a step
@@ -70,6 +85,55 @@ ENV = "LLMSERVE_KERNEL_CHOICE"
 
 def op_name(weight: torch.Tensor) -> str:
     return f"{BF16_LINEAR}:{weight.shape[0]}x{weight.shape[1]}"
+
+
+def qblock_op(layer: nn.Module) -> str | None:
+    """The op name of a linear / embedding that runs on block-quantized weights in the native kernel, else None."""
+    qb = getattr(layer, "qblocks", None)
+    if qb is None or getattr(qb, "native", None) is None:
+        return None
+    return f"{QBLOCK_LINEAR}:{qb.n}x{qb.k}:{qb.bits}-bit/{qb.group}"
+
+
+def qblock_layers(model: nn.Module) -> Iterator[nn.Module]:
+    """The model's linears and LM head (the table its logits_head() computes logits with) on native block-quantized
+    weights; an embedding only looked up is not a matmul."""
+    from llmserve.layers.linear import Linear
+
+    heads = [m.logits_head() for m in model.modules() if hasattr(m, "logits_head")]
+    for m in model.modules():
+        if (isinstance(m, Linear) or any(m is h for h in heads)) and qblock_op(m) is not None:
+            yield m
+
+
+def dequantize_fits(layers: list[nn.Module], available_bytes: int | None = None) -> bool:
+    """Whether the layers' weights dequantized to bf16 would take at most DEQUANTIZE_SHARE of the memory available
+    (/proc/meminfo's MemAvailable, or available_bytes), counting what their blocks free."""
+    extra = sum(2 * m.qblocks.n * m.qblocks.k - m.qblocks.nbytes for m in layers)
+    if available_bytes is None:
+        available_bytes = _mem_available()
+    return available_bytes is not None and extra <= DEQUANTIZE_SHARE * available_bytes
+
+
+def _mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def unblock(layer: nn.Module, rows: int = 4096) -> None:
+    """Replace a layer's blocks by its dequantized weight in bf16 (a qblock_linear choice other than blocks), `rows`
+    rows at a time (a whole LM head in fp32 first would add its size again to the process's peak memory)."""
+    qb = layer.qblocks
+    w = torch.empty(qb.n, qb.k, dtype=torch.bfloat16)
+    for r in range(0, qb.n, rows):
+        w[r:r + rows] = qb.dequantize_rows(r, min(qb.n, r + rows))
+    layer.weight = torch.nn.Parameter(w, requires_grad=False)
+    layer.qblocks = None
 
 
 def bf16_weights(model: nn.Module) -> Iterator[torch.Tensor]:
@@ -100,38 +164,86 @@ def available(kind: str) -> tuple[str, ...]:
     """The candidates of an op kind that can run on this machine (flags only gate; they never choose)."""
     if kind in (PREFILL_ATTENTION, DECODE_ATTENTION):
         return ("fp32", "dot") if native.bf16_dot_usable() else ("fp32",)
-    names = []
+    names = ["blocks"] if kind == QBLOCK_LINEAR else []
     if native.packed_gemm_usable():
         names.append("fma")
         if native.bf16_dot_usable():
             names.append("dot")
+        if native.amx_usable():
+            names.append("amx")
     if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         names.append("onednn")
     names.append("fp32")
     return tuple(names)
 
 
-def bf16_linear_candidates(n: int, k: int, names: tuple[str, ...]) -> list[Candidate]:
-    """Each named path over a random bf16 [n, k] weight, as Bf16Matmul runs it; inputs made once per row count."""
+def runs_shape(name: str, k: int) -> bool:
+    """Whether candidate `name` takes a weight of k columns (amx: whole tiles of 32)."""
+    return name != "amx" or k % 32 == 0
+
+
+def bf16_linear_candidates(n: int, k: int, names: tuple[str, ...], w: torch.Tensor | None = None,
+                           invariant_only: bool = True) -> list[Candidate]:
+    """Each named path over a bf16 [n, k] weight (w, else random), as Bf16Matmul runs it, where it takes the shape
+    (runs_shape) and, for oneDNN's and fp32's, gives rows the same results in any batch (batch_invariant; unless not
+    invariant_only: what the machine can do, bench's peak); inputs made once per row count."""
     from llmserve.layers.linear import fp32_linear, onednn_linear, pack_weight
 
     gen = torch.Generator().manual_seed(0)
-    w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
+    if w is None:
+        w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
 
     @functools.lru_cache(maxsize=1)  # choose() times one row count at a time: only its inputs are kept
     def x(rows: int) -> torch.Tensor:
         return torch.randn(rows, k, generator=gen).bfloat16()
 
     out = []
-    packed = native.bf16_pack(w) if {"fma", "dot"} & set(names) else None
+    names = tuple(name for name in names if runs_shape(name, k))
+    packed = native.bf16_pack(w) if {"fma", "dot", "amx"} & set(names) else None
     for name in names:
-        if name in ("fma", "dot"):
-            out.append(Candidate(name, lambda r, d=name == "dot": native.bf16_gemm(x(r), packed, n, None, dot=d)))
-        elif name == "onednn":
+        if name in native.BF16_PATHS:
+            out.append(Candidate(name, lambda r, p=name: native.bf16_gemm(x(r), packed, n, None, p)))
+            continue
+        if name == "onednn":
             blocked = pack_weight(w)
-            out.append(Candidate(name, lambda r, b=blocked: onednn_linear(x(r), b, None)))
+            run = functools.partial(lambda b, xs: onednn_linear(xs, b, None), blocked)
         else:
-            out.append(Candidate(name, lambda r: fp32_linear(x(r), w, None)))
+            run = functools.partial(fp32_linear, weight=w, bias=None)
+        if not invariant_only or batch_invariant(run, k, gen):
+            out.append(Candidate(name, lambda r, f=run: f(x(r))))
+        else:
+            log.info("%s: %s's results for a row change with the batch here: not a candidate", op_name(w), name)
+    return out
+
+
+# batch_invariant's pieces of a 512-row batch (the rows calibration times): each piece's results must equal the batch's
+INVARIANCE_PIECES = ((0, 1), (1, 17), (17, 81), (81, 337))
+
+
+def batch_invariant(run: Callable[[torch.Tensor], torch.Tensor], k: int, gen: torch.Generator) -> bool:
+    """Whether run (x [M, k] bf16 -> [M, n]) gives each row the same result in batches of 1, 16, 64, 256 and 512 rows:
+    a sample, not a proof (our own kernels are invariant by construction; a library's blocking may follow M: oneDNN's
+    AMX matmul on a Xeon 6 207 changed rows' results between 64- and 512-row batches)."""
+    x = torch.randn(512, k, generator=gen).bfloat16()
+    whole = run(x)
+    return all(torch.equal(run(x[a:b]), whole[a:b]) for a, b in INVARIANCE_PIECES)
+
+
+def qblock_linear_candidates(layer: nn.Module, names: tuple[str, ...]) -> list[Candidate]:
+    """blocks: the layer's own blocks in the native kernel; the other names: the bf16_linear paths over its dequantized
+    weight."""
+    qb = layer.qblocks
+    gen = torch.Generator().manual_seed(0)
+
+    @functools.lru_cache(maxsize=1)
+    def x(rows: int) -> torch.Tensor:
+        return torch.randn(rows, qb.k, generator=gen).bfloat16()
+
+    out = [Candidate("blocks", lambda r: qb.linear(x(r), None))] if "blocks" in names else []
+    others = tuple(name for name in names if name != "blocks")
+    if others:
+        w = torch.cat([qb.dequantize_rows(r, min(qb.n, r + 4096)) for r in range(0, qb.n, 4096)]).bfloat16()
+        out += bf16_linear_candidates(qb.n, qb.k, others, w)
     return out
 
 
@@ -217,9 +329,19 @@ def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dt
         if name not in available(kind):
             raise InvalidRequestError(f"kernel_choice: {kind}={name} cannot run on this machine; it runs "
                                       f"{', '.join(available(kind))}", param="kernel_choice")
+    for op, (_, k) in shapes.items():
+        if BF16_LINEAR in pins and not runs_shape(pins[BF16_LINEAR], k):
+            raise InvalidRequestError(f"kernel_choice: {BF16_LINEAR}={pins[BF16_LINEAR]} cannot run {op} (its columns "
+                                      "must be a multiple of 32)", param="kernel_choice")
     names = available(BF16_LINEAR)
     measure = {op: functools.partial(_measure, bf16_linear_candidates, (n, k, names), timer, ROW_BUCKETS)
                for op, (n, k) in shapes.items()}
+    blocked = list(qblock_layers(model)) if dtype == torch.bfloat16 else []
+    if blocked:
+        qnames = available(QBLOCK_LINEAR) if dequantize_fits(blocked) else ("blocks",)
+        for layer in blocked:  # the first layer of each op stands for it
+            measure.setdefault(qblock_op(layer), functools.partial(_measure, qblock_linear_candidates,
+                                                                   (layer, qnames), timer, ROW_BUCKETS))
     for kind, make, buckets in ((PREFILL_ATTENTION, prefill_attention_candidates, ATTENTION_BUCKETS),
                                 (DECODE_ATTENTION, decode_attention_candidates, DECODE_BUCKETS)):
         op = attention_op(model, kind, dtype)

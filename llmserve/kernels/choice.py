@@ -77,13 +77,20 @@ def pinned(name: str) -> OpChoice:
     return OpChoice(name, pinned=True)
 
 
+# After two rounds at a bucket, a candidate slower than this many times the fastest gets no more rounds there: it keeps
+# the faster of its two (at worst an overestimate of one that had lost that bucket anyway). Two rounds, not one, so one
+# disturbed sample does not drop a candidate. (A 2-core Xeon with AMX: the fp32 and AVX-512 paths ran 5-15x slower than
+# the AMX tiles at 64-512 rows, and timing them 5 times each put the embedded model's calibration over 10 s.)
+PRUNE = 2.0
+
+
 def choose(candidates: Sequence[Candidate], timer: Timer, buckets: Sequence[int] = ROW_BUCKETS,
            reps: int = 5) -> OpChoice:
-    """Time each candidate at each bucket's row count (`reps` interleaved rounds after one warm-up call each) and choose
-    one for every bucket: the lowest sum over buckets of its time relative to the bucket's fastest (each batch size
-    counts alike; the earlier on a tie). Each keeps its fastest round: another process taking a core only ever adds
-    time (a busy 2-core VM put a scheduler quantum, ~8 ms, into most samples), so the minimum is the least disturbed
-    run."""
+    """Time each candidate at each bucket's row count (`reps` interleaved rounds after one warm-up call each, fewer for
+    one far behind: PRUNE) and choose one for every bucket: the lowest sum over buckets of its time relative to the
+    bucket's fastest (each batch size counts alike; the earlier on a tie). Each keeps its fastest round: another process
+    taking a core only ever adds time (a busy 2-core VM put a scheduler quantum, ~8 ms, into most samples), so the
+    minimum is the least disturbed run."""
     if not candidates:
         raise ValueError("choose needs at least one candidate")
     seconds: dict[str, list[float]] = {c.name: [] for c in candidates}
@@ -91,9 +98,13 @@ def choose(candidates: Sequence[Candidate], timer: Timer, buckets: Sequence[int]
         for c in candidates:
             c.run(rows)  # warm-up: first-touch pages, caches, lazily built kernels
         samples: dict[str, list[float]] = {c.name: [] for c in candidates}
-        for _ in range(reps):
-            for c in candidates:
+        active = list(candidates)
+        for rep in range(reps):
+            for c in active:
                 samples[c.name].append(timer(c.name, rows, lambda c=c, rows=rows: c.run(rows)))
+            if rep == 1:
+                fastest_yet = min(min(samples[c.name]) for c in active)
+                active = [c for c in active if min(samples[c.name]) <= PRUNE * fastest_yet]
         for name, s in samples.items():
             seconds[name].append(min(s))
     names = [c.name for c in candidates]

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "cpu" / name
             for name in ("paged_decode.cpp", "fused_ops.cpp", "w8a8_linear.cpp",
                          "packed_gemm.cpp", "kv_int8.cpp", "prefill_attention.cpp", "decoder_stack.cpp",
-                         "sampling.cpp", "qblock_gemm.cpp")]
+                         "sampling.cpp", "qblock_gemm.cpp", "amx_gemm.cpp")]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed = False
@@ -217,12 +217,23 @@ def bf16_pack(weight: torch.Tensor) -> torch.Tensor:
     return _module.bf16_pack(weight)
 
 
+BF16_PATHS = {"fma": 0, "dot": 1, "amx": 2}  # bf16_gemm's kernels, as the extension numbers them
+
+
 def bf16_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None,
-              dot: bool = False) -> torch.Tensor:
+              kernel: str = "fma") -> torch.Tensor:
     """x [M, K] bf16 @ the weight [n, K] (packed by bf16_pack) ^T (+ bias) -> [M, n] bf16, each output summed over k in
-    order: fp32 FMAs on the widened weights, or with dot vdpbf16ps on the packed pairs (needs bf16_dot_usable()).
-    Which is faster depends on the CPU and the rows (kernels/choice.py measures it). Needs packed_gemm_usable()."""
-    return _module.bf16_gemm(x, packed, n, bias, 1 if dot else 0)
+    an order that does not depend on M: kernel "fma" (fp32 FMAs on the widened weights), "dot" (vdpbf16ps on the packed
+    pairs; needs bf16_dot_usable()) or "amx" (AMX tiles; needs amx_usable() and K a multiple of 32). Which is faster
+    depends on the CPU and the rows (kernels/choice.py measures it). Needs packed_gemm_usable()."""
+    return _module.bf16_gemm(x, packed, n, bias, BF16_PATHS[kernel])
+
+
+@functools.cache
+def amx_usable() -> bool:
+    """Whether bf16_gemm's amx path runs here: the packed GEMMs do, the CPU has AMX-TILE and AMX-BF16, and Linux
+    granted this process the tile state."""
+    return packed_gemm_usable() and _module.amx_bf16_supported()
 
 
 @functools.cache

@@ -213,13 +213,13 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 class Bf16Matmul:
     """A bf16 weight [N, K] on CPU in the form its chosen kernel reads (kernels/choice.py measured it on this machine,
-    one kernel for every batch size): fma and dot read kernels/cpu/packed_gemm.cpp's layout, onednn its blocked copy,
-    fp32 the plain weight (widened per call)."""
+    one kernel for every batch size): fma, dot and amx read kernels/cpu/packed_gemm.cpp's layout, onednn its blocked
+    copy, fp32 the plain weight (widened per call)."""
 
     def __init__(self, weight: torch.Tensor, choice: OpChoice) -> None:
         self.n = weight.shape[0]
         self.kernel = choice.kernel
-        if self.kernel in ("fma", "dot"):
+        if self.packed:
             self.weight = native.bf16_pack(weight)
         elif self.kernel == "onednn":
             self.weight = pack_weight(weight)
@@ -228,8 +228,8 @@ class Bf16Matmul:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] bf16 -> [M, N] bf16."""
-        if self.kernel in ("fma", "dot"):
-            return native.bf16_gemm(x, self.weight, self.n, bias, dot=self.kernel == "dot")
+        if self.packed:
+            return native.bf16_gemm(x, self.weight, self.n, bias, self.kernel)
         if self.kernel == "onednn":
             return onednn_linear(x, self.weight, bias)
         return fp32_linear(x, self.weight, bias)
@@ -237,7 +237,7 @@ class Bf16Matmul:
     @property
     def packed(self) -> bool:
         """Whether the weight is in packed_gemm.cpp's layout, which the native decoder stack runs."""
-        return self.kernel in ("fma", "dot")
+        return self.kernel in native.BF16_PATHS
 
 
 def int8_packed_ok(weight: torch.Tensor) -> bool:

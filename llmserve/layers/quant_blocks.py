@@ -187,6 +187,11 @@ class BlockWeight:
         """fp32 [n, k], exactly the format's values."""
         return self.to_tensor().dequantize()
 
+    def dequantize_rows(self, start: int, end: int) -> torch.Tensor:
+        """fp32 rows [start, end) of the weight, exactly the format's values, in the weight's column order."""
+        w = self.rows(torch.arange(start, end, device=self.codes.device))
+        return w if self.perm is None else w[:, self.perm.argsort()]
+
     def to_tensor(self, rows: torch.Tensor | None = None) -> BlockTensor:
         """Back to one code per byte ([n, k], or the given rows [R] int64 of it)."""
         codes = unpack_codes(self.codes, self.bits)

@@ -38,8 +38,8 @@ def enabled() -> bool:
 
 
 def _linear_args(linear: Linear) -> list[Any] | None:
-    """(packed weight, outputs, scale, wsum, bias, dot) of a linear the stack runs, or None. A bf16 linear runs in the
-    stack where its measured kernel is a packed one (fma, or dot: bf16_gemm's dot argument; kernels/choice.py)."""
+    """(packed weight, outputs, scale, wsum, bias, path) of a linear the stack runs, or None. A bf16 linear runs in the
+    stack where its measured kernel is a packed one (fma, dot or amx: bf16_gemm's path argument; kernels/choice.py)."""
     if linear.qblocks is not None:  # block-quantized (layers/quant_blocks.py), where the native kernel runs
         native_weight = linear.qblocks.native
         if native_weight is None or linear.qblocks.perm is not None:  # (act-order: the stack would not gather x)
@@ -48,7 +48,7 @@ def _linear_args(linear: Linear) -> list[Any] | None:
     if linear.int8_packed is not None:  # w8a8 (with wsum) or weight-only
         return [linear.int8_packed, linear.out_features, linear.scale, linear.wsum, linear.bias, 0]
     if linear.bf16 is not None and linear.bf16.packed:
-        return [linear.bf16.weight, linear.out_features, None, None, linear.bias, int(linear.bf16.kernel == "dot")]
+        return [linear.bf16.weight, linear.out_features, None, None, linear.bias, native.BF16_PATHS[linear.bf16.kernel]]
     return None
 
 

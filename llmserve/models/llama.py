@@ -298,23 +298,36 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, E] -> [N, vocab] float32."""
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return head.logits(hidden)
+        return self.logits_head().logits(hidden)
+
+    def logits_head(self) -> VocabEmbedding:
+        """The table the logits are computed with: the LM head, or the embedding where they are tied."""
+        return self.model.embed_tokens if self.lm_head is None else self.lm_head
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def pack_for_cpu(self, choices: ChoiceTable | None = None) -> None:
         """Switch every matmul to its CPU form (after load_weights; see layers.linear): bf16 weights to the kernels
-        measured fastest on this machine (choices, kernels/calibrate.py), the rest to oneDNN-blocked weights."""
-        def choice(weight: torch.Tensor | None) -> OpChoice | None:
-            return None if choices is None or weight is None else choices.ops.get(calibrate.op_name(weight))
+        measured fastest on this machine (choices, kernels/calibrate.py), the rest to oneDNN-blocked weights. A layer on
+        block-quantized weights stays on them unless its measured choice is a bf16 kernel over the dequantized weight."""
+        def choice(module: nn.Module) -> OpChoice | None:
+            if choices is None:
+                return None
+            blocks_op = calibrate.qblock_op(module)
+            if blocks_op is not None:
+                c = choices.ops.get(blocks_op)
+                if c is None or c.kernel == "blocks":
+                    return None
+                calibrate.unblock(module)
+                return c
+            return None if module.weight is None else choices.ops.get(calibrate.op_name(module.weight))
 
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack_for_cpu(choice(module.weight))
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        head.pack_for_cpu(keep_plain=self.lm_head is None, choice=choice(head.weight))
+                module.pack_for_cpu(choice(module))
+        head = self.logits_head()
+        head.pack_for_cpu(keep_plain=self.lm_head is None, choice=choice(head))
 
     def quantize(self, method: str) -> None:
         """After load_weights. int8: weight-only int8 for every linear layer and the embedding / LM head.
@@ -327,7 +340,7 @@ class LlamaForCausalLM(nn.Module):
                 module.quantize_w8a8()
             elif isinstance(module, Linear) or (isinstance(module, VocabEmbedding) and method == "int8"):
                 module.quantize_int8()
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        head = self.logits_head()
         if method == "w8a8" and int8_packed_ok(head.weight):
             head.quantize_head_int8()
 

@@ -72,7 +72,7 @@ def test_matches_reference_fp32(heads: int, kv_heads: int, head_dim: int, window
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [8, 64])
 def test_matches_reference_across_dtypes(dtype: torch.dtype, cache_dtype, block_size: int) -> None:
-    # bf16 rows: the reference widens to fp32 too (this CPU has no AMX) and both round the output once to bf16;
+    # bf16 rows: the reference widens to fp32 too (on every CPU) and both round the output once to bf16;
     # only the summation order differs, so a few outputs may land one bf16 ulp apart
     case = _case(SPANS, 9, 3, 64, block_size, dtype, cache_dtype, seed=block_size)
     got, want = _both(*case, scale=0.125, window=None)

@@ -1,6 +1,6 @@
-"""bf16 GEMM (kernels/cpu/packed_gemm.cpp), by fp32 FMAs and by AVX512-BF16 dot products over the same packed weight: the
-fp32-summed product rounded once to bf16, at any batch size, and the layers that use it (Bf16Matmul, whichever kernel
-the measured choice gives each batch size)."""
+"""bf16 GEMM (kernels/cpu/packed_gemm.cpp, amx_gemm.cpp), by fp32 FMAs, AVX512-BF16 dot products and AMX tiles over the
+same packed weight: the fp32-summed product rounded once to bf16, at any batch size, and the layers that use it
+(Bf16Matmul, whichever kernel the measured choice gives each batch size)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from llmserve.layers.linear import Linear
 
 pytestmark = pytest.mark.skipif(not native.packed_gemm_usable(),
                                 reason="the bf16 GEMM needs the extension and a CPU with AVX-512")
-# dot=False: fp32 FMAs (every AVX-512 CPU); dot=True: vdpbf16ps (CPUs with AVX512-BF16)
-PATHS = [False, pytest.param(True, marks=pytest.mark.skipif(not native.bf16_dot_usable(),
-                                                            reason="the dot path needs AVX512-BF16"))]
+# fma: fp32 FMAs (every AVX-512 CPU); dot: vdpbf16ps (CPUs with AVX512-BF16); amx: AMX tiles (AMX-BF16, K % 32 == 0)
+PATHS = ["fma", pytest.param("dot", marks=pytest.mark.skipif(not native.bf16_dot_usable(),
+                                                             reason="the dot path needs AVX512-BF16")),
+         pytest.param("amx", marks=pytest.mark.skipif(not native.amx_usable(), reason="the amx path needs AMX-BF16"))]
 
 
 def _ulps_apart(got: torch.Tensor, want_fp32: torch.Tensor) -> torch.Tensor:
@@ -26,19 +27,23 @@ def _ulps_apart(got: torch.Tensor, want_fp32: torch.Tensor) -> torch.Tensor:
 
 
 # every register tile shape (1-6 rows by 1-4 blocks of 16 outputs), K odd (a padded pair), N not a multiple of 16,
-# and more rows than one work chunk (240)
+# and more rows than one work chunk (240); amx (K a multiple of 32): one and two A tiles, full and partial, an odd
+# number of blocks, more rows than its chunk (256)
 @pytest.mark.parametrize("rows,in_f,out_f", [(1, 576, 960), (2, 100, 33), (3, 1536, 576), (4, 37, 17), (5, 64, 16),
-                                             (6, 7, 70), (13, 200, 100), (64, 576, 1030), (487, 70, 90)])
+                                             (6, 7, 70), (13, 200, 100), (64, 576, 1030), (487, 70, 90),
+                                             (17, 96, 48), (33, 64, 40), (487, 96, 90)])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("dot", PATHS)
-def test_kernel_is_the_fp32_sum_rounded_to_bf16(rows: int, in_f: int, out_f: int, bias: bool, dot: bool) -> None:
+@pytest.mark.parametrize("kernel", PATHS)
+def test_kernel_is_the_fp32_sum_rounded_to_bf16(rows: int, in_f: int, out_f: int, bias: bool, kernel: str) -> None:
+    if kernel == "amx" and in_f % 32:
+        pytest.skip("amx takes whole tiles of 32 columns")
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_f, generator=g).bfloat16()
     w = torch.randn(out_f, in_f, generator=g).bfloat16()
     b = torch.randn(out_f, generator=g).bfloat16() if bias else None
     packed = native.bf16_pack(w)
     assert packed.shape == (-(-out_f // 16), -(-in_f // 2), 16, 2)
-    got = native.bf16_gemm(x, packed, out_f, b, dot=dot)
+    got = native.bf16_gemm(x, packed, out_f, b, kernel)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out_f)
     want = x.float() @ w.float().T + (b.float() if bias else 0)  # products of bf16 are exact in fp32
     # one rounding to bf16 (half a step), plus fp32 sums in another order; far from a bf16 matmul's own error
@@ -46,10 +51,10 @@ def test_kernel_is_the_fp32_sum_rounded_to_bf16(rows: int, in_f: int, out_f: int
     torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-2)
 
 
-@pytest.mark.parametrize("dot", PATHS)
-def test_no_rows(dot: bool) -> None:
-    got = native.bf16_gemm(torch.empty(0, 16).bfloat16(), native.bf16_pack(torch.randn(8, 16).bfloat16()), 8, None,
-                           dot=dot)
+@pytest.mark.parametrize("kernel", PATHS)
+def test_no_rows(kernel: str) -> None:
+    got = native.bf16_gemm(torch.empty(0, 32).bfloat16(), native.bf16_pack(torch.randn(8, 32).bfloat16()), 8, None,
+                           kernel)
     assert got.shape == (0, 8) and got.dtype == torch.bfloat16
 
 
@@ -60,16 +65,19 @@ def test_pack_layout() -> None:
     assert torch.equal(native.bf16_pack(w), padded.view(2, 16, 3, 2).transpose(1, 2))
 
 
-@pytest.mark.parametrize("dot", PATHS)
-def test_rows_do_not_depend_on_each_other(dot: bool) -> None:
+@pytest.mark.parametrize("kernel", PATHS)
+def test_rows_do_not_depend_on_each_other(kernel: str) -> None:
     """Each output is summed over k in order whatever tile computes it (300 rows: chunks of 150 on the widened path;
-    one row: registers only), so a request's logits do not depend on its batch."""
+    one row: registers only; amx: a row in a full tile, a partial one, the first or second A tile), so a request's
+    logits do not depend on its batch."""
     g = torch.Generator().manual_seed(7)
-    x, w = torch.randn(300, 300, generator=g).bfloat16(), torch.randn(50, 300, generator=g).bfloat16()
+    x, w = torch.randn(300, 320, generator=g).bfloat16(), torch.randn(50, 320, generator=g).bfloat16()
     packed = native.bf16_pack(w)
-    together = native.bf16_gemm(x, packed, 50, None, dot=dot)
-    alone = torch.cat([native.bf16_gemm(x[i:i + 1], packed, 50, None, dot=dot) for i in range(0, 300, 37)])
+    together = native.bf16_gemm(x, packed, 50, None, kernel)
+    alone = torch.cat([native.bf16_gemm(x[i:i + 1], packed, 50, None, kernel) for i in range(0, 300, 37)])
     assert torch.equal(together[::37], alone)
+    pieces = torch.cat([native.bf16_gemm(x[a:b], packed, 50, None, kernel) for a, b in ((0, 5), (5, 40), (40, 300))])
+    assert torch.equal(together, pieces)
 
 
 def test_refuses_what_it_cannot_take() -> None:
@@ -80,6 +88,9 @@ def test_refuses_what_it_cannot_take() -> None:
         native.bf16_gemm(torch.randn(1, 18).bfloat16(), packed, 8, None)
     with pytest.raises(RuntimeError, match="bf16_pack"):
         native.bf16_gemm(torch.randn(1, 16).bfloat16(), torch.randn(8, 16).bfloat16(), 8, None)
+    if native.amx_usable():
+        with pytest.raises(RuntimeError, match="multiple of 32"):
+            native.bf16_gemm(torch.randn(1, 16).bfloat16(), packed, 8, None, "amx")
 
 
 def _kernels_here() -> list[str]:
@@ -88,7 +99,7 @@ def _kernels_here() -> list[str]:
     return list(available(BF16_LINEAR))
 
 
-@pytest.mark.parametrize("kernel", ["fma", "dot", "onednn", "fp32"])
+@pytest.mark.parametrize("kernel", ["fma", "dot", "amx", "onednn", "fp32"])
 @pytest.mark.parametrize("rows", [1, 5, 96, 300])
 def test_linear_and_lm_head_run_the_chosen_kernel_and_keep_only_its_form(kernel: str, rows: int) -> None:
     if kernel not in _kernels_here():
@@ -100,8 +111,8 @@ def test_linear_and_lm_head_run_the_chosen_kernel_and_keep_only_its_form(kernel:
     layer.pack_for_cpu(pinned(kernel))
     m = layer.bf16
     assert m is not None and layer.weight is None and layer.packed is None
-    # only the form the choice reads: fma and dot share the packed layout
-    assert m.weight.dim() == (4 if kernel in ("fma", "dot") else 2) and m.kernel == kernel
+    # only the form the choice reads: fma, dot and amx share the packed layout
+    assert m.weight.dim() == (4 if kernel in native.BF16_PATHS else 2) and m.kernel == kernel
     x = torch.randn(2, rows, 96, generator=g).bfloat16()  # 3-d through forward
     got = layer(x)
     assert got.shape == (2, rows, 40) and got.dtype == torch.bfloat16
@@ -119,7 +130,7 @@ def test_linear_and_lm_head_run_the_chosen_kernel_and_keep_only_its_form(kernel:
     torch.testing.assert_close(logits, h.float() @ table.T, rtol=8e-3, atol=1e-2)
 
 
-@pytest.mark.parametrize("kernel", ["fma", "dot", "onednn", "fp32"])
+@pytest.mark.parametrize("kernel", ["fma", "dot", "amx", "onednn", "fp32"])
 def test_one_kernel_runs_every_batch_size(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The chosen kernel takes one row and 600 alike (a request's tokens must not depend on its batch); the decoder
     stack is told whether it can run the layer."""
@@ -132,13 +143,13 @@ def test_one_kernel_runs_every_batch_size(kernel: str, monkeypatch: pytest.Monke
     layer.pack_for_cpu(OpChoice(kernel))
     ran: list[str] = []
     gemm, onednn, fp32 = native.bf16_gemm, lin.onednn_linear, lin.fp32_linear
-    monkeypatch.setattr(native, "bf16_gemm", lambda *a, **k: ran.append("dot" if k["dot"] else "fma") or gemm(*a, **k))
+    monkeypatch.setattr(native, "bf16_gemm", lambda *a: ran.append(a[4]) or gemm(*a))
     monkeypatch.setattr(lin, "onednn_linear", lambda *a: ran.append("onednn") or onednn(*a))
     monkeypatch.setattr(lin, "fp32_linear", lambda *a: ran.append("fp32") or fp32(*a))
     for rows in (1, 4, 5, 600):
         layer(torch.randn(rows, 32).bfloat16())
     assert ran == [kernel] * 4
-    assert layer.bf16.packed == (kernel in ("fma", "dot"))
+    assert layer.bf16.packed == (kernel in native.BF16_PATHS)
     layer.pack_for_cpu()  # a second call is a no-op: the plain weight is gone
     assert layer.bf16.kernel == kernel
 
@@ -148,4 +159,4 @@ def test_dot_refuses_where_the_cpu_lacks_it() -> None:
         pytest.skip("this CPU has AVX512-BF16")
     packed = native.bf16_pack(torch.randn(8, 16).bfloat16())
     with pytest.raises(RuntimeError, match="AVX512-BF16"):
-        native.bf16_gemm(torch.randn(1, 16).bfloat16(), packed, 8, None, dot=True)
+        native.bf16_gemm(torch.randn(1, 16).bfloat16(), packed, 8, None, "dot")

@@ -69,7 +69,7 @@ def test_pins_are_not_measured_and_unknown_ones_are_refused(bf16_model, monkeypa
     monkeypatch.setenv(calibrate.ENV, "bf16_linear=fp32,prefill_attention=fp32,decode_attention=fp32")  # where auto
     assert {c.kernel for c in calibrate.plan(bf16_model, 2, dtype=BF16, timer=never).ops.values()} == {"fp32"}
     with pytest.raises(InvalidRequestError, match="kernel_choice"):
-        EngineConfig(kernel_choice="bf16_linear=amx")
+        EngineConfig(kernel_choice="bf16_linear=tpu")
     with pytest.raises(InvalidRequestError, match="kernel_choice"):
         EngineConfig(kernel_choice="attention=dot")
     if "dot" not in calibrate.available(calibrate.BF16_LINEAR):
@@ -103,8 +103,78 @@ def test_a_bf16_model_on_quantized_blocks_still_chooses_its_attention(q4_1_gguf:
     table = calibrate.plan(model, 2, dtype=BF16, timer=lambda name, rows, fn: 1.0 if name == "dot" else 2.0)
     ops = {calibrate.attention_op(model, kind, BF16)
            for kind in (calibrate.PREFILL_ATTENTION, calibrate.DECODE_ATTENTION)}
-    assert None not in ops and set(table.ops) == ops
-    assert {c.kernel for c in table.ops.values()} == ({"dot"} if native.bf16_dot_usable() else {"fp32"})
+    assert None not in ops and ops <= set(table.ops)
+    assert {table.ops[op].kernel for op in ops} == ({"dot"} if native.bf16_dot_usable() else {"fp32"})
+
+
+@pytest.mark.skipif(not native.qblock_usable(), reason="the blocks need the native kernel")
+@pytest.mark.parametrize("winner", ["blocks", "fma"])
+def test_blocks_or_their_dequantized_weights_by_measurement(q4_1_gguf: str, winner: str) -> None:
+    """Each block-quantized shape (and the tied LM head) is an op whose candidates are its blocks and the bf16 paths
+    over the dequantized weight; the winner is what the packed model runs: the blocks kept, or replaced by exactly
+    their values in bf16 on the chosen kernel (the tied embedding's lookups read the same table)."""
+    model = load_model(q4_1_gguf, EngineConfig(dtype="bfloat16")).model
+    layers = list(calibrate.qblock_layers(model))
+    head = model.logits_head()
+    assert any(m is head for m in layers) and len(layers) == 1 + 4 * len(model.model.layers)  # qkv, o, gate_up, down
+    before = {id(m): m.qblocks.dequantize()[:m.qblocks.n].bfloat16() for m in layers}
+    timed: set[str] = set()
+
+    def timer(name: str, rows: int, fn: Callable[[], object]) -> float:
+        timed.add(name)
+        return 1.0 if name == winner else 2.0
+
+    table = calibrate.plan(model, 2, dtype=BF16, timer=timer)
+    qops = {op for op in table.ops if op.startswith("qblock_linear:")}
+    assert qops == {calibrate.qblock_op(m) for m in layers}
+    assert {table.ops[op].kernel for op in qops} == {winner} and {"blocks", "fma"} <= timed
+    model.pack_for_cpu(table)
+    for m in layers:
+        if winner == "blocks":
+            assert m.qblocks is not None
+            continue
+        assert m.qblocks is None and m.bf16 is not None and m.bf16.kernel == "fma"
+    if winner != "blocks":
+        x = torch.randn(3, head.hidden_size).bfloat16()
+        torch.testing.assert_close(head.logits(x), (x.float() @ before[id(head)].float().T).bfloat16().float(),
+                                   rtol=8e-3, atol=1e-2)
+        ids = torch.tensor([0, 5, 299])
+        embed = model.model.embed_tokens
+        if model.lm_head is None:  # tied: the lookups read the same table, now plain bf16
+            assert embed is head and torch.equal(head.weight, before[id(head)])
+        assert torch.equal(embed(ids), (embed.qblocks.rows(ids) if embed.qblocks is not None else embed.weight[ids])
+                           .bfloat16())
+
+
+@pytest.mark.skipif(not native.qblock_usable(), reason="the blocks need the native kernel")
+def test_blocks_stay_where_their_dequantized_weights_would_not_fit(q4_1_gguf: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the blocks are timed (and kept) where the dequantized weights would take more than DEQUANTIZE_SHARE of the
+    memory available."""
+    model = load_model(q4_1_gguf, EngineConfig(dtype="bfloat16")).model
+    layers = list(calibrate.qblock_layers(model))
+    extra = sum(2 * m.qblocks.n * m.qblocks.k - m.qblocks.nbytes for m in layers)
+    enough = int(extra / calibrate.DEQUANTIZE_SHARE)
+    assert calibrate.dequantize_fits(layers, enough + 1) and not calibrate.dequantize_fits(layers, enough - 1)
+    timed: set[str] = set()
+
+    def timer(name: str, rows: int, fn: Callable[[], object]) -> float:
+        timed.add(name)
+        return 1.0
+
+    monkeypatch.setattr(calibrate, "_mem_available", lambda: enough - 1)
+    table = calibrate.plan(model, 2, dtype=BF16, timer=timer)
+    assert {table.ops[calibrate.qblock_op(m)].kernel for m in layers} == {"blocks"}
+    assert "fma" not in timed
+
+
+def test_a_candidate_whose_rows_change_with_the_batch_is_left_out() -> None:
+    """batch_invariant: a row's result must not depend on the rows beside it; our kernels pass, a batch-dependent one
+    does not (as oneDNN's AMX matmul did)."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 64, generator=gen).bfloat16()
+    assert calibrate.batch_invariant(lambda x: native.bf16_gemm(x, native.bf16_pack(w), 24, None), 64, gen)
+    assert not calibrate.batch_invariant(lambda x: x.float() @ w.float().T + x.shape[0] * 1e-3, 64, gen)
 
 
 @pytest.mark.skipif(not native.bf16_dot_usable(), reason="the dot path needs AVX512-BF16")

@@ -51,7 +51,7 @@ def test_one_kernel_for_every_batch_size_the_best_across_them() -> None:
 
 def test_each_candidate_keeps_its_least_disturbed_round_and_rounds_interleave() -> None:
     calls: list[tuple[str, int]] = []
-    noisy = iter([9.0, 1.0, 8.0, 3.0, 3.0, 3.0])  # fma: 9, 8, 3 -> 3 (its fastest round); dot: 1, 3, 3 -> 1
+    noisy = iter([9.0, 1.0, 1.5, 3.0, 3.0, 3.0])  # fma: 9, 1.5, 3 -> 1.5 (its fastest round); dot: 1, 3, 3 -> 1
 
     def timer(name: str, rows: int, fn: Callable[[], object]) -> float:
         calls.append((name, rows))
@@ -61,7 +61,22 @@ def test_each_candidate_keeps_its_least_disturbed_round_and_rounds_interleave() 
     c = choose(candidates("fma", "dot", ran=ran), timer, buckets=(4,), reps=3)
     assert calls == [("fma", 4), ("dot", 4)] * 3  # interleaved, so a slow spell hits both
     assert ran[:2] == [("fma", 4), ("dot", 4)]  # one warm-up call each, untimed
-    assert c.seconds == {"fma": (3.0,), "dot": (1.0,)} and c.kernel == "dot"
+    assert c.seconds == {"fma": (1.5,), "dot": (1.0,)} and c.kernel == "dot"
+
+
+def test_a_candidate_far_behind_after_two_rounds_gets_no_more() -> None:
+    """fp32 at 5x the fastest after two rounds is not timed a third time (it had lost that bucket); one slow first
+    round does not drop dot (its second is in line)."""
+    calls: list[tuple[str, int]] = []
+    samples = {"fma": iter([1.0, 1.0, 1.0]), "dot": iter([9.0, 1.1, 1.1]), "fp32": iter([5.0, 5.0])}
+
+    def timer(name: str, rows: int, fn: Callable[[], object]) -> float:
+        calls.append((name, rows))
+        return next(samples[name])
+
+    c = choose(candidates("fma", "dot", "fp32"), timer, buckets=(8,), reps=3)
+    assert calls == [("fma", 8), ("dot", 8), ("fp32", 8)] * 2 + [("fma", 8), ("dot", 8)]
+    assert c.seconds == {"fma": (1.0,), "dot": (1.1,), "fp32": (5.0,)} and c.kernel == "fma"
 
 
 def test_a_tie_keeps_the_first_listed() -> None:

@@ -32,11 +32,11 @@ struct StackLinear {
   torch::Tensor scale;                // int8 weights
   c10::optional<torch::Tensor> wsum;  // w8a8
   c10::optional<torch::Tensor> bias;  // fp32
-  int64_t dot = 0;  // bf16 weights: bf16_gemm's dot argument (the measured kernel, llmserve/kernels/choice.py)
+  int64_t path = 0;  // bf16 weights: bf16_gemm's path argument (the measured kernel, llmserve/kernels/choice.py)
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (blocks.has_value()) return qblock_linear(x, *blocks, bias, -1);
-    if (packed.scalar_type() != at::kChar) return bf16_gemm(x, packed, n, bias, dot);
+    if (packed.scalar_type() != at::kChar) return bf16_gemm(x, packed, n, bias, path);
     return wsum.has_value() ? w8a8_linear(x, packed, scale, *wsum, bias) : int8w_gemm(x, packed, scale, bias, -1);
   }
 };
@@ -198,8 +198,9 @@ class DecoderStack {
       if (!args[3].is_none()) l.wsum = args[3].cast<torch::Tensor>();
     }
     if (!args[4].is_none()) l.bias = args[4].cast<torch::Tensor>().to(at::kFloat).contiguous();
-    l.dot = args[5].cast<int64_t>();
-    TORCH_CHECK(l.dot <= 0 || bf16_dot_supported(), "DecoderStack: ", what, " asks for dot products this CPU lacks");
+    l.path = args[5].cast<int64_t>();
+    TORCH_CHECK(l.path != 1 || bf16_dot_supported(), "DecoderStack: ", what, " asks for dot products this CPU lacks");
+    TORCH_CHECK(l.path != 2 || amx_bf16_supported(), "DecoderStack: ", what, " asks for AMX tiles this CPU lacks");
     return l;
   }
 

@@ -36,8 +36,11 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w
 bool packed_gemm_supported();
 torch::Tensor bf16_pack(torch::Tensor weight);
 torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
-                        int64_t dot);
+                        int64_t path);
 bool bf16_dot_supported();
+// amx_gemm.cpp (bf16_gemm's path 2; bias fp32 [N] or nullptr)
+bool amx_bf16_supported();
+torch::Tensor bf16_gemm_amx(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const float* bias);
 torch::Tensor int8w_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, c10::optional<torch::Tensor> bias,
                          int64_t a16);
 bool int8w_a16_supported();

@@ -1,0 +1,181 @@
+// bf16 linears on AMX tiles (Intel Sapphire Rapids and later: AMX-TILE and AMX-BF16), over the very layout bf16_pack
+// gives the fma and dot paths (packed_gemm.cpp): [N/16][K/2][16][2], where 16 column pairs of a block's 16 outputs are
+// 16 rows of 64 bytes, which is what a B tile of tdpbf16ps holds. So the three paths share one copy of the weight, and
+// which one runs is measured on the machine (bf16_gemm's path 2, llmserve/kernels/calibrate.py's "amx").
+//
+// y[M, N] = x[M, K] @ W^T (+ bias), x and y bf16, K a multiple of 32 (one tile's depth). A unit of work is up to 32 rows
+// of x by 2 blocks of 16 outputs: 4 C tiles (tmm0-3, fp32 16 x 16), 2 A tiles (tmm4-5, 16 rows x 32 columns of x, read in
+// place) and 2 B tiles (tmm6-7, 32 columns x 16 outputs of the weight). Each output is summed over k in tile order (32
+// columns per tdpbf16ps, in order), whatever the other rows of the batch: a row's result does not depend on the batch
+// (oneDNN's AMX matmul changes its blocking with M, and with it the sums: measured on a Xeon 6 207 here, row results of
+// a 64-row batch differed from the same rows in a 512-row one).
+//
+// Why: on a 2-core Xeon with AMX (Intel family 6 model 207) the AVX-512 paths stay near 200 GFLOP/s on SmolLM2's shapes;
+// torch's (oneDNN's) AMX matmul reached 860 on them, but its results depend on the batch and it cannot run inside the
+// native decoder stack. These tiles, best of 7 against oneDNN (ms): 960x576 at 64 rows 0.034 / 0.058, at 512 rows
+// 0.240 / 0.258 (2,355 GFLOP/s); 576x1536 at 512 rows 0.394 / 0.824; the 49152x576 LM head at 64 rows 6.7 / 4.8 (bound
+// by reading the weight, where oneDNN streams it better).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "avx512_math.h"  // LLMSERVE_AVX512, storeu16, tail_mask16
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#define LLMSERVE_AMX __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,amx-tile,amx-bf16")))
+
+namespace {
+
+constexpr int64_t kBlockRows = 16;  // outputs per packed block (bf16_pack)
+constexpr int64_t kTileK = 32;      // columns of x per tile
+constexpr int64_t kUnitRows = 32;   // rows of x per unit (two A tiles)
+constexpr int64_t kChunkRows = 256;  // rows of x per work item: a pair of blocks' weights (K x 32 bf16) stays in L1/L2
+                                     // while the chunk's units pass over it
+
+// Linux keeps AMX's 8 KB tile state off until a process asks (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+constexpr int kArchGetXcompPerm = 0x1022;
+constexpr int kArchReqXcompPerm = 0x1023;
+constexpr int kXfeatureXtiledata = 18;
+
+bool cpuid_amx_bf16() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+  const bool tile = (d >> 24) & 1, bf16 = (d >> 22) & 1;
+  if (!tile || !bf16) return false;
+  unsigned lo = 0, hi = 0;  // XCR0: the OS saves XTILECFG (bit 17) and XTILEDATA (bit 18)
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return ((lo >> 17) & 3) == 3;
+}
+
+bool request_tile_data() {
+  unsigned long mask = 0;
+  if (syscall(SYS_arch_prctl, kArchGetXcompPerm, &mask) == 0 && ((mask >> kXfeatureXtiledata) & 1)) return true;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+// The tile configuration (palette 1) of a unit of `r0` + `r1` rows (r0 <= 16 in A0/C0/C1, r1 <= 16 in A1/C2/C3).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+class Tiles {
+ public:
+  LLMSERVE_AMX void configure(int r0, int r1) {
+    if (r0 == r0_ && r1 == r1_) return;
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) c.colsb[t] = 64;
+    c.rows[0] = c.rows[1] = c.rows[4] = static_cast<uint8_t>(r0);
+    c.rows[2] = c.rows[3] = c.rows[5] = static_cast<uint8_t>(r1);
+    if (r1 == 0) c.colsb[2] = c.colsb[3] = c.colsb[5] = 0;
+    c.rows[6] = c.rows[7] = 16;
+    // (not _tile_loadconfig: GCC 12's names only 8 bytes of the config as read, and its stores were dropped as dead)
+    __asm__ volatile("ldtilecfg %0" ::"m"(c));
+    r0_ = r0;
+    r1_ = r1;
+  }
+  LLMSERVE_AMX ~Tiles() {
+    if (r0_ >= 0) _tile_release();
+  }
+
+ private:
+  int r0_ = -1, r1_ = -1;
+};
+
+// One unit: C (fp32, 32 x 32, row stride 32) = rows [0, r0 + r1) of x (ldx bytes per row) times blocks w0 and w1 (w1
+// only with TwoB), over K / 32 tiles of depth.
+template <bool TwoA, bool TwoB>
+LLMSERVE_AMX void unit(const uint16_t* x, int64_t ldx, const uint16_t* w0, const uint16_t* w1, int64_t kt, float* c) {
+  _tile_zero(0);
+  if (TwoB) _tile_zero(1);
+  if (TwoA) {
+    _tile_zero(2);
+    if (TwoB) _tile_zero(3);
+  }
+  for (int64_t t = 0; t < kt; ++t) {
+    _tile_loadd(4, x + t * kTileK, ldx);
+    _tile_loadd(6, w0 + t * kTileK * kBlockRows, 64);
+    if (TwoB) _tile_loadd(7, w1 + t * kTileK * kBlockRows, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (TwoB) _tile_dpbf16ps(1, 4, 7);
+    if (TwoA) {
+      _tile_loadd(5, x + 16 * (ldx / 2) + t * kTileK, ldx);
+      _tile_dpbf16ps(2, 5, 6);
+      if (TwoB) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  constexpr int64_t ldc = 2 * kBlockRows * sizeof(float);
+  _tile_stored(0, c, ldc);
+  if (TwoB) _tile_stored(1, c + kBlockRows, ldc);
+  if (TwoA) {
+    _tile_stored(2, c + 16 * 2 * kBlockRows, ldc);
+    if (TwoB) _tile_stored(3, c + 16 * 2 * kBlockRows + kBlockRows, ldc);
+  }
+}
+
+// y[i0 : i0 + rows, n0 : n0 + 32] (columns below N) = C (+ bias), rounded to bf16.
+LLMSERVE_AVX512 void store_unit(const float* c, int64_t rows, int64_t n0, int64_t N, const float* bias,
+                                at::BFloat16* y) {
+  for (int j = 0; j < 2; ++j) {
+    const int64_t n = n0 + j * kBlockRows;
+    if (n >= N) break;
+    const __mmask16 m = tail_mask16(N - n);
+    const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(m, bias + n) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < rows; ++i) {
+      __m512 v = _mm512_loadu_ps(c + i * 2 * kBlockRows + j * kBlockRows);
+      if (bias != nullptr) v = _mm512_add_ps(v, bv);
+      storeu16(y + i * N + n, v, m);
+    }
+  }
+}
+
+}  // namespace
+
+bool amx_bf16_supported() {
+  static const bool ok = cpu_has_avx512() && cpuid_amx_bf16() && request_tile_data();
+  return ok;
+}
+
+// x [M, K] bf16 contiguous, K % 32 == 0; packed: bf16_pack of W [N, K]; bias fp32 [N] or nullptr -> [M, N] bf16.
+torch::Tensor bf16_gemm_amx(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const float* bias) {
+  TORCH_CHECK(amx_bf16_supported(), "bf16_gemm: the amx path needs a CPU with AMX-BF16 (and the OS's permission)");
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0);
+  TORCH_CHECK(K % kTileK == 0, "bf16_gemm: the amx path needs K a multiple of 32, got ", K);
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  auto* yp = y.data_ptr<at::BFloat16>();
+  const int64_t be = K * kBlockRows, kt = K / kTileK, ldx = K * 2;
+  const int64_t pairs = (NB + 1) / 2, chunks = (M + kChunkRows - 1) / kChunkRows;
+  // work items: (block pair, chunk of rows), a pair's chunks consecutive so its weights are reused from cache
+  at::parallel_for(0, pairs * chunks, 1, [&](int64_t begin, int64_t end) {
+    Tiles tiles;
+    alignas(64) float c[kUnitRows * 2 * kBlockRows];
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t p = u / chunks, m0 = (u % chunks) * kChunkRows, m1 = std::min(M, m0 + kChunkRows);
+      const int64_t b = 2 * p;
+      const bool two_b = b + 1 < NB;
+      const uint16_t* w0 = wp + b * be;
+      const uint16_t* w1 = two_b ? w0 + be : w0;
+      for (int64_t i = m0; i < m1; i += kUnitRows) {
+        const int64_t rows = std::min(kUnitRows, m1 - i);
+        const int r0 = static_cast<int>(std::min<int64_t>(16, rows)), r1 = static_cast<int>(rows - r0);
+        tiles.configure(r0, r1);
+        const uint16_t* xi = xs + i * K;
+        if (r1 > 0)
+          two_b ? unit<true, true>(xi, ldx, w0, w1, kt, c) : unit<true, false>(xi, ldx, w0, w1, kt, c);
+        else
+          two_b ? unit<false, true>(xi, ldx, w0, w1, kt, c) : unit<false, false>(xi, ldx, w0, w1, kt, c);
+        store_unit(c, rows, b * kBlockRows, N, bias, yp + i * N);
+      }
+    }
+  });
+  return y;
+}
