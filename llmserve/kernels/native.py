@@ -330,6 +330,13 @@ def qblock_linear(x: torch.Tensor, weight: object, bias: torch.Tensor | None, vn
     return _module.qblock_linear(x, weight, bias, -1 if vnni is None else int(vnni))
 
 
+def qblock_linear_amx(x: torch.Tensor, weight: object, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] bf16 @ the block-quantized weight [n, K] ^T (+ bias) -> [M, n] bf16 on AMX tiles, each tile of the
+    weight dequantized to bf16 as it is read: bit for bit bf16_gemm(..., "amx") over the dequantized weight (exactly
+    the format's values rounded to bf16), reading the blocks' bytes. Needs qblock_amx_usable()."""
+    return _module.qblock_linear_amx(x, weight, bias)
+
+
 def qblock_pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 codes [n, k] -> qblock_linear's layout (layers/quant_blocks.pack_codes, the same bytes). Needs load()."""
     return _module.qblock_pack(codes, bits)
@@ -345,6 +352,12 @@ def gguf_nibbles(raw: torch.Tensor, offset: int, size: int) -> torch.Tensor:
 def qblock_usable() -> bool:
     """Whether qblock_linear runs here: the extension builds and the CPU has AVX-512."""
     return load() is not None and _module.qblock_linear_supported()
+
+
+@functools.cache
+def qblock_amx_usable() -> bool:
+    """Whether qblock_linear_amx runs here (AMX-BF16, and AVX512-BF16 to round the dequantized tiles)."""
+    return qblock_usable() and amx_usable() and bf16_dot_usable()
 
 
 @functools.cache

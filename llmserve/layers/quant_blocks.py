@@ -165,6 +165,9 @@ class BlockWeight:
             self.native = native.qblock_weight(self.codes, self.scales, self.mins, n, k, t.bits, t.group, t.zero)
         # kernels/triton/qblock.py's linear on CUDA (its bit widths and groups), else None
         self.triton = _triton_linear(self.codes.device) if t.bits in (4, 8) and t.group % BLOCK == 0 else None
+        # bf16 x on AMX tiles over the tiles dequantized as read (native.qblock_linear_amx), where the measured choice
+        # says so (kernels/calibrate.py's blocks_amx); else the int8-activation kernel
+        self.amx = False
 
     @property
     def nbytes(self) -> int:
@@ -172,6 +175,9 @@ class BlockWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., k] -> [..., n] in x's dtype."""
+        if self.native is not None and self.amx and x.dtype == torch.bfloat16:
+            y = native.qblock_linear_amx(self.gather(x).reshape(-1, self.k), self.native, bias)
+            return y.reshape(*x.shape[:-1], self.n)
         if self.native is not None and x.dtype in (torch.float32, torch.bfloat16):
             y = native.qblock_linear(self.gather(x).reshape(-1, self.k), self.native, bias)
             return y.reshape(*x.shape[:-1], self.n)

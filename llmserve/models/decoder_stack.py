@@ -44,7 +44,7 @@ def _linear_args(linear: Linear) -> list[Any] | None:
         native_weight = linear.qblocks.native
         if native_weight is None or linear.qblocks.perm is not None:  # (act-order: the stack would not gather x)
             return None
-        return [native_weight, linear.out_features, None, None, linear.bias, 0]
+        return [native_weight, linear.out_features, None, None, linear.bias, 2 if linear.qblocks.amx else 0]
     if linear.int8_packed is not None:  # w8a8 (with wsum) or weight-only
         return [linear.int8_packed, linear.out_features, linear.scale, linear.wsum, linear.bias, 0]
     if linear.bf16 is not None and linear.bf16.packed:

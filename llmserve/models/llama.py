@@ -317,7 +317,8 @@ class LlamaForCausalLM(nn.Module):
             blocks_op = calibrate.qblock_op(module)
             if blocks_op is not None:
                 c = choices.ops.get(blocks_op)
-                if c is None or c.kernel == "blocks":
+                if c is None or c.kernel in ("blocks", "blocks_amx"):
+                    module.qblocks.amx = c is not None and c.kernel == "blocks_amx"
                     return None
                 calibrate.unblock(module)
                 return c

@@ -79,11 +79,16 @@ def test_int8_weight_stacks_give_the_python_layers_bits(tiny_model_dir, monkeypa
 
 @pytest.mark.skipif(not native.qblock_usable(), reason="GGUF blocks run natively on AVX-512 CPUs")
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q5_K", "Q6_K"])  # 4-bit; 5-bit; 6-bit in groups of 16
-def test_gguf_block_stacks_give_the_python_layers_bits(tmp_path, monkeypatch, qtype: str) -> None:
+@pytest.mark.parametrize("kernel", ["blocks", "blocks_amx", "amx"])  # int8 activations; AMX on the blocks; dequantized
+def test_gguf_block_stacks_give_the_python_layers_bits(tmp_path, monkeypatch, qtype: str, kernel: str) -> None:
     import gguf
 
+    from llmserve.kernels.calibrate import QBLOCK_LINEAR, available
     from tests.tiny_models import make_hf_model, write_tiny_gguf
 
+    if kernel not in available(QBLOCK_LINEAR):
+        pytest.skip(f"{kernel} does not run here")
+    monkeypatch.setenv("LLMSERVE_KERNEL_CHOICE", f"bf16_linear=fma,qblock_linear={kernel}")
     monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "cache"))
     hf = make_hf_model("llama", vocab_size=300, hidden_size=256, intermediate_size=256)  # K-quants: 256-column rows
     path = write_tiny_gguf(hf, tmp_path / f"tiny.{qtype}.gguf", gguf.GGMLQuantizationType[qtype])

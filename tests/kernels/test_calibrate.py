@@ -108,12 +108,18 @@ def test_a_bf16_model_on_quantized_blocks_still_chooses_its_attention(q4_1_gguf:
 
 
 @pytest.mark.skipif(not native.qblock_usable(), reason="the blocks need the native kernel")
-@pytest.mark.parametrize("winner", ["blocks", "fma"])
-def test_blocks_or_their_dequantized_weights_by_measurement(q4_1_gguf: str, winner: str) -> None:
-    """Each block-quantized shape (and the tied LM head) is an op whose candidates are its blocks and the bf16 paths
-    over the dequantized weight; the winner is what the packed model runs: the blocks kept, or replaced by exactly
-    their values in bf16 on the chosen kernel (the tied embedding's lookups read the same table)."""
+@pytest.mark.parametrize("winner", ["blocks", "blocks_amx", "fma"])
+def test_blocks_or_their_dequantized_weights_by_measurement(q4_1_gguf: str, winner: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each block-quantized shape (and the tied LM head) is an op whose candidates are its blocks (in the int8 kernel or,
+    with AMX, dequantized tile by tile) and the bf16 paths over the dequantized weight; the winner is what the packed
+    model runs: the blocks kept, or replaced by exactly their values in bf16 on the chosen kernel (the tied
+    embedding's lookups read the same table)."""
+    if winner not in calibrate.available(calibrate.QBLOCK_LINEAR):
+        pytest.skip(f"{winner} does not run here")
     model = load_model(q4_1_gguf, EngineConfig(dtype="bfloat16")).model
+    if winner == "blocks_amx":  # a candidate where the dequantized weights do not fit (amx gives its bits otherwise)
+        monkeypatch.setattr(calibrate, "_mem_available", lambda: 1)
     layers = list(calibrate.qblock_layers(model))
     head = model.logits_head()
     assert any(m is head for m in layers) and len(layers) == 1 + 4 * len(model.model.layers)  # qkv, o, gate_up, down
@@ -127,14 +133,15 @@ def test_blocks_or_their_dequantized_weights_by_measurement(q4_1_gguf: str, winn
     table = calibrate.plan(model, 2, dtype=BF16, timer=timer)
     qops = {op for op in table.ops if op.startswith("qblock_linear:")}
     assert qops == {calibrate.qblock_op(m) for m in layers}
-    assert {table.ops[op].kernel for op in qops} == {winner} and {"blocks", "fma"} <= timed
+    assert {table.ops[op].kernel for op in qops} == {winner} and "blocks" in timed
+    assert ("fma" in timed) == (winner != "blocks_amx") and ("blocks_amx" in timed) == (winner == "blocks_amx")
     model.pack_for_cpu(table)
     for m in layers:
-        if winner == "blocks":
-            assert m.qblocks is not None
+        if winner.startswith("blocks"):
+            assert m.qblocks is not None and m.qblocks.amx == (winner == "blocks_amx")
             continue
         assert m.qblocks is None and m.bf16 is not None and m.bf16.kernel == "fma"
-    if winner != "blocks":
+    if not winner.startswith("blocks"):
         x = torch.randn(3, head.hidden_size).bfloat16()
         torch.testing.assert_close(head.logits(x), (x.float() @ before[id(head)].float().T).bfloat16().float(),
                                    rtol=8e-3, atol=1e-2)
@@ -156,16 +163,10 @@ def test_blocks_stay_where_their_dequantized_weights_would_not_fit(q4_1_gguf: st
     extra = sum(2 * m.qblocks.n * m.qblocks.k - m.qblocks.nbytes for m in layers)
     enough = int(extra / calibrate.DEQUANTIZE_SHARE)
     assert calibrate.dequantize_fits(layers, enough + 1) and not calibrate.dequantize_fits(layers, enough - 1)
-    timed: set[str] = set()
-
-    def timer(name: str, rows: int, fn: Callable[[], object]) -> float:
-        timed.add(name)
-        return 1.0
-
     monkeypatch.setattr(calibrate, "_mem_available", lambda: enough - 1)
-    table = calibrate.plan(model, 2, dtype=BF16, timer=timer)
-    assert {table.ops[calibrate.qblock_op(m)].kernel for m in layers} == {"blocks"}
-    assert "fma" not in timed
+    table = calibrate.plan(model, 2, dtype=BF16, timer=lambda name, rows, fn: 1.0)
+    for op in {calibrate.qblock_op(m) for m in layers}:
+        assert table.ops[op].kernel == "blocks" and set(table.ops[op].seconds) <= {"blocks", "blocks_amx"}
 
 
 def test_a_candidate_whose_rows_change_with_the_batch_is_left_out() -> None:

@@ -189,3 +189,26 @@ def test_fallbacks_dequantize(config: EngineConfig, tmp_path) -> None:
     hf = make_hf_model("llama", vocab_size=300)
     lm = load_model(write_tiny_gguf(hf, tmp_path / "tiny.Q4_1.gguf", Q.Q4_1), config)
     assert all(m.qblocks is None for m in _linears(lm.model).values())
+
+
+@pytest.mark.skipif(not native.qblock_amx_usable(), reason="needs AMX-BF16")
+@pytest.mark.parametrize("form", ["Q4_1", "Q4_0", "Q5_K", "Q6_K", "Q8_0", "4-bit/128"])
+def test_amx_over_the_blocks_is_amx_over_their_dequantized_weights(form: str) -> None:
+    """qblock_linear_amx dequantizes each tile as it reads it, to exactly the values the dequantized bf16 weight holds:
+    its products are bf16_gemm's amx path over that weight, bit for bit (every tile shape: 1, 17, 40 and 300 rows)."""
+    from llmserve.layers.quant_blocks import BlockTensor, BlockWeight
+
+    bits, group, sd, mins, zero = {"Q4_1": (4, 32, torch.float16, True, 0), "Q4_0": (4, 32, torch.float16, False, 8),
+                                   "Q5_K": (5, 32, torch.float32, True, 0), "Q6_K": (6, 16, torch.float32, False, 32),
+                                   "Q8_0": (8, 32, torch.float16, False, 128),
+                                   "4-bit/128": (4, 128, torch.float16, True, 0)}[form]
+    g = torch.Generator().manual_seed(bits * group)
+    for n, k in [(50, 256), (33, 512)]:
+        codes = torch.randint(0, 2 ** bits, (n, k), generator=g, dtype=torch.uint8)
+        scales = (torch.rand(n, k // group, generator=g) * 0.01).to(sd)
+        mn = (torch.randn(n, k // group, generator=g) * 0.01).to(sd) if mins else None
+        w = BlockWeight(BlockTensor(codes, scales, mn, bits, group, zero))
+        packed, bias = native.bf16_pack(w.dequantize()[:n].bfloat16()), torch.randn(n, generator=g)
+        for m in (1, 17, 40, 300):
+            x = torch.randn(m, k, generator=g).bfloat16()
+            assert torch.equal(native.qblock_linear_amx(x, w.native, bias), native.bf16_gemm(x, packed, n, bias, "amx"))

@@ -20,12 +20,15 @@
 #include <ATen/Parallel.h>
 
 #include "avx512_math.h"  // LLMSERVE_AVX512, storeu16, tail_mask16
+#include "kernels.h"
 
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
+#include <vector>
 
 #define LLMSERVE_AMX __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,amx-tile,amx-bf16")))
 
@@ -144,26 +147,35 @@ bool amx_bf16_supported() {
 
 // x [M, K] bf16 contiguous, K % 32 == 0; packed: bf16_pack of W [N, K]; bias fp32 [N] or nullptr -> [M, N] bf16.
 torch::Tensor bf16_gemm_amx(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const float* bias) {
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  const int64_t be = x.size(1) * kBlockRows;
+  return amx_gemm_blocks(x, packed.size(0), N, bias, [&](int64_t b, uint16_t*) { return wp + b * be; });
+}
+
+// The driver: weight blocks of 16 outputs in bf16_pack's layout come from block(b, scratch) (a pointer to the block,
+// or to scratch, K * 16 bf16, which it may fill); see kernels.h.
+torch::Tensor amx_gemm_blocks(const torch::Tensor& x, int64_t NB, int64_t N, const float* bias,
+                              const std::function<const uint16_t*(int64_t, uint16_t*)>& block) {
   TORCH_CHECK(amx_bf16_supported(), "bf16_gemm: the amx path needs a CPU with AMX-BF16 (and the OS's permission)");
-  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0);
+  const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kTileK == 0, "bf16_gemm: the amx path needs K a multiple of 32, got ", K);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   auto* yp = y.data_ptr<at::BFloat16>();
-  const int64_t be = K * kBlockRows, kt = K / kTileK, ldx = K * 2;
+  const int64_t kt = K / kTileK, ldx = K * 2;
   const int64_t pairs = (NB + 1) / 2, chunks = (M + kChunkRows - 1) / kChunkRows;
   // work items: (block pair, chunk of rows), a pair's chunks consecutive so its weights are reused from cache
   at::parallel_for(0, pairs * chunks, 1, [&](int64_t begin, int64_t end) {
     Tiles tiles;
     alignas(64) float c[kUnitRows * 2 * kBlockRows];
+    std::vector<uint16_t> scratch(2 * K * kBlockRows);
     for (int64_t u = begin; u < end; ++u) {
       const int64_t p = u / chunks, m0 = (u % chunks) * kChunkRows, m1 = std::min(M, m0 + kChunkRows);
       const int64_t b = 2 * p;
       const bool two_b = b + 1 < NB;
-      const uint16_t* w0 = wp + b * be;
-      const uint16_t* w1 = two_b ? w0 + be : w0;
+      const uint16_t* w0 = block(b, scratch.data());
+      const uint16_t* w1 = two_b ? block(b + 1, scratch.data() + K * kBlockRows) : w0;
       for (int64_t i = m0; i < m1; i += kUnitRows) {
         const int64_t rows = std::min(kUnitRows, m1 - i);
         const int r0 = static_cast<int>(std::min<int64_t>(16, rows)), r1 = static_cast<int>(rows - r0);

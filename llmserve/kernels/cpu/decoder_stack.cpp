@@ -35,7 +35,7 @@ struct StackLinear {
   int64_t path = 0;  // bf16 weights: bf16_gemm's path argument (the measured kernel, llmserve/kernels/choice.py)
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    if (blocks.has_value()) return qblock_linear(x, *blocks, bias, -1);
+    if (blocks.has_value()) return path == 2 ? qblock_linear_amx(x, *blocks, bias) : qblock_linear(x, *blocks, bias, -1);
     if (packed.scalar_type() != at::kChar) return bf16_gemm(x, packed, n, bias, path);
     return wsum.has_value() ? w8a8_linear(x, packed, scale, *wsum, bias) : int8w_gemm(x, packed, scale, bias, -1);
   }
@@ -177,14 +177,17 @@ class DecoderStack {
   }
 
   StackLinear linear(const std::vector<py::object>& args, int64_t expected_n, const char* what) const {
-    TORCH_CHECK(args.size() == 6, "DecoderStack: a linear is (packed, n, scale, wsum, bias, dot)");
+    TORCH_CHECK(args.size() == 6, "DecoderStack: a linear is (packed, n, scale, wsum, bias, path)");
     StackLinear l;
     l.n = args[1].cast<int64_t>();
-    if (py::isinstance<QBlockWeight>(args[0])) {  // (QBlockWeight, n, None, None, bias, 0)
+    if (py::isinstance<QBlockWeight>(args[0])) {  // (QBlockWeight, n, None, None, bias, 0 or 2: AMX tiles)
       l.blocks = args[0].cast<QBlockWeight>();
       TORCH_CHECK(expected_n < 0 || l.n == expected_n, "DecoderStack: ", what, " has ", l.n, " outputs, expected ",
                   expected_n);
       if (!args[4].is_none()) l.bias = args[4].cast<torch::Tensor>().to(at::kFloat).contiguous();
+      l.path = args[5].cast<int64_t>();
+      TORCH_CHECK(l.path == 0 || l.path == 2, "DecoderStack: ", what, ": blocks take path 0 (int8) or 2 (AMX)");
+      TORCH_CHECK(l.path != 2 || amx_bf16_supported(), "DecoderStack: ", what, " asks for AMX tiles this CPU lacks");
       return l;
     }
     l.packed = args[0].cast<torch::Tensor>();

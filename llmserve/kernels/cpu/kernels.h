@@ -4,6 +4,8 @@
 
 #include <torch/extension.h>
 
+#include <functional>
+
 // paged_decode.cpp
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor lens, double scale, int64_t window,
@@ -41,6 +43,10 @@ bool bf16_dot_supported();
 // amx_gemm.cpp (bf16_gemm's path 2; bias fp32 [N] or nullptr)
 bool amx_bf16_supported();
 torch::Tensor bf16_gemm_amx(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const float* bias);
+// x [M, K] bf16 @ W^T (+ bias) on AMX tiles, W's NB blocks of 16 outputs (N outputs in all) given by block(b, scratch):
+// a pointer to block b in bf16_pack's layout ([K / 2][16][2]), which may be scratch (K * 16 bf16) filled by the call
+torch::Tensor amx_gemm_blocks(const torch::Tensor& x, int64_t NB, int64_t N, const float* bias,
+                              const std::function<const uint16_t*(int64_t, uint16_t*)>& block);
 torch::Tensor int8w_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, c10::optional<torch::Tensor> bias,
                          int64_t a16);
 bool int8w_a16_supported();
@@ -68,6 +74,8 @@ struct QBlockWeight {
 bool qblock_linear_supported();
 torch::Tensor qblock_linear(torch::Tensor x, const QBlockWeight& weight, c10::optional<torch::Tensor> bias,
                             int64_t vnni);
+// bf16 x on AMX tiles, each tile of the weight dequantized to bf16 as it is read (amx_bf16_supported())
+torch::Tensor qblock_linear_amx(torch::Tensor x, const QBlockWeight& weight, c10::optional<torch::Tensor> bias);
 void bind_qblocks(pybind11::module_& m);
 
 // decoder_stack.cpp

@@ -36,6 +36,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <utility>
 
 #define LLMSERVE_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
@@ -298,9 +299,76 @@ void run(const torch::Tensor& x, const QBlockWeight& qw, const Weight& w, const 
   else for_each_tile<kMaxRows, kMaxTiles>(M, NT, kChunkRows, tile);
 }
 
+// Tile t's weights dequantized to bf16 in bf16_pack's layout (out: [K / 2][16][2]) for the AMX tiles: per column,
+// d * q then + m in fp32 (two roundings, as BlockTensor.dequantize computes them) rounded to bf16 to nearest even, as
+// torch's .to(bfloat16): exactly the dequantized weight a bf16 kernel would read.
+template <int BITS, bool G16, typename S>
+LLMSERVE_AVX512BF16 void dequantize_tile(const Weight& w, int64_t t, uint16_t* out) {
+  const __m512i byte = _mm512_set1_epi32(0xFF);
+  for (int64_t b = 0; b < w.KB; ++b) {
+    const int64_t g = G16 ? 2 * b : b / w.blocks_per_group;
+    __m512i v[8];
+    unpack_codes<BITS>(w.codes + (t * w.KB + b) * w.bytes, v);
+    __m512 d, m, d1, m1;
+    group_scales<S>(w, t, g, d, m);
+    if constexpr (G16) group_scales<S>(w, t, g + 1, d1, m1);
+    uint16_t* o = out + b * kBlock * kTileRows;
+    _Pragma("GCC unroll 8") for (int k = 0; k < 8; ++k) {
+      const __m512 dk = G16 && k >= 4 ? d1 : d, mk = G16 && k >= 4 ? m1 : m;
+      _Pragma("GCC unroll 2") for (int c = 0; c < 4; c += 2) {  // columns 4k + c and 4k + c + 1: pair 2k + c / 2
+        __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v[k], 8 * c), byte));
+        __m512 hi = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v[k], 8 * (c + 1)), byte));
+        lo = _mm512_add_ps(_mm512_mul_ps(dk, lo), mk);
+        hi = _mm512_add_ps(_mm512_mul_ps(dk, hi), mk);
+        const __m512i l = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
+        const __m512i h = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(hi)), 16);
+        _mm512_storeu_si512(o + (2 * k + c / 2) * 2 * kTileRows, _mm512_or_si512(l, h));
+      }
+    }
+  }
+}
+
 }  // namespace
 
 bool qblock_linear_supported() { return cpu_has_avx512(); }
+
+// x [M, K] bf16 @ the block-quantized weight ^T (+ bias) -> [M, n] bf16 on AMX tiles (amx_gemm.cpp's driver), each
+// tile's weights dequantized (dequantize_tile) once per work item of up to 256 rows: the result is bf16_gemm's amx path
+// over the dequantized weight, bit for bit, while a step reads the blocks' bytes rather than bf16's.
+torch::Tensor qblock_linear_amx(torch::Tensor x, const QBlockWeight& qw, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(cpu_has_avx512_bf16() && amx_bf16_supported(), "qblock_linear_amx needs AMX-BF16 and AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.size(1) == qw.k,
+              "qblock_linear_amx: x must be bf16 [M, ", qw.k, "] on the CPU");
+  torch::Tensor b;
+  if (bias.has_value()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == qw.n, "qblock_linear_amx: bias [n]");
+  }
+  const Weight w{qw.codes.data_ptr<uint8_t>(), qw.scales.data_ptr(), qw.mins.has_value() ? qw.mins->data_ptr() : nullptr,
+                 qw.k / kBlock, qw.scales.size(1), std::max<int64_t>(1, qw.group / kBlock), qw.bits * 64, qw.zero};
+  std::function<const uint16_t*(int64_t, uint16_t*)> tile;
+  auto pick = [&](auto s, auto g16) {
+    using S = decltype(s);
+    constexpr bool G16 = decltype(g16)::value;
+    auto make = [&](auto bits) {
+      constexpr int BITS = decltype(bits)::value;
+      tile = [&w](int64_t t, uint16_t* out) {
+        dequantize_tile<BITS, G16, S>(w, t, out);
+        return static_cast<const uint16_t*>(out);
+      };
+    };
+    switch (qw.bits) {
+      case 4: return make(std::integral_constant<int, 4>{});
+      case 5: return make(std::integral_constant<int, 5>{});
+      case 6: return make(std::integral_constant<int, 6>{});
+      default: return make(std::integral_constant<int, 8>{});
+    }
+  };
+  if (qw.group == 16) pick(float{}, std::true_type{});
+  else if (qw.scales.scalar_type() == at::kHalf) pick(c10::Half{}, std::false_type{});
+  else pick(float{}, std::false_type{});
+  return amx_gemm_blocks(x.contiguous(), qw.codes.size(0), qw.n, bias.has_value() ? b.data_ptr<float>() : nullptr, tile);
+}
 
 bool qblock_vnni_supported() { return vnni_supported(); }
 
@@ -442,6 +510,9 @@ void bind_qblocks(pybind11::module_& m) {
            py::arg("group"), py::arg("zero"));
   m.def("qblock_linear", &qblock_linear, "x @ W^T (+ bias) over a QBlockWeight (CPU, AVX-512; VNNI: int8 activations "
         "per block of 32)", py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("vnni") = -1);
+  m.def("qblock_linear_amx", &qblock_linear_amx, "x @ W^T (+ bias) over a QBlockWeight on AMX tiles, its tiles "
+        "dequantized to bf16 as they are read (bf16 x; AMX-BF16)", py::arg("x"), py::arg("weight"),
+        py::arg("bias") = py::none());
   m.def("qblock_linear_supported", &qblock_linear_supported, "whether qblock_linear runs here (AVX-512)");
   m.def("qblock_vnni_supported", &qblock_vnni_supported, "whether qblock_linear's int8 path runs here (AVX512-VNNI)");
 }
