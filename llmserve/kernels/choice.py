@@ -82,12 +82,16 @@ def pinned(name: str) -> OpChoice:
 # disturbed sample does not drop a candidate. (A 2-core Xeon with AMX: the fp32 and AVX-512 paths ran 5-15x slower than
 # the AMX tiles at 64-512 rows, and timing them 5 times each put the embedded model's calibration over 10 s.)
 PRUNE = 2.0
+# ... and once the fastest call at a bucket takes this long, two rounds are all it gets: a scheduler quantum (~4-8 ms, the
+# disturbance the rounds guard against) is a tenth of it or less. (Prefill attention over 4,096 tokens took 95-146 ms
+# a call on a 2-core Xeon, a second of the embedded model's calibration in its last three rounds.)
+LONG_CALL = 0.05
 
 
 def choose(candidates: Sequence[Candidate], timer: Timer, buckets: Sequence[int] = ROW_BUCKETS,
            reps: int = 5) -> OpChoice:
     """Time each candidate at each bucket's row count (`reps` interleaved rounds after one warm-up call each, fewer for
-    one far behind: PRUNE) and choose one for every bucket: the lowest sum over buckets of its time relative to the
+    one far behind, PRUNE, and for long calls, LONG_CALL) and choose one for every bucket: the lowest sum over buckets of its time relative to the
     bucket's fastest (each batch size counts alike; the earlier on a tie). Each keeps its fastest round: another process
     taking a core only ever adds time (a busy 2-core VM put a scheduler quantum, ~8 ms, into most samples), so the
     minimum is the least disturbed run."""
@@ -104,6 +108,8 @@ def choose(candidates: Sequence[Candidate], timer: Timer, buckets: Sequence[int]
                 samples[c.name].append(timer(c.name, rows, lambda c=c, rows=rows: c.run(rows)))
             if rep == 1:
                 fastest_yet = min(min(samples[c.name]) for c in active)
+                if fastest_yet >= LONG_CALL:
+                    break
                 active = [c for c in active if min(samples[c.name]) <= PRUNE * fastest_yet]
         for name, s in samples.items():
             seconds[name].append(min(s))

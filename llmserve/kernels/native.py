@@ -337,6 +337,12 @@ def qblock_linear_amx(x: torch.Tensor, weight: object, bias: torch.Tensor | None
     return _module.qblock_linear_amx(x, weight, bias)
 
 
+def qblock_dequantize_bf16(weight: object) -> torch.Tensor:
+    """A QBlockWeight [n, K] dequantized to bf16 in bf16_pack's layout ([ceil(n / 16), K / 2, 16, 2], zero past n):
+    exactly the format's values rounded to bf16. Needs qblock_usable() and bf16_dot_usable()."""
+    return _module.qblock_dequantize_bf16(weight)
+
+
 def qblock_pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 codes [n, k] -> qblock_linear's layout (layers/quant_blocks.pack_codes, the same bytes). Needs load()."""
     return _module.qblock_pack(codes, bits)

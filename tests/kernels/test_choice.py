@@ -51,7 +51,7 @@ def test_one_kernel_for_every_batch_size_the_best_across_them() -> None:
 
 def test_each_candidate_keeps_its_least_disturbed_round_and_rounds_interleave() -> None:
     calls: list[tuple[str, int]] = []
-    noisy = iter([9.0, 1.0, 1.5, 3.0, 3.0, 3.0])  # fma: 9, 1.5, 3 -> 1.5 (its fastest round); dot: 1, 3, 3 -> 1
+    noisy = iter([9e-3, 1e-3, 1.5e-3, 3e-3, 3e-3, 3e-3])  # fma: 9, 1.5, 3 ms -> 1.5 (its fastest); dot: 1, 3, 3 -> 1
 
     def timer(name: str, rows: int, fn: Callable[[], object]) -> float:
         calls.append((name, rows))
@@ -61,14 +61,14 @@ def test_each_candidate_keeps_its_least_disturbed_round_and_rounds_interleave() 
     c = choose(candidates("fma", "dot", ran=ran), timer, buckets=(4,), reps=3)
     assert calls == [("fma", 4), ("dot", 4)] * 3  # interleaved, so a slow spell hits both
     assert ran[:2] == [("fma", 4), ("dot", 4)]  # one warm-up call each, untimed
-    assert c.seconds == {"fma": (1.5,), "dot": (1.0,)} and c.kernel == "dot"
+    assert c.seconds == {"fma": (1.5e-3,), "dot": (1e-3,)} and c.kernel == "dot"
 
 
 def test_a_candidate_far_behind_after_two_rounds_gets_no_more() -> None:
     """fp32 at 5x the fastest after two rounds is not timed a third time (it had lost that bucket); one slow first
     round does not drop dot (its second is in line)."""
     calls: list[tuple[str, int]] = []
-    samples = {"fma": iter([1.0, 1.0, 1.0]), "dot": iter([9.0, 1.1, 1.1]), "fp32": iter([5.0, 5.0])}
+    samples = {"fma": iter([1e-3, 1e-3, 1e-3]), "dot": iter([9e-3, 1.1e-3, 1.1e-3]), "fp32": iter([5e-3, 5e-3])}
 
     def timer(name: str, rows: int, fn: Callable[[], object]) -> float:
         calls.append((name, rows))
@@ -76,7 +76,7 @@ def test_a_candidate_far_behind_after_two_rounds_gets_no_more() -> None:
 
     c = choose(candidates("fma", "dot", "fp32"), timer, buckets=(8,), reps=3)
     assert calls == [("fma", 8), ("dot", 8), ("fp32", 8)] * 2 + [("fma", 8), ("dot", 8)]
-    assert c.seconds == {"fma": (1.0,), "dot": (1.1,), "fp32": (5.0,)} and c.kernel == "fma"
+    assert c.seconds == {"fma": (1e-3,), "dot": (1.1e-3,), "fp32": (5e-3,)} and c.kernel == "fma"
 
 
 def test_a_tie_keeps_the_first_listed() -> None:
@@ -221,3 +221,12 @@ def test_op_choice_round_trips_through_json() -> None:
         OpChoice.from_json({"kernel": "dot", "rows": [1, 8], "seconds": {"dot": [1.0]}})
     with pytest.raises(ValueError):
         OpChoice.from_json({"kernel": ["dot"], "rows": []})
+
+
+def test_long_calls_get_two_rounds() -> None:
+    """A bucket whose fastest call takes LONG_CALL or more is timed twice, not reps times."""
+    calls: list[tuple[str, int]] = []
+    costs = {"fma": lambda r: choice.LONG_CALL * (2 if r > 1 else 0.1), "dot": lambda r: choice.LONG_CALL * 3}
+    c = choose(candidates("fma", "dot"), fake_timer(costs, calls), buckets=(1, 64), reps=5)
+    assert calls.count(("fma", 1)) == 5 and calls.count(("fma", 64)) == 2 and calls.count(("dot", 64)) == 2
+    assert c.kernel == "fma"

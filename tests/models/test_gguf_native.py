@@ -212,3 +212,25 @@ def test_amx_over_the_blocks_is_amx_over_their_dequantized_weights(form: str) ->
         for m in (1, 17, 40, 300):
             x = torch.randn(m, k, generator=g).bfloat16()
             assert torch.equal(native.qblock_linear_amx(x, w.native, bias), native.bf16_gemm(x, packed, n, bias, "amx"))
+
+
+@native_only
+@pytest.mark.parametrize("form", ["Q4_1", "Q6_K", "Q8_0"])
+def test_dequantized_bf16_is_exactly_the_formats_values_rounded(form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What replaces the blocks where a bf16 kernel was measured faster (kernels/calibrate.py's unblock): the native
+    dequantization where it runs, torch's otherwise, both exactly BlockTensor.dequantize rounded to bf16."""
+    from llmserve.kernels import calibrate
+    from llmserve.layers.quant_blocks import BlockTensor, BlockWeight
+
+    bits, group, sd, mins, zero = {"Q4_1": (4, 32, torch.float16, True, 0), "Q6_K": (6, 16, torch.float32, False, 32),
+                                   "Q8_0": (8, 32, torch.float16, False, 128)}[form]
+    g = torch.Generator().manual_seed(bits)
+    n, k = 37, 256
+    codes = torch.randint(0, 2 ** bits, (n, k), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(n, k // group, generator=g) * 0.01).to(sd)
+    mn = (torch.randn(n, k // group, generator=g) * 0.01).to(sd) if mins else None
+    w = BlockWeight(BlockTensor(codes, scales, mn, bits, group, zero))
+    want = w.dequantize()[:n].bfloat16()
+    assert torch.equal(calibrate.dequantized_bf16(w), want)
+    monkeypatch.setattr(native, "bf16_dot_usable", lambda: False)  # torch's, 10 rows at a time
+    assert torch.equal(calibrate.dequantized_bf16(w, rows=10), want)

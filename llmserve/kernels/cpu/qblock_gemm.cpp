@@ -328,6 +328,30 @@ LLMSERVE_AVX512BF16 void dequantize_tile(const Weight& w, int64_t t, uint16_t* o
   }
 }
 
+Weight weight_of(const QBlockWeight& qw) {
+  return Weight{qw.codes.data_ptr<uint8_t>(), qw.scales.data_ptr(), qw.mins.has_value() ? qw.mins->data_ptr() : nullptr,
+                qw.k / kBlock, qw.scales.size(1), std::max<int64_t>(1, qw.group / kBlock), qw.bits * 64, qw.zero};
+}
+
+// dequantize_tile for qw's form
+std::function<void(const Weight&, int64_t, uint16_t*)> tile_dequantizer(const QBlockWeight& qw) {
+  std::function<void(const Weight&, int64_t, uint16_t*)> f;
+  auto pick = [&](auto s, auto g16) {
+    using S = decltype(s);
+    constexpr bool G16 = decltype(g16)::value;
+    switch (qw.bits) {
+      case 4: f = dequantize_tile<4, G16, S>; break;
+      case 5: f = dequantize_tile<5, G16, S>; break;
+      case 6: f = dequantize_tile<6, G16, S>; break;
+      default: f = dequantize_tile<8, G16, S>; break;
+    }
+  };
+  if (qw.group == 16) pick(float{}, std::true_type{});
+  else if (qw.scales.scalar_type() == at::kHalf) pick(c10::Half{}, std::false_type{});
+  else pick(float{}, std::false_type{});
+  return f;
+}
+
 }  // namespace
 
 bool qblock_linear_supported() { return cpu_has_avx512(); }
@@ -344,30 +368,29 @@ torch::Tensor qblock_linear_amx(torch::Tensor x, const QBlockWeight& qw, c10::op
     b = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(b.numel() == qw.n, "qblock_linear_amx: bias [n]");
   }
-  const Weight w{qw.codes.data_ptr<uint8_t>(), qw.scales.data_ptr(), qw.mins.has_value() ? qw.mins->data_ptr() : nullptr,
-                 qw.k / kBlock, qw.scales.size(1), std::max<int64_t>(1, qw.group / kBlock), qw.bits * 64, qw.zero};
-  std::function<const uint16_t*(int64_t, uint16_t*)> tile;
-  auto pick = [&](auto s, auto g16) {
-    using S = decltype(s);
-    constexpr bool G16 = decltype(g16)::value;
-    auto make = [&](auto bits) {
-      constexpr int BITS = decltype(bits)::value;
-      tile = [&w](int64_t t, uint16_t* out) {
-        dequantize_tile<BITS, G16, S>(w, t, out);
-        return static_cast<const uint16_t*>(out);
-      };
-    };
-    switch (qw.bits) {
-      case 4: return make(std::integral_constant<int, 4>{});
-      case 5: return make(std::integral_constant<int, 5>{});
-      case 6: return make(std::integral_constant<int, 6>{});
-      default: return make(std::integral_constant<int, 8>{});
-    }
-  };
-  if (qw.group == 16) pick(float{}, std::true_type{});
-  else if (qw.scales.scalar_type() == at::kHalf) pick(c10::Half{}, std::false_type{});
-  else pick(float{}, std::false_type{});
-  return amx_gemm_blocks(x.contiguous(), qw.codes.size(0), qw.n, bias.has_value() ? b.data_ptr<float>() : nullptr, tile);
+  const Weight w = weight_of(qw);
+  const auto dequantize = tile_dequantizer(qw);
+  return amx_gemm_blocks(x.contiguous(), qw.codes.size(0), qw.n, bias.has_value() ? b.data_ptr<float>() : nullptr,
+                         [&](int64_t t, uint16_t* out) {
+                           dequantize(w, t, out);
+                           return static_cast<const uint16_t*>(out);
+                         });
+}
+
+// The whole weight dequantized to bf16 in bf16_pack's layout ([ceil(n / 16), k / 2, 16, 2], zero past n): the bf16
+// kernels' weight where the measured choice replaces the blocks (llmserve/kernels/calibrate.py's unblock), exactly
+// BlockTensor.dequantize's values rounded to bf16. Needs AVX512-BF16.
+torch::Tensor qblock_dequantize_bf16(const QBlockWeight& qw) {
+  TORCH_CHECK(cpu_has_avx512_bf16(), "qblock_dequantize_bf16 needs AVX512-BF16");
+  const int64_t NT = qw.codes.size(0);
+  auto out = torch::empty({NT, qw.k / 2, kTileRows, 2}, qw.codes.options().dtype(at::kBFloat16));
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const Weight w = weight_of(qw);
+  const auto dequantize = tile_dequantizer(qw);
+  at::parallel_for(0, NT, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) dequantize(w, t, op + t * qw.k * kTileRows);
+  });
+  return out;
 }
 
 bool qblock_vnni_supported() { return vnni_supported(); }
@@ -513,6 +536,8 @@ void bind_qblocks(pybind11::module_& m) {
   m.def("qblock_linear_amx", &qblock_linear_amx, "x @ W^T (+ bias) over a QBlockWeight on AMX tiles, its tiles "
         "dequantized to bf16 as they are read (bf16 x; AMX-BF16)", py::arg("x"), py::arg("weight"),
         py::arg("bias") = py::none());
+  m.def("qblock_dequantize_bf16", &qblock_dequantize_bf16, "a QBlockWeight dequantized to bf16 in bf16_pack's layout "
+        "(AVX512-BF16)", py::arg("weight"));
   m.def("qblock_linear_supported", &qblock_linear_supported, "whether qblock_linear runs here (AVX-512)");
   m.def("qblock_vnni_supported", &qblock_vnni_supported, "whether qblock_linear's int8 path runs here (AVX512-VNNI)");
 }
