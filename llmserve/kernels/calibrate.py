@@ -327,9 +327,14 @@ def kernels_hash() -> str:
     return h.hexdigest()[:16]
 
 
-def key(ops: list[str], threads: int) -> dict[str, object]:
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": threads, "torch": torch.__version__,
-            "kernels": kernels_hash(), "ops": sorted(ops)}
+def key(ops: list[str], threads: int, blocks_only: bool = False) -> dict[str, object]:
+    """The cache key. blocks_only: block-quantized ops were timed without the dequantized candidates (they would not
+    fit), so a table measured with them must not be reused, nor the other way round."""
+    k: dict[str, object] = {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": threads, "torch": torch.__version__,
+                            "kernels": kernels_hash(), "ops": sorted(ops)}
+    if blocks_only:
+        k["blocks_only"] = True
+    return k
 
 
 def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dtype: torch.dtype,
@@ -353,9 +358,10 @@ def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dt
     measure = {op: functools.partial(_measure, bf16_linear_candidates, (n, k, names), timer, ROW_BUCKETS)
                for op, (n, k) in shapes.items()}
     blocked = list(qblock_layers(model)) if dtype == torch.bfloat16 else []
+    blocks_only = bool(blocked) and not dequantize_fits(blocked)
     if blocked:
         qnames = available(QBLOCK_LINEAR)
-        if dequantize_fits(blocked):  # blocks_amx computes amx's bits, and is not faster timed hot: amx stands for both
+        if not blocks_only:  # blocks_amx computes amx's bits, and is not faster timed hot: amx stands for both
             qnames = tuple(name for name in qnames if name != "blocks_amx")
         else:  # the candidates that keep the blocks
             qnames = tuple(name for name in qnames if name.startswith("blocks"))
@@ -372,7 +378,7 @@ def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dt
     if not measure:
         return None
     pinned_ops = {op: pinned(pins[op.partition(":")[0]]) for op in measure if op.partition(":")[0] in pins}
-    return load_or_measure(key(list(measure), threads), measure, pinned_ops, remeasure)
+    return load_or_measure(key(list(measure), threads, blocks_only), measure, pinned_ops, remeasure)
 
 
 def _measure(make: Callable[..., list[Candidate]], args: tuple, timer: Timer, buckets: tuple[int, ...]) -> OpChoice:

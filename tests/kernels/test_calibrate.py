@@ -163,8 +163,13 @@ def test_blocks_stay_where_their_dequantized_weights_would_not_fit(q4_1_gguf: st
     extra = sum(2 * m.qblocks.n * m.qblocks.k - m.qblocks.nbytes for m in layers)
     enough = int(extra / calibrate.DEQUANTIZE_SHARE)
     assert calibrate.dequantize_fits(layers, enough + 1) and not calibrate.dequantize_fits(layers, enough - 1)
+    # a table measured where they fitted (fma won) is not reused where they do not
+    monkeypatch.setattr(calibrate, "_mem_available", lambda: enough + 1)
+    fitted = calibrate.plan(model, 2, dtype=BF16, timer=lambda name, rows, fn: 1.0 if name == "fma" else 2.0)
+    assert {fitted.ops[calibrate.qblock_op(m)].kernel for m in layers} == {"fma"}
     monkeypatch.setattr(calibrate, "_mem_available", lambda: enough - 1)
     table = calibrate.plan(model, 2, dtype=BF16, timer=lambda name, rows, fn: 1.0)
+    assert not table.reused
     for op in {calibrate.qblock_op(m) for m in layers}:
         assert table.ops[op].kernel == "blocks" and set(table.ops[op].seconds) <= {"blocks", "blocks_amx"}
 
