@@ -351,9 +351,10 @@ def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dt
             raise InvalidRequestError(f"kernel_choice: {kind}={name} cannot run on this machine; it runs "
                                       f"{', '.join(available(kind))}", param="kernel_choice")
     for op, (_, k) in shapes.items():
-        if BF16_LINEAR in pins and not runs_shape(pins[BF16_LINEAR], k):
+        if not runs_shape(pins.get(BF16_LINEAR, ""), k):
             raise InvalidRequestError(f"kernel_choice: {BF16_LINEAR}={pins[BF16_LINEAR]} cannot run {op} (its columns "
-                                      "must be a multiple of 32)", param="kernel_choice")
+                                      "are not a multiple of 32): pin another kernel, or leave it auto",
+                                      param="kernel_choice")
     names = available(BF16_LINEAR)
     measure = {op: functools.partial(_measure, bf16_linear_candidates, (n, k, names), timer, ROW_BUCKETS)
                for op, (n, k) in shapes.items()}

@@ -90,11 +90,11 @@ LONG_CALL = 0.05
 
 def choose(candidates: Sequence[Candidate], timer: Timer, buckets: Sequence[int] = ROW_BUCKETS,
            reps: int = 5) -> OpChoice:
-    """Time each candidate at each bucket's row count (`reps` interleaved rounds after one warm-up call each, fewer for
-    one far behind, PRUNE, and for long calls, LONG_CALL) and choose one for every bucket: the lowest sum over buckets of its time relative to the
-    bucket's fastest (each batch size counts alike; the earlier on a tie). Each keeps its fastest round: another process
-    taking a core only ever adds time (a busy 2-core VM put a scheduler quantum, ~8 ms, into most samples), so the
-    minimum is the least disturbed run."""
+    """Time each candidate at each bucket's row count (`reps` interleaved rounds after one warm-up call each; fewer
+    for one far behind, PRUNE, and for long calls, LONG_CALL) and choose one for every bucket: the lowest sum over
+    buckets of its time relative to the bucket's fastest (each batch size counts alike; the earlier on a tie). Each
+    keeps its fastest round: another process taking a core only ever adds time (a busy 2-core VM put a scheduler
+    quantum, ~8 ms, into most samples), so the minimum is the least disturbed run."""
     if not candidates:
         raise ValueError("choose needs at least one candidate")
     seconds: dict[str, list[float]] = {c.name: [] for c in candidates}

@@ -223,3 +223,18 @@ def test_plan_times_real_kernels_when_asked(bf16_model) -> None:
         kind = op.partition(":")[0]
         assert c.kernel in calibrate.available(kind) and all(len(t) == len(c.rows) for t in c.seconds.values())
     assert "rows" in calibrate.report(table)
+
+
+def test_a_batch_dependent_library_kernel_is_not_a_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16_linear_candidates leaves out onednn where its rows' results change with the batch (as oneDNN's AMX matmul's
+    did), keeps it where they do not, and bench's peak (invariant_only=False) times it either way."""
+    from llmserve.layers import linear as lin
+
+    if "onednn" not in calibrate.available(calibrate.BF16_LINEAR):
+        pytest.skip("onednn does not run here")
+    steady = lambda x, b, bias: x.float().matmul(torch.ones(64, 24)).bfloat16()  # noqa: E731
+    monkeypatch.setattr(lin, "onednn_linear", steady)
+    assert [c.name for c in calibrate.bf16_linear_candidates(24, 64, ("onednn",))] == ["onednn"]
+    monkeypatch.setattr(lin, "onednn_linear", lambda x, b, bias: steady(x, b, bias) + x.shape[0])
+    assert calibrate.bf16_linear_candidates(24, 64, ("onednn",)) == []
+    assert [c.name for c in calibrate.bf16_linear_candidates(24, 64, ("onednn",), invariant_only=False)] == ["onednn"]

@@ -180,14 +180,15 @@ class DecoderStack {
     TORCH_CHECK(args.size() == 6, "DecoderStack: a linear is (packed, n, scale, wsum, bias, path)");
     StackLinear l;
     l.n = args[1].cast<int64_t>();
+    l.path = args[5].cast<int64_t>();
+    TORCH_CHECK(l.path != 1 || bf16_dot_supported(), "DecoderStack: ", what, " asks for dot products this CPU lacks");
+    TORCH_CHECK(l.path != 2 || amx_bf16_supported(), "DecoderStack: ", what, " asks for AMX tiles this CPU lacks");
     if (py::isinstance<QBlockWeight>(args[0])) {  // (QBlockWeight, n, None, None, bias, 0 or 2: AMX tiles)
       l.blocks = args[0].cast<QBlockWeight>();
       TORCH_CHECK(expected_n < 0 || l.n == expected_n, "DecoderStack: ", what, " has ", l.n, " outputs, expected ",
                   expected_n);
       if (!args[4].is_none()) l.bias = args[4].cast<torch::Tensor>().to(at::kFloat).contiguous();
-      l.path = args[5].cast<int64_t>();
       TORCH_CHECK(l.path == 0 || l.path == 2, "DecoderStack: ", what, ": blocks take path 0 (int8) or 2 (AMX)");
-      TORCH_CHECK(l.path != 2 || amx_bf16_supported(), "DecoderStack: ", what, " asks for AMX tiles this CPU lacks");
       return l;
     }
     l.packed = args[0].cast<torch::Tensor>();
@@ -201,9 +202,6 @@ class DecoderStack {
       if (!args[3].is_none()) l.wsum = args[3].cast<torch::Tensor>();
     }
     if (!args[4].is_none()) l.bias = args[4].cast<torch::Tensor>().to(at::kFloat).contiguous();
-    l.path = args[5].cast<int64_t>();
-    TORCH_CHECK(l.path != 1 || bf16_dot_supported(), "DecoderStack: ", what, " asks for dot products this CPU lacks");
-    TORCH_CHECK(l.path != 2 || amx_bf16_supported(), "DecoderStack: ", what, " asks for AMX tiles this CPU lacks");
     return l;
   }
 

@@ -328,6 +328,14 @@ LLMSERVE_AVX512BF16 void dequantize_tile(const Weight& w, int64_t t, uint16_t* o
   }
 }
 
+// bias [n] (any float dtype) as contiguous fp32 in holder, or nullptr without one
+const float* bias_fp32(const c10::optional<torch::Tensor>& bias, int64_t n, const char* what, torch::Tensor& holder) {
+  if (!bias.has_value()) return nullptr;
+  holder = bias->to(at::kFloat).contiguous();
+  TORCH_CHECK(holder.numel() == n, what, ": bias [n]");
+  return holder.data_ptr<float>();
+}
+
 Weight weight_of(const QBlockWeight& qw) {
   return Weight{qw.codes.data_ptr<uint8_t>(), qw.scales.data_ptr(), qw.mins.has_value() ? qw.mins->data_ptr() : nullptr,
                 qw.k / kBlock, qw.scales.size(1), std::max<int64_t>(1, qw.group / kBlock), qw.bits * 64, qw.zero};
@@ -364,14 +372,10 @@ torch::Tensor qblock_linear_amx(torch::Tensor x, const QBlockWeight& qw, c10::op
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.size(1) == qw.k,
               "qblock_linear_amx: x must be bf16 [M, ", qw.k, "] on the CPU");
   torch::Tensor b;
-  if (bias.has_value()) {
-    b = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(b.numel() == qw.n, "qblock_linear_amx: bias [n]");
-  }
+  const float* bp = bias_fp32(bias, qw.n, "qblock_linear_amx", b);
   const Weight w = weight_of(qw);
   const auto dequantize = tile_dequantizer(qw);
-  return amx_gemm_blocks(x.contiguous(), qw.codes.size(0), qw.n, bias.has_value() ? b.data_ptr<float>() : nullptr,
-                         [&](int64_t t, uint16_t* out) {
+  return amx_gemm_blocks(x.contiguous(), qw.codes.size(0), qw.n, bp, [&](int64_t t, uint16_t* out) {
                            dequantize(w, t, out);
                            return static_cast<const uint16_t*>(out);
                          });
@@ -405,15 +409,10 @@ torch::Tensor qblock_linear(torch::Tensor x, const QBlockWeight& qw, c10::option
   const bool use_vnni = vnni < 0 ? vnni_supported() : vnni > 0;
   TORCH_CHECK(!use_vnni || vnni_supported(), "qblock_linear: vnni=1 needs AVX512-VNNI");
   torch::Tensor b;
-  if (bias.has_value()) {
-    b = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(b.numel() == qw.n, "qblock_linear: bias [n]");
-  }
-  const float* bp = bias.has_value() ? b.data_ptr<float>() : nullptr;
+  const float* bp = bias_fp32(bias, qw.n, "qblock_linear", b);
   const auto xc = x.contiguous();
   auto y = torch::empty({x.size(0), qw.n}, x.options());
-  const Weight w{qw.codes.data_ptr<uint8_t>(), qw.scales.data_ptr(), qw.mins.has_value() ? qw.mins->data_ptr() : nullptr,
-                 qw.k / kBlock, qw.scales.size(1), std::max<int64_t>(1, qw.group / kBlock), qw.bits * 64, qw.zero};
+  const Weight w = weight_of(qw);
   const bool half = qw.scales.scalar_type() == at::kHalf;
   auto go = [&](auto t) {
     using T = decltype(t);
