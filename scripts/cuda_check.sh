@@ -6,6 +6,11 @@
 #   tests   tests/gpu (the engine on CUDA against transformers on CUDA, CUDA graphs against eager steps) and the
 #           Triton decode kernel against the torch reference
 #   suite   the engine, sampling and model tests with CUDA visible (EngineConfig's device auto picks it)
+#   again   `bench throughput` once more, no baseline (a second process: Triton's disk cache warm)
+#   unfused the same with LLMSERVE_FUSED_OPS=0 (torch's elementwise ops: the A/B of kernels/triton/fused.py)
+#   base    the same from another checkout, BASE=DIR (e.g. `git archive COMMIT llmserve | tar -x -C DIR`): a same-run
+#           comparison with earlier code on the same GPU
+#   latency `bench latency`, one request, 36-token prompt, 128 tokens
 # Extra `bench throughput` flags: BENCH_FLAGS="...".
 set -u
 OUT=${OUT:-/tmp/cuda_check}
@@ -13,6 +18,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 MODEL=${MODEL:-.gpu/llama3-8b}
+MODEL_PATH=$(realpath "$MODEL")
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,clocks.sm,clocks.max.sm --format=csv
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
 torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_processor_count, 'SMs')"
@@ -27,11 +33,22 @@ for part in "${@:-bench tests suite}"; do
         timeout "${BENCH_TIMEOUT:-300}" $PY -m llmserve.cli bench throughput "$MODEL" --load-format dummy \
           --dtype bfloat16 "${W[@]}" --baseline transformers --baseline-batch-size 32 ${BENCH_FLAGS:-} \
           2>&1 | tee "$OUT/bench.log" || status=1 ;;
+      again|unfused|base)
+        dir=$PWD; env=()
+        [ "$p" = unfused ] && env=(LLMSERVE_FUSED_OPS=0)
+        [ "$p" = base ] && dir=${BASE:?BASE=DIR of the other checkout}
+        (cd "$dir" && env "${env[@]}" PYTHONPATH="$dir" timeout "${BENCH_TIMEOUT:-300}" $PY -m llmserve.cli bench \
+          throughput "$MODEL_PATH" --load-format dummy --dtype bfloat16 "${W[@]}" ${BENCH_FLAGS:-}) \
+          2>&1 | tee "$OUT/$p.log" | grep -v "^\s*$" | tail -25 || status=1 ;;
+      latency)
+        timeout "${BENCH_TIMEOUT:-300}" $PY -m llmserve.cli bench latency "$MODEL" --load-format dummy \
+          --dtype bfloat16 --input-len 36 --output-len 128 2>&1 | tee "$OUT/latency.log" | tail -25 || status=1 ;;
       profile)
         timeout "${BENCH_TIMEOUT:-300}" $PY -m llmserve.cli bench throughput "$MODEL" --load-format dummy \
           --dtype bfloat16 "${W[@]}" --profile-steps ${BENCH_FLAGS:-} 2>&1 | tee "$OUT/profile.log" || status=1 ;;
       tests)
-        timeout "${TESTS_TIMEOUT:-240}" $PY -m pytest -q -p no:cacheprovider tests/gpu tests/attention/test_triton_decode.py 2>&1 \
+        timeout "${TESTS_TIMEOUT:-240}" $PY -m pytest -q -p no:cacheprovider tests/gpu tests/attention/test_triton_decode.py \
+          tests/attention/test_triton_prefill.py tests/kernels/test_triton_fused.py tests/kernels/test_triton_qblock.py 2>&1 \
           | tee "$OUT/gpu_tests.log" | tail -30 || status=1 ;;
       suite)
         # the CPU extension first (tests compare with the CPU engine): its compile outlasted a test's timeout once

@@ -23,12 +23,22 @@ class PrefillSpan:
     q_start: int  # first row of this request in the flat token batch
     q_end: int  # one past its last row
     num_cached: int  # tokens of context already in the cache before this step
-    slots: torch.Tensor  # [num_cached + q_len] int64, cache slots of the whole context, in order
+    host_slots: torch.Tensor  # [num_cached + q_len] int64 on the CPU, cache slots of the whole context, in order
+    device: torch.device = torch.device("cpu")
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
+    _slots: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def q_len(self) -> int:
         return self.q_end - self.q_start
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """host_slots on the step's device, copied on first use: CUDA's Triton prefill never reads them, so a step of
+        64 chunks makes no 64 small copies to the GPU."""
+        if self._slots is None:
+            self._slots = self.host_slots.to(self.device)
+        return self._slots
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         """[q_len, context] bool, True where query i may attend key j (causal, optional window)."""
@@ -69,7 +79,7 @@ class Workspace:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
     num_decodes: int  # the first num_decodes tokens are single-token (decode) requests
-    decode_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64 block ids, padded with block 0
+    decode_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64 block ids, padded with block 0 (CUDA: int32)
     decode_lens: torch.Tensor | None  # [num_decodes] int64 context length (incl. the new token)
     prefills: list[PrefillSpan]
     workspace: Workspace = field(default_factory=Workspace)
@@ -77,7 +87,10 @@ class AttentionMetadata:
     prefill_dot: bool = False  # native prefill attention by AVX512-BF16 dot products: the runner's measured choice
     decode_dot: bool = False  # native decode attention's scores by AVX512-BF16 dot products: likewise
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
+    prefill_tables: torch.Tensor | None = None  # [num prefills, max blocks] int64 on the CPU: their block tables
     _prefill_arrays: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _prefill_work: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict,
+                                                                                      repr=False)
 
     def prefill_arrays(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The prefill spans as one int64 [S, 4] table (q_start, q_len, num_cached, offset into slots) and their
@@ -89,9 +102,38 @@ class AttentionMetadata:
                 at += p.slots.numel()
             spans = torch.tensor([[p.q_start, p.q_len, p.num_cached, o] for p, o in zip(self.prefills, offsets)],
                                  dtype=torch.int64).reshape(-1, 4)
-            slots = torch.cat([p.slots for p in self.prefills]) if self.prefills else torch.empty(0, dtype=torch.int64)
-            self._prefill_arrays = (spans, slots.cpu())
+            slots = (torch.cat([p.host_slots for p in self.prefills]) if self.prefills
+                     else torch.empty(0, dtype=torch.int64))
+            self._prefill_arrays = (spans, slots)
         return self._prefill_arrays
+
+    def prefill_work(self, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The Triton prefill kernel's inputs (attention/triton_prefill.py), on the step's device: the chunks' block
+        tables [S, W] int32 (W a multiple of 16), their (first row, rows, tokens cached before) [S, 3] int32, and one
+        (chunk, first row) per program of block_m rows [P, 2] int32. Made once per step, shared by the layers: one
+        copy to the device."""
+        if block_m not in self._prefill_work:
+            assert self.prefill_tables is not None
+            spans = torch.tensor([[p.q_start, p.q_len, p.num_cached] for p in self.prefills], dtype=torch.int32)
+            work = torch.tensor([[i, m] for i, p in enumerate(self.prefills) for m in range(0, p.q_len, block_m)],
+                                dtype=torch.int32)
+            # Triton compiles a variant per pointer alignment (16 bytes or not) and per int argument that divides by
+            # 16 or not: each part starts 16-byte aligned and the tables' rows are a multiple of 16 wide, so every
+            # step runs the one variant that the runner's warm-up compiled at start
+            tables = torch.nn.functional.pad(self.prefill_tables, (0, -self.prefill_tables.shape[1] % 16))
+            parts = [spans.reshape(-1), work.reshape(-1), tables.to(torch.int32).reshape(-1)]
+            offsets, at = [], 0
+            for x in parts:
+                offsets.append(at)
+                at += x.numel() + (-x.numel() % 4)
+            flat = torch.zeros(at, dtype=torch.int32)
+            for x, o in zip(parts, offsets):
+                flat[o:o + x.numel()] = x
+            flat = flat.to(self.slot_mapping.device)
+            self._prefill_work[block_m] = (flat[offsets[2]:offsets[2] + parts[2].numel()].view(tables.shape),
+                                           flat[:parts[0].numel()].view(-1, 3),
+                                           flat[offsets[1]:offsets[1] + parts[1].numel()].view(-1, 2))
+        return self._prefill_work[block_m]
 
     def decode_mask(self, sliding_window: int | None, block_size: int, dtype: torch.dtype) -> torch.Tensor:
         """[num_decodes, 1, 1, max_blocks * block_size] additive mask: 0 for real context keys
@@ -146,13 +188,20 @@ def build_attention_metadata(seqs: list[SeqSpec], block_size: int, device: torch
     decode_tables = decode_lens = None
     if num_decodes:
         max_blocks = -(-max(totals[:num_decodes]) // block_size)
-        decode_tables = tables[:num_decodes, :max_blocks].to(device)
+        decode_tables = tables[:num_decodes, :max_blocks]
+        if device.type == "cuda":
+            # as the captured graphs' tables (worker/cuda_graphs.py): int32, a width that is a multiple of 16, so an
+            # eager step's Triton decode kernel is a variant the graphs compiled at start (Triton specializes on a
+            # pointer's dtype and on whether an int argument, the tables' row stride here, divides by 16)
+            width = -(-max_blocks // 16) * 16
+            decode_tables = torch.nn.functional.pad(decode_tables, (0, width - max_blocks)).to(torch.int32)
+        decode_tables = decode_tables.to(device)
         decode_lens = torch.tensor(totals[:num_decodes], dtype=torch.int64, device=device)
     prefills = []
     start = num_decodes
     for i in range(num_decodes, len(seqs)):
         s = seqs[i]
-        prefills.append(PrefillSpan(start, start + s.num_new, s.num_cached, all_slots[i, :totals[i]].to(device)))
+        prefills.append(PrefillSpan(start, start + s.num_new, s.num_cached, all_slots[i, :totals[i]], device))
         start += s.num_new
     return AttentionMetadata(
         slot_mapping=slot_mapping.to(device),
@@ -161,4 +210,5 @@ def build_attention_metadata(seqs: list[SeqSpec], block_size: int, device: torch
         decode_lens=decode_lens,
         prefills=prefills,
         workspace=workspace or Workspace(),
+        prefill_tables=tables[num_decodes:] if prefills else None,
     )

@@ -2,7 +2,8 @@
 
 `LLMSERVE_ATTENTION=torch` forces the reference (decode and prefill attention and the int8 / int4 KV writers);
 otherwise CPU steps use the native kernels once they have built (the first step pays the compile, or its
-cached link).
+cached link), and CUDA steps the Triton kernels: decode (attention/triton_decode.py) and prefill over caches of the
+model's dtype (attention/triton_prefill.py).
 """
 
 from __future__ import annotations
@@ -72,6 +73,25 @@ def triton_decode_covers(device: torch.device, head_dim: int, dtype: torch.dtype
     return (device.type == "cuda" and os.environ.get("LLMSERVE_ATTENTION") != "torch" and head_dim <= 256
             and dtype in _NATIVE_DTYPES and (cache_dtype in _NATIVE_DTYPES or cache_dtype == torch.int8)
             and _triton_decode_fn() is not None)
+
+
+@functools.cache
+def _triton_prefill_fn() -> Callable | None:
+    try:
+        from llmserve.attention import triton_prefill
+    except ImportError:
+        return None
+    return triton_prefill.prefill
+
+
+def triton_prefill(q: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> Callable | None:
+    """The Triton paged prefill kernel for these tensors (CUDA, a cache of q's dtype), or None: the torch reference,
+    one SDPA call per chunk, then."""
+    if (q.device.type != "cuda" or os.environ.get("LLMSERVE_ATTENTION") == "torch" or kv_scales is not None
+            or kv_cache.dtype != q.dtype or kv_cache.stride(-1) != 1 or q.stride(-1) != 1 or q.shape[-1] > 256
+            or q.dtype not in _NATIVE_DTYPES):
+        return None
+    return _triton_prefill_fn()
 
 
 def triton_decode(q: torch.Tensor, kv_cache: torch.Tensor) -> DecodeFn | None:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from llmserve.attention import registry
 from llmserve.attention.metadata import AttentionMetadata
 from llmserve.kernels import native
+from llmserve.kernels.triton import fused_for
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
@@ -32,6 +33,10 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
         if k.stride(1) == k.shape[2]:  # heads contiguous (views of the fused QKV output are)
             native.write_kv(kv_cache, k, v, slot_mapping)
             return
+    if kv_scales is None and (fused := fused_for(k)) is not None and kv_cache.is_contiguous() and all(
+            x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (k, v)):
+        fused.write_kv(kv_cache, k, v, slot_mapping)  # CUDA: K and V in one kernel
+        return
     flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
     if kv_scales is None:
         flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))
@@ -121,6 +126,8 @@ def paged_attention(
             spans, slots = meta.prefill_arrays()
             native.prefill_attention(q, k, v, kv_cache, kv_scales, spans, slots, scale, sliding_window, out,
                                      meta.prefill_dot)
+        elif (triton_prefill := registry.triton_prefill(q, kv_cache, kv_scales)) is not None:
+            triton_prefill(q, kv_cache, meta, scale, sliding_window, out, softcap)
         else:
             prefill_attention(q, k, v, kv_cache, kv_scales, meta, scale, sliding_window, out, softcap)
     return out

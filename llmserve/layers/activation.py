@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.kernels import native
+from llmserve.kernels.triton import fused_for
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -19,6 +20,9 @@ class SiluAndMul(nn.Module):
         if (x.device.type == "cpu" and x.dtype in _NATIVE_DTYPES and x.is_contiguous() and x.shape[-1] % 2 == 0
                 and native.fused_ops_enabled() and native.load() is not None):
             return native.silu_mul(x.view(-1, x.shape[-1])).view(*x.shape[:-1], x.shape[-1] // 2)
+        fused = fused_for(x)
+        if fused is not None and x.is_contiguous() and x.shape[-1] % 2 == 0:
+            return fused.silu_mul(x.view(-1, x.shape[-1])).view(*x.shape[:-1], x.shape[-1] // 2)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.kernels import native
+from llmserve.kernels.triton import fused_for
 from llmserve.layers.linear import default_weight_loader
 
 
@@ -27,8 +28,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x: [..., hidden]. With `residual`: returns (norm(x + residual), x + residual)."""
+        fused = fused_for(x) if x.dim() == 2 and x.stride(-1) == 1 and self.weight.dtype == x.dtype else None
         if residual is None:
-            return self._norm(x)
+            return self._norm(x) if fused is None else fused.rms_norm(x, self.weight, self.eps)
+        if fused is not None and residual.stride(-1) == 1 and residual.dtype == x.dtype:
+            return fused.rms_norm(x, self.weight, self.eps, residual), residual  # in place, as the CPU's below
         if _fused_ok(x, residual):
             # In place: x and residual are this step's own activations (a projection's output and the
             # running residual stream), never read again under their old values.

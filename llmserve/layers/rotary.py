@@ -35,6 +35,7 @@ from torch import nn
 
 from llmserve.errors import ModelLoadError
 from llmserve.kernels import native
+from llmserve.kernels.triton import fused_for
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -253,6 +254,9 @@ def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     if x.device.type == "cpu" and x.stride(-1) == 1 and native.fused_ops_enabled() and native.load() is not None:
         native.rotary_(x, cos.squeeze(1), sin.squeeze(1))
         return x
+    fused = fused_for(x)
+    if fused is not None and x.stride(-1) == 1 and cos.dtype == x.dtype and cos.shape[-1] * 2 == x.shape[-1]:
+        return fused.rotary_(x, cos, sin)
     return apply_rotary(x, cos, sin)
 
 

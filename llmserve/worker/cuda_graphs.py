@@ -43,7 +43,7 @@ class CudaGraphDecoder:
                  scratch_block: int, max_batch_size: int, num_kv_heads: int) -> None:
         self.model = model
         self.block_size = block_size
-        self.width = max_blocks_per_seq
+        self.width = -(-max_blocks_per_seq // 16) * 16  # as eager steps' tables (attention/metadata.py)
         self.scratch_block = scratch_block
         self.sizes = capture_sizes(max_batch_size)
         self.max_size = self.sizes[-1]

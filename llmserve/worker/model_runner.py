@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -143,6 +144,18 @@ class ModelRunner:
             self.graphs = CudaGraphDecoder(self.model, self.device, block_size,
                                            -(-graphs.max_tokens_per_seq // block_size), num_blocks,
                                            graphs.max_batch_size, spec.num_kv_heads)
+            self._warm_up_mixed_step(num_blocks)
+
+    def _warm_up_mixed_step(self, scratch_block: int) -> None:
+        """One eager step of a decode row and a two-token prefill chunk over the graphs' scratch block, so that the
+        Triton kernels an eager step runs (prefill attention, the fused elementwise ops) compile at start, not in the
+        first requests' steps: Triton compiles each new variant on first use. Measured on an H100 (64-request
+        benchmark, BENCHMARKS.md): with variants still compiling mid-run a first process took 3.39 s against 2.05 s
+        for a later one; with this warm-up and one variant per kernel (attention/metadata.py), 1.72 s, as later ones."""
+        start = time.perf_counter()
+        self._forward([Span([0], 0, [scratch_block], 1), Span([0, 0], 0, [scratch_block], 1)])
+        torch.cuda.synchronize(self.device)
+        logger.info("warmed up an eager mixed step in %.1f s", time.perf_counter() - start)
 
     def _dot(self, loaded: LoadedModel, kind: str) -> bool:
         """Whether the measured kernel of the model's `kind` attention op is the dot-product one."""
