@@ -84,7 +84,7 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     workspace: Workspace = field(default_factory=Workspace)
     decode_splits: int | None = None  # CUDA decode kernel's context splits (fixed by a captured graph), else its own
-    prefill_dot: bool = False  # native prefill attention by AVX512-BF16 dot products: the runner's measured choice
+    prefill_kernel: str = "fp32"  # native prefill attention's path (fp32, dot, amx): the runner's measured choice
     decode_dot: bool = False  # native decode attention's scores by AVX512-BF16 dot products: likewise
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
     prefill_tables: torch.Tensor | None = None  # [num prefills, max blocks] int64 on the CPU: their block tables

@@ -125,7 +125,7 @@ def paged_attention(
         if softcap is None and registry.native_prefill(q, k, kv_cache):
             spans, slots = meta.prefill_arrays()
             native.prefill_attention(q, k, v, kv_cache, kv_scales, spans, slots, scale, sliding_window, out,
-                                     meta.prefill_dot)
+                                     meta.prefill_kernel)
         elif (triton_prefill := registry.triton_prefill(q, kv_cache, kv_scales)) is not None:
             triton_prefill(q, kv_cache, meta, scale, sliding_window, out, softcap)
         else:

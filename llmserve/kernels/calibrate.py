@@ -25,7 +25,8 @@ Ops with equivalent paths, and their candidates where each can run at all (the C
           a quarter of the memory available (dequantize_fits): blocks are a quarter to a half of bf16's bytes.
 - `prefill_attention:H/KVHxD` (native prefill attention of a bf16 model, by the step's prefill tokens):
   fp32    kernels/cpu/prefill_attention.cpp with fp32 FMAs (AVX-512);
-  dot     the same with the scores by vdpbf16ps on the keys as stored (AVX512-BF16); P stays fp32.
+  dot     the same with the scores by vdpbf16ps on the keys as stored (AVX512-BF16); P stays fp32;
+  amx     both products on AMX tiles (AMX-BF16, head_dim % 32 == 0), P as two bf16 terms (~17 bits).
 - `decode_attention:H/KVHxD` (native decode attention of a bf16 model over its bf16 cache, by the step's decodes):
   fp32    kernels/cpu/paged_decode.cpp, scores by FMAs over widened keys (AVX-512);
   dot     the scores by vdpbf16ps on the keys as stored (AVX512-BF16).
@@ -76,7 +77,7 @@ PREFILL_ATTENTION = "prefill_attention"
 DECODE_ATTENTION = "decode_attention"
 BF16_KERNELS = ("fma", "dot", "amx", "onednn", "fp32")
 KINDS: dict[str, tuple[str, ...]] = {BF16_LINEAR: BF16_KERNELS, QBLOCK_LINEAR: ("blocks", "blocks_amx") + BF16_KERNELS,
-                                     PREFILL_ATTENTION: ("fp32", "dot"), DECODE_ATTENTION: ("fp32", "dot")}
+                                     PREFILL_ATTENTION: ("fp32", "dot", "amx"), DECODE_ATTENTION: ("fp32", "dot")}
 # dequantize_fits: the share of the memory available that a model's dequantized block layers may take
 DEQUANTIZE_SHARE = 0.25
 # prefill tokens in a step: a chunk's attention grows with its square, so its buckets are wider than a linear's
@@ -178,7 +179,8 @@ def attention_op(model: nn.Module, kind: str, dtype: torch.dtype) -> str | None:
 def available(kind: str) -> tuple[str, ...]:
     """The candidates of an op kind that can run on this machine (flags only gate; they never choose)."""
     if kind in (PREFILL_ATTENTION, DECODE_ATTENTION):
-        return ("fp32", "dot") if native.bf16_dot_usable() else ("fp32",)
+        names = ("fp32", "dot") if native.bf16_dot_usable() else ("fp32",)
+        return names + ("amx",) if kind == PREFILL_ATTENTION and native.prefill_amx_usable() else names
     names = (["blocks"] + (["blocks_amx"] if native.qblock_amx_usable() else [])) if kind == QBLOCK_LINEAR else []
     if native.packed_gemm_usable():
         names.append("fma")
@@ -275,11 +277,13 @@ def prefill_attention_candidates(heads: int, kv_heads: int, head_dim: int, names
         spans = torch.tensor([[0, rows, 0, 0]], dtype=torch.int64)
         return q, k, v, spans, torch.zeros(rows, dtype=torch.int64), torch.empty_like(q)
 
-    def run(rows: int, dot: bool) -> None:
+    def run(rows: int, kernel: str) -> None:
         q, k, v, spans, slots, out = inputs(rows)
-        native.prefill_attention(q, k, v, cache, None, spans, slots, head_dim ** -0.5, None, out, dot)
+        native.prefill_attention(q, k, v, cache, None, spans, slots, head_dim ** -0.5, None, out, kernel)
 
-    return [Candidate(name, functools.partial(run, dot=name == "dot")) for name in names]
+    # amx needs head_dim a multiple of 32 (else the kernel runs dot: not a candidate of its own)
+    return [Candidate(name, functools.partial(run, kernel=name)) for name in names
+            if name != "amx" or head_dim % 32 == 0]
 
 
 def decode_attention_candidates(heads: int, kv_heads: int, head_dim: int, names: tuple[str, ...]) -> list[Candidate]:

@@ -111,24 +111,35 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
                                 1 if dot else 0)
 
 
+# prefill attention's paths (prefill_attention.cpp): fp32 FMAs, AVX512-BF16 dot products for the scores, AMX tiles for
+# both products
+ATTENTION_PATHS = {"fp32": 0, "dot": 1, "amx": 2}
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                       kv_scales: torch.Tensor | None, spans: torch.Tensor, slots: torch.Tensor, scale: float,
-                      sliding_window: int | None, out: torch.Tensor, dot: bool = False) -> None:
+                      sliding_window: int | None, out: torch.Tensor, kernel: str = "fp32") -> None:
     """Causal attention of every prefill span into out's rows: q [T, heads, D], k/v [T, kv_heads, D] (this step's
     rows), kv_cache [2, NB, BS, kv_heads, D] (+ kv_scales for int8); spans [S, 4] int64 (q_start, q_len,
     num_cached, offset into slots), slots: the spans' context slots concatenated. A fresh prompt reads this step's
     K/V, any other span its whole context from the cache (as torch_backend.paged_attention). Needs
-    prefill_attention_usable(). dot: the scores by AVX512-BF16 dot products where q and the keys are bf16 (needs
-    bf16_dot_usable()), else fp32 FMAs; the PV product is fp32 FMAs either way."""
+    prefill_attention_usable(). kernel (ATTENTION_PATHS), where q and the keys are bf16: "dot", the scores by
+    AVX512-BF16 dot products (needs bf16_dot_usable()), the PV product by fp32 FMAs; "amx", both products on AMX tiles
+    (needs prefill_amx_usable(); head_dim a multiple of 32, else "dot"); "fp32" and other dtypes: fp32 FMAs."""
     k_scales, v_scales = (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
     _module.prefill_attention(q, k, v, kv_cache[0], kv_cache[1], k_scales, v_scales, spans, slots, scale,
-                              -1 if sliding_window is None else sliding_window, out, 1 if dot else 0)
+                              -1 if sliding_window is None else sliding_window, out, ATTENTION_PATHS[kernel])
 
 
 @functools.cache
 def prefill_attention_usable() -> bool:
     """Whether the native prefill attention runs here: the extension builds and the CPU has AVX-512."""
     return load() is not None and _module.prefill_attention_supported()
+
+
+def prefill_amx_usable() -> bool:
+    """Whether prefill attention's amx path runs here: AMX-BF16 (with the OS's permission) and AVX512-BF16."""
+    return prefill_attention_usable() and amx_usable() and bf16_dot_usable()
 
 
 def int8_kv_decode_usable() -> bool:

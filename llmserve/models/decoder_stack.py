@@ -114,4 +114,5 @@ def forward(stack: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, m
             final_norm: torch.Tensor) -> torch.Tensor:
     spans, slots = meta.prefill_arrays() if meta.prefills else (None, None)
     return stack.forward(x, cos.squeeze(1), sin.squeeze(1), meta.slot_mapping, meta.num_decodes, meta.decode_tables,
-                         meta.decode_lens, spans, slots, final_norm, int(meta.prefill_dot), int(meta.decode_dot))
+                         meta.decode_lens, spans, slots, final_norm, native.ATTENTION_PATHS[meta.prefill_kernel],
+                         int(meta.decode_dot))

@@ -98,7 +98,7 @@ class ModelRunner:
                  graphs: GraphOptions | None = None) -> None:
         self.kernel_choices: ChoiceTable | None = None  # the measured (or cached, or pinned) kernels of bf16 matmuls
         # native prefill and decode attention by AVX512-BF16 dot products: their measured kernels (else fp32 FMAs)
-        self.prefill_dot = self.decode_dot = False
+        self.prefill_kernel, self.decode_dot = "fp32", False
         if loaded.device.type == "cpu":
             cpu = cpu or CpuOptions()
             threads = configure_cpu(cpu.num_threads)
@@ -110,8 +110,8 @@ class ModelRunner:
                         trim_heap()  # the candidates' temporaries
                 loaded.model.pack_for_cpu(self.kernel_choices)
                 if self.kernel_choices is not None:  # None: fp32 FMAs, the only path here
-                    self.prefill_dot = self._dot(loaded, calibrate.PREFILL_ATTENTION)
-                    self.decode_dot = self._dot(loaded, calibrate.DECODE_ATTENTION)
+                    self.prefill_kernel = self._attention_kernel(loaded, calibrate.PREFILL_ATTENTION)
+                    self.decode_dot = self._attention_kernel(loaded, calibrate.DECODE_ATTENTION) == "dot"
         self.model = loaded.model
         self.device = loaded.device
         self.mrope = bool(getattr(self.model, "mrope", False))  # 3-row rotary positions (models/qwen2_vl.py)
@@ -157,10 +157,10 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         logger.info("warmed up an eager mixed step in %.1f s", time.perf_counter() - start)
 
-    def _dot(self, loaded: LoadedModel, kind: str) -> bool:
-        """Whether the measured kernel of the model's `kind` attention op is the dot-product one."""
+    def _attention_kernel(self, loaded: LoadedModel, kind: str) -> str:
+        """The measured kernel of the model's `kind` attention op (fp32, dot, amx), fp32 where none was chosen."""
         choice = self.kernel_choices.ops.get(calibrate.attention_op(loaded.model, kind, loaded.dtype) or "")
-        return choice is not None and choice.kernel == "dot"
+        return choice.kernel if choice is not None else "fp32"
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]) -> SamplerOutput:
@@ -235,7 +235,7 @@ class ModelRunner:
             seqs.append(SeqSpec(span.start, len(span.token_ids), span.block_table))
             logit_rows.extend(range(len(input_ids) - span.num_logits, len(input_ids)))
         meta = build_attention_metadata(seqs, self.block_size, self.device, self.workspace)
-        meta.prefill_dot, meta.decode_dot = self.prefill_dot, self.decode_dot
+        meta.prefill_kernel, meta.decode_dot = self.prefill_kernel, self.decode_dot
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         if self.mrope:
             pos = _mrope_positions(spans, positions).to(self.device)

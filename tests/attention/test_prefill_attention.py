@@ -43,13 +43,13 @@ def _case(spans: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int
     return q, k, v, kv_cache, kv_scales, meta
 
 
-def _both(q, k, v, kv_cache, kv_scales, meta, scale, window, dot: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _both(q, k, v, kv_cache, kv_scales, meta, scale, window, kernel: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
     nd = meta.num_decodes
     want = torch.zeros_like(q)
     prefill_attention(q, k, v, kv_cache, kv_scales, meta, scale, window, want)
     got = torch.zeros_like(q)
     spans, slots = meta.prefill_arrays()
-    native.prefill_attention(q, k, v, kv_cache, kv_scales, spans, slots, scale, window, got, dot)
+    native.prefill_attention(q, k, v, kv_cache, kv_scales, spans, slots, scale, window, got, kernel)
     assert torch.equal(got[:nd], torch.zeros_like(got[:nd]))  # decode rows are not the prefill's to write
     return got[nd:].float(), want[nd:].float()
 
@@ -95,7 +95,7 @@ def test_dot_path_matches_the_reference(heads: int, kv_heads: int, head_dim: int
     it to bf16 made a prompt's last position differ from the decode kernel's after a prefix-cache hit), the output
     rounded once to bf16. Every tile shape, chunks over the cache, windows, GQA 3-7."""
     case = _case(SPANS, heads, kv_heads, head_dim, 16, torch.bfloat16, torch.bfloat16, seed=heads + head_dim, decodes=2)
-    got, want = _both(*case, scale=head_dim ** -0.5, window=window, dot=True)
+    got, want = _both(*case, scale=head_dim ** -0.5, window=window, kernel="dot")
     torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
     assert (got != want).float().mean() < 0.01  # only the sums' order differs: rarely a bf16 ulp apart
 
@@ -107,8 +107,8 @@ def test_dot_path_takes_only_bf16_keys(cache_dtype) -> None:
     prompt (this step's bf16 rows) takes the dot path."""
     case = _case([(0, 40), (37, 20)], 9, 3, 64, 16, torch.bfloat16, cache_dtype)
     meta = case[-1]
-    dot, want = _both(*case, scale=0.125, window=None, dot=True)
-    fma, _ = _both(*case, scale=0.125, window=None, dot=False)
+    dot, want = _both(*case, scale=0.125, window=None, kernel="dot")
+    fma, _ = _both(*case, scale=0.125, window=None, kernel="fp32")
     cached = slice(40, 60)
     assert torch.equal(dot[cached], fma[cached])
     torch.testing.assert_close(dot, want, atol=1e-2, rtol=1e-2)
@@ -121,7 +121,7 @@ def test_dot_refuses_where_the_cpu_lacks_it() -> None:
     q, k, v, kv_cache, kv_scales, meta = _case([(0, 10)], 9, 3, 64, 16, torch.bfloat16, torch.bfloat16)
     spans, slots = meta.prefill_arrays()
     with pytest.raises(RuntimeError, match="AVX512-BF16"):
-        native.prefill_attention(q, k, v, kv_cache, None, spans, slots, 0.125, None, torch.empty_like(q), True)
+        native.prefill_attention(q, k, v, kv_cache, None, spans, slots, 0.125, None, torch.empty_like(q), "dot")
 
 
 def test_fresh_prompt_reads_this_steps_rows_not_the_cache() -> None:
@@ -151,3 +151,43 @@ def test_bad_input_is_refused() -> None:
     with pytest.raises(RuntimeError, match="multiple of 16"):
         native.prefill_attention(q[..., :40], k[..., :40], v[..., :40], kv_cache[..., :40].contiguous(), None, spans,
                                  slots, 0.125, None, out[..., :40])
+
+
+needs_amx = pytest.mark.skipif(not native.prefill_amx_usable(), reason="the amx path needs a CPU with AMX-BF16")
+
+
+@needs_amx
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (14, 2)])
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 128])
+@pytest.mark.parametrize("window", [None, 17])
+def test_amx_path_matches_the_reference(heads: int, kv_heads: int, head_dim: int, window: int | None) -> None:
+    """Both products on AMX tiles: exact products, fp32 sums in another order, P as two bf16 terms (~17 bits),
+    the output rounded once to bf16. Every tile shape, chunks over the cache, windows, GQA 3-7; head_dim 80 (not a
+    multiple of 32) runs the dot path."""
+    case = _case(SPANS, heads, kv_heads, head_dim, 16, torch.bfloat16, torch.bfloat16, seed=heads + head_dim, decodes=2)
+    got, want = _both(*case, scale=head_dim ** -0.5, window=window, kernel="amx")
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+    assert (got != want).float().mean() < 0.01  # only the sums' order differs: rarely a bf16 ulp apart
+    fma, _ = _both(*case, scale=head_dim ** -0.5, window=window, kernel="fp32")
+    assert (got != fma).float().mean() < 0.01  # P kept to fp32's bits: the FMA path's outputs, up to a rare ulp
+
+
+@needs_amx
+@pytest.mark.parametrize("cache_dtype", [torch.float32, "int8"])
+def test_amx_path_takes_only_bf16_keys(cache_dtype) -> None:
+    """Spans read from an fp32 or int8 cache keep fp32 FMAs under the amx path (bit for bit); a fresh prompt (this
+    step's bf16 rows) takes the tiles."""
+    case = _case([(0, 40), (37, 20)], 9, 3, 64, 16, torch.bfloat16, cache_dtype, seed=3)
+    amx, want = _both(*case, scale=0.125, window=None, kernel="amx")
+    fma, _ = _both(*case, scale=0.125, window=None, kernel="fp32")
+    assert torch.equal(amx[40:60], fma[40:60])
+    torch.testing.assert_close(amx, want, atol=1e-2, rtol=1e-2)
+
+
+def test_amx_refuses_where_the_cpu_lacks_it() -> None:
+    if native.prefill_amx_usable():
+        pytest.skip("this CPU has AMX-BF16")
+    q, k, v, kv_cache, kv_scales, meta = _case([(0, 10)], 9, 3, 64, 16, torch.bfloat16, torch.bfloat16)
+    spans, slots = meta.prefill_arrays()
+    with pytest.raises(RuntimeError, match="AMX"):
+        native.prefill_attention(q, k, v, kv_cache, None, spans, slots, 0.125, None, torch.empty_like(q), "amx")

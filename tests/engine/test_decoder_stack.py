@@ -183,3 +183,17 @@ def test_stack_declines_layers_its_kernels_do_not_compute(tiny_model_dir, arch: 
 
     model = load_model(tiny_model_dir(arch), EngineConfig(dtype="bfloat16", device="cpu")).model.model
     assert decoder_stack.computes(model) == computed
+
+
+@pytest.mark.skipif(not native.prefill_amx_usable(), reason="prefill attention's amx path needs a CPU with AMX-BF16")
+def test_stack_runs_the_amx_prefill_attention(tiny_model_dir, monkeypatch) -> None:
+    """Prefill attention's amx path (head_dim 32: Qwen3's tiny model) gives the stack the Python layers' bits, and
+    the Python layers do ask for it."""
+    from llmserve.attention import torch_backend
+
+    monkeypatch.setenv("LLMSERVE_KERNEL_CHOICE", "bf16_linear=fma,prefill_attention=amx")
+    kernels = []
+    run = native.prefill_attention
+    monkeypatch.setattr(torch_backend.native, "prefill_attention", lambda *a: kernels.append(a[-1]) or run(*a))
+    _check_same_bits(tiny_model_dir("qwen3"), monkeypatch, BF16_PACKED)
+    assert kernels and set(kernels) == {"amx"}

@@ -184,7 +184,7 @@ def test_a_candidate_whose_rows_change_with_the_batch_is_left_out() -> None:
 
 
 @pytest.mark.skipif(not native.bf16_dot_usable(), reason="the dot path needs AVX512-BF16")
-@pytest.mark.parametrize("pin", ["dot", "fp32"])
+@pytest.mark.parametrize("pin", ["dot", "fp32", "amx"])
 @pytest.mark.parametrize("op,kernel,steps", [("prefill_attention", "prefill_attention", 1),
                                              ("decode_attention", "paged_decode", 2)])
 @pytest.mark.parametrize("weights", ["bf16", "q4_1_blocks"])
@@ -192,14 +192,16 @@ def test_the_steps_attention_choice_reaches_the_kernel(tiny_model_dir: Callable[
                                                        kernel: str, steps: int, weights: str, request,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """One prefill step and two decode steps (3 tokens): each of the kind's steps calls its kernel in every layer with
-    the pinned path's dot flag, whether the linears are bf16 or quantized blocks."""
+    the pinned path (prefill: its name; decode: its dot flag), whether the linears are bf16 or quantized blocks."""
+    if pin == "amx" and (op != "prefill_attention" or not native.prefill_amx_usable()):
+        pytest.skip("amx: prefill attention's, on CPUs with AMX-BF16")
     path = tiny_model_dir("llama") if weights == "bf16" else request.getfixturevalue("q4_1_gguf")
     monkeypatch.setenv("LLMSERVE_DECODER_STACK", "0")  # the Python layers call the kernels through native
-    seen: list[bool] = []
+    seen: list[object] = []
     real = getattr(native, kernel)
 
     def spy(*a: object, **k: object) -> object:
-        seen.append(bool(k["dot"]) if "dot" in k else bool(a[-1]))
+        seen.append(bool(k["dot"]) if "dot" in k else a[-1])
         return real(*a, **k)
 
     monkeypatch.setattr(native, kernel, spy)
@@ -208,7 +210,7 @@ def test_the_steps_attention_choice_reaches_the_kernel(tiny_model_dir: Callable[
         out = pipe([{"input_ids": list(range(3, 40))}], gen_config=GenerationConfig(max_new_tokens=3, temperature=0),
                    do_preprocess=False)
     assert len(out[0].token_ids) == 3
-    assert seen == [pin == "dot"] * (steps * len(pipe_layers(path)))
+    assert seen == [pin if op == "prefill_attention" else pin == "dot"] * (steps * len(pipe_layers(path)))
 
 
 def pipe_layers(path: str) -> list:

@@ -82,12 +82,12 @@ class DecoderStack {
   // x: [T, E] the step's embedded tokens, the num_decodes decodes (one token per request) first; cos/sin
   // [T, head_dim / 2] in x's dtype; slots [T]: where each token's K/V goes. Decodes: tables [nd, max_blocks] and
   // lens [nd] (paged_decode's); prefill chunks: spans [S, 4] and their context slots (prefill_attention's). Returns
-  // final_norm(the last layer's output + residual), [T, E]. prefill_dot, decode_dot: prefill_attention's and
-  // paged_decode's dot (the step's measured choices).
+  // final_norm(the last layer's output + residual), [T, E]. prefill_path, decode_dot: prefill_attention's path (0
+  // fp32, 1 dot, 2 amx) and paged_decode's dot (the step's measured choices).
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots, int64_t num_decodes,
                         c10::optional<torch::Tensor> tables, c10::optional<torch::Tensor> lens,
                         c10::optional<torch::Tensor> spans, c10::optional<torch::Tensor> span_slots,
-                        torch::Tensor final_norm, int64_t prefill_dot, int64_t decode_dot) {
+                        torch::Tensor final_norm, int64_t prefill_path, int64_t decode_dot) {
     TORCH_CHECK(!layers_.empty(), "DecoderStack: no layers");
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "DecoderStack: x must be contiguous [T, E]");
     const int64_t T = x.size(0), H = heads_, KVH = kv_heads_, D = head_dim_, nd = num_decodes;
@@ -139,7 +139,7 @@ class DecoderStack {
             torch::Tensor out = torch::empty({T, H, D}, x.options());
             if (nd > 0) out.narrow(0, 0, nd).copy_(attn);
             prefill_attention(q, k, v, l.k_cache, l.v_cache, l.k_scales, l.v_scales, *spans, *span_slots, scale_,
-                              l.window, out, prefill_dot);
+                              l.window, out, prefill_path);
             attn = out;
           });
         }

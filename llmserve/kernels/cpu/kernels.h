@@ -27,7 +27,7 @@ bool prefill_attention_supported();
 void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
                        torch::Tensor v_cache, c10::optional<torch::Tensor> k_scales,
                        c10::optional<torch::Tensor> v_scales, torch::Tensor spans, torch::Tensor slots, double scale,
-                       int64_t window, torch::Tensor out, int64_t dot);
+                       int64_t window, torch::Tensor out, int64_t path);
 // w8a8_linear.cpp
 bool w8a8_linear_supported();
 torch::Tensor w8a8_pack(torch::Tensor qweight);

@@ -25,6 +25,15 @@
 // the decode kernel after a prefix-cache hit got different tokens. Which path runs is measured on the running machine
 // (llmserve/kernels/calibrate.py).
 //
+// The amx path (path=2, bf16 q and keys, CPUs with AMX-BF16, head_dim a multiple of 32) runs both products on AMX
+// tiles in the same transposed layout, so the softmax between them is the one above:
+//   - scores: S^T [16 keys, 16 tokens] tiles = K (the block's rows, copied as stored) x Q^T pairs (the dot path's);
+//   - values: O^T [16 dims, 16 tokens] tiles += V^T x P^T pairs, V^T per (span, KV head) made once a call (the only
+//     operand that needs a transpose) and P split into two bf16 terms, P = hi + lo, ~17 of its 24 bits (one bf16 P
+//     moved outputs by 2^-9, as the dot path found); products exact, sums fp32, in another order than the FMAs'.
+//   - keys are read in place where a block's rows are evenly spaced, else copied.
+// Which path runs is measured (calibrate.py); the three agree but for a rare bf16 unit of the output.
+//
 // Why: torch's SDPA (flash attention for CPU) ran SmolLM2's prompts of 36-390 tokens at ~73 GFLOP/s in fp32 on
 // 2 cores (1.8 s of a 64-request workload's prefill), and converting each span's q/k/v to fp32 and back
 // copied every row twice more.
@@ -35,6 +44,7 @@
 #include "float_types.h"  // dispatch_float
 
 #include "avx512_math.h"  // LLMSERVE_AVX512, load16, exp512
+#include "kernels.h"       // amx_bf16_supported
 
 #include <algorithm>
 #include <atomic>
@@ -61,6 +71,13 @@ struct Rows {
   int64_t scale_stride;
 
   const T* row(int64_t j) const { return base + (slots != nullptr ? slots[j] : j) * stride; }
+  // whether rows j0 .. j0 + n - 1 are stride apart in memory (every row of a tensor; consecutive slots of a cache)
+  bool even(int64_t j0, int64_t n) const {
+    if (slots == nullptr) return true;
+    for (int64_t t = 1; t < n; ++t)
+      if (slots[j0 + t] != slots[j0] + t) return false;
+    return true;
+  }
   float scale(int64_t j) const { return scales[(slots != nullptr ? slots[j] : j) * scale_stride]; }
 };
 
@@ -143,6 +160,99 @@ LLMSERVE_AVX512BF16 __attribute__((optimize("no-tree-pre"))) void scores_dot(con
   }
 }
 
+#define LLMSERVE_AMX_ATTN __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+
+// Every tile 16 rows of 64 bytes (palette 1); configured once per thread, released when it is done.
+struct alignas(64) AttnTileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+class AttnTiles {
+ public:
+  LLMSERVE_AMX_ATTN void configure() {
+    if (on_) return;
+    AttnTileConfig c;
+    for (int t = 0; t < 8; ++t) {
+      c.colsb[t] = 64;
+      c.rows[t] = 16;
+    }
+    __asm__ volatile("ldtilecfg %0" ::"m"(c));  // (not _tile_loadconfig: see amx_gemm.cpp)
+    on_ = true;
+  }
+  LLMSERVE_AMX_ATTN ~AttnTiles() {
+    if (on_) _tile_release();
+  }
+
+ private:
+  bool on_ = false;
+};
+
+// S^T [nk16 keys, V, 16] = K Q^T: kp the block's keys [nk16, D] bf16, ldk elements apart, qtp Q^T pairs
+// [D / 2, V, 16]. Unscaled.
+LLMSERVE_AMX_ATTN void scores_amx(const uint16_t* kp, int64_t ldk, int64_t nk16, int64_t D, const uint32_t* qtp,
+                                  int64_t V, float* st) {
+  const int64_t ld = V * 16 * 4;  // bytes between Q^T's pair rows, and between S^T's keys
+  for (int64_t kt = 0; kt < nk16 / 16; ++kt)
+    for (int64_t g = 0; g < V; ++g) {
+      _tile_zero(0);
+      for (int64_t ks = 0; ks < D / 32; ++ks) {
+        _tile_loadd(1, kp + kt * 16 * ldk + ks * 32, ldk * 2);
+        _tile_loadd(2, qtp + (ks * 16 * V + g) * 16, ld);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, st + (kt * 16 * V + g) * 16, ld);
+    }
+}
+
+// O^T [D, V, 16] += V^T P^T over nk32 keys: vt V^T rows of the keys (row stride ldv elements, keys from the block's
+// first), pp the two terms of P^T pairs, each [nk32 / 2, V, 16] (term stride `term` uint32).
+LLMSERVE_AMX_ATTN void values_amx(const uint16_t* vt, int64_t ldv, int64_t nk32, int64_t D, const uint32_t* pp,
+                                  int64_t term, int64_t V, float* ot) {
+  const int64_t ld = V * 16 * 4;
+  for (int64_t dt = 0; dt < D / 16; ++dt)
+    for (int64_t g = 0; g < V; ++g) {
+      float* o = ot + (dt * 16 * V + g) * 16;
+      _tile_loadd(0, o, ld);
+      for (int64_t kk = 0; kk < nk32 / 32; ++kk) {
+        _tile_loadd(1, vt + dt * 16 * ldv + kk * 32, ldv * 2);
+        const uint32_t* b = pp + (kk * 16 * V + g) * 16;
+        _tile_loadd(2, b, ld);
+        _tile_loadd(3, b + term, ld);
+        _tile_dpbf16ps(0, 1, 2);
+        _tile_dpbf16ps(0, 1, 3);
+      }
+      _tile_stored(0, o, ld);
+    }
+}
+
+// bf16 bits of x, rounded to nearest even, zero-extended to 32-bit lanes; and their value as fp32
+LLMSERVE_AVX512BF16 inline __m512i bf16_bits(__m512 x) {
+  return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x));
+}
+LLMSERVE_AVX512 inline __m512 bf16_value(__m512i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)); }
+
+// P^T pairs for values_amx: keys (2j, 2j + 1) of each lane as one uint32 (low: the even key), P = hi + lo in two bf16
+// terms (P to ~2^-17 of its value); keys at or past n are 0.
+LLMSERVE_AVX512BF16 void split_pairs(const float* st, int64_t n, int64_t nk32, int64_t V, uint32_t* pp,
+                                     int64_t term) {
+  for (int64_t j = 0; j < nk32 / 2; ++j)
+    for (int64_t v = 0; v < V; ++v) {
+      __m512 r[2];
+      for (int e = 0; e < 2; ++e) {
+        const int64_t key = 2 * j + e;
+        r[e] = key < n ? _mm512_loadu_ps(st + (key * V + v) * 16) : _mm512_setzero_ps();
+      }
+      uint32_t* o = pp + (j * V + v) * 16;
+      const __m512i h0 = bf16_bits(r[0]), h1 = bf16_bits(r[1]);
+      _mm512_storeu_si512(o, _mm512_or_si512(h0, _mm512_slli_epi32(h1, 16)));
+      const __m512i l0 = bf16_bits(_mm512_sub_ps(r[0], bf16_value(h0)));
+      const __m512i l1 = bf16_bits(_mm512_sub_ps(r[1], bf16_value(h1)));
+      _mm512_storeu_si512(o + term, _mm512_or_si512(l0, _mm512_slli_epi32(l1, 16)));
+    }
+}
+
 struct Span {
   int64_t q_start, q_len, num_cached, slot_offset;
   bool from_cache;
@@ -151,8 +261,10 @@ struct Span {
 struct Scratch {
   std::vector<float> qt, ot, st, kf, vf, m, l;
   std::vector<uint32_t> qtp, kp;  // the dot path's pairs: Q^T [D/2, V, 16], K [keys, D/2]
+  std::vector<uint32_t> pp;       // the amx path's P^T pairs, two terms of [keys / 2, V, 16]
   Scratch(int64_t D, int64_t V) : qt(D * V * 16), ot(D * V * 16), st(kKeyBlock * V * 16), kf(kKeyBlock * D),
-                                  vf(kKeyBlock * D), m(V * 16), l(V * 16), qtp(D / 2 * V * 16), kp(kKeyBlock * D / 2) {}
+                                  vf(kKeyBlock * D), m(V * 16), l(V * 16), qtp(D / 2 * V * 16), kp(kKeyBlock * D / 2),
+                                  pp(2 * kKeyBlock / 2 * V * 16) {}
 };
 
 // The dot path's keys of one block of n keys (padded to n8 with 0): the rows copied as they are stored, pairs of
@@ -171,18 +283,21 @@ void pair_keys(const Rows<c10::BFloat16>& keys, int64_t j0, int64_t n, int64_t n
 
 // One work item: query tokens [i0, i0 + 16) of a span (context positions num_cached + i), the G heads of KV head
 // kvh, over keys [0, ctx) of the span's source. q/out rows: [T, H, D] with row strides q_row / out_row.
-// dot: the dot path where q and the keys are bf16 (the caller checked the CPU); else fp32 FMAs.
+// path 1: the dot path where q and the keys are bf16 (the caller checked the CPU); path 2: the amx path where vt (the
+// span's V^T for this KV head, rows of ldv keys) is given; else fp32 FMAs.
 template <typename TQ, typename TK>
 LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int64_t i0, int64_t kvh, int64_t G,
                                  int64_t D, const Rows<TK>& keys, const Rows<TK>& values, float scale,
-                                 int64_t window, bool dot, Scratch& s, TQ* out, int64_t out_row) {
+                                 int64_t window, int64_t path, const uint16_t* vt, int64_t ldv, Scratch& s, TQ* out,
+                                 int64_t out_row) {
   constexpr bool kBf16 = std::is_same_v<TQ, c10::BFloat16> && std::is_same_v<TK, c10::BFloat16>;
-  dot = dot && kBf16;
+  const bool dot = path == 1 && kBf16;
+  const bool amx = path == 2 && kBf16 && vt != nullptr;
   const int64_t V = G;  // row vectors: one per head
   const int64_t nt = std::min(kTileTokens, sp.q_len - i0);
-  // Q^T [D, V * 16], pre-scaled (dot: pairs of dimensions [D / 2, V * 16], unscaled); lanes past nt are 0 (their
+  // Q^T [D, V * 16], pre-scaled (dot, amx: pairs of dimensions [D / 2, V * 16], unscaled); lanes past nt are 0 (their
   // outputs are never written)
-  if (dot) {
+  if (dot || amx) {
     std::fill(s.qtp.begin(), s.qtp.end(), 0u);
     for (int64_t i = 0; i < nt; ++i)
       for (int64_t g = 0; g < G; ++g) {
@@ -210,7 +325,23 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
   for (int64_t j0 = lo; j0 < hi; j0 += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, hi - j0), n8 = (n + kRowsPerPass - 1) / kRowsPerPass * kRowsPerPass;
     if constexpr (kBf16) {
-      if (dot) {
+      if (amx) {
+        // the A tiles read the keys in place where the block's nk16 rows are evenly spaced context rows (a fresh
+        // prompt's; a cache's within its blocks), else from a copy (rows past n zero)
+        const int64_t nk16 = (n + 15) / 16 * 16;
+        const uint16_t* kp = reinterpret_cast<const uint16_t*>(s.kp.data());
+        int64_t ldk = D;
+        if (j0 + nk16 <= sp.num_cached + sp.q_len && keys.even(j0, nk16)) {
+          kp = reinterpret_cast<const uint16_t*>(keys.row(j0));
+          ldk = keys.stride;
+        } else {
+          pair_keys(keys, j0, n, nk16, D, s);
+        }
+        scores_amx(kp, ldk, nk16, D, s.qtp.data(), V, s.st.data());
+        const __m512 sv = _mm512_set1_ps(scale);
+        for (int64_t e = 0; e < n8 * V; ++e) _mm512_storeu_ps(s.st.data() + e * 16,
+                                                              _mm512_mul_ps(sv, _mm512_loadu_ps(s.st.data() + e * 16)));
+      } else if (dot) {
         pair_keys(keys, j0, n, n8, D, s);
         widen_rows(values, j0, n, D, s.vf.data());
         by_row_vectors(V, [&](auto rv, int64_t v0) {
@@ -221,7 +352,7 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
                                                               _mm512_mul_ps(sv, _mm512_loadu_ps(s.st.data() + e * 16)));
       }
     }
-    if (!dot) {
+    if (!dot && !amx) {
       widen_rows(keys, j0, n, D, s.kf.data());
       for (int64_t t = n; t < n8; ++t) std::fill(s.kf.begin() + t * D, s.kf.begin() + (t + 1) * D, 0.f);
       widen_rows(values, j0, n, D, s.vf.data());
@@ -269,6 +400,14 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
         _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), alpha));
       }
     }
+    if constexpr (kBf16) {
+      if (amx) {
+        const int64_t nk32 = (n + 31) / 32 * 32, term = kKeyBlock / 2 * V * 16;
+        split_pairs(s.st.data(), n, nk32, V, s.pp.data(), term);
+        values_amx(vt + j0, ldv, nk32, D, s.pp.data(), term, V, s.ot.data());
+        continue;
+      }
+    }
     by_row_vectors(V, [&](auto rv, int64_t v0) {
       tile_pass<decltype(rv)::value>(s.vf.data(), 1, D, D, n, s.st.data(), V, v0, true, s.ot.data());
     });
@@ -285,9 +424,40 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
 template <typename TQ, typename TC>
 void prefill_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& k_cache,
                   const torch::Tensor& v_cache, const float* k_scales, const float* v_scales,
-                  const std::vector<Span>& spans, const int64_t* slots, double scale, int64_t window, bool dot,
+                  const std::vector<Span>& spans, const int64_t* slots, double scale, int64_t window, int64_t path,
                   torch::Tensor& out) {
   const int64_t H = q.size(1), D = q.size(2), KVH = k.size(1), G = H / KVH;
+  // the amx path: V^T [D, ctx + 32] bf16 (keys past the context 0) of each (span, KV head) whose keys are bf16 (a
+  // fresh prompt's, or a bf16 cache's), made once here; other spans keep FMAs
+  constexpr bool kBf16Cache = std::is_same_v<TC, c10::BFloat16>;
+  const bool amx = path == 2 && std::is_same_v<TQ, c10::BFloat16>;
+  std::vector<int64_t> vt_at(spans.size() * KVH + 1, 0);
+  std::vector<uint16_t> vts;
+  if (amx) {
+    for (size_t s = 0; s < spans.size(); ++s)
+      for (int64_t h = 0; h < KVH; ++h)
+        vt_at[s * KVH + h + 1] = vt_at[s * KVH + h] + (!spans[s].from_cache || kBf16Cache
+                                                           ? D * (spans[s].num_cached + spans[s].q_len + 32) : 0);
+    vts.assign(vt_at.back(), 0);
+    at::parallel_for(0, static_cast<int64_t>(spans.size()) * KVH, 1, [&](int64_t b, int64_t e) {
+      for (int64_t u = b; u < e; ++u) {
+        if (vt_at[u + 1] == vt_at[u]) continue;
+        const Span& sp = spans[u / KVH];
+        const int64_t h = u % KVH, ctx = sp.num_cached + sp.q_len, ldv = ctx + 32;
+        uint16_t* dst = vts.data() + vt_at[u];
+        for (int64_t j = 0; j < ctx; ++j) {
+          const uint16_t* r = reinterpret_cast<const uint16_t*>(v.data_ptr<TQ>()) + (sp.q_start + j) * v.stride(0) +
+                              h * D;
+          if constexpr (kBf16Cache) {
+            if (sp.from_cache)
+              r = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<TC>()) + slots[sp.slot_offset + j] * KVH * D +
+                  h * D;
+          }
+          for (int64_t d = 0; d < D; ++d) dst[d * ldv + j] = r[d];
+        }
+      }
+    });
+  }
   struct Item {
     int64_t span, kvh, i0, cost;
   };
@@ -306,19 +476,26 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   const int64_t n_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     Scratch s(D, G);
+    AttnTiles tiles;
+    if (amx) tiles.configure();
     for (int64_t u = next++; u < n_items; u = next++) {
       const Item& it = items[u];
       const Span& sp = spans[it.span];
       const float sc = static_cast<float>(scale);
+      const int64_t vu = it.span * KVH + it.kvh;
+      const uint16_t* vt = amx && vt_at[vu + 1] > vt_at[vu] ? vts.data() + vt_at[vu] : nullptr;
+      const int64_t ldv = sp.num_cached + sp.q_len + 32;
       if (sp.from_cache) {
         const int64_t* sl = slots + sp.slot_offset;
         const Rows<TC> kr{k_cache.data_ptr<TC>() + it.kvh * D, sl, cache_row, k_scales ? k_scales + it.kvh : nullptr, KVH};
         const Rows<TC> vr{v_cache.data_ptr<TC>() + it.kvh * D, sl, cache_row, v_scales ? v_scales + it.kvh : nullptr, KVH};
-        attend_tile<TQ, TC>(qp, q.stride(0), sp, it.i0, it.kvh, G, D, kr, vr, sc, window, dot, s, op, out.stride(0));
+        attend_tile<TQ, TC>(qp, q.stride(0), sp, it.i0, it.kvh, G, D, kr, vr, sc, window, path, vt, ldv, s, op,
+                            out.stride(0));
       } else {  // this step's rows: token j of the span at row q_start + j
         const Rows<TQ> kr{k.data_ptr<TQ>() + sp.q_start * k.stride(0) + it.kvh * D, nullptr, k.stride(0), nullptr, 0};
         const Rows<TQ> vr{v.data_ptr<TQ>() + sp.q_start * v.stride(0) + it.kvh * D, nullptr, v.stride(0), nullptr, 0};
-        attend_tile<TQ, TQ>(qp, q.stride(0), sp, it.i0, it.kvh, G, D, kr, vr, sc, window, dot, s, op, out.stride(0));
+        attend_tile<TQ, TQ>(qp, q.stride(0), sp, it.i0, it.kvh, G, D, kr, vr, sc, window, path, vt, ldv, s, op,
+                            out.stride(0));
       }
     }
   });
@@ -332,14 +509,18 @@ bool prefill_attention_supported() { return cpu_has_avx512(); }
 // but heads and dimensions contiguous); k_cache, v_cache [NB, BS, KVH, D] contiguous, fp32/bf16/fp16 or int8 with
 // k_scales, v_scales [NB, BS, KVH] fp32; spans [S, 4] int64 (q_start, q_len, num_cached, slot offset into slots);
 // slots: the spans' context slots concatenated. Writes the spans' rows of out [T, H, D] (q's dtype, contiguous).
-// window <= 0: none. dot: 1 runs the products with vdpbf16ps where q and the keys are bf16 (needs AVX512-BF16), 0
-// with fp32 FMAs.
+// window <= 0: none. path: 1 runs the scores with vdpbf16ps where q and the keys are bf16 (needs AVX512-BF16); 2 both
+// products on AMX tiles where q and the cache are bf16 and head_dim a multiple of 32 (needs AMX-BF16); other dtypes
+// and 0 run fp32 FMAs.
 void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
                        torch::Tensor v_cache, c10::optional<torch::Tensor> k_scales,
                        c10::optional<torch::Tensor> v_scales, torch::Tensor spans, torch::Tensor slots, double scale,
-                       int64_t window, torch::Tensor out, int64_t dot) {
+                       int64_t window, torch::Tensor out, int64_t path) {
   TORCH_CHECK(prefill_attention_supported(), "prefill_attention needs a CPU with AVX-512");
-  TORCH_CHECK(dot <= 0 || cpu_has_avx512_bf16(), "prefill_attention: dot=1 needs a CPU with AVX512-BF16");
+  TORCH_CHECK(path != 1 || cpu_has_avx512_bf16(), "prefill_attention: path 1 (dot) needs a CPU with AVX512-BF16");
+  TORCH_CHECK(path != 2 || (amx_bf16_supported() && cpu_has_avx512_bf16()),
+              "prefill_attention: path 2 (amx) needs a CPU with AMX-BF16 and the OS's permission");
+  TORCH_CHECK(path >= 0 && path <= 2, "prefill_attention: path 0 (fp32), 1 (dot) or 2 (amx), got ", path);
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 &&
                   v_cache.sizes() == k_cache.sizes() && out.sizes() == q.sizes(),
               "prefill_attention: q/out [T, H, D], k/v [T, KVH, D], caches [NB, BS, KVH, D]");
@@ -382,9 +563,10 @@ void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch:
   dispatch_float(q.scalar_type(), "prefill_attention (q)", [&](auto q_tag) {
     using q_t = decltype(q_tag);
     if (quantized)
-      return prefill_impl<q_t, int8_t>(q, k, v, k_cache, v_cache, ks, vs, list, sl, scale, window, dot > 0, out);
+      return prefill_impl<q_t, int8_t>(q, k, v, k_cache, v_cache, ks, vs, list, sl, scale, window, path, out);
     dispatch_float(k_cache.scalar_type(), "prefill_attention (the cache; or int8)", [&](auto c_tag) {
-      prefill_impl<q_t, decltype(c_tag)>(q, k, v, k_cache, v_cache, ks, vs, list, sl, scale, window, dot > 0, out);
+      prefill_impl<q_t, decltype(c_tag)>(q, k, v, k_cache, v_cache, ks, vs, list, sl, scale, window,
+                                         path == 2 && D % 32 != 0 ? 1 : path, out);
     });
   });
 }
