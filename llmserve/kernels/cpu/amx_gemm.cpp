@@ -19,6 +19,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "amx_tiles.h"     // TileConfig, load_tile_config
 #include "avx512_math.h"  // LLMSERVE_AVX512, storeu16, tail_mask16
 #include "kernels.h"
 
@@ -61,13 +62,7 @@ bool request_tile_data() {
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
 }
 
-// The tile configuration (palette 1) of a unit of `r0` + `r1` rows (r0 <= 16 in A0/C0/C1, r1 <= 16 in A1/C2/C3).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
+// The tile configuration of a unit of `r0` + `r1` rows (r0 <= 16 in A0/C0/C1, r1 <= 16 in A1/C2/C3).
 class Tiles {
  public:
   LLMSERVE_AMX void configure(int r0, int r1) {
@@ -78,8 +73,7 @@ class Tiles {
     c.rows[2] = c.rows[3] = c.rows[5] = static_cast<uint8_t>(r1);
     if (r1 == 0) c.colsb[2] = c.colsb[3] = c.colsb[5] = 0;
     c.rows[6] = c.rows[7] = 16;
-    // (not _tile_loadconfig: GCC 12's names only 8 bytes of the config as read, and its stores were dropped as dead)
-    __asm__ volatile("ldtilecfg %0" ::"m"(c));
+    load_tile_config(c);
     r0_ = r0;
     r1_ = r1;
   }

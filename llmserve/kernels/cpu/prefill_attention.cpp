@@ -43,6 +43,7 @@
 
 #include "float_types.h"  // dispatch_float
 
+#include "amx_tiles.h"     // TileConfig, load_tile_config
 #include "avx512_math.h"  // LLMSERVE_AVX512, load16, exp512
 #include "kernels.h"       // amx_bf16_supported
 
@@ -162,23 +163,17 @@ LLMSERVE_AVX512BF16 __attribute__((optimize("no-tree-pre"))) void scores_dot(con
 
 #define LLMSERVE_AMX_ATTN __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 
-// Every tile 16 rows of 64 bytes (palette 1); configured once per thread, released when it is done.
-struct alignas(64) AttnTileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
+// Every tile 16 rows of 64 bytes; configured once per thread, released when it is done.
 class AttnTiles {
  public:
   LLMSERVE_AMX_ATTN void configure() {
     if (on_) return;
-    AttnTileConfig c;
+    TileConfig c;
     for (int t = 0; t < 8; ++t) {
       c.colsb[t] = 64;
       c.rows[t] = 16;
     }
-    __asm__ volatile("ldtilecfg %0" ::"m"(c));  // (not _tile_loadconfig: see amx_gemm.cpp)
+    load_tile_config(c);
     on_ = true;
   }
   LLMSERVE_AMX_ATTN ~AttnTiles() {
