@@ -201,17 +201,20 @@ LLMSERVE_AMX_ATTN void scores_amx(const uint16_t* kp, int64_t ldk, int64_t nk16,
     }
 }
 
-// O^T [D, V, 16] += V^T P^T over nk32 keys: vt V^T rows of the keys (row stride ldv elements, keys from the block's
-// first), pp the two terms of P^T pairs, each [nk32 / 2, V, 16] (term stride `term` uint32).
-LLMSERVE_AMX_ATTN void values_amx(const uint16_t* vt, int64_t ldv, int64_t nk32, int64_t D, const uint32_t* pp,
-                                  int64_t term, int64_t V, float* ot) {
+// O^T [D, V, 16] += V^T P^T over nk32 keys: vt V^T in blocks of 32 keys, [keys / 32][D][32] from the block's first
+// key (each A tile 1 KB in one piece, where a plain V^T's rows lie a context's width apart), pp the two terms of P^T
+// pairs, each [nk32 / 2, V, 16] (term stride `term` uint32). Measured on the Xeon with AMX (perf): the time sits on the
+// tdpbf16ps themselves, not the tile loads; keeping every head's C tile in a register across the A tiles gained
+// nothing measurable.
+LLMSERVE_AMX_ATTN void values_amx(const uint16_t* vt, int64_t nk32, int64_t D, const uint32_t* pp, int64_t term,
+                                  int64_t V, float* ot) {
   const int64_t ld = V * 16 * 4;
   for (int64_t dt = 0; dt < D / 16; ++dt)
     for (int64_t g = 0; g < V; ++g) {
       float* o = ot + (dt * 16 * V + g) * 16;
       _tile_loadd(0, o, ld);
       for (int64_t kk = 0; kk < nk32 / 32; ++kk) {
-        _tile_loadd(1, vt + dt * 16 * ldv + kk * 32, ldv * 2);
+        _tile_loadd(1, vt + (kk * D + dt * 16) * 32, 64);
         const uint32_t* b = pp + (kk * 16 * V + g) * 16;
         _tile_loadd(2, b, ld);
         _tile_loadd(3, b + term, ld);
@@ -279,11 +282,11 @@ void pair_keys(const Rows<c10::BFloat16>& keys, int64_t j0, int64_t n, int64_t n
 // One work item: query tokens [i0, i0 + 16) of a span (context positions num_cached + i), the G heads of KV head
 // kvh, over keys [0, ctx) of the span's source. q/out rows: [T, H, D] with row strides q_row / out_row.
 // path 1: the dot path where q and the keys are bf16 (the caller checked the CPU); path 2: the amx path where vt (the
-// span's V^T for this KV head, rows of ldv keys) is given; else fp32 FMAs.
+// span's V^T for this KV head in blocks of 32 keys, values_amx's) is given; else fp32 FMAs.
 template <typename TQ, typename TK>
 LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int64_t i0, int64_t kvh, int64_t G,
                                  int64_t D, const Rows<TK>& keys, const Rows<TK>& values, float scale,
-                                 int64_t window, int64_t path, const uint16_t* vt, int64_t ldv, Scratch& s, TQ* out,
+                                 int64_t window, int64_t path, const uint16_t* vt, Scratch& s, TQ* out,
                                  int64_t out_row) {
   constexpr bool kBf16 = std::is_same_v<TQ, c10::BFloat16> && std::is_same_v<TK, c10::BFloat16>;
   const bool dot = path == 1 && kBf16;
@@ -313,7 +316,9 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
   std::fill(s.l.begin(), s.l.end(), 0.f);
   // the tile's tokens sit at context positions p0 .. p0 + nt - 1 and see keys (p - window, p]
   const int64_t p0 = sp.num_cached + i0, p_last = p0 + nt - 1;
-  const int64_t lo = window > 0 ? std::max<int64_t>(0, p0 - window + 1) : 0, hi = p_last + 1;
+  // (amx: from a multiple of 32, where vt's blocks start; keys before the window are masked like any other)
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, p0 - window + 1) / (amx ? 32 : 1) * (amx ? 32 : 1) : 0;
+  const int64_t hi = p_last + 1;
   const __m512i pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(p0)),
                                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   const __mmask16 live = tail_mask16(nt);
@@ -390,16 +395,18 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
       }
       _mm512_storeu_ps(l, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(l), alpha), sum));
       _mm512_storeu_ps(m, mx);
-      for (int64_t d = 0; d < D; ++d) {
-        float* o = s.ot.data() + (d * V + v) * 16;
-        _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), alpha));
-      }
+      // no lane's max moved (most blocks past the first few): O^T times 1 is O^T, skip the pass over it
+      if (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0)
+        for (int64_t d = 0; d < D; ++d) {
+          float* o = s.ot.data() + (d * V + v) * 16;
+          _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), alpha));
+        }
     }
     if constexpr (kBf16) {
       if (amx) {
         const int64_t nk32 = (n + 31) / 32 * 32, term = kKeyBlock / 2 * V * 16;
         split_pairs(s.st.data(), n, nk32, V, s.pp.data(), term);
-        values_amx(vt + j0, ldv, nk32, D, s.pp.data(), term, V, s.ot.data());
+        values_amx(vt + j0 * D, nk32, D, s.pp.data(), term, V, s.ot.data());
         continue;
       }
     }
@@ -422,8 +429,8 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::T
                   const std::vector<Span>& spans, const int64_t* slots, double scale, int64_t window, int64_t path,
                   torch::Tensor& out) {
   const int64_t H = q.size(1), D = q.size(2), KVH = k.size(1), G = H / KVH;
-  // the amx path: V^T [D, ctx + 32] bf16 (keys past the context 0) of each (span, KV head) whose keys are bf16 (a
-  // fresh prompt's, or a bf16 cache's), made once here; other spans keep FMAs
+  // the amx path: V^T in blocks of 32 keys, [(ctx + 32) / 32][D][32] bf16 (keys past the context 0), of each (span, KV
+  // head) whose keys are bf16 (a fresh prompt's, or a bf16 cache's), made once here; other spans keep FMAs
   constexpr bool kBf16Cache = std::is_same_v<TC, c10::BFloat16>;
   const bool amx = path == 2 && std::is_same_v<TQ, c10::BFloat16>;
   std::vector<int64_t> vt_at(spans.size() * KVH + 1, 0);
@@ -432,13 +439,14 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::T
     for (size_t s = 0; s < spans.size(); ++s)
       for (int64_t h = 0; h < KVH; ++h)
         vt_at[s * KVH + h + 1] = vt_at[s * KVH + h] + (!spans[s].from_cache || kBf16Cache
-                                                           ? D * (spans[s].num_cached + spans[s].q_len + 32) : 0);
+                                                           ? D * ((spans[s].num_cached + spans[s].q_len) / 32 + 2) * 32
+                                                           : 0);
     vts.assign(vt_at.back(), 0);
     at::parallel_for(0, static_cast<int64_t>(spans.size()) * KVH, 1, [&](int64_t b, int64_t e) {
       for (int64_t u = b; u < e; ++u) {
         if (vt_at[u + 1] == vt_at[u]) continue;
         const Span& sp = spans[u / KVH];
-        const int64_t h = u % KVH, ctx = sp.num_cached + sp.q_len, ldv = ctx + 32;
+        const int64_t h = u % KVH, ctx = sp.num_cached + sp.q_len;
         uint16_t* dst = vts.data() + vt_at[u];
         for (int64_t j = 0; j < ctx; ++j) {
           const uint16_t* r = reinterpret_cast<const uint16_t*>(v.data_ptr<TQ>()) + (sp.q_start + j) * v.stride(0) +
@@ -448,7 +456,8 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::T
               r = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<TC>()) + slots[sp.slot_offset + j] * KVH * D +
                   h * D;
           }
-          for (int64_t d = 0; d < D; ++d) dst[d * ldv + j] = r[d];
+          uint16_t* block = dst + (j / 32) * D * 32 + j % 32;
+          for (int64_t d = 0; d < D; ++d) block[d * 32] = r[d];
         }
       }
     });
@@ -479,17 +488,16 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::T
       const float sc = static_cast<float>(scale);
       const int64_t vu = it.span * KVH + it.kvh;
       const uint16_t* vt = amx && vt_at[vu + 1] > vt_at[vu] ? vts.data() + vt_at[vu] : nullptr;
-      const int64_t ldv = sp.num_cached + sp.q_len + 32;
       if (sp.from_cache) {
         const int64_t* sl = slots + sp.slot_offset;
         const Rows<TC> kr{k_cache.data_ptr<TC>() + it.kvh * D, sl, cache_row, k_scales ? k_scales + it.kvh : nullptr, KVH};
         const Rows<TC> vr{v_cache.data_ptr<TC>() + it.kvh * D, sl, cache_row, v_scales ? v_scales + it.kvh : nullptr, KVH};
-        attend_tile<TQ, TC>(qp, q.stride(0), sp, it.i0, it.kvh, G, D, kr, vr, sc, window, path, vt, ldv, s, op,
+        attend_tile<TQ, TC>(qp, q.stride(0), sp, it.i0, it.kvh, G, D, kr, vr, sc, window, path, vt, s, op,
                             out.stride(0));
       } else {  // this step's rows: token j of the span at row q_start + j
         const Rows<TQ> kr{k.data_ptr<TQ>() + sp.q_start * k.stride(0) + it.kvh * D, nullptr, k.stride(0), nullptr, 0};
         const Rows<TQ> vr{v.data_ptr<TQ>() + sp.q_start * v.stride(0) + it.kvh * D, nullptr, v.stride(0), nullptr, 0};
-        attend_tile<TQ, TQ>(qp, q.stride(0), sp, it.i0, it.kvh, G, D, kr, vr, sc, window, path, vt, ldv, s, op,
+        attend_tile<TQ, TQ>(qp, q.stride(0), sp, it.i0, it.kvh, G, D, kr, vr, sc, window, path, vt, s, op,
                             out.stride(0));
       }
     }
