@@ -27,10 +27,11 @@
 //
 // The amx path (path=2, bf16 q and keys, CPUs with AMX-BF16, head_dim a multiple of 32) runs both products on AMX
 // tiles in the same transposed layout, so the softmax between them is the one above:
-//   - scores: S^T [16 keys, 16 tokens] tiles = K (the block's rows, copied as stored) x Q^T pairs (the dot path's);
-//   - values: O^T [16 dims, 16 tokens] tiles += V^T x P^T pairs, V^T per (span, KV head) made once a call (the only
-//     operand that needs a transpose) and P split into two bf16 terms, P = hi + lo, ~17 of its 24 bits (one bf16 P
-//     moved outputs by 2^-9, as the dot path found); products exact, sums fp32, in another order than the FMAs'.
+//   - scores: S^T [16 keys, 16 tokens] tiles = K (the block's rows as stored) x Q^T pairs (the dot path's);
+//   - values: O^T [16 dims, 16 tokens] tiles += V^T x P^T pairs, V^T (in blocks of 32 keys) made once a call per
+//     (span, KV head) (the only operand that needs a transpose), and P split into two bf16 terms, P = hi + lo, ~17 of
+//     its 24 bits (one bf16 P moved outputs by 2^-9, as the dot path found); products exact, sums fp32, in another
+//     order than the FMAs'.
 //   - keys are read in place where a block's rows are evenly spaced, else copied.
 // Which path runs is measured (calibrate.py); the three agree but for a rare bf16 unit of the output.
 //
