@@ -195,7 +195,7 @@ def available(kind: str) -> tuple[str, ...]:
 
 
 def runs_shape(name: str, k: int) -> bool:
-    """Whether candidate `name` takes a weight of k columns (amx: whole tiles of 32)."""
+    """Whether candidate `name` takes k columns: a linear's weight, or attention's head_dim (amx: whole tiles of 32)."""
     return name != "amx" or k % 32 == 0
 
 
@@ -282,8 +282,7 @@ def prefill_attention_candidates(heads: int, kv_heads: int, head_dim: int, names
         native.prefill_attention(q, k, v, cache, None, spans, slots, head_dim ** -0.5, None, out, kernel)
 
     # amx needs head_dim a multiple of 32 (else the kernel runs dot: not a candidate of its own)
-    return [Candidate(name, functools.partial(run, kernel=name)) for name in names
-            if name != "amx" or head_dim % 32 == 0]
+    return [Candidate(name, functools.partial(run, kernel=name)) for name in names if runs_shape(name, head_dim)]
 
 
 def decode_attention_candidates(heads: int, kv_heads: int, head_dim: int, names: tuple[str, ...]) -> list[Candidate]:
@@ -378,6 +377,10 @@ def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dt
         op = attention_op(model, kind, dtype)
         if op is not None:
             a = model.attention_layers()[0]
+            if not runs_shape(pins.get(kind, ""), a.head_dim):
+                raise InvalidRequestError(f"kernel_choice: {kind}={pins[kind]} cannot run {op} (head_dim "
+                                          f"{a.head_dim} is not a multiple of 32): pin another kernel, or leave it "
+                                          "auto", param="kernel_choice")
             measure[op] = functools.partial(_measure, make, (a.num_heads, a.num_kv_heads, a.head_dim, available(kind)),
                                             timer, buckets)
     if not measure:

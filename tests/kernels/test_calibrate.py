@@ -77,6 +77,14 @@ def test_pins_are_not_measured_and_unknown_ones_are_refused(bf16_model, monkeypa
             calibrate.plan(bf16_model, 2, "bf16_linear=dot", dtype=BF16, timer=never)
 
 
+@pytest.mark.skipif(not native.prefill_amx_usable(), reason="the amx path needs a CPU with AMX-BF16")
+def test_an_amx_attention_pin_is_refused_where_head_dim_is_no_whole_tile(bf16_model) -> None:
+    """The tiny Llama's head_dim is 16: the amx prefill path would run dot products instead, so the pin is refused
+    (saying what to change), not quietly swapped."""
+    with pytest.raises(InvalidRequestError, match=r"head_dim 16 is not a multiple of 32\): pin another kernel"):
+        calibrate.plan(bf16_model, 2, "prefill_attention=amx", dtype=BF16)
+
+
 def test_an_fp32_model_has_nothing_to_choose(tiny_model_dir: Callable[[str], str]) -> None:
     model = load_model(tiny_model_dir("llama"), EngineConfig(dtype="float32")).model
     assert calibrate.plan(model, 2, dtype=torch.float32) is None
@@ -184,7 +192,7 @@ def test_a_candidate_whose_rows_change_with_the_batch_is_left_out() -> None:
 
 
 @pytest.mark.skipif(not native.bf16_dot_usable(), reason="the dot path needs AVX512-BF16")
-@pytest.mark.parametrize("pin", ["dot", "fp32", "amx"])
+@pytest.mark.parametrize("pin", ["dot", "fp32"])
 @pytest.mark.parametrize("op,kernel,steps", [("prefill_attention", "prefill_attention", 1),
                                              ("decode_attention", "paged_decode", 2)])
 @pytest.mark.parametrize("weights", ["bf16", "q4_1_blocks"])
@@ -192,9 +200,8 @@ def test_the_steps_attention_choice_reaches_the_kernel(tiny_model_dir: Callable[
                                                        kernel: str, steps: int, weights: str, request,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """One prefill step and two decode steps (3 tokens): each of the kind's steps calls its kernel in every layer with
-    the pinned path (prefill: its name; decode: its dot flag), whether the linears are bf16 or quantized blocks."""
-    if pin == "amx" and (op != "prefill_attention" or not native.prefill_amx_usable()):
-        pytest.skip("amx: prefill attention's, on CPUs with AMX-BF16")
+    the pinned path (prefill: its name; decode: its dot flag), whether the linears are bf16 or quantized blocks. (amx
+    takes head_dim 32 and up: tests/engine/test_decoder_stack.py pins it on such a model.)"""
     path = tiny_model_dir("llama") if weights == "bf16" else request.getfixturevalue("q4_1_gguf")
     monkeypatch.setenv("LLMSERVE_DECODER_STACK", "0")  # the Python layers call the kernels through native
     seen: list[object] = []
