@@ -14,6 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
+
+
+def table_width(blocks: int) -> int:
+    """The width of a block table the CUDA kernels read: blocks rounded up to a multiple of 16. Triton compiles a
+    variant per int argument that divides by 16 or not (the table's row stride here), so eager steps' tables and the
+    captured graphs' (worker/cuda_graphs.py) share one width rule, and the variants the graphs and the runner's warm-up
+    compile at start are the only ones a run needs."""
+    return -(-blocks // 16) * 16
 
 
 @dataclass
@@ -117,22 +126,16 @@ class AttentionMetadata:
             spans = torch.tensor([[p.q_start, p.q_len, p.num_cached] for p in self.prefills], dtype=torch.int32)
             work = torch.tensor([[i, m] for i, p in enumerate(self.prefills) for m in range(0, p.q_len, block_m)],
                                 dtype=torch.int32)
-            # Triton compiles a variant per pointer alignment (16 bytes or not) and per int argument that divides by
-            # 16 or not: each part starts 16-byte aligned and the tables' rows are a multiple of 16 wide, so every
-            # step runs the one variant that the runner's warm-up compiled at start
-            tables = torch.nn.functional.pad(self.prefill_tables, (0, -self.prefill_tables.shape[1] % 16))
-            parts = [spans.reshape(-1), work.reshape(-1), tables.to(torch.int32).reshape(-1)]
-            offsets, at = [], 0
-            for x in parts:
-                offsets.append(at)
+            width = self.prefill_tables.shape[1]
+            tables = F.pad(self.prefill_tables, (0, table_width(width) - width)).to(torch.int32)
+            # Triton also compiles a variant per pointer alignment: each part padded to 16 bytes, so all start aligned
+            parts = [x.reshape(-1) for x in (spans, work, tables)]
+            flat = torch.cat([F.pad(x, (0, -x.numel() % 4)) for x in parts]).to(self.slot_mapping.device)
+            views, at = [], 0
+            for x, shape in zip(parts, ((-1, 3), (-1, 2), tables.shape)):
+                views.append(flat[at:at + x.numel()].view(shape))
                 at += x.numel() + (-x.numel() % 4)
-            flat = torch.zeros(at, dtype=torch.int32)
-            for x, o in zip(parts, offsets):
-                flat[o:o + x.numel()] = x
-            flat = flat.to(self.slot_mapping.device)
-            self._prefill_work[block_m] = (flat[offsets[2]:offsets[2] + parts[2].numel()].view(tables.shape),
-                                           flat[:parts[0].numel()].view(-1, 3),
-                                           flat[offsets[1]:offsets[1] + parts[1].numel()].view(-1, 2))
+            self._prefill_work[block_m] = (views[2], views[0], views[1])
         return self._prefill_work[block_m]
 
     def decode_mask(self, sliding_window: int | None, block_size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -190,11 +193,8 @@ def build_attention_metadata(seqs: list[SeqSpec], block_size: int, device: torch
         max_blocks = -(-max(totals[:num_decodes]) // block_size)
         decode_tables = tables[:num_decodes, :max_blocks]
         if device.type == "cuda":
-            # as the captured graphs' tables (worker/cuda_graphs.py): int32, a width that is a multiple of 16, so an
-            # eager step's Triton decode kernel is a variant the graphs compiled at start (Triton specializes on a
-            # pointer's dtype and on whether an int argument, the tables' row stride here, divides by 16)
-            width = -(-max_blocks // 16) * 16
-            decode_tables = torch.nn.functional.pad(decode_tables, (0, width - max_blocks)).to(torch.int32)
+            # as the captured graphs' tables: int32 (Triton specializes on a pointer's dtype too), table_width wide
+            decode_tables = F.pad(decode_tables, (0, table_width(max_blocks) - max_blocks)).to(torch.int32)
         decode_tables = decode_tables.to(device)
         decode_lens = torch.tensor(totals[:num_decodes], dtype=torch.int64, device=device)
     prefills = []

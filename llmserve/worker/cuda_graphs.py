@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from llmserve.attention.metadata import AttentionMetadata
+from llmserve.attention.metadata import AttentionMetadata, table_width
 from llmserve.attention.triton_decode import num_splits
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class CudaGraphDecoder:
                  scratch_block: int, max_batch_size: int, num_kv_heads: int) -> None:
         self.model = model
         self.block_size = block_size
-        self.width = -(-max_blocks_per_seq // 16) * 16  # as eager steps' tables (attention/metadata.py)
+        self.width = table_width(max_blocks_per_seq)  # as eager steps' tables
         self.scratch_block = scratch_block
         self.sizes = capture_sizes(max_batch_size)
         self.max_size = self.sizes[-1]

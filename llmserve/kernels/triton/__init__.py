@@ -1,5 +1,6 @@
 """CUDA kernels in Triton that are not attention (attention/triton_decode.py is with its backend): qblock.py, the
-GEMM over block-quantized weights, and fused.py, the elementwise ops of a decoder layer. On a CPU they run only under TRITON_INTERPRET=1 (tests)."""
+GEMM over block-quantized weights, and fused.py, the elementwise ops of a decoder layer. On a CPU they run only under
+TRITON_INTERPRET=1 (tests)."""
 
 from __future__ import annotations
 
