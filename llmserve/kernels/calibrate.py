@@ -334,7 +334,10 @@ def key(ops: list[str], threads: int, blocks_only: bool = False) -> dict[str, ob
     """The cache key. blocks_only: block-quantized ops were timed without the dequantized candidates (they would not
     fit), so a table measured with them must not be reused, nor the other way round."""
     k: dict[str, object] = {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": threads, "torch": torch.__version__,
-                            "kernels": kernels_hash(), "ops": sorted(ops)}
+                            "kernels": kernels_hash(), "ops": sorted(ops),
+                            # what can run here: a table measured while the native kernels failed to build (only
+                            # torch's paths) must not be reused once they run, nor the other way round
+                            "candidates": {kind: list(available(kind)) for kind in KINDS}}
     if blocks_only:
         k["blocks_only"] = True
     return k
@@ -359,7 +362,7 @@ def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dt
                                       "are not a multiple of 32): pin another kernel, or leave it auto",
                                       param="kernel_choice")
     names = available(BF16_LINEAR)
-    measure = {op: functools.partial(_measure, bf16_linear_candidates, (n, k, names), timer, ROW_BUCKETS)
+    measure = {op: functools.partial(_measure, op, bf16_linear_candidates, (n, k, names), timer, ROW_BUCKETS)
                for op, (n, k) in shapes.items()}
     blocked = list(qblock_layers(model)) if dtype == torch.bfloat16 else []
     blocks_only = bool(blocked) and not dequantize_fits(blocked)
@@ -370,8 +373,9 @@ def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dt
         else:  # the candidates that keep the blocks
             qnames = tuple(name for name in qnames if name.startswith("blocks"))
         for layer in blocked:  # the first layer of each op stands for it
-            measure.setdefault(qblock_op(layer), functools.partial(_measure, qblock_linear_candidates,
-                                                                   (layer, qnames), timer, ROW_BUCKETS))
+            op = qblock_op(layer)
+            measure.setdefault(op, functools.partial(_measure, op, qblock_linear_candidates, (layer, qnames), timer,
+                                                     ROW_BUCKETS))
     for kind, make, buckets in ((PREFILL_ATTENTION, prefill_attention_candidates, ATTENTION_BUCKETS),
                                 (DECODE_ATTENTION, decode_attention_candidates, DECODE_BUCKETS)):
         op = attention_op(model, kind, dtype)
@@ -381,17 +385,26 @@ def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dt
                 raise InvalidRequestError(f"kernel_choice: {kind}={pins[kind]} cannot run {op} (head_dim "
                                           f"{a.head_dim} is not a multiple of 32): pin another kernel, or leave it "
                                           "auto", param="kernel_choice")
-            measure[op] = functools.partial(_measure, make, (a.num_heads, a.num_kv_heads, a.head_dim, available(kind)),
-                                            timer, buckets)
+            measure[op] = functools.partial(_measure, op, make,
+                                            (a.num_heads, a.num_kv_heads, a.head_dim, available(kind)), timer, buckets)
     if not measure:
         return None
     pinned_ops = {op: pinned(pins[op.partition(":")[0]]) for op in measure if op.partition(":")[0] in pins}
     return load_or_measure(key(list(measure), threads, blocks_only), measure, pinned_ops, remeasure)
 
 
-def _measure(make: Callable[..., list[Candidate]], args: tuple, timer: Timer, buckets: tuple[int, ...]) -> OpChoice:
+def _measure(op: str, make: Callable[..., list[Candidate]], args: tuple, timer: Timer,
+             buckets: tuple[int, ...]) -> OpChoice | None:
+    """The op's choice; None where no candidate may run it (the native kernels did not build, and oneDNN's and
+    fp32's results for a row change with the batch here): the op keeps its default path, and the start goes on."""
     with torch.inference_mode():
-        return choose(make(*args), timer, buckets)
+        candidates = make(*args)
+        if not candidates:
+            why = "the native kernels are unavailable" if native.load() is None else "no candidate passed its checks"
+            log.warning("%s: no kernel here gives a row the same result whatever the batch (%s): it keeps its default "
+                        "path (oneDNN's matmul), whose results may change with the batch", op, why)
+            return None
+        return choose(candidates, timer, buckets)
 
 
 def report(table: ChoiceTable) -> str:

@@ -226,12 +226,13 @@ def others_busy(before: CpuReading | None, after: CpuReading | None) -> float | 
     return max(0.0, others / ((after.wall - before.wall) * (os.cpu_count() or 1)))
 
 
-def load_or_measure(key: dict[str, object], measure: dict[str, Callable[[], OpChoice]],
+def load_or_measure(key: dict[str, object], measure: dict[str, Callable[[], OpChoice | None]],
                     pins: dict[str, OpChoice] | None = None, remeasure: bool = False,
                     clock: Callable[[], CpuReading | None] = cpu_seconds) -> ChoiceTable:
     """The table for key: pinned ops as pinned; the rest from the cache, or measured (and cached) where the cache has no
     valid table for key (or remeasure). A table with pins is never written (it is not what this machine measured), nor
-    one measured while other processes used more than BUSY_LIMIT of the CPUs (clock: cpu_seconds, or a fake)."""
+    one measured while other processes used more than BUSY_LIMIT of the CPUs (clock: cpu_seconds, or a fake). An op
+    whose measure gives None (nothing may run it) is left out of the table: it keeps its default path."""
     pins = pins or {}
     todo = {op: m for op, m in measure.items() if op not in pins}
     memo = _measured.get(cache_path(key))
@@ -241,7 +242,7 @@ def load_or_measure(key: dict[str, object], measure: dict[str, Callable[[], OpCh
         ops = {op: cached.ops[op] for op in todo}
         return ChoiceTable(key, {**ops, **pins}, cached.seconds, reused=True, cached=cached.cached)
     start, before = time.perf_counter(), clock()
-    ops = {op: m() for op, m in todo.items()}
+    ops = {op: c for op, c in ((op, m()) for op, m in todo.items()) if c is not None}
     wall = time.perf_counter() - start
     busy = others_busy(before, clock())
     table = ChoiceTable(key, ops, wall, others_busy=busy)

@@ -56,7 +56,10 @@ def load() -> ModuleType | None:
                 from torch.utils.cpp_extension import load as cpp_load
 
                 done = threading.Event()
-                threading.Thread(target=_watch_build_lock, args=(done,), daemon=True).start()
+                # the time is taken here, not in the thread: this thread holds the GIL into cpp_load, which may make
+                # its own lock before the watcher's first line runs (it then took that lock for an old one, and a
+                # 5-minute build on a 2-core Xeon lost its lock and failed)
+                threading.Thread(target=_watch_build_lock, args=(done, 5.0, time.time()), daemon=True).start()
                 try:
                     _module = cpp_load(name="llmserve_cpu_kernels", sources=[str(p) for p in _SOURCES],
                                        extra_cflags=_cflags(), extra_ldflags=["-fopenmp"], verbose=False)
@@ -69,14 +72,30 @@ def load() -> ModuleType | None:
 
 
 # A build that was killed (Ctrl-C, a test timeout) leaves torch's build lock behind, and torch waits on
-# it forever. No build takes anywhere near this long (~30-60 s), so a lock older than this is stale.
+# it forever. A whole build takes ~30-60 s on a fast machine and 4-5 minutes on a 2-core Xeon, so age alone does not
+# tell a dead build from a slow one: a lock is stale when it and everything in the build directory (a live build
+# writes an object file every minute or so) are older than this.
 STALE_LOCK_S = 300
 
 
+def _newest_mtime(directory: Path) -> float:
+    """The latest modification time of the directory's entries (0 where there are none)."""
+    newest = 0.0
+    try:
+        for entry in directory.iterdir():
+            try:
+                newest = max(newest, entry.stat().st_mtime)
+            except OSError:
+                continue
+    except OSError:
+        pass
+    return newest
+
+
 def _watch_build_lock(done: threading.Event, period_s: float = 5.0, started: float | None = None) -> None:
-    """While load() builds or waits for another process's build, remove the lock once it is stale. Only a
-    lock that was there before this process started loading: its own build's lock (made after) is never
-    taken away from it, however slow the build."""
+    """While load() builds or waits for another process's build, remove the lock once it is stale (it, and the
+    build directory's files, older than STALE_LOCK_S). Only a lock that was there before this process started loading
+    (`started`): its own build's lock (made after) is never taken away from it, however slow the build."""
     from torch.utils.cpp_extension import _get_build_directory
 
     started = time.time() if started is None else started
@@ -86,9 +105,11 @@ def _watch_build_lock(done: threading.Event, period_s: float = 5.0, started: flo
             made = lock.stat().st_mtime
         except OSError:
             made = started  # no lock: nobody is building
-        age = time.time() - made
-        if made < started and age > STALE_LOCK_S:
-            log.warning("removing a stale build lock (%.0f s old) left by an interrupted build: %s", age, lock)
+        age = time.time() - max(made, _newest_mtime(lock.parent))
+        # a second's slack: a file's mtime comes from a coarse clock, which may read a few ms behind time.time()
+        if made < started - 1.0 and age > STALE_LOCK_S:
+            log.warning("removing a stale build lock (nothing in its build directory changed for %.0f s) left by an "
+                        "interrupted build: %s", age, lock)
             lock.unlink(missing_ok=True)
         if done.wait(period_s):
             return

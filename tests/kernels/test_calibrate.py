@@ -247,3 +247,30 @@ def test_a_batch_dependent_library_kernel_is_not_a_candidate(monkeypatch: pytest
     monkeypatch.setattr(lin, "onednn_linear", lambda x, b, bias: steady(x, b, bias) + x.shape[0])
     assert calibrate.bf16_linear_candidates(24, 64, ("onednn",)) == []
     assert [c.name for c in calibrate.bf16_linear_candidates(24, 64, ("onednn",), invariant_only=False)] == ["onednn"]
+
+
+def test_an_op_nothing_may_run_keeps_its_default_path_and_the_model_still_serves(
+        tiny_model_dir: Callable[[str], str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the native kernels did not build, only torch's paths are left, and a CPU may give neither of them
+    batch-invariant rows (this Xeon's oneDNN and fp32 both failed the check): the start must go on with the default
+    path, not fail with "choose needs at least one candidate" (it did, after a build lost its lock)."""
+    monkeypatch.setattr(calibrate, "available", lambda kind: ("onednn", "fp32") if "linear" in kind else ())
+    monkeypatch.setattr(calibrate, "batch_invariant", lambda run, k, gen: False)
+    warnings: list[str] = []
+    monkeypatch.setattr(calibrate.log, "warning", lambda msg, *args: warnings.append(msg % args))
+    path = tiny_model_dir("llama")
+    table = calibrate.plan(load_model(path, EngineConfig(dtype="bfloat16")).model, 2, dtype=BF16,
+                           timer=lambda name, rows, fn: 1.0)
+    assert table is not None and table.ops == {}
+    assert warnings and all("keeps its default path" in w for w in warnings)
+    with pipeline(path, backend_config=EngineConfig(dtype="bfloat16", num_blocks=64)) as pipe:
+        out = pipe([{"input_ids": list(range(3, 20))}], gen_config=GenerationConfig(max_new_tokens=3, temperature=0),
+                   do_preprocess=False)
+    assert len(out[0].token_ids) == 3
+
+
+def test_the_cache_key_names_what_can_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A table measured while only torch's paths ran (the extension failed to build) is not reused once ours run."""
+    full = calibrate.key(["bf16_linear:8x8"], 2)
+    monkeypatch.setattr(calibrate, "available", lambda kind: ("onednn", "fp32"))
+    assert calibrate.key(["bf16_linear:8x8"], 2) != full

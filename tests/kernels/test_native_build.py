@@ -41,3 +41,44 @@ def test_a_lock_made_after_loading_started_is_never_removed(tmp_path: Path, monk
     done.set()
     native._watch_build_lock(done, started=made - 1)  # loading started before the lock was made
     assert lock.exists()
+
+
+def test_a_lock_whose_build_is_still_writing_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process's slow build (4-5 minutes on a 2-core Xeon): its lock is old, but an object file is fresh."""
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setattr(cpp, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    lock = tmp_path / "lock"
+    lock.touch()
+    past = time.time() - native.STALE_LOCK_S - 60
+    os.utime(lock, (past, past))
+    (tmp_path / "qblock_gemm.o").touch()
+    done = threading.Event()
+    done.set()
+    native._watch_build_lock(done)
+    assert lock.exists()
+
+
+def test_load_times_its_start_before_the_build_can_make_its_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watcher's `started` is taken before cpp_load runs: taken in the thread, it could fall after the build's own
+    lock was made, and a slow build then lost its lock (and failed) after STALE_LOCK_S."""
+    import torch.utils.cpp_extension as cpp
+
+    seen: dict[str, float] = {}
+    watched = threading.Event()
+
+    def watch(done: threading.Event, period_s: float = 5.0, started: float | None = None) -> None:
+        seen["started"] = time.time() + 3600 if started is None else started
+        watched.set()
+
+    def fake_load(**kwargs: object) -> object:
+        seen["build"] = time.time()
+        return object()
+
+    monkeypatch.setattr(native, "_watch_build_lock", watch)
+    monkeypatch.setattr(cpp, "load", fake_load)
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_failed", False)
+    assert native.load() is not None
+    assert watched.wait(10)
+    assert seen["started"] <= seen["build"]
