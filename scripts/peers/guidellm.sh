@@ -22,6 +22,9 @@ then prints output tok/s, TTFT mean/median and ITL median from its benchmarks.js
   --streams N          concurrent streams (32)
   --prompt-tokens N    synthetic prompt tokens (256)
   --output-tokens N    output tokens per request (128)
+  --seed N             guidellm's random seed (its default, 42), which makes the synthetic prompts: a server with
+                       a prefix cache answers a second run of the same prompts from it (vLLM's hit rate went to 45%
+                       and its TTFT from 2.3 to 0.8 s), so give each run against one server a new seed (or restart it)
   --out DIR            keep guidellm's files (benchmarks.json, .csv, log) in DIR (default: a temporary
                        directory, removed afterwards)
   --json               print the summary as one JSON object
@@ -38,19 +41,20 @@ venv=$peers/guidellm
 version=${GUIDELLM_VERSION:-0.8.1}
 stamp=$venv/.installed-guidellm-$version
 
-install_only=0 max_requests=64 streams=32 prompt_tokens=256 output_tokens=128 out="" as_json=0
+install_only=0 max_requests=64 streams=32 prompt_tokens=256 output_tokens=128 seed=42 out="" as_json=0
 positional=()
 while [ $# -gt 0 ]; do
     case $1 in
         -h|--help) usage; exit 0 ;;
         --install-only) install_only=1 ;;
-        --max-requests|--streams|--prompt-tokens|--output-tokens|--out)
+        --max-requests|--streams|--prompt-tokens|--output-tokens|--seed|--out)
             [ $# -ge 2 ] || { echo "guidellm: $1 needs a value" >&2; usage >&2; exit 2; }
             case $1 in
                 --max-requests) max_requests=$2 ;;
                 --streams) streams=$2 ;;
                 --prompt-tokens) prompt_tokens=$2 ;;
                 --output-tokens) output_tokens=$2 ;;
+                --seed) seed=$2 ;;
                 --out) out=$2 ;;
             esac
             shift ;;
@@ -127,6 +131,7 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
         --constraint "kind=max_requests,count=$max_requests" \
         --tokenizer "kind=hf_auto,model=$model_dir" \
         --data "kind=synthetic_text,prompt_tokens=$prompt_tokens,output_tokens=$output_tokens" \
+        --seed "kind=static,value=$seed" \
         --disable-progress
 ) >"$scratch/guidellm.log" 2>&1 || {
     echo "guidellm: run failed (exit $?); its output:" >&2
