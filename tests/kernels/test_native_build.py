@@ -12,51 +12,38 @@ import pytest
 from llmserve.kernels import native
 
 
+def _lock_kept(build_dir: Path, monkeypatch: pytest.MonkeyPatch, age_s: float, started: float | None = None,
+               fresh_file: str | None = None) -> bool:
+    """One check of the watcher over a lock age_s old in build_dir (and a fresh file beside it): whether it stayed."""
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setattr(cpp, "_get_build_directory", lambda name, verbose: str(build_dir))
+    lock = build_dir / "lock"
+    lock.touch()
+    made = time.time() - age_s
+    os.utime(lock, (made, made))
+    if fresh_file is not None:
+        (build_dir / fresh_file).touch()
+    done = threading.Event()
+    done.set()  # one check, then return
+    native._watch_build_lock(done, started=None if started is None else made + started)
+    return lock.exists()
+
+
 @pytest.mark.parametrize(("age_s", "removed"), [(native.STALE_LOCK_S + 60, True), (5, False)])
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                            age_s: float, removed: bool) -> None:
-    import torch.utils.cpp_extension as cpp
-
-    monkeypatch.setattr(cpp, "_get_build_directory", lambda name, verbose: str(tmp_path))
-    lock = tmp_path / "lock"
-    lock.touch()
-    past = time.time() - age_s
-    os.utime(lock, (past, past))
-    done = threading.Event()
-    done.set()  # one check, then return
-    native._watch_build_lock(done)
-    assert lock.exists() is not removed
+    assert _lock_kept(tmp_path, monkeypatch, age_s) is not removed
 
 
 def test_a_lock_made_after_loading_started_is_never_removed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """This process's own build: however long it takes, its lock stays."""
-    import torch.utils.cpp_extension as cpp
-
-    monkeypatch.setattr(cpp, "_get_build_directory", lambda name, verbose: str(tmp_path))
-    lock = tmp_path / "lock"
-    lock.touch()
-    made = time.time() - native.STALE_LOCK_S - 60
-    os.utime(lock, (made, made))
-    done = threading.Event()
-    done.set()
-    native._watch_build_lock(done, started=made - 1)  # loading started before the lock was made
-    assert lock.exists()
+    """This process's own build: however long it takes, its lock stays (loading started 1 s before it was made)."""
+    assert _lock_kept(tmp_path, monkeypatch, native.STALE_LOCK_S + 60, started=-1)
 
 
 def test_a_lock_whose_build_is_still_writing_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Another process's slow build (4-5 minutes on a 2-core Xeon): its lock is old, but an object file is fresh."""
-    import torch.utils.cpp_extension as cpp
-
-    monkeypatch.setattr(cpp, "_get_build_directory", lambda name, verbose: str(tmp_path))
-    lock = tmp_path / "lock"
-    lock.touch()
-    past = time.time() - native.STALE_LOCK_S - 60
-    os.utime(lock, (past, past))
-    (tmp_path / "qblock_gemm.o").touch()
-    done = threading.Event()
-    done.set()
-    native._watch_build_lock(done)
-    assert lock.exists()
+    """Another process's slow build (~5 minutes on a 2-core Xeon): its lock is old, but an object file is fresh."""
+    assert _lock_kept(tmp_path, monkeypatch, native.STALE_LOCK_S + 60, fresh_file="qblock_gemm.o")
 
 
 def test_load_times_its_start_before_the_build_can_make_its_lock(monkeypatch: pytest.MonkeyPatch) -> None:
