@@ -22,7 +22,7 @@ def _cases() -> dict[str, Callable[[], torch.Tensor]]:
     packed = native.bf16_pack(w)
     cases: dict[str, Callable[[], torch.Tensor]] = {}
     paths = ["fma"] + (["dot"] if native.bf16_dot_usable() else []) + (["amx"] if native.amx_usable() else [])
-    for rows in (1, 37, 300):  # a decode row; a few; more than one chunk of rows
+    for rows in (1, 37, 300, 777):  # a decode row; a few; more than one chunk of rows; more than two (amx: by chunk)
         x = torch.randn(rows, k, generator=gen).bfloat16()
         for path in paths:
             cases[f"bf16_gemm {path} x{rows}"] = lambda x=x, p=path: native.bf16_gemm(x, packed, n, None, p)
