@@ -400,9 +400,11 @@ def _measure(op: str, make: Callable[..., list[Candidate]], args: tuple, timer: 
     with torch.inference_mode():
         candidates = make(*args)
         if not candidates:
-            why = "the native kernels are unavailable" if native.load() is None else "no candidate passed its checks"
-            log.warning("%s: no kernel here gives a row the same result whatever the batch (%s): it keeps its default "
-                        "path (oneDNN's matmul), whose results may change with the batch", op, why)
+            why = ("the native kernels did not build: see the warning above" if native.load() is None
+                   else "no candidate passed its checks")
+            linear = op.partition(":")[0] in (BF16_LINEAR, QBLOCK_LINEAR)
+            log.warning("%s: no measured kernel may run it here (%s): it keeps its default path%s", op, why,
+                        " (oneDNN's matmul, whose results for a row may change with the batch)" if linear else "")
             return None
         return choose(candidates, timer, buckets)
 

@@ -99,15 +99,18 @@ if [ ! -x "$llmserve_py" ]; then
     echo "vllm_cpu: $llmserve_py not found: run scripts/setup.sh first (or set LLMSERVE_PYTHON)" >&2
     exit 1
 fi
+# vLLM's best settings here (../shared/PEERS.md), offline and served alike
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
+export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-$(($(nproc) - 1))}
+preload=${so:+$so${LD_PRELOAD:+:$LD_PRELOAD}}  # vLLM's processes only (not the project's dump_workload.py)
+preload=${preload:-${LD_PRELOAD:-}}
+settings="VLLM_CPU_KVCACHE_SPACE=$VLLM_CPU_KVCACHE_SPACE VLLM_CPU_OMP_THREADS_BIND=$VLLM_CPU_OMP_THREADS_BIND"
+settings+=" LD_PRELOAD=$preload"
 if [ -n "$serve_port" ]; then
     [ -n "$model_dir" ] || model_dir=$("$llmserve_py" "$here/dump_workload.py" --print-model-dir)
-    export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
-    export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-$(($(nproc) - 1))}
-    [ -z "$so" ] || export LD_PRELOAD=$so${LD_PRELOAD:+:$LD_PRELOAD}
-    echo "vllm_cpu: serving $model_dir on 127.0.0.1:$serve_port (VLLM_CPU_KVCACHE_SPACE=$VLLM_CPU_KVCACHE_SPACE" \
-         "VLLM_CPU_OMP_THREADS_BIND=$VLLM_CPU_OMP_THREADS_BIND LD_PRELOAD=${LD_PRELOAD:-})" >&2
+    echo "vllm_cpu: serving $model_dir on 127.0.0.1:$serve_port ($settings)" >&2
     # the `vllm` command fails here (the package's metadata is named vllm-cpu): the module runs the same server
-    exec "$venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$model_dir" --dtype bfloat16 \
+    LD_PRELOAD=$preload exec "$venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$model_dir" --dtype bfloat16 \
         --host 127.0.0.1 --port "$serve_port"
 fi
 work=$(mktemp -d "${TMPDIR:-/tmp}/llmserve-vllm.XXXXXX")
@@ -116,11 +119,5 @@ trap 'rm -rf "$work"' EXIT
 "$llmserve_py" "$here/dump_workload.py" ${model_dir:+--model "$model_dir"} ${driver_args[@]+"${driver_args[@]}"} \
     --out "$work/workload.json"
 
-export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
-export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-$(($(nproc) - 1))}
-if [ -n "$so" ]; then
-    export LD_PRELOAD=$so${LD_PRELOAD:+:$LD_PRELOAD}
-fi
-echo "vllm_cpu: VLLM_CPU_KVCACHE_SPACE=$VLLM_CPU_KVCACHE_SPACE VLLM_CPU_OMP_THREADS_BIND=$VLLM_CPU_OMP_THREADS_BIND" \
-     "LD_PRELOAD=${LD_PRELOAD:-}" >&2
-"$venv/bin/python" "$here/vllm_offline.py" --workload "$work/workload.json" ${driver_args[@]+"${driver_args[@]}"}
+echo "vllm_cpu: $settings" >&2
+LD_PRELOAD=$preload "$venv/bin/python" "$here/vllm_offline.py" --workload "$work/workload.json" ${driver_args[@]+"${driver_args[@]}"}

@@ -170,8 +170,8 @@ torch::Tensor amx_gemm_blocks(const torch::Tensor& x, int64_t NB, int64_t N, con
     alignas(64) float c[kUnitRows * 2 * kBlockRows];
     std::vector<uint16_t> scratch(2 * K * kBlockRows);
     for (int64_t u = begin; u < end; ++u) {
-      const int64_t p = pair_major ? u / chunks : u % pairs;
-      const int64_t m0 = (pair_major ? u % chunks : u / pairs) * kChunkRows, m1 = std::min(M, m0 + kChunkRows);
+      const int64_t p = pair_major ? u / chunks : u % pairs, chunk = pair_major ? u % chunks : u / pairs;
+      const int64_t m0 = chunk * kChunkRows, m1 = std::min(M, m0 + kChunkRows);
       const int64_t b = 2 * p;
       const bool two_b = b + 1 < NB;
       const uint16_t* w0 = block(b, scratch.data());
