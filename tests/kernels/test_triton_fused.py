@@ -91,9 +91,9 @@ def test_rotary_in_place_over_the_fused_qkv_output(dtype: torch.dtype, heads: in
     # each output is a difference (or sum) of two products: the GPU's kernel may keep the products unrounded (seen on
     # an H100 for bf16 and fp16: outputs a unit of the products' last place from torch's, where they nearly cancel),
     # so the bound is on the products' size, not the output's
-    x1, x2 = qk.float().chunk(2, dim=-1)
-    terms = x1.abs() * cos.float().abs() + x2.abs() * sin.float().abs()
-    terms = torch.cat((terms, terms), dim=-1)
+    x1, x2 = qk.float().abs().chunk(2, dim=-1)
+    c, s = cos.float().abs(), sin.float().abs()
+    terms = torch.cat((x1 * c + x2 * s, x2 * c + x1 * s), dim=-1)  # |x1 c| + |x2 s|, then |x2 c| + |x1 s|
     v_before = qkv[:, (heads + kv_heads) * d:].clone()
     got = fused.rotary_(qk, cos, sin)
     assert got.data_ptr() == qkv.data_ptr()
