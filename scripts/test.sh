@@ -11,4 +11,4 @@ if [ "$workers" = 0 ]; then
     exec .venv/bin/python -m pytest -q "$@"
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec .venv/bin/python -m pytest -q -n "$workers" --maxprocesses 4 --dist load "$@"
+exec .venv/bin/python -m pytest -q -n "$workers" --maxprocesses 4 --dist worksteal "$@"
