@@ -92,9 +92,8 @@ GENERATION_CONFIG = {"bos_token_id": 1, "eos_token_id": [2, 0], "temperature": 0
 
 
 @cache
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
+def _trained_tokenizer_json() -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<|endoftext|>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -102,6 +101,17 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(TRAINING_TEXT, trainer)
+    return tok.to_str()
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A new tokenizer object each call (trained once): a caller may add special tokens to its own (the tool-calling
+    tests' engine adds two), which on a shared object grew every later caller's vocabulary (seen once tests ran in
+    parallel workers, in another order: a GGUF writer then found 302 tokens for the 300 embedding rows)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer.from_str(_trained_tokenizer_json())
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
                                    unk_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
 
