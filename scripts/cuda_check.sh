@@ -55,7 +55,7 @@ for part in "${@:-bench tests suite}"; do
           | tee "$OUT/gpu_tests.log" | tail -40 || status=1 ;;
       suite)
         # the CPU extension first (tests compare with the CPU engine): its compile outlasted a test's timeout once
-        timeout 300 $PY -c "from llmserve.attention import native; print('native extension:', native.load() is not None)"
+        timeout 300 $PY -c "from llmserve.kernels import native; print('native extension:', native.load() is not None)"
         timeout "${SUITE_TIMEOUT:-240}" $PY -m pytest -v -p no:cacheprovider --timeout 60 \
           --continue-on-collection-errors tests/engine tests/sampling tests/models tests/test_chat_sessions.py 2>&1 \
           | tee "$OUT/suite.log" | grep -v PASSED | tail -40 || status=1 ;;

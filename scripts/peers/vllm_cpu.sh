@@ -102,8 +102,8 @@ fi
 # vLLM's best settings here (../shared/PEERS.md), offline and served alike
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
 export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-$(($(nproc) - 1))}
-preload=${so:+$so${LD_PRELOAD:+:$LD_PRELOAD}}  # vLLM's processes only (not the project's dump_workload.py)
-preload=${preload:-${LD_PRELOAD:-}}
+preload=${LD_PRELOAD:-}  # tcmalloc first, for vLLM's processes only (not the project's dump_workload.py)
+[ -z "$so" ] || preload=$so${preload:+:$preload}
 settings="VLLM_CPU_KVCACHE_SPACE=$VLLM_CPU_KVCACHE_SPACE VLLM_CPU_OMP_THREADS_BIND=$VLLM_CPU_OMP_THREADS_BIND"
 settings+=" LD_PRELOAD=$preload"
 if [ -n "$serve_port" ]; then
