@@ -26,7 +26,7 @@
 // (llmserve/kernels/calibrate.py).
 //
 // The amx path (path=2, bf16 q and keys, CPUs with AMX-BF16, head_dim a multiple of 32) runs both products on AMX
-// tiles in the same transposed layout, so the softmax between them is the one above:
+// tiles in the same transposed layout, with a softmax of its own between them (softmax_pairs_amx):
 //   - scores: S^T [16 keys, 16 tokens] tiles = K (the block's rows as stored) x Q^T pairs (the dot path's);
 //   - values: O^T [16 dims, 16 tokens] tiles += V^T x P^T pairs, V^T (in blocks of 32 keys) made once a call per
 //     (span, KV head) (the only operand that needs a transpose), and P split into two bf16 terms, P = hi + lo, ~17 of
@@ -226,30 +226,83 @@ LLMSERVE_AMX_ATTN void values_amx(const uint16_t* vt, int64_t nk32, int64_t D, c
     }
 }
 
-// bf16 bits of x, rounded to nearest even, zero-extended to 32-bit lanes; and their value as fp32
-LLMSERVE_AVX512BF16 inline __m512i bf16_bits(__m512 x) {
-  return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x));
+// 2^x for x <= 0 (softmax's argument): x = n + f, |f| <= 1/2, 2^f by a degree-5 polynomial fitted to relative error
+// (2.3e-7 in fp32 arithmetic, against P's ~2^-17 in the two bf16 terms below), times 2^n by vscalefps. Nine
+// instructions where exp512's range reduction and rebuild take sixteen.
+// No clamp: for any finite x, 2^n below fp32's range scales p to 0 (a denormal first), as exp would.
+LLMSERVE_AVX512 inline __m512 exp2_neg(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.3276422396e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6755409613e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5507134646e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022120237e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314694405e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192f));
+  return _mm512_scalef_ps(p, n);
 }
-LLMSERVE_AVX512 inline __m512 bf16_value(__m512i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)); }
 
-// P^T pairs for values_amx: keys (2j, 2j + 1) of each lane as one uint32 (low: the even key), P = hi + lo in two bf16
-// terms (P to ~2^-17 of its value); keys at or past n are 0.
-LLMSERVE_AVX512BF16 void split_pairs(const float* st, int64_t n, int64_t nk32, int64_t V, uint32_t* pp,
-                                     int64_t term) {
-  for (int64_t j = 0; j < nk32 / 2; ++j)
-    for (int64_t v = 0; v < V; ++v) {
-      __m512 r[2];
+// The amx path's online softmax over one block of n keys, straight from the raw scores to values_amx's operand. st:
+// raw (unscaled) S^T [n, V, 16]; vis[j]: the lanes that see key j; m, l: each row's running max (in units of
+// x * scale * log2(e)) and sum, [V, 16]; ot: O^T [D, V, 16], rescaled here where a row's max moved. Writes pp: P^T as
+// pairs of keys (2j, 2j + 1) per lane, two bf16 terms P = hi + lo, each rounded half up from the bits (hi: P to 2^-9
+// of its value; lo: the exact rest P - hi to 2^-9 of itself, so P to ~2^-17), keys n .. nk32 zero. Two passes over
+// the scores (max; then exp, sum and split together), against four before (scale, max, exp, split).
+LLMSERVE_AVX512 void softmax_pairs_amx(const float* st, int64_t n, int64_t nk32, int64_t V, const __mmask16* vis,
+                                       float scale, float* m, float* l, int64_t D, float* ot, uint32_t* pp,
+                                       int64_t term) {
+  const __m512 c = _mm512_set1_ps(scale * 1.44269504088896341f);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i half = _mm512_set1_epi32(0x8000), high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  // every lane sees every key of the block (most blocks): no masks; a positive scale (every model's): the max of the
+  // raw scores times c is the max of the scaled ones
+  bool all = true;
+  for (int64_t j = 0; j < n; ++j) all &= vis[j] == __mmask16(0xFFFF);
+  for (int64_t v = 0; v < V; ++v) {
+    const __m512 old = _mm512_loadu_ps(m + v * 16);
+    __m512 mx = old;
+    if (all && scale > 0.f) {
+      __m512 raw = ninf;
+      for (int64_t j = 0; j < n; ++j) raw = _mm512_max_ps(raw, _mm512_loadu_ps(st + (j * V + v) * 16));
+      mx = _mm512_max_ps(old, _mm512_mul_ps(c, raw));
+    } else {
+      for (int64_t j = 0; j < n; ++j)
+        mx = _mm512_mask_max_ps(mx, vis[j], mx, _mm512_mul_ps(c, _mm512_loadu_ps(st + (j * V + v) * 16)));
+    }
+    // lanes that have seen no key yet keep max -inf: subtract 0 there instead (their p are all masked to 0)
+    const __mmask16 seen = _mm512_cmp_ps_mask(mx, ninf, _CMP_NEQ_OQ);
+    const __m512 sub = _mm512_maskz_mov_ps(seen, mx);
+    const __m512 alpha = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(old, ninf, _CMP_NEQ_OQ),
+                                             exp2_neg(_mm512_sub_ps(_mm512_maskz_mov_ps(seen, old), sub)));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nk32 / 2; ++j) {
+      __m512i h[2], r[2];
       for (int e = 0; e < 2; ++e) {
         const int64_t key = 2 * j + e;
-        r[e] = key < n ? _mm512_loadu_ps(st + (key * V + v) * 16) : _mm512_setzero_ps();
+        __m512 p = _mm512_setzero_ps();
+        if (key < n) {
+          p = exp2_neg(_mm512_fmsub_ps(_mm512_loadu_ps(st + (key * V + v) * 16), c, sub));
+          if (!all) p = _mm512_maskz_mov_ps(vis[key], p);
+          sum = _mm512_add_ps(sum, p);
+        }
+        const __m512i bits = _mm512_castps_si512(p);
+        h[e] = _mm512_and_si512(_mm512_add_epi32(bits, half), high);
+        r[e] = _mm512_add_epi32(_mm512_castps_si512(_mm512_sub_ps(p, _mm512_castsi512_ps(h[e]))), half);
       }
       uint32_t* o = pp + (j * V + v) * 16;
-      const __m512i h0 = bf16_bits(r[0]), h1 = bf16_bits(r[1]);
-      _mm512_storeu_si512(o, _mm512_or_si512(h0, _mm512_slli_epi32(h1, 16)));
-      const __m512i l0 = bf16_bits(_mm512_sub_ps(r[0], bf16_value(h0)));
-      const __m512i l1 = bf16_bits(_mm512_sub_ps(r[1], bf16_value(h1)));
-      _mm512_storeu_si512(o + term, _mm512_or_si512(l0, _mm512_slli_epi32(l1, 16)));
+      // (a >> 16) | (b & high): ternary logic 0xF8 is A | (B & C)
+      _mm512_storeu_si512(o, _mm512_ternarylogic_epi32(_mm512_srli_epi32(h[0], 16), h[1], high, 0xF8));
+      _mm512_storeu_si512(o + term, _mm512_ternarylogic_epi32(_mm512_srli_epi32(r[0], 16), r[1], high, 0xF8));
     }
+    _mm512_storeu_ps(l + v * 16, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(l + v * 16), alpha), sum));
+    _mm512_storeu_ps(m + v * 16, mx);
+    // no lane's max moved (most blocks past the first few): O^T times 1 is O^T, skip the pass over it
+    if (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0)
+      for (int64_t d = 0; d < D; ++d) {
+        float* o = ot + (d * V + v) * 16;
+        _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), alpha));
+      }
+  }
 }
 
 struct Span {
@@ -339,9 +392,23 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
           pair_keys(keys, j0, n, nk16, D, s);
         }
         scores_amx(kp, ldk, nk16, D, s.qtp.data(), V, s.st.data());
-        const __m512 sv = _mm512_set1_ps(scale);
-        for (int64_t e = 0; e < n8 * V; ++e) _mm512_storeu_ps(s.st.data() + e * 16,
-                                                              _mm512_mul_ps(sv, _mm512_loadu_ps(s.st.data() + e * 16)));
+        // a key is visible to a lane where j <= p (causal) and j > p - window; the same for every head
+        __mmask16 vis[kKeyBlock];
+        const bool masked = j0 + n - 1 > p0 || (window > 0 && j0 <= p_last - window);
+        for (int64_t j = 0; j < n; ++j) {
+          vis[j] = live;
+          if (masked) {
+            const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(j0 + j));
+            vis[j] &= _mm512_cmple_epi32_mask(key, pos);
+            if (window > 0) vis[j] &= _mm512_cmpgt_epi32_mask(key, _mm512_sub_epi32(pos, _mm512_set1_epi32(
+                                                                                        static_cast<int32_t>(window))));
+          }
+        }
+        const int64_t nk32 = (n + 31) / 32 * 32, term = kKeyBlock / 2 * V * 16;
+        softmax_pairs_amx(s.st.data(), n, nk32, V, vis, scale, s.m.data(), s.l.data(), D, s.ot.data(), s.pp.data(),
+                          term);
+        values_amx(vt + j0 * D, nk32, D, s.pp.data(), term, V, s.ot.data());
+        continue;
       } else if (dot) {
         pair_keys(keys, j0, n, n8, D, s);
         widen_rows(values, j0, n, D, s.vf.data());
@@ -402,14 +469,6 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
           float* o = s.ot.data() + (d * V + v) * 16;
           _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), alpha));
         }
-    }
-    if constexpr (kBf16) {
-      if (amx) {
-        const int64_t nk32 = (n + 31) / 32 * 32, term = kKeyBlock / 2 * V * 16;
-        split_pairs(s.st.data(), n, nk32, V, s.pp.data(), term);
-        values_amx(vt + j0 * D, nk32, D, s.pp.data(), term, V, s.ot.data());
-        continue;
-      }
     }
     by_row_vectors(V, [&](auto rv, int64_t v0) {
       tile_pass<decltype(rv)::value>(s.vf.data(), 1, D, D, n, s.st.data(), V, v0, true, s.ot.data());
