@@ -173,6 +173,24 @@ def test_amx_path_matches_the_reference(heads: int, kv_heads: int, head_dim: int
 
 
 @needs_amx
+@pytest.mark.parametrize("growth", [0.02, 0.2, 2.0])
+def test_amx_path_where_the_max_keeps_rising(growth: float) -> None:
+    """The amx path moves a row's reference max only where the row's max passes it by more than 2^8 (P up to 256
+    between), rescaling l and O^T then. Keys whose scores rise along the prompt (each key larger than the last) move
+    it often: slowly (P grows toward 256 before each move), fast (a move every block) and in jumps."""
+    q, k, v, kv_cache, kv_scales, meta = _case([(0, 300), (0, 90)], 9, 3, 64, 16, torch.bfloat16, torch.bfloat16,
+                                               seed=11)
+    q.copy_(q.abs())
+    pos = torch.cat([torch.arange(300), torch.arange(90)]).float()
+    k.copy_((k.float().abs() * (1 + growth * pos)[:, None, None] / 8).bfloat16())
+    got, want = _both(q, k, v, kv_cache, kv_scales, meta, 0.125, None, kernel="amx")
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+    assert (got != want).float().mean() < 0.01
+    fma, _ = _both(q, k, v, kv_cache, kv_scales, meta, 0.125, None, kernel="fp32")
+    assert (got != fma).float().mean() < 0.01
+
+
+@needs_amx
 @pytest.mark.parametrize("cache_dtype", [torch.float32, "int8"])
 def test_amx_path_takes_only_bf16_keys(cache_dtype) -> None:
     """Spans read from an fp32 or int8 cache keep fp32 FMAs under the amx path (bit for bit); a fresh prompt (this

@@ -243,11 +243,17 @@ LLMSERVE_AVX512 inline __m512 exp2_neg(__m512 x) {
 }
 
 // The amx path's online softmax over one block of n keys, straight from the raw scores to values_amx's operand. st:
-// raw (unscaled) S^T [n, V, 16]; vis[j]: the lanes that see key j; m, l: each row's running max (in units of
-// x * scale * log2(e)) and sum, [V, 16]; ot: O^T [D, V, 16], rescaled here where a row's max moved. Writes pp: P^T as
-// pairs of keys (2j, 2j + 1) per lane, two bf16 terms P = hi + lo, each rounded half up from the bits (hi: P to 2^-9
-// of its value; lo: the exact rest P - hi to 2^-9 of itself, so P to ~2^-17), keys n .. nk32 zero. Two passes over
-// the scores (max; then exp, sum and split together), against four before (scale, max, exp, split).
+// raw (unscaled) S^T [n, V, 16]; vis[j]: the lanes that see key j; m, l: each row's reference max (in units of
+// x * scale * log2(e)) and sum, [V, 16]; ot: O^T [D, V, 16], rescaled here where a row's reference moved. Writes pp:
+// P^T as pairs of keys (2j, 2j + 1) per lane, two bf16 terms P = hi + lo, each rounded half up from the bits (hi: P
+// to 2^-9 of its value; lo: the exact rest P - hi to 2^-9 of itself, so P to ~2^-17), keys n .. nk32 zero.
+// - Two passes over the scores (max; then exp, sum and split together), against four before (scale, max, exp,
+//   split). The max runs on four accumulators: one was a chain of dependent vmaxps, 14% of the kernel's samples.
+// - The reference max moves only where a row's max passes it by more than kLazyMax (P then stays below 2^kLazyMax,
+//   and l and O^T carry the same factor, which the final division removes): with 16 rows a tile, some row's max
+//   rose in nearly every block, and rescaling O^T (D vectors a head) took ~11% of the kernel's samples.
+constexpr float kLazyMax = 8.f;
+
 LLMSERVE_AVX512 void softmax_pairs_amx(const float* st, int64_t n, int64_t nk32, int64_t V, const __mmask16* vis,
                                        float scale, float* m, float* l, int64_t D, float* ot, uint32_t* pp,
                                        int64_t term) {
@@ -259,31 +265,39 @@ LLMSERVE_AVX512 void softmax_pairs_amx(const float* st, int64_t n, int64_t nk32,
   bool all = true;
   for (int64_t j = 0; j < n; ++j) all &= vis[j] == __mmask16(0xFFFF);
   for (int64_t v = 0; v < V; ++v) {
+    const float* sv = st + v * 16;
+    const int64_t ld = V * 16;
     const __m512 old = _mm512_loadu_ps(m + v * 16);
-    __m512 mx = old;
+    __m512 mx;
     if (all && scale > 0.f) {
-      __m512 raw = ninf;
-      for (int64_t j = 0; j < n; ++j) raw = _mm512_max_ps(raw, _mm512_loadu_ps(st + (j * V + v) * 16));
-      mx = _mm512_max_ps(old, _mm512_mul_ps(c, raw));
+      __m512 r[4] = {ninf, ninf, ninf, ninf};
+      int64_t j = 0;
+      for (; j + 4 <= n; j += 4)
+        for (int e = 0; e < 4; ++e) r[e] = _mm512_max_ps(r[e], _mm512_loadu_ps(sv + (j + e) * ld));
+      for (; j < n; ++j) r[0] = _mm512_max_ps(r[0], _mm512_loadu_ps(sv + j * ld));
+      mx = _mm512_mul_ps(c, _mm512_max_ps(_mm512_max_ps(r[0], r[1]), _mm512_max_ps(r[2], r[3])));
     } else {
+      mx = ninf;
       for (int64_t j = 0; j < n; ++j)
-        mx = _mm512_mask_max_ps(mx, vis[j], mx, _mm512_mul_ps(c, _mm512_loadu_ps(st + (j * V + v) * 16)));
+        mx = _mm512_mask_max_ps(mx, vis[j], mx, _mm512_mul_ps(c, _mm512_loadu_ps(sv + j * ld)));
     }
-    // lanes that have seen no key yet keep max -inf: subtract 0 there instead (their p are all masked to 0)
-    const __mmask16 seen = _mm512_cmp_ps_mask(mx, ninf, _CMP_NEQ_OQ);
-    const __m512 sub = _mm512_maskz_mov_ps(seen, mx);
-    const __m512 alpha = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(old, ninf, _CMP_NEQ_OQ),
-                                             exp2_neg(_mm512_sub_ps(_mm512_maskz_mov_ps(seen, old), sub)));
-    __m512 sum = _mm512_setzero_ps();
+    // lanes whose block max passed their reference by more than kLazyMax (a lane's first visible keys included:
+    // -inf + kLazyMax is -inf) take it as their new reference; lanes that have seen no key keep -inf and subtract 0
+    // (their p are all masked to 0)
+    const __mmask16 upd = _mm512_cmp_ps_mask(mx, _mm512_add_ps(old, _mm512_set1_ps(kLazyMax)), _CMP_GT_OQ);
+    const __m512 ref = _mm512_mask_mov_ps(old, upd, mx);
+    const __m512 sub = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(ref, ninf, _CMP_NEQ_OQ), ref);
+    const __mmask16 rescale = upd & _mm512_cmp_ps_mask(old, ninf, _CMP_NEQ_OQ);
+    __m512 sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};  // even and odd keys: two chains of adds, not one
     for (int64_t j = 0; j < nk32 / 2; ++j) {
       __m512i h[2], r[2];
       for (int e = 0; e < 2; ++e) {
         const int64_t key = 2 * j + e;
         __m512 p = _mm512_setzero_ps();
         if (key < n) {
-          p = exp2_neg(_mm512_fmsub_ps(_mm512_loadu_ps(st + (key * V + v) * 16), c, sub));
+          p = exp2_neg(_mm512_fmsub_ps(_mm512_loadu_ps(sv + key * ld), c, sub));
           if (!all) p = _mm512_maskz_mov_ps(vis[key], p);
-          sum = _mm512_add_ps(sum, p);
+          sum[e] = _mm512_add_ps(sum[e], p);
         }
         const __m512i bits = _mm512_castps_si512(p);
         h[e] = _mm512_and_si512(_mm512_add_epi32(bits, half), high);
@@ -294,14 +308,19 @@ LLMSERVE_AVX512 void softmax_pairs_amx(const float* st, int64_t n, int64_t nk32,
       _mm512_storeu_si512(o, _mm512_ternarylogic_epi32(_mm512_srli_epi32(h[0], 16), h[1], high, 0xF8));
       _mm512_storeu_si512(o + term, _mm512_ternarylogic_epi32(_mm512_srli_epi32(r[0], 16), r[1], high, 0xF8));
     }
-    _mm512_storeu_ps(l + v * 16, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(l + v * 16), alpha), sum));
-    _mm512_storeu_ps(m + v * 16, mx);
-    // no lane's max moved (most blocks past the first few): O^T times 1 is O^T, skip the pass over it
-    if (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0)
+    __m512 lv = _mm512_loadu_ps(l + v * 16);
+    if (rescale != 0) {
+      // 2^(old - new) where the reference moved, 1 elsewhere
+      const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), rescale, exp2_neg(_mm512_sub_ps(
+                                                  _mm512_maskz_mov_ps(rescale, old), _mm512_maskz_mov_ps(rescale, mx))));
+      lv = _mm512_mul_ps(lv, alpha);
       for (int64_t d = 0; d < D; ++d) {
         float* o = ot + (d * V + v) * 16;
         _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), alpha));
       }
+    }
+    _mm512_storeu_ps(l + v * 16, _mm512_add_ps(lv, _mm512_add_ps(sum[0], sum[1])));
+    _mm512_storeu_ps(m + v * 16, ref);
   }
 }
 
