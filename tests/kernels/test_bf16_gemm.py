@@ -28,10 +28,12 @@ def _ulps_apart(got: torch.Tensor, want_fp32: torch.Tensor) -> torch.Tensor:
 
 # every register tile shape (1-6 rows by 1-4 blocks of 16 outputs), K odd (a padded pair), N not a multiple of 16,
 # and more rows than one work chunk (240); amx (K a multiple of 32): one and two A tiles, full and partial, an odd
-# number of blocks, more rows than its chunk (256), and more than two chunks (its work items then go chunk by chunk)
+# number of blocks, more rows than its chunk (256), more than two chunks (its work items then go chunk by chunk), and
+# groups of 8 block pairs with an odd block in the last (1,100 rows by 1,000 outputs)
 @pytest.mark.parametrize("rows,in_f,out_f", [(1, 576, 960), (2, 100, 33), (3, 1536, 576), (4, 37, 17), (5, 64, 16),
                                              (6, 7, 70), (13, 200, 100), (64, 576, 1030), (487, 70, 90),
-                                             (17, 96, 48), (33, 64, 40), (487, 96, 90), (777, 96, 90)])
+                                             (17, 96, 48), (33, 64, 40), (487, 96, 90), (777, 96, 90),
+                                             (1100, 64, 1000)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("kernel", PATHS)
 def test_kernel_is_the_fp32_sum_rounded_to_bf16(rows: int, in_f: int, out_f: int, bias: bool, kernel: str) -> None:

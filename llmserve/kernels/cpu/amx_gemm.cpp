@@ -41,6 +41,7 @@ constexpr int64_t kUnitRows = 32;   // rows of x per unit (two A tiles)
 constexpr int64_t kChunkRows = 256;  // rows of x per work item: a pair of blocks' weights (K x 32 bf16) stays in L1/L2
                                      // while the chunk's units pass over it
 constexpr int64_t kPairMajorChunks = 2;  // chunks of rows up to which work items go pair by pair (amx_gemm_blocks)
+constexpr int64_t kGroupPairs = 8;  // block pairs per work item, at most (amx_gemm_blocks)
 
 // Linux keeps AMX's 8 KB tile state off until a process asks (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
 constexpr int kArchGetXcompPerm = 0x1022;
@@ -160,32 +161,45 @@ torch::Tensor amx_gemm_blocks(const torch::Tensor& x, int64_t NB, int64_t N, con
   auto* yp = y.data_ptr<at::BFloat16>();
   const int64_t kt = K / kTileK, ldx = K * 2;
   const int64_t pairs = (NB + 1) / 2, chunks = (M + kChunkRows - 1) / kChunkRows;
-  // work items: (block pair, chunk of rows). Up to kPairMajorChunks chunks, a pair's chunks are consecutive, so its
-  // weights are reused from cache and each thread reads half of them. With more rows, x no longer fits in L2 and was
-  // read again for every pair (2,048 rows: 576x576 at 553 GFLOP/s against 754 at 512 rows), so a chunk's pairs are
-  // consecutive instead: its rows stay in L2 while the weights go past. The order changes no result.
+  // Work items: (group of block pairs, chunk of rows); within one, unit by unit (32 rows), every pair of the group.
+  // - Up to kPairMajorChunks chunks, a group's chunks are consecutive, so its weights are reused from cache and each
+  //   thread reads half of them. With more rows, x no longer fits in L2 and was read again for every pair (2,048 rows:
+  //   576x576 at 553 GFLOP/s against 754 at 512 rows), so a chunk's groups are consecutive instead: its rows stay in
+  //   L2 while the weights go past.
+  // - Groups, not single pairs, because of the stores: a unit writes 32 rows of y, N * 2 bytes apart, so with one pair
+  //   an item's 8 units touched 256 rows' pages before coming back to the first: past ~2,000 outputs (rows 4 KB and
+  //   more apart) one 4 KB page each, beyond the first-level TLB. The time per output column at 2,000 rows rose with
+  //   N, 1.10 us at N = 384 to 1.66 at 3,072, where oneDNN's stayed at ~1.0. A group of up to 8 pairs writes 512 bytes
+  //   of each row before moving on; its weights (8 pairs, K x 256 bf16) stay in L2.
+  // - The order changes no result: each output is still summed over k in tile order.
   const bool pair_major = chunks <= kPairMajorChunks;
-  at::parallel_for(0, pairs * chunks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t group = std::clamp<int64_t>(pairs * chunks / (4 * threads), 1, kGroupPairs);
+  const int64_t groups = (pairs + group - 1) / group;
+  at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
     Tiles tiles;
     alignas(64) float c[kUnitRows * 2 * kBlockRows];
-    std::vector<uint16_t> scratch(2 * K * kBlockRows);
+    std::vector<uint16_t> scratch(group * 2 * K * kBlockRows);
+    const uint16_t* w[2 * kGroupPairs];
     for (int64_t u = begin; u < end; ++u) {
-      const int64_t p = pair_major ? u / chunks : u % pairs, chunk = pair_major ? u % chunks : u / pairs;
+      const int64_t g = pair_major ? u / chunks : u % groups, chunk = pair_major ? u % chunks : u / groups;
       const int64_t m0 = chunk * kChunkRows, m1 = std::min(M, m0 + kChunkRows);
-      const int64_t b = 2 * p;
-      const bool two_b = b + 1 < NB;
-      const uint16_t* w0 = block(b, scratch.data());
-      const uint16_t* w1 = two_b ? block(b + 1, scratch.data() + K * kBlockRows) : w0;
+      const int64_t b0 = 2 * g * group, b1 = std::min(NB, b0 + 2 * group);
+      for (int64_t b = b0; b < b1; ++b) w[b - b0] = block(b, scratch.data() + (b - b0) * K * kBlockRows);
       for (int64_t i = m0; i < m1; i += kUnitRows) {
         const int64_t rows = std::min(kUnitRows, m1 - i);
         const int r0 = static_cast<int>(std::min<int64_t>(16, rows)), r1 = static_cast<int>(rows - r0);
         tiles.configure(r0, r1);
         const uint16_t* xi = xs + i * K;
-        if (r1 > 0)
-          two_b ? unit<true, true>(xi, ldx, w0, w1, kt, c) : unit<true, false>(xi, ldx, w0, w1, kt, c);
-        else
-          two_b ? unit<false, true>(xi, ldx, w0, w1, kt, c) : unit<false, false>(xi, ldx, w0, w1, kt, c);
-        store_unit(c, rows, b * kBlockRows, N, bias, yp + i * N);
+        for (int64_t b = b0; b < b1; b += 2) {
+          const bool two_b = b + 1 < b1;
+          const uint16_t *w0 = w[b - b0], *w1 = two_b ? w[b - b0 + 1] : w0;
+          if (r1 > 0)
+            two_b ? unit<true, true>(xi, ldx, w0, w1, kt, c) : unit<true, false>(xi, ldx, w0, w1, kt, c);
+          else
+            two_b ? unit<false, true>(xi, ldx, w0, w1, kt, c) : unit<false, false>(xi, ldx, w0, w1, kt, c);
+          store_unit(c, rows, b * kBlockRows, N, bias, yp + i * N);
+        }
       }
     }
   });
