@@ -113,6 +113,23 @@ def test_rows_do_not_depend_on_the_batch(fmt: str, vnni: bool) -> None:
         assert torch.equal(native.qblock_linear(x[rows], w.native, None, vnni=vnni), whole[rows])
 
 
+@pytest.mark.skipif(not native.qblock_amx8_usable(), reason="needs AMX-INT8")
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_amx_int8_tiles_give_the_vnni_kernels_bits(fmt: str, dtype: torch.dtype) -> None:
+    """From 16 rows, int8 activations run on AMX-INT8 tiles (groups of 32 and more; group 16 stays on VNNI): exact
+    int32 block sums and the same fp32 operations, so every output equals VNNI's bit for bit (vnni=2 keeps VNNI).
+    Shapes: a partial last row tile (17, 40), more than two chunks of 256 rows (1,100: items chunk by chunk), and 600
+    outputs (groups of 8 tiles, a partial last group, a partial last tile); with a bias."""
+    for n, k, rows in [(53, 192, (16, 17, 40)), (600, 256, (300, 1100))]:
+        w = qb.BlockWeight(_weight(fmt, n, k, seed=n))
+        bias = torch.randn(n)
+        for m in rows:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+            assert torch.equal(native.qblock_linear(x, w.native, bias, vnni=1),
+                               native.qblock_linear(x, w.native, bias, vnni=2))
+
+
 def test_concat_unifies_zero_points_exactly() -> None:
     a, b = _weight("q4_0", 16, 64), _weight("q4_1", 20, 64, seed=1)
     both = qb.concat([a, b])

@@ -141,6 +141,19 @@ bool amx_bf16_supported() {
   return ok;
 }
 
+bool amx_int8_supported() {
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    const bool tile = (d >> 24) & 1, int8 = (d >> 25) & 1;
+    if (!cpu_has_avx512() || !tile || !int8 || !__builtin_cpu_supports("avx512vnni")) return false;
+    unsigned lo = 0, hi = 0;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return ((lo >> 17) & 3) == 3 && request_tile_data();
+  }();
+  return ok;
+}
+
 // x [M, K] bf16 contiguous, K % 32 == 0; packed: bf16_pack of W [N, K]; bias fp32 [N] or nullptr -> [M, N] bf16.
 torch::Tensor bf16_gemm_amx(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const float* bias) {
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());

@@ -42,6 +42,8 @@ torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::o
 bool bf16_dot_supported();
 // amx_gemm.cpp (bf16_gemm's path 2; bias fp32 [N] or nullptr)
 bool amx_bf16_supported();
+// AMX-TILE and AMX-INT8 (and AVX512-VNNI), granted by the OS: qblock_linear's int8 activations on tiles
+bool amx_int8_supported();
 torch::Tensor bf16_gemm_amx(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const float* bias);
 // x [M, K] bf16 @ W^T (+ bias) on AMX tiles, W's NB blocks of 16 outputs (N outputs in all) given by block(b, scratch):
 // a pointer to block b in bf16_pack's layout ([K / 2][16][2]), which may be scratch (K * 16 bf16) filled by the call

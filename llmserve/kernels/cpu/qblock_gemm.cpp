@@ -30,6 +30,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "amx_tiles.h"     // TileConfig, load_tile_config
 #include "avx512_math.h"  // LLMSERVE_AVX512, masked loads and stores, for_each_tile
 #include "kernels.h"
 
@@ -38,8 +39,10 @@
 #include <cstdint>
 #include <functional>
 #include <utility>
+#include <vector>
 
 #define LLMSERVE_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+#define LLMSERVE_AMX8 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,amx-tile,amx-int8")))
 
 namespace {
 
@@ -50,6 +53,9 @@ constexpr int kMaxTiles = 3;          // weight tiles per register tile (4 x 3 a
 constexpr int64_t kChunkRows = 240;   // rows of x per work unit at most (for_each_tile_group)
 constexpr int64_t kPrefetchBytes = 1024;  // one- and two-row tiles stream the codes: prefetch this far ahead
 constexpr int64_t kSerialElems = 32768;   // below this many elements quantizing x runs on one thread
+constexpr int64_t kAmx8MinRows = 16;      // from this many rows of x, int8 activations run on AMX tiles (run_amx8)
+constexpr int64_t kAmx8Chunk = 256;       // rows of x per AMX work item
+constexpr int64_t kAmx8Group = 8;         // weight tiles per AMX work item, at most
 
 struct Weight {
   const uint8_t* codes;
@@ -265,13 +271,153 @@ LLMSERVE_AVX512 void widen_row(const T* x, int64_t KB, float* xf, float* sx) {
   }
 }
 
+// tile_vnni's product on AMX-INT8 tiles (CPUs with AMX: Sapphire Rapids and later). Per block of 32 columns, one
+// tdpbsud gives a 16-row x 16-output tile of the block's sums: x's int8 codes as the signed A operand (16 rows x 32
+// bytes, read in place), the weight's codes as the unsigned B operand (8 rows x 64 bytes: row v is unpack_codes'
+// vector v, which is B's layout, 4 columns of each output a row). The sums are exact int32 (at most 32 x 127 x 255),
+// as vpdpbusd's, and each row then takes tile_vnni's very fp32 operations in its order (scale, min, then the block's
+// FMA into the row's accumulator), so a row's result is the VNNI kernel's bit for bit: batches of any size may mix the
+// two, and a request's logits still do not depend on its batch. Group 16 (two scales a block) stays on VNNI.
+//
+// Why: the VNNI kernel spends ~13 vector instructions a row per block and 16 outputs; here the products are one tile
+// instruction per 16 rows, and the per-row work is the epilogue's 5. With it, the blocks (4-bit weights: a quarter of
+// bf16's bytes, for decode) need not give way to a dequantized bf16 copy on AMX for prefill.
+
+// Tile t's codes as B operands: [KB][8][64] bytes, unpack_codes' vectors block by block.
+template <int BITS>
+LLMSERVE_AVX512 void unpack_tile_codes(const Weight& w, int64_t t, uint8_t* out) {
+  for (int64_t b = 0; b < w.KB; ++b) {
+    __m512i v[8];
+    unpack_codes<BITS>(w.codes + (t * w.KB + b) * w.bytes, v);
+    _Pragma("GCC unroll 8") for (int h = 0; h < 8; ++h) _mm512_storeu_si512(out + b * 512 + 64 * h, v[h]);
+  }
+}
+
+// tmm0, tmm1: C (rows x 16 int32); tmm2, tmm4: A (rows x 32 int8); tmm3, tmm5: B (8 x 64). Configured for `rows`,
+// released at the end of the thread's work.
+class Int8Tiles {
+ public:
+  LLMSERVE_AMX8 void configure(int rows) {
+    if (rows == rows_) return;
+    TileConfig c;
+    for (int k : {0, 1}) {  // C
+      c.rows[k] = static_cast<uint8_t>(rows);
+      c.colsb[k] = 64;
+    }
+    for (int k : {2, 4}) {  // A
+      c.rows[k] = static_cast<uint8_t>(rows);
+      c.colsb[k] = 32;
+    }
+    for (int k : {3, 5}) {  // B
+      c.rows[k] = 8;
+      c.colsb[k] = 64;
+    }
+    load_tile_config(c);
+    rows_ = rows;
+  }
+  LLMSERVE_AMX8 ~Int8Tiles() {
+    if (rows_ >= 0) _tile_release();
+  }
+
+ private:
+  int rows_ = -1;
+};
+
+// One block's epilogue for rows i0 .. i0 + 15 (rows past M read row M - 1's scales: computed, never stored): as
+// tile_vnni, t = m * sx + d * s, acc += t * dx.
+template <typename S>
+LLMSERVE_AVX512 inline void amx8_block_rows(const Act& a, const Weight& w, int64_t t, int64_t b, int64_t g,
+                                            int64_t i0, int64_t last, const int32_t* cbuf, __m512* acc) {
+  __m512 d, m;
+  group_scales<S>(w, t, g, d, m);
+  _Pragma("GCC unroll 16") for (int i = 0; i < 16; ++i) {
+    const int64_t row = std::min(i0 + i, last);
+    const __m512i s = _mm512_loadu_si512(cbuf + i * 16);
+    const __m512 tv = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sx[row * a.KB + b]), _mm512_mul_ps(d, _mm512_cvtepi32_ps(s)));
+    acc[i] = _mm512_fmadd_ps(tv, _mm512_set1_ps(a.dx[row * a.KB + b]), acc[i]);
+  }
+}
+
+// rows [i0, i0 + r) of x (r <= 16, tiles configured for r) by weight tile t, whose B operands are `codes`. Software
+// pipelined over two sets of tiles (even blocks: C tmm0, A tmm2, B tmm3; odd: tmm1, tmm4, tmm5), so one block's
+// load, product and store run while the other's epilogue does: on one set, each block's tiles waited on the last
+// block's store (perf: the tile instructions took ~45% of the samples, the epilogue's FMAs little).
+template <typename S, typename T>
+LLMSERVE_AMX8 __attribute__((optimize("no-tree-pre"))) void unit_amx8(const Act& a, const Weight& w,
+                                                                      const uint8_t* codes, int64_t i0, int r,
+                                                                      int64_t M, int64_t t, int64_t N,
+                                                                      const float* bias, int32_t* cbuf, T* y) {
+  __m512 acc[16];
+  _Pragma("GCC unroll 16") for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  const int8_t* xq = a.q + i0 * a.K;
+  int32_t* c0 = cbuf;
+  int32_t* c1 = cbuf + 256;
+  auto even = [&](int64_t b) {
+    _tile_loadd(2, xq + b * kBlock, a.K);
+    _tile_loadd(3, codes + b * 512, 64);
+    _tile_zero(0);
+    _tile_dpbsud(0, 2, 3);
+    _tile_stored(0, c0, 64);
+  };
+  auto odd = [&](int64_t b) {
+    _tile_loadd(4, xq + b * kBlock, a.K);
+    _tile_loadd(5, codes + b * 512, 64);
+    _tile_zero(1);
+    _tile_dpbsud(1, 4, 5);
+    _tile_stored(1, c1, 64);
+  };
+  const int64_t KB = a.KB, per = w.blocks_per_group;
+  even(0);
+  for (int64_t b = 0; b < KB; b += 2) {
+    if (b + 1 < KB) odd(b + 1);
+    amx8_block_rows<S>(a, w, t, b, per == 1 ? b : b / per, i0, M - 1, c0, acc);
+    if (b + 2 < KB) even(b + 2);
+    if (b + 1 < KB) amx8_block_rows<S>(a, w, t, b + 1, per == 1 ? b + 1 : (b + 1) / per, i0, M - 1, c1, acc);
+  }
+  _Pragma("GCC unroll 16") for (int i = 0; i < 16; ++i)
+    if (i < r) store_rows(y, N, i0 + i, t * kTileRows, acc[i], bias);
+}
+
+// tile_vnni's product over every row on AMX tiles. Work items: (group of up to 8 weight tiles, chunk of up to 256
+// rows), ordered as amx_gemm_blocks orders its own (a group's chunks together up to two chunks, else a chunk's groups
+// together); within one, each group's codes are unpacked once, then 16 rows at a time across the group.
+template <typename T, typename S, int BITS>
+void run_amx8(const Act& a, const Weight& w, int64_t M, int64_t NT, int64_t N, const float* bias, T* yp) {
+  const int64_t chunks = (M + kAmx8Chunk - 1) / kAmx8Chunk, threads = at::get_num_threads();
+  const int64_t group = std::clamp<int64_t>(NT * chunks / (4 * threads), 1, kAmx8Group);
+  const int64_t groups = (NT + group - 1) / group;
+  const bool group_major = chunks <= 2;
+  at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
+    Int8Tiles tiles;
+    std::vector<uint8_t> codes(group * a.KB * 512);
+    alignas(64) int32_t cbuf[2 * 256];
+    int64_t unpacked = -1;  // the group whose codes are in `codes`
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t g = group_major ? u / chunks : u % groups, chunk = group_major ? u % chunks : u / groups;
+      const int64_t t0 = g * group, t1 = std::min(NT, t0 + group);
+      if (g != unpacked) {
+        for (int64_t t = t0; t < t1; ++t) unpack_tile_codes<BITS>(w, t, codes.data() + (t - t0) * a.KB * 512);
+        unpacked = g;
+      }
+      const int64_t m0 = chunk * kAmx8Chunk, m1 = std::min(M, m0 + kAmx8Chunk);
+      for (int64_t i = m0; i < m1; i += 16) {
+        const int r = static_cast<int>(std::min<int64_t>(16, m1 - i));
+        tiles.configure(r);
+        for (int64_t t = t0; t < t1; ++t)
+          unit_amx8<S, T>(a, w, codes.data() + (t - t0) * a.KB * 512, i, r, M, t, N, bias, cbuf, yp);
+      }
+    }
+  });
+}
+
 bool vnni_supported() {
   static const bool ok = cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
   return ok;
 }
 
 template <typename T, typename S, int BITS, bool G16>
-void run(const torch::Tensor& x, const QBlockWeight& qw, const Weight& w, const float* bias, bool vnni, T* yp) {
+void run(const torch::Tensor& x, const QBlockWeight& qw, const Weight& w, const float* bias, bool vnni, bool tiles,
+         T* yp) {
   const int64_t M = x.size(0), K = x.size(1), KB = K / kBlock, N = qw.n, NT = qw.codes.size(0);
   constexpr int64_t kSums = G16 ? 2 : 1;  // activation sums a block
   const T* xp = x.data_ptr<T>();
@@ -287,6 +433,10 @@ void run(const torch::Tensor& x, const QBlockWeight& qw, const Weight& w, const 
     }
   });
   const Act a{vnni ? xq.data_ptr<int8_t>() : nullptr, dxp, sxp, K, KB};
+  if constexpr (!G16) {
+    if (vnni && tiles && M >= kAmx8MinRows && amx_int8_supported())
+      return run_amx8<T, S, BITS>(a, w, M, NT, N, bias, yp);
+  }
   const float* xf = vnni ? nullptr : xq.data_ptr<float>();
   auto tile = [&](auto mr, auto nt, int64_t i, int64_t t) {
     constexpr int MR = decltype(mr)::value, NR = decltype(nt)::value;
@@ -400,12 +550,15 @@ torch::Tensor qblock_dequantize_bf16(const QBlockWeight& qw) {
 bool qblock_vnni_supported() { return vnni_supported(); }
 
 // x [M, K] fp32 or bf16 (K = the weight's columns) @ the block-quantized weight [n, K] ^T (+ bias) -> [M, n] in x's
-// dtype. vnni: 1 int8 activations (needs qblock_vnni_supported()), 0 fp32 FMAs, < 0 the former where VNNI is.
+// dtype. vnni: 1 int8 activations (needs qblock_vnni_supported()), 0 fp32 FMAs, < 0 the former where VNNI is; with
+// int8 activations, batches of 16 rows and more run on AMX-INT8 tiles where the CPU has them (the same bits), except
+// with 2 (VNNI alone: for tests and timings).
 torch::Tensor qblock_linear(torch::Tensor x, const QBlockWeight& qw, c10::optional<torch::Tensor> bias, int64_t vnni) {
   TORCH_CHECK(qblock_linear_supported(), "qblock_linear needs a CPU with AVX-512");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "qblock_linear: x must be [M, K] on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "qblock_linear: x fp32 or bf16");
   TORCH_CHECK(x.size(1) == qw.k, "qblock_linear: x has ", x.size(1), " columns, the weight ", qw.k);
+  TORCH_CHECK(vnni >= -1 && vnni <= 2, "qblock_linear: vnni -1 (auto), 0, 1 or 2, got ", vnni);
   const bool use_vnni = vnni < 0 ? vnni_supported() : vnni > 0;
   TORCH_CHECK(!use_vnni || vnni_supported(), "qblock_linear: vnni=1 needs AVX512-VNNI");
   torch::Tensor b;
@@ -421,10 +574,10 @@ torch::Tensor qblock_linear(torch::Tensor x, const QBlockWeight& qw, c10::option
       using S = decltype(s);
       constexpr bool G16 = decltype(g16)::value;
       switch (qw.bits) {
-        case 4: return run<T, S, 4, G16>(xc, qw, w, bp, use_vnni, yp);
-        case 5: return run<T, S, 5, G16>(xc, qw, w, bp, use_vnni, yp);
-        case 6: return run<T, S, 6, G16>(xc, qw, w, bp, use_vnni, yp);
-        default: return run<T, S, 8, G16>(xc, qw, w, bp, use_vnni, yp);
+        case 4: return run<T, S, 4, G16>(xc, qw, w, bp, use_vnni, vnni != 2, yp);
+        case 5: return run<T, S, 5, G16>(xc, qw, w, bp, use_vnni, vnni != 2, yp);
+        case 6: return run<T, S, 6, G16>(xc, qw, w, bp, use_vnni, vnni != 2, yp);
+        default: return run<T, S, 8, G16>(xc, qw, w, bp, use_vnni, vnni != 2, yp);
       }
     };
     // group 16 has fp32 scales (the constructor checks): half as many instantiations to compile
@@ -539,4 +692,6 @@ void bind_qblocks(pybind11::module_& m) {
         "(AVX512-BF16)", py::arg("weight"));
   m.def("qblock_linear_supported", &qblock_linear_supported, "whether qblock_linear runs here (AVX-512)");
   m.def("qblock_vnni_supported", &qblock_vnni_supported, "whether qblock_linear's int8 path runs here (AVX512-VNNI)");
+  m.def("qblock_amx8_supported", &amx_int8_supported, "whether qblock_linear's int8 path runs batches on AMX-INT8 "
+        "tiles here");
 }
