@@ -253,12 +253,14 @@ BF16_PATHS = {"fma": 0, "dot": 1, "amx": 2}  # bf16_gemm's kernels, as the exten
 
 
 def bf16_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None,
-              kernel: str = "fma") -> torch.Tensor:
+              kernel: str = "fma", glu: bool = False) -> torch.Tensor:
     """x [M, K] bf16 @ the weight [n, K] (packed by bf16_pack) ^T (+ bias) -> [M, n] bf16, each output summed over k in
     an order that does not depend on M: kernel "fma" (fp32 FMAs on the widened weights), "dot" (vdpbf16ps on the packed
     pairs; needs bf16_dot_usable()) or "amx" (AMX tiles; needs amx_usable() and K a multiple of 32). Which is faster
-    depends on the CPU and the rows (kernels/choice.py measures it). Needs packed_gemm_usable()."""
-    return _module.bf16_gemm(x, packed, n, bias, BF16_PATHS[kernel])
+    depends on the CPU and the rows (kernels/choice.py measures it). glu ("amx" only; n = 2 I, I a multiple of 16, the
+    weight gate then up): silu(gate) * up [M, I] in the GEMM's epilogue, bit for bit silu_mul of the plain result.
+    Needs packed_gemm_usable()."""
+    return _module.bf16_gemm(x, packed, n, bias, BF16_PATHS[kernel], glu)
 
 
 @functools.cache
@@ -363,11 +365,11 @@ def qblock_linear(x: torch.Tensor, weight: object, bias: torch.Tensor | None, vn
     return _module.qblock_linear(x, weight, bias, -1 if vnni is None else int(vnni))
 
 
-def qblock_linear_amx(x: torch.Tensor, weight: object, bias: torch.Tensor | None) -> torch.Tensor:
+def qblock_linear_amx(x: torch.Tensor, weight: object, bias: torch.Tensor | None, glu: bool = False) -> torch.Tensor:
     """x [M, K] bf16 @ the block-quantized weight [n, K] ^T (+ bias) -> [M, n] bf16 on AMX tiles, each tile of the
     weight dequantized to bf16 as it is read: bit for bit bf16_gemm(..., "amx") over the dequantized weight (exactly
-    the format's values rounded to bf16), reading the blocks' bytes. Needs qblock_amx_usable()."""
-    return _module.qblock_linear_amx(x, weight, bias)
+    the format's values rounded to bf16), reading the blocks' bytes. glu: as bf16_gemm's. Needs qblock_amx_usable()."""
+    return _module.qblock_linear_amx(x, weight, bias, glu)
 
 
 def qblock_dequantize_bf16(weight: object) -> torch.Tensor:

@@ -51,15 +51,16 @@ def _check_same_bits(path: str, monkeypatch: pytest.MonkeyPatch, expect_stack: b
     assert lps == ref_lps  # exactly: the same kernels on the same tensors in the same order
 
 
-@pytest.mark.parametrize("kernel", ["dot", "onednn"])
+@pytest.mark.parametrize("kernel", ["dot", "amx", "onednn"])
 def test_stack_takes_either_bf16_kernel(tiny_model_dir, monkeypatch, kernel: str) -> None:
-    """dot products run in the stack as in the Python layers; a oneDNN choice keeps the Python layers."""
+    """dot products and AMX tiles run in the stack as in the Python layers (amx: the MLP's gate/up and SiLU fused in
+    one call, the Python layers' two); a oneDNN choice keeps the Python layers."""
     from llmserve.kernels.calibrate import BF16_LINEAR, available
 
     if kernel not in available(BF16_LINEAR):
         pytest.skip(f"{kernel} does not run here")
     monkeypatch.setenv("LLMSERVE_KERNEL_CHOICE", f"bf16_linear={kernel}")
-    _check_same_bits(tiny_model_dir("llama"), monkeypatch, kernel == "dot")
+    _check_same_bits(tiny_model_dir("llama"), monkeypatch, kernel in ("dot", "amx"))
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen2", "mistral", "qwen3"])  # biases, windows, q/k norm

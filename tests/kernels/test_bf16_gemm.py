@@ -164,3 +164,30 @@ def test_dot_refuses_where_the_cpu_lacks_it() -> None:
     packed = native.bf16_pack(torch.randn(8, 16).bfloat16())
     with pytest.raises(RuntimeError, match="AVX512-BF16"):
         native.bf16_gemm(torch.randn(1, 16).bfloat16(), packed, 8, None, "dot")
+
+
+@pytest.mark.skipif(not native.amx_usable(), reason="the amx path needs AMX-BF16")
+@pytest.mark.parametrize("rows", [1, 17, 40, 300, 1100])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_gate_up_is_silu_mul_of_the_gemm(rows: int, bias: bool) -> None:
+    """glu: silu(gate) * up in the amx GEMM's epilogue (the decoder stack's MLP), bit for bit silu_mul of the plain
+    GEMM's bf16 output; I = 48 (three blocks: an odd count of pairs) and 400 (groups of 8 pairs, a partial last)."""
+    for i in (48, 400):
+        g = torch.Generator().manual_seed(rows + i)
+        x = (torch.randn(rows, 96, generator=g) * 2).bfloat16()
+        w = torch.randn(2 * i, 96, generator=g).bfloat16()
+        b = torch.randn(2 * i, generator=g) if bias else None
+        packed = native.bf16_pack(w)
+        got = native.bf16_gemm(x, packed, 2 * i, b, "amx", glu=True)
+        assert got.shape == (rows, i) and got.dtype == torch.bfloat16
+        assert torch.equal(got, native.silu_mul(native.bf16_gemm(x, packed, 2 * i, b, "amx")))
+
+
+def test_fused_gate_up_is_refused_off_the_amx_path() -> None:
+    packed = native.bf16_pack(torch.randn(64, 32).bfloat16())
+    with pytest.raises(RuntimeError, match="amx path only"):
+        native.bf16_gemm(torch.randn(2, 32).bfloat16(), packed, 64, None, "fma", glu=True)
+    if native.amx_usable():
+        with pytest.raises(RuntimeError, match="a multiple of 16"):
+            native.bf16_gemm(torch.randn(2, 32).bfloat16(), native.bf16_pack(torch.randn(40, 32).bfloat16()), 40,
+                             None, "amx", glu=True)

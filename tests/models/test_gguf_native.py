@@ -213,6 +213,15 @@ def test_amx_over_the_blocks_is_amx_over_their_dequantized_weights(form: str) ->
         for m in rows:
             x = torch.randn(m, k, generator=g).bfloat16()
             assert torch.equal(native.qblock_linear_amx(x, w.native, bias), native.bf16_gemm(x, packed, n, bias, "amx"))
+    # the fused gate/up (the decoder stack's MLP): silu_mul of the same product, bit for bit
+    n, k = 96, 256
+    w = BlockWeight(BlockTensor(torch.randint(0, 2 ** bits, (n, k), generator=g, dtype=torch.uint8),
+                                (torch.rand(n, k // group, generator=g) * 0.01).to(sd),
+                                (torch.randn(n, k // group, generator=g) * 0.01).to(sd) if mins else None,
+                                bits, group, zero))
+    x = torch.randn(40, k, generator=g).bfloat16()
+    assert torch.equal(native.qblock_linear_amx(x, w.native, None, glu=True),
+                       native.silu_mul(native.qblock_linear_amx(x, w.native, None)))
 
 
 @native_only

@@ -134,6 +134,24 @@ LLMSERVE_AVX512 void store_unit(const float* c, int64_t rows, int64_t n0, int64_
   }
 }
 
+// The fused gate/up epilogue: gate = C[:, 0:16] (+ bias), up = C[:, 16:32] (+ bias), each rounded to bf16 as the
+// GEMM's output would be, then silu_mul's operations (silu16, rounded, times up): out[i0 : i0 + rows, n0 : n0 + 16] of
+// y [M, I].
+LLMSERVE_AVX512 void store_glu(const float* c, int64_t rows, int64_t n0, int64_t I, const float* bias,
+                               at::BFloat16* y) {
+  const __m512 bg = bias != nullptr ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+  const __m512 bu = bias != nullptr ? _mm512_loadu_ps(bias + I + n0) : _mm512_setzero_ps();
+  for (int64_t i = 0; i < rows; ++i) {
+    __m512 g = _mm512_loadu_ps(c + i * 2 * kBlockRows), u = _mm512_loadu_ps(c + i * 2 * kBlockRows + kBlockRows);
+    if (bias != nullptr) {
+      g = _mm512_add_ps(g, bg);
+      u = _mm512_add_ps(u, bu);
+    }
+    const __m512 s = round_bf16(silu16(round_bf16(g)));
+    storeu16(y + i * I + n0, _mm512_mul_ps(s, round_bf16(u)), __mmask16(0xFFFF));
+  }
+}
+
 }  // namespace
 
 bool amx_bf16_supported() {
@@ -155,25 +173,29 @@ bool amx_int8_supported() {
 }
 
 // x [M, K] bf16 contiguous, K % 32 == 0; packed: bf16_pack of W [N, K]; bias fp32 [N] or nullptr -> [M, N] bf16.
-torch::Tensor bf16_gemm_amx(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const float* bias) {
+torch::Tensor bf16_gemm_amx(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const float* bias,
+                            bool glu) {
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const int64_t be = x.size(1) * kBlockRows;
-  return amx_gemm_blocks(x, packed.size(0), N, bias, [&](int64_t b, uint16_t*) { return wp + b * be; });
+  return amx_gemm_blocks(x, packed.size(0), N, bias, [&](int64_t b, uint16_t*) { return wp + b * be; }, glu);
 }
 
 // The driver: weight blocks of 16 outputs in bf16_pack's layout come from block(b, scratch) (a pointer to the block,
 // or to scratch, K * 16 bf16, which it may fill); see kernels.h.
 torch::Tensor amx_gemm_blocks(const torch::Tensor& x, int64_t NB, int64_t N, const float* bias,
-                              const std::function<const uint16_t*(int64_t, uint16_t*)>& block) {
+                              const std::function<const uint16_t*(int64_t, uint16_t*)>& block, bool glu) {
   TORCH_CHECK(amx_bf16_supported(), "bf16_gemm: the amx path needs a CPU with AMX-BF16 (and the OS's permission)");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kTileK == 0, "bf16_gemm: the amx path needs K a multiple of 32, got ", K);
-  auto y = torch::empty({M, N}, x.options());
+  TORCH_CHECK(!glu || (N % (2 * kBlockRows) == 0 && NB == N / kBlockRows),
+              "the fused gate/up needs 2 I outputs, I a multiple of 16");
+  // glu: the pairs are (gate block p, up block p + NB / 2), and y is silu(gate) * up, [M, N / 2]
+  auto y = torch::empty({M, glu ? N / 2 : N}, x.options());
   if (M == 0) return y;
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
   auto* yp = y.data_ptr<at::BFloat16>();
   const int64_t kt = K / kTileK, ldx = K * 2;
-  const int64_t pairs = (NB + 1) / 2, chunks = (M + kChunkRows - 1) / kChunkRows;
+  const int64_t pairs = glu ? NB / 2 : (NB + 1) / 2, chunks = (M + kChunkRows - 1) / kChunkRows;
   // Work items: (group of block pairs, chunk of rows); within one, unit by unit (32 rows), every pair of the group.
   // - Up to kPairMajorChunks chunks, a group's chunks are consecutive, so its weights are reused from cache and each
   //   thread reads half of them. With more rows, x no longer fits in L2 and was read again for every pair (2,048 rows:
@@ -197,21 +219,29 @@ torch::Tensor amx_gemm_blocks(const torch::Tensor& x, int64_t NB, int64_t N, con
     for (int64_t u = begin; u < end; ++u) {
       const int64_t g = pair_major ? u / chunks : u % groups, chunk = pair_major ? u % chunks : u / groups;
       const int64_t m0 = chunk * kChunkRows, m1 = std::min(M, m0 + kChunkRows);
-      const int64_t b0 = 2 * g * group, b1 = std::min(NB, b0 + 2 * group);
-      for (int64_t b = b0; b < b1; ++b) w[b - b0] = block(b, scratch.data() + (b - b0) * K * kBlockRows);
+      // the group's pairs p0 .. p1: w[2 (p - p0)], w[2 (p - p0) + 1] their blocks (the second null past NB)
+      const int64_t p0 = g * group, p1 = std::min(pairs, p0 + group);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t first = glu ? p : 2 * p, second = glu ? p + NB / 2 : 2 * p + 1;
+        uint16_t* at = scratch.data() + 2 * (p - p0) * K * kBlockRows;
+        w[2 * (p - p0)] = block(first, at);
+        w[2 * (p - p0) + 1] = second < NB ? block(second, at + K * kBlockRows) : nullptr;
+      }
       for (int64_t i = m0; i < m1; i += kUnitRows) {
         const int64_t rows = std::min(kUnitRows, m1 - i);
         const int r0 = static_cast<int>(std::min<int64_t>(16, rows)), r1 = static_cast<int>(rows - r0);
         tiles.configure(r0, r1);
         const uint16_t* xi = xs + i * K;
-        for (int64_t b = b0; b < b1; b += 2) {
-          const bool two_b = b + 1 < b1;
-          const uint16_t *w0 = w[b - b0], *w1 = two_b ? w[b - b0 + 1] : w0;
+        for (int64_t p = p0; p < p1; ++p) {
+          const uint16_t *w0 = w[2 * (p - p0)], *w1 = w[2 * (p - p0) + 1];
+          const bool two_b = w1 != nullptr;
+          if (!two_b) w1 = w0;
           if (r1 > 0)
             two_b ? unit<true, true>(xi, ldx, w0, w1, kt, c) : unit<true, false>(xi, ldx, w0, w1, kt, c);
           else
             two_b ? unit<false, true>(xi, ldx, w0, w1, kt, c) : unit<false, false>(xi, ldx, w0, w1, kt, c);
-          store_unit(c, rows, b * kBlockRows, N, bias, yp + i * N);
+          if (glu) store_glu(c, rows, p * kBlockRows, N / 2, bias, yp + i * (N / 2));
+          else store_unit(c, rows, 2 * p * kBlockRows, N, bias, yp + i * N);
         }
       }
     }

@@ -90,6 +90,23 @@ LLMSERVE_AVX512 inline void storeu16(c10::BFloat16* p, __m512 v, __mmask16 m) {
   _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bf16_bits(v)));
 }
 
+// silu(x) = x / (1 + exp(-x)) as torch computes it, unrounded, with exp taken of -|x| only (exp512 is for arguments
+// <= 0): for x < 0 the same quotient is x exp(x) / (1 + exp(x)). The quotient as num * (1 / d), the reciprocal from
+// vrcp14ps and one Newton step (within 2 ulp; vdivps's latency and throughput made silu_mul ~2x slower at a
+// 2,000-token prefill's 3M elements). fused_ops.cpp's silu_mul and amx_gemm.cpp's fused gate/up both use it.
+LLMSERVE_AVX512 inline __m512 silu16(__m512 x) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 e = exp512(_mm512_or_ps(x, _mm512_set1_ps(-0.f)));  // exp(-|x|)
+  const __m512 num = _mm512_mask_mul_ps(x, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), x, e);
+  const __m512 d = _mm512_add_ps(one, e);
+  __m512 r = _mm512_rcp14_ps(d);
+  r = _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, r, one), r);
+  return _mm512_mul_ps(num, r);
+}
+
+// v rounded to bf16 (nearest even, as storeu16 and torch's casts), as fp32
+LLMSERVE_AVX512 inline __m512 round_bf16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)); }
+
 inline __mmask16 tail_mask16(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
 
 // The packed-weight GEMMs' weight layout: src [N, K] row-major -> dst [ceil(N / 16), ceil(K / group), 16, group], for

@@ -38,17 +38,20 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w
 bool packed_gemm_supported();
 torch::Tensor bf16_pack(torch::Tensor weight);
 torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
-                        int64_t path);
+                        int64_t path, bool glu = false);
 bool bf16_dot_supported();
 // amx_gemm.cpp (bf16_gemm's path 2; bias fp32 [N] or nullptr)
 bool amx_bf16_supported();
 // AMX-TILE and AMX-INT8 (and AVX512-VNNI), granted by the OS: qblock_linear's int8 activations on tiles
 bool amx_int8_supported();
-torch::Tensor bf16_gemm_amx(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const float* bias);
+// glu (N = 2 I, I a multiple of 16; gate then up): silu(gate) * up [M, I], each rounded as the unfused GEMM and
+// silu_mul round them, so the same bits
+torch::Tensor bf16_gemm_amx(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const float* bias,
+                            bool glu = false);
 // x [M, K] bf16 @ W^T (+ bias) on AMX tiles, W's NB blocks of 16 outputs (N outputs in all) given by block(b, scratch):
 // a pointer to block b in bf16_pack's layout ([K / 2][16][2]), which may be scratch (K * 16 bf16) filled by the call
 torch::Tensor amx_gemm_blocks(const torch::Tensor& x, int64_t NB, int64_t N, const float* bias,
-                              const std::function<const uint16_t*(int64_t, uint16_t*)>& block);
+                              const std::function<const uint16_t*(int64_t, uint16_t*)>& block, bool glu = false);
 torch::Tensor int8w_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, c10::optional<torch::Tensor> bias,
                          int64_t a16);
 bool int8w_a16_supported();
@@ -77,7 +80,8 @@ bool qblock_linear_supported();
 torch::Tensor qblock_linear(torch::Tensor x, const QBlockWeight& weight, c10::optional<torch::Tensor> bias,
                             int64_t vnni);
 // bf16 x on AMX tiles, each tile of the weight dequantized to bf16 as it is read (amx_bf16_supported())
-torch::Tensor qblock_linear_amx(torch::Tensor x, const QBlockWeight& weight, c10::optional<torch::Tensor> bias);
+torch::Tensor qblock_linear_amx(torch::Tensor x, const QBlockWeight& weight, c10::optional<torch::Tensor> bias,
+                                bool glu = false);
 void bind_qblocks(pybind11::module_& m);
 
 // decoder_stack.cpp

@@ -505,8 +505,9 @@ torch::Tensor bf16_pack(torch::Tensor weight) {
 // x [M, K] bf16; packed: bf16_pack of the weight [N, K]; n: N; bias [N] (any float dtype) or None -> [M, N] bf16.
 // path: 0 multiplies with fp32 FMAs on widened weights, 1 with vdpbf16ps (tile_dot; needs bf16_dot_supported()), 2 on
 // AMX tiles (amx_gemm.cpp; needs amx_bf16_supported() and K a multiple of 32).
+// glu (path 2 only): the weight is gate then up (n = 2 I) and the result silu(gate) * up [M, I] (bf16_gemm_amx).
 torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
-                        int64_t path) {
+                        int64_t path, bool glu) {
   TORCH_CHECK(packed_gemm_supported(), "bf16_gemm needs a CPU with AVX-512");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
               "bf16_gemm: x must be bf16 [M, K] on the CPU");
@@ -519,7 +520,8 @@ torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::o
   torch::Tensor b;
   const Epilogue e{nullptr, fp32_bias(bias, N, "bf16_gemm", b)};
   TORCH_CHECK(path >= 0 && path <= 2, "bf16_gemm: path 0 (fma), 1 (dot) or 2 (amx), got ", path);
-  if (path == 2) return bf16_gemm_amx(x.contiguous(), packed, N, e.bias);
+  TORCH_CHECK(!glu || path == 2, "bf16_gemm: the fused gate/up (glu) runs on the amx path only");
+  if (path == 2) return bf16_gemm_amx(x.contiguous(), packed, N, e.bias, glu);
   TORCH_CHECK(path == 0 || bf16_dot_supported(), "bf16_gemm: the dot path needs a CPU with AVX512-BF16");
   if (path == 1) return packed_gemm_dot(x.contiguous(), packed, N, e);
   return packed_gemm<Bf16Weights, at::BFloat16>(x.contiguous(), packed, N, e);

@@ -761,7 +761,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_pack", &bf16_pack, "bf16 [N, K] weight -> the block layout bf16_gemm reads");
   m.def("bf16_gemm", &bf16_gemm, "x @ W^T (+ bias), bf16 weights packed: fp32 FMAs (path=0, AVX-512), vdpbf16ps "
         "(path=1, AVX512-BF16) or AMX tiles (path=2, AMX-BF16) (CPU)", py::arg("x"), py::arg("packed"), py::arg("n"),
-        py::arg("bias") = py::none(), py::arg("path") = 0);
+        py::arg("bias") = py::none(), py::arg("path") = 0, py::arg("glu") = false);
   m.def("bf16_dot_supported", &bf16_dot_supported, "whether bf16_gemm's path=1 runs here (AVX512-BF16)");
   m.def("amx_bf16_supported", &amx_bf16_supported, "whether bf16_gemm's path=2 runs here (AMX-BF16, granted by the OS)");
   m.def("int8w_gemm", &int8w_gemm, "x @ (W * scale)^T (+ bias), int8 weights packed by w8a8_pack: x in int16 per row "

@@ -517,7 +517,8 @@ bool qblock_linear_supported() { return cpu_has_avx512(); }
 // x [M, K] bf16 @ the block-quantized weight ^T (+ bias) -> [M, n] bf16 on AMX tiles (amx_gemm.cpp's driver), each
 // tile's weights dequantized (dequantize_tile) once per work item of up to 256 rows: the result is bf16_gemm's amx path
 // over the dequantized weight, bit for bit, while a step reads the blocks' bytes rather than bf16's.
-torch::Tensor qblock_linear_amx(torch::Tensor x, const QBlockWeight& qw, c10::optional<torch::Tensor> bias) {
+// glu: gate then up (n = 2 I): silu(gate) * up [M, I], as bf16_gemm's glu.
+torch::Tensor qblock_linear_amx(torch::Tensor x, const QBlockWeight& qw, c10::optional<torch::Tensor> bias, bool glu) {
   TORCH_CHECK(cpu_has_avx512_bf16() && amx_bf16_supported(), "qblock_linear_amx needs AMX-BF16 and AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.size(1) == qw.k,
               "qblock_linear_amx: x must be bf16 [M, ", qw.k, "] on the CPU");
@@ -528,7 +529,7 @@ torch::Tensor qblock_linear_amx(torch::Tensor x, const QBlockWeight& qw, c10::op
   return amx_gemm_blocks(x.contiguous(), qw.codes.size(0), qw.n, bp, [&](int64_t t, uint16_t* out) {
                            dequantize(w, t, out);
                            return static_cast<const uint16_t*>(out);
-                         });
+                         }, glu);
 }
 
 // The whole weight dequantized to bf16 in bf16_pack's layout ([ceil(n / 16), k / 2, 16, 2], zero past n): the bf16
@@ -686,8 +687,8 @@ void bind_qblocks(pybind11::module_& m) {
   m.def("qblock_linear", &qblock_linear, "x @ W^T (+ bias) over a QBlockWeight (CPU, AVX-512; VNNI: int8 activations "
         "per block of 32)", py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("vnni") = -1);
   m.def("qblock_linear_amx", &qblock_linear_amx, "x @ W^T (+ bias) over a QBlockWeight on AMX tiles, its tiles "
-        "dequantized to bf16 as they are read (bf16 x; AMX-BF16)", py::arg("x"), py::arg("weight"),
-        py::arg("bias") = py::none());
+        "dequantized to bf16 as they are read (bf16 x; AMX-BF16); glu: silu(gate) * up of a gate/up weight",
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("glu") = false);
   m.def("qblock_dequantize_bf16", &qblock_dequantize_bf16, "a QBlockWeight dequantized to bf16 in bf16_pack's layout "
         "(AVX512-BF16)", py::arg("weight"));
   m.def("qblock_linear_supported", &qblock_linear_supported, "whether qblock_linear runs here (AVX-512)");
