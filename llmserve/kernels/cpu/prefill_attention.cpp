@@ -324,6 +324,17 @@ LLMSERVE_AVX512 void softmax_pairs_amx(const float* st, int64_t n, int64_t nk32,
   }
 }
 
+// The live lanes (query tokens at positions pos) that see `key`: key <= p (causal) and key > p - window (window > 0).
+// masked false: the caller knows every lane sees every key of its block.
+LLMSERVE_AVX512 inline __mmask16 visible(int64_t key, __mmask16 live, bool masked, __m512i pos, int64_t window) {
+  if (!masked) return live;
+  const __m512i k = _mm512_set1_epi32(static_cast<int32_t>(key));
+  __mmask16 v = live & _mm512_cmple_epi32_mask(k, pos);
+  if (window > 0)
+    v &= _mm512_cmpgt_epi32_mask(k, _mm512_sub_epi32(pos, _mm512_set1_epi32(static_cast<int32_t>(window))));
+  return v;
+}
+
 struct Span {
   int64_t q_start, q_len, num_cached, slot_offset;
   bool from_cache;
@@ -411,18 +422,10 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
           pair_keys(keys, j0, n, nk16, D, s);
         }
         scores_amx(kp, ldk, nk16, D, s.qtp.data(), V, s.st.data());
-        // a key is visible to a lane where j <= p (causal) and j > p - window; the same for every head
+        // the same for every head
         __mmask16 vis[kKeyBlock];
         const bool masked = j0 + n - 1 > p0 || (window > 0 && j0 <= p_last - window);
-        for (int64_t j = 0; j < n; ++j) {
-          vis[j] = live;
-          if (masked) {
-            const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(j0 + j));
-            vis[j] &= _mm512_cmple_epi32_mask(key, pos);
-            if (window > 0) vis[j] &= _mm512_cmpgt_epi32_mask(key, _mm512_sub_epi32(pos, _mm512_set1_epi32(
-                                                                                        static_cast<int32_t>(window))));
-          }
-        }
+        for (int64_t j = 0; j < n; ++j) vis[j] = visible(j0 + j, live, masked, pos, window);
         const int64_t nk32 = (n + 31) / 32 * 32, term = kKeyBlock / 2 * V * 16;
         softmax_pairs_amx(s.st.data(), n, nk32, V, vis, scale, s.m.data(), s.l.data(), D, s.ot.data(), s.pp.data(),
                           term);
@@ -457,13 +460,7 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
       const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
       __mmask16 vis[kKeyBlock];
       for (int64_t j = 0; j < n; ++j) {
-        vis[j] = live;
-        if (masked) {
-          const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(j0 + j));
-          vis[j] &= _mm512_cmple_epi32_mask(key, pos);
-          if (window > 0) vis[j] &= _mm512_cmpgt_epi32_mask(key, _mm512_sub_epi32(pos, _mm512_set1_epi32(
-                                                                                      static_cast<int32_t>(window))));
-        }
+        vis[j] = visible(j0 + j, live, masked, pos, window);
         mx = _mm512_mask_max_ps(mx, vis[j], mx, _mm512_loadu_ps(s.st.data() + (j * V + v) * 16));
       }
       // lanes that have seen no key yet keep max -inf; subtract 0 there instead (their p are all masked to 0)

@@ -352,20 +352,19 @@ LLMSERVE_AMX8 __attribute__((optimize("no-tree-pre"))) void unit_amx8(const Act&
   const int8_t* xq = a.q + i0 * a.K;
   int32_t* c0 = cbuf;
   int32_t* c1 = cbuf + 256;
-  auto even = [&](int64_t b) {
-    _tile_loadd(2, xq + b * kBlock, a.K);
-    _tile_loadd(3, codes + b * 512, 64);
-    _tile_zero(0);
-    _tile_dpbsud(0, 2, 3);
-    _tile_stored(0, c0, 64);
-  };
-  auto odd = [&](int64_t b) {
-    _tile_loadd(4, xq + b * kBlock, a.K);
-    _tile_loadd(5, codes + b * 512, 64);
-    _tile_zero(1);
-    _tile_dpbsud(1, 4, 5);
-    _tile_stored(1, c1, 64);
-  };
+// Block b's product into tile C from A and B, stored at out. A macro: GCC's _tile_* macros paste their tile numbers
+// into the instruction's text, so no template parameter or variable can stand for them.
+#define LLMSERVE_AMX8_BLOCK(C, A, B, b, out)       \
+  do {                                             \
+    _tile_loadd(A, xq + (b) * kBlock, a.K);        \
+    _tile_loadd(B, codes + (b) * 512, 64);         \
+    _tile_zero(C);                                 \
+    _tile_dpbsud(C, A, B);                         \
+    _tile_stored(C, out, 64);                      \
+  } while (0)
+  auto even = [&](int64_t b) { LLMSERVE_AMX8_BLOCK(0, 2, 3, b, c0); };
+  auto odd = [&](int64_t b) { LLMSERVE_AMX8_BLOCK(1, 4, 5, b, c1); };
+#undef LLMSERVE_AMX8_BLOCK
   const int64_t KB = a.KB, per = w.blocks_per_group;
   even(0);
   for (int64_t b = 0; b < KB; b += 2) {
