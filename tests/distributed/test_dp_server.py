@@ -100,18 +100,29 @@ def test_a_session_stays_on_its_replica(servers) -> None:
     hits = lambda: sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(two + "/metrics").text.splitlines()  # noqa: E731
                        if line.startswith("llmserve:session_hit_tokens_total "))
     client = openai.OpenAI(base_url=two + "/v1", api_key="x")
-    stream = client.completions.create(model=client.models.list().data[0].id, prompt="Hello", max_tokens=100,
+    # replica 0 is busy with a stream as long as the tiny model's context allows (a 100-token one could finish before
+    # the session's first turn was routed, on a fast enough step)
+    stream = client.completions.create(model=client.models.list().data[0].id, prompt="Hello", max_tokens=240,
                                        stream=True, extra_body={"ignore_eos": True})
-    next(iter(stream))  # replica 0 is busy with it
+    next(iter(stream))
     before = _metric(two, "llmserve:replica_prompt_tokens_computed").get("1", 0)
+    assert _metric(two, "llmserve:replica_outstanding_tokens").get("0", 0) > 0
     _answer(two, history, session_id="dp-session")
     stream.close()
-    time.sleep(1.0)
-    assert _metric(two, "llmserve:replica_prompt_tokens_computed")["1"] > before  # the first turn ran on replica 1
+    # the first turn ran on replica 1 (a replica reports its figures twice a second: a loaded machine may take longer)
+    assert _eventually(lambda: _metric(two, "llmserve:replica_prompt_tokens_computed").get("1", 0) > before)
     start = hits()
     _answer(two, history + " Rome. The capital of Spain is", session_id="dp-session")
-    time.sleep(1.0)
-    assert hits() > start
+    assert _eventually(lambda: hits() > start)
+
+
+def _eventually(check, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 def test_a_killed_replica_fails_its_request_and_comes_back(servers) -> None:
