@@ -280,8 +280,10 @@ LLMSERVE_AVX512 void widen_row(const T* x, int64_t KB, float* xf, float* sx) {
 // two, and a request's logits still do not depend on its batch. Group 16 (two scales a block) stays on VNNI.
 //
 // Why: the VNNI kernel spends ~13 vector instructions a row per block and 16 outputs; here the products are one tile
-// instruction per 16 rows, and the per-row work is the epilogue's 5. With it, the blocks (4-bit weights: a quarter of
-// bf16's bytes, for decode) need not give way to a dequantized bf16 copy on AMX for prefill.
+// instruction per 16 rows, and the per-row work is the epilogue's 5. Measured on a 2-core Xeon with AMX (model 207,
+// 2026-11-27): 1.1-1.3x the VNNI kernel from 64 rows (at 16 rows about even), but the epilogue keeps it at ~0.6x the
+// bf16 tiles over the dequantized weight for prefill, so calibration still prefers those there. kAmx8MinRows is a
+// fixed threshold from that one machine, not measured at start (both paths give the same bits).
 
 // Tile t's codes as B operands: [KB][8][64] bytes, unpack_codes' vectors block by block.
 template <int BITS>
