@@ -38,6 +38,7 @@ read the cache.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -52,12 +53,16 @@ import torch
 from llmserve.errors import InvalidRequestError
 from llmserve.kernels import native
 from llmserve.kernels.choice import (
+    FEW_BUCKETS,
+    FEW_ROWS_KERNEL,
     ROW_BUCKETS,
     Candidate,
     ChoiceTable,
     OpChoice,
     Timer,
+    amend,
     choose,
+    few_rows,
     load_or_measure,
     parse_pins,
     pinned,
@@ -265,6 +270,52 @@ def qblock_linear_candidates(layer: nn.Module, names: tuple[str, ...]) -> list[C
     return out
 
 
+def add_few_rows(model: nn.Module, table: ChoiceTable, timer: Timer = wall_clock) -> ChoiceTable:
+    """The table with OpChoice.few_rows for each qblock op whose kernel is an amx path (amx over the dequantized
+    weight, blocks_amx over the blocks) and which qblock_linear_amx_fma can stand in for: measured over passes through
+    all the model's block layers in order, as a decode step reads them (each op's time its layers' sum), every layer on
+    its op's kernel, then every layer on the blocks' dot products. Why the whole model: timed hot, the two were even at
+    one row (SmolLM2's shapes, 7.6 ms against 7.7 for its 30 layers, 2-core Xeon with AMX); copies of one op's weight
+    (96 MB) ranked them otherwise than a step does; read from memory as a step reads them, 13-14 ms against 8.3-8.5."""
+    if not native.qblock_amx_fma_usable():
+        return table
+    runs: list[tuple[str, int, Callable[[torch.Tensor], object], Callable[[torch.Tensor], object]]] = []
+    with torch.inference_mode():
+        for layer in qblock_layers(model):
+            op = qblock_op(layer)
+            c = table.ops.get(op)
+            qb = layer.qblocks
+            if c is None or c.pinned or c.kernel not in ("amx", "blocks_amx") or qb.perm is not None:
+                continue
+            if c.kernel == "amx":  # the dequantized weight, as unblock will make it (freed after the timing)
+                w = native.qblock_dequantize_bf16(qb.native)
+                reference = functools.partial(lambda x, w, n: native.bf16_gemm(x, w, n, None, "amx"), w=w, n=qb.n)
+            else:
+                reference = functools.partial(lambda x, b: native.qblock_linear_amx(x, b, None), b=qb.native)
+            runs.append((op, qb.k, reference,
+                         functools.partial(lambda x, b: native.qblock_linear_amx_fma(x, b, None), b=qb.native)))
+        if not runs:
+            return table
+        gen = torch.Generator().manual_seed(0)
+        xs: dict[tuple[int, int], torch.Tensor] = {}
+
+        def timed_pass(kernel: str, rows: int) -> dict[str, float]:
+            seconds: dict[str, float] = {}
+            for op, k, reference, fma in runs:
+                x = xs.get((rows, k))
+                if x is None:
+                    x = xs[rows, k] = torch.randn(rows, k, generator=gen).bfloat16()
+                f = fma if kernel == FEW_ROWS_KERNEL else reference
+                seconds[op] = seconds.get(op, 0.0) + timer(kernel, rows, functools.partial(f, x))
+            return seconds
+
+        found = few_rows(list(dict.fromkeys(op for op, *_ in runs)), timed_pass)
+    ops = dict(table.ops)
+    for op, (rows, timed) in found.items():
+        ops[op] = dataclasses.replace(ops[op], few_rows=rows, few_timed=timed)
+    return dataclasses.replace(table, ops=ops)
+
+
 def prefill_attention_candidates(heads: int, kv_heads: int, head_dim: int, names: tuple[str, ...]) -> list[Candidate]:
     """Each path over one fresh bf16 prompt of `rows` tokens (random q, k, v; causal over itself)."""
     gen = torch.Generator().manual_seed(0)
@@ -390,7 +441,8 @@ def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dt
     if not measure:
         return None
     pinned_ops = {op: pinned(pins[op.partition(":")[0]]) for op in measure if op.partition(":")[0] in pins}
-    return load_or_measure(key(list(measure), threads, blocks_only), measure, pinned_ops, remeasure)
+    table = load_or_measure(key(list(measure), threads, blocks_only), measure, pinned_ops, remeasure)
+    return table if table.reused else amend(add_few_rows(model, table, timer))
 
 
 def _measure(op: str, make: Callable[..., list[Candidate]], args: tuple, timer: Timer,
@@ -421,4 +473,10 @@ def report(table: ChoiceTable) -> str:
         for i, rows in enumerate(c.rows):
             cells = "".join(f"{c.seconds[n][i] * 1e3:>9.3f}ms" for n in names)
             lines.append(f"  {rows:>4}  {cells}  {min(names, key=lambda n: c.seconds[n][i])}")
+        if c.few_timed:
+            names = list(c.few_timed)
+            lines.append("  weights read cold, the same bits: " + "".join(f"{n:>11}" for n in names))
+            for i, rows in enumerate(FEW_BUCKETS[:len(c.few_timed[names[0]])]):
+                cells = "".join(f"{c.few_timed[n][i] * 1e3:>9.3f}ms" for n in names)
+                lines.append(f"  {rows:>4}  {cells}")
     return "\n".join(lines)

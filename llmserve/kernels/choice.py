@@ -27,7 +27,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -35,7 +35,10 @@ from llmserve.errors import InvalidRequestError
 
 # The rows of input a linear's candidates are timed at (each batch size counting alike in the choice).
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-FORMAT = 3  # of the cached files; a file of another format is measured again (1, 2: winners per row bucket)
+FORMAT = 4  # of the cached files; a file of another format is measured again (1, 2: winners per row bucket; 3: no
+# few_rows)
+# The kernel that computes the amx paths' bits from a block-quantized weight's blocks (OpChoice.few_rows)
+FEW_ROWS_KERNEL = "blocks_fma"
 
 # timer(candidate name, rows, fn) -> seconds one call of fn took. The real one (wall_clock) calls fn; a fake one may not.
 Timer = Callable[[str, int, Callable[[], object]], float]
@@ -56,13 +59,19 @@ class OpChoice:
     rows: tuple[int, ...] = ()
     seconds: dict[str, tuple[float, ...]] = field(default_factory=dict)
     pinned: bool = False
+    # Where another kernel computes this one's very bits: it runs batches of at most few_rows rows (0: none), as
+    # timed against the kernel at few_timed's rows (few_timed[name][i] at few_timed["rows"][i], weights read cold).
+    few_rows: int = 0
+    few_timed: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
     def describe(self) -> str:
-        return self.kernel + (" (pinned)" if self.pinned else "")
+        few = f" (<= {self.few_rows} rows: {FEW_ROWS_KERNEL})" if self.few_rows else ""
+        return self.kernel + few + (" (pinned)" if self.pinned else "")
 
     def to_json(self) -> dict:
         return {"kernel": self.kernel, "rows": list(self.rows), "pinned": self.pinned,
-                "seconds": {k: list(v) for k, v in self.seconds.items()}}
+                "seconds": {k: list(v) for k, v in self.seconds.items()}, "few_rows": self.few_rows,
+                "few_timed": {k: list(v) for k, v in self.few_timed.items()}}
 
     @classmethod
     def from_json(cls, d: dict) -> OpChoice:
@@ -70,7 +79,11 @@ class OpChoice:
         seconds = {str(k): tuple(float(s) for s in v) for k, v in d.get("seconds", {}).items()}
         if not isinstance(d["kernel"], str) or any(len(v) != len(rows) for v in seconds.values()):
             raise ValueError("a kernel name, and one time per timed row count")
-        return cls(d["kernel"], rows, seconds, bool(d.get("pinned", False)))
+        few_timed = {str(k): tuple(float(s) for s in v) for k, v in d.get("few_timed", {}).items()}
+        few_rows = int(d.get("few_rows", 0))
+        if few_rows < 0:
+            raise ValueError("few_rows >= 0")
+        return cls(d["kernel"], rows, seconds, bool(d.get("pinned", False)), few_rows, few_timed)
 
 
 def pinned(name: str) -> OpChoice:
@@ -117,6 +130,42 @@ def choose(candidates: Sequence[Candidate], timer: Timer, buckets: Sequence[int]
     fastest = [max(min(seconds[n][i] for n in names), 1e-12) for i in range(len(buckets))]
     best = min(names, key=lambda n: sum(t / f for t, f in zip(seconds[n], fastest)))
     return OpChoice(best, tuple(buckets), {k: tuple(v) for k, v in seconds.items()})
+
+
+# The rows at which a kernel with another's bits is timed against it for OpChoice.few_rows (up to the first it loses)
+FEW_BUCKETS = (1, 2, 4, 8, 16)
+REFERENCE = "reference"
+
+
+def few_rows(ops: Sequence[str], timed_pass: Callable[[str, int], dict[str, float]],
+             buckets: Sequence[int] = FEW_BUCKETS, reps: int = 3) -> dict[str, tuple[int, dict[str, tuple[float, ...]]]]:
+    """Up to how many rows FEW_ROWS_KERNEL, which computes each op's kernel's very bits, runs in its place, per op.
+    timed_pass(kernel, rows) runs one pass over the model's layers of `ops` at `rows` rows, every layer on `kernel`
+    (REFERENCE: the op's own; or FEW_ROWS_KERNEL), and gives each op's seconds in it. Each bucket takes a warm-up pass
+    and `reps` interleaved passes per kernel, each op keeping its fastest; an op's rows are the largest bucket up to
+    which FEW_ROWS_KERNEL was at least as fast at every bucket (0 where it lost the first), and the timing stops where
+    every op has lost one. Returns {op: (rows, {REFERENCE: times, FEW_ROWS_KERNEL: times})}, times[i] at buckets[i]."""
+    timed: dict[str, dict[str, list[float]]] = {op: {REFERENCE: [], FEW_ROWS_KERNEL: []} for op in ops}
+    rows = dict.fromkeys(ops, 0)
+    active = list(ops)
+    for b in buckets:
+        if not active:
+            break
+        best = {(op, k): float("inf") for op in active for k in (REFERENCE, FEW_ROWS_KERNEL)}
+        for rep in range(reps + 1):
+            for k in (REFERENCE, FEW_ROWS_KERNEL):
+                seconds = timed_pass(k, b)
+                if rep:  # the first pass warms up
+                    for op in active:
+                        best[op, k] = min(best[op, k], seconds[op])
+        for op in list(active):
+            for k in (REFERENCE, FEW_ROWS_KERNEL):
+                timed[op][k].append(best[op, k])
+            if best[op, FEW_ROWS_KERNEL] <= best[op, REFERENCE]:
+                rows[op] = b
+            else:
+                active.remove(op)
+    return {op: (rows[op], {k: tuple(v) for k, v in timed[op].items()}) for op in ops}
 
 
 def wall_clock(name: str, rows: int, fn: Callable[[], object]) -> float:
@@ -252,6 +301,16 @@ def load_or_measure(key: dict[str, object], measure: dict[str, Callable[[], OpCh
     if ops:  # a table left out of the cache still holds for the rest of this process: its engines agree
         _measured[cache_path(key)] = ChoiceTable(key, ops, wall, others_busy=busy, cached=written)
     return ChoiceTable(key, {**ops, **pins}, wall, others_busy=busy, cached=written)
+
+
+def amend(table: ChoiceTable) -> ChoiceTable:
+    """A table load_or_measure measured, amended since (calibrate.add_few_rows): written over its cache file where the
+    original was written, and what this process remembers of it updated."""
+    written = table.cached and save(table) is not None
+    memo = _measured.get(cache_path(table.key))
+    if memo is not None:
+        _measured[cache_path(table.key)] = replace(memo, ops={op: table.ops[op] for op in memo.ops}, cached=written)
+    return replace(table, cached=written)
 
 
 # What this process measured, by cache file: reused before the cache is read (and where it was not written).

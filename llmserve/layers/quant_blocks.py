@@ -168,6 +168,8 @@ class BlockWeight:
         # bf16 x on AMX tiles over the tiles dequantized as read (native.qblock_linear_amx), where the measured choice
         # says so (kernels/calibrate.py's blocks_amx); else the int8-activation kernel
         self.amx = False
+        # with amx: batches of at most this many rows run qblock_linear_amx_fma (the same bits; calibrate's few_rows)
+        self.few_rows = 0
 
     @property
     def nbytes(self) -> int:
@@ -176,7 +178,9 @@ class BlockWeight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., k] -> [..., n] in x's dtype."""
         if self.native is not None and self.amx and x.dtype == torch.bfloat16:
-            y = native.qblock_linear_amx(self.gather(x).reshape(-1, self.k), self.native, bias)
+            x2 = self.gather(x).reshape(-1, self.k)
+            few = x2.shape[0] <= self.few_rows
+            y = (native.qblock_linear_amx_fma if few else native.qblock_linear_amx)(x2, self.native, bias)
             return y.reshape(*x.shape[:-1], self.n)
         if self.native is not None and x.dtype in (torch.float32, torch.bfloat16):
             y = native.qblock_linear(self.gather(x).reshape(-1, self.k), self.native, bias)

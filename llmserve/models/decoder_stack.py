@@ -38,17 +38,22 @@ def enabled() -> bool:
 
 
 def _linear_args(linear: Linear) -> list[Any] | None:
-    """(packed weight, outputs, scale, wsum, bias, path) of a linear the stack runs, or None. A bf16 linear runs in the
-    stack where its measured kernel is a packed one (fma, dot or amx: bf16_gemm's path argument; kernels/choice.py)."""
+    """(packed weight, outputs, scale, wsum, bias, path, few-row blocks, few rows) of a linear the stack runs, or None.
+    A bf16 linear runs in the stack where its measured kernel is a packed one (fma, dot or amx: bf16_gemm's path
+    argument; kernels/choice.py). On the amx path, batches of at most `few rows` rows run on the blocks (the layer's
+    own where the few-row blocks are None; OpChoice.few_rows)."""
     if linear.qblocks is not None:  # block-quantized (layers/quant_blocks.py), where the native kernel runs
-        native_weight = linear.qblocks.native
-        if native_weight is None or linear.qblocks.perm is not None:  # (act-order: the stack would not gather x)
+        qb = linear.qblocks
+        if qb.native is None or qb.perm is not None:  # (act-order: the stack would not gather x)
             return None
-        return [native_weight, linear.out_features, None, None, linear.bias, 2 if linear.qblocks.amx else 0]
+        return [qb.native, linear.out_features, None, None, linear.bias, 2 if qb.amx else 0, None,
+                qb.few_rows if qb.amx else 0]
     if linear.int8_packed is not None:  # w8a8 (with wsum) or weight-only
         return [linear.int8_packed, linear.out_features, linear.scale, linear.wsum, linear.bias, 0]
     if linear.bf16 is not None and linear.bf16.packed:
-        return [linear.bf16.weight, linear.out_features, None, None, linear.bias, native.BF16_PATHS[linear.bf16.kernel]]
+        few, few_rows = linear.bf16.few or (None, 0)
+        return [linear.bf16.weight, linear.out_features, None, None, linear.bias,
+                native.BF16_PATHS[linear.bf16.kernel], few, few_rows]
     return None
 
 

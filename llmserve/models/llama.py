@@ -311,6 +311,8 @@ class LlamaForCausalLM(nn.Module):
         """Switch every matmul to its CPU form (after load_weights; see layers.linear): bf16 weights to the kernels
         measured fastest on this machine (choices, kernels/calibrate.py), the rest to oneDNN-blocked weights. A layer on
         block-quantized weights stays on them unless its measured choice is a bf16 kernel over the dequantized weight."""
+        few: dict[int, tuple[object, int]] = {}  # id(module): (its blocks, up to how many rows they run)
+
         def choice(module: nn.Module) -> OpChoice | None:
             if choices is None:
                 return None
@@ -319,16 +321,24 @@ class LlamaForCausalLM(nn.Module):
                 c = choices.ops.get(blocks_op)
                 if c is None or c.kernel in ("blocks", "blocks_amx"):
                     module.qblocks.amx = c is not None and c.kernel == "blocks_amx"
+                    module.qblocks.few_rows = c.few_rows if module.qblocks.amx else 0
                     return None
+                if c.kernel == "amx" and c.few_rows:  # the blocks stay beside the bf16 weight, for a few rows
+                    few[id(module)] = (module.qblocks.native, c.few_rows)
                 calibrate.unblock(module)
                 return c
             return None if module.weight is None else choices.ops.get(calibrate.op_name(module.weight))
 
+        def pack(module: nn.Module, c: OpChoice | None, **kw: bool) -> None:
+            module.pack_for_cpu(choice=c, **kw)
+            if id(module) in few and module.bf16 is not None:
+                module.bf16.few = few[id(module)]
+
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack_for_cpu(choice(module))
+                pack(module, choice(module))
         head = self.logits_head()
-        head.pack_for_cpu(keep_plain=self.lm_head is None, choice=choice(head))
+        pack(head, choice(head), keep_plain=self.lm_head is None)
 
     def quantize(self, method: str) -> None:
         """After load_weights. int8: weight-only int8 for every linear layer and the embedding / LM head.

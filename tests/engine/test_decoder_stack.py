@@ -96,6 +96,48 @@ def test_gguf_block_stacks_give_the_python_layers_bits(tmp_path, monkeypatch, qt
     _check_same_bits(path, monkeypatch, True)
 
 
+@pytest.mark.skipif(not native.qblock_amx_fma_usable(), reason="needs AMX-BF16, AVX512-BF16 and VBMI")
+@pytest.mark.parametrize("kernel", ["amx", "blocks_amx"])
+def test_blocks_standing_in_for_the_tiles_give_the_same_tokens(tmp_path, monkeypatch, kernel: str) -> None:
+    """Decode steps of up to 4 rows on the blocks' dot products (OpChoice.few_rows, forced here), the rest on the
+    tiles: the same tokens and logprobs as the tiles alone, in the stack and in the Python layers, batched, chunked
+    and preempted."""
+    import dataclasses
+
+    import gguf
+
+    from llmserve.kernels import calibrate
+    from llmserve.kernels.choice import FEW_BUCKETS
+    from tests.tiny_models import make_hf_model, write_tiny_gguf
+
+    monkeypatch.setenv("LLMSERVE_KERNEL_CHOICE", f"bf16_linear=fma,qblock_linear={kernel}")
+    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    if kernel == "blocks_amx":
+        monkeypatch.setattr(calibrate, "_mem_available", lambda: 1)
+    hf = make_hf_model("llama", vocab_size=300, hidden_size=256, intermediate_size=256)
+    path = write_tiny_gguf(hf, tmp_path / "tiny.Q4_1.gguf", gguf.GGMLQuantizationType.Q4_1)
+    ran: list[int] = []
+    run = native.qblock_linear_amx_fma
+    monkeypatch.setattr(native, "qblock_linear_amx_fma", lambda x, *a, **k: ran.append(x.shape[0]) or run(x, *a, **k))
+    tiles = _run(path, monkeypatch, True, num_blocks=14, enable_prefix_caching=False)
+    assert not ran
+
+    plan = calibrate.plan
+
+    def four_rows(*args, **kwargs):  # the pinned kernels, with 4 rows on the blocks
+        table = plan(*args, **kwargs)
+        ops = {op: dataclasses.replace(c, few_rows=4) if op.startswith("qblock_linear:") else c
+               for op, c in table.ops.items()}
+        return dataclasses.replace(table, ops=ops)
+
+    assert 4 in FEW_BUCKETS
+    monkeypatch.setattr(calibrate, "plan", four_rows)
+    for stack in (True, False):
+        ids, lps, calls = _run(path, monkeypatch, stack, num_blocks=14, enable_prefix_caching=False)
+        assert (ids, lps) == tiles[:2] and (calls > 0) == stack
+    assert ran and max(ran) <= 4  # the Python layers' calls (the stack's are native)
+
+
 def test_prefix_cache_hits_give_the_same_bits(tiny_model_dir, monkeypatch) -> None:
     # the second pass finds every prompt's full blocks in the prefix cache: its prefills start mid-context
     def twice(stack: bool) -> list:

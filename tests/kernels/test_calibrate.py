@@ -161,6 +161,45 @@ def test_blocks_or_their_dequantized_weights_by_measurement(q4_1_gguf: str, winn
                            .bfloat16())
 
 
+@pytest.mark.skipif(not native.qblock_amx_fma_usable(), reason="needs AMX-BF16, AVX512-BF16 and VBMI")
+def test_amx_block_ops_measure_up_to_how_many_rows_the_blocks_stand_in(q4_1_gguf: str) -> None:
+    """Where a block op's choice is amx, passes through the model's block layers time the blocks' dot products (the
+    tiles' bits) against it by rows; the packed model keeps the blocks beside the dequantized weight for that many
+    rows, its outputs are the tiles' at every row count, and the cached table brings the rows back."""
+    model = load_model(q4_1_gguf, EngineConfig(dtype="bfloat16")).model
+    layers = list(calibrate.qblock_layers(model))
+    passes: list[tuple[str, int]] = []
+
+    def timer(name: str, rows: int, fn: Callable[[], object]) -> float:
+        if name in (choice.FEW_ROWS_KERNEL, choice.REFERENCE):
+            passes.append((name, rows))
+            fn()  # the real kernels, on the model's own weights
+            return 1.0 if (name == choice.FEW_ROWS_KERNEL) == (rows <= 2) else 2.0
+        return 1.0 if name == "amx" else 2.0
+
+    table = calibrate.plan(model, 2, dtype=BF16, timer=timer)
+    qops = {calibrate.qblock_op(m) for m in layers}
+    assert {(table.ops[op].kernel, table.ops[op].few_rows) for op in qops} == {("amx", 2)}
+    assert max(rows for _, rows in passes) == 4 and set(table.ops[next(iter(qops))].few_timed) == {
+        choice.REFERENCE, choice.FEW_ROWS_KERNEL}
+    assert "<= 2 rows" in table.describe() and "weights read cold" in calibrate.report(table)
+    head = model.logits_head()
+    model.pack_for_cpu(table)
+    for m in layers:
+        assert m.qblocks is None and m.bf16.kernel == "amx" and m.bf16.few is not None and m.bf16.few[1] == 2
+    blocks = head.bf16.few
+    for rows in (1, 2, 3):
+        x = torch.randn(rows, head.hidden_size).bfloat16()
+        head.bf16.few = blocks
+        got = head.logits(x)
+        head.bf16.few = None
+        assert torch.equal(got, head.logits(x))
+    choice._measured.clear()  # a new process, the same model: the cache has the rows
+    model = load_model(q4_1_gguf, EngineConfig(dtype="bfloat16")).model
+    again = calibrate.plan(model, 2, dtype=BF16, timer=lambda name, rows, fn: pytest.fail("measured again"))
+    assert again.reused and {again.ops[op].few_rows for op in qops} == {2}
+
+
 @pytest.mark.skipif(not native.qblock_usable(), reason="the blocks need the native kernel")
 def test_blocks_stay_where_their_dequantized_weights_would_not_fit(q4_1_gguf: str,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:

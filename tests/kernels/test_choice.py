@@ -217,6 +217,12 @@ def test_parse_pins() -> None:
 def test_op_choice_round_trips_through_json() -> None:
     c = OpChoice("dot", (1, 8, 64), {"fma": (1.0, 2.0, 3.0), "dot": (2.0, 1.0, 1.5)})
     assert OpChoice.from_json(json.loads(json.dumps(c.to_json()))) == c
+    few = OpChoice("amx", (1, 8), {"amx": (1.0, 2.0)}, few_rows=4,
+                   few_timed={"reference": (3.0, 3.0, 3.0, 3.0), choice.FEW_ROWS_KERNEL: (1.0, 2.0, 3.0, 4.0)})
+    assert OpChoice.from_json(json.loads(json.dumps(few.to_json()))) == few
+    assert few.describe() == f"amx (<= 4 rows: {choice.FEW_ROWS_KERNEL})"
+    with pytest.raises(ValueError):
+        OpChoice.from_json({**few.to_json(), "few_rows": -1})
     with pytest.raises(ValueError):
         OpChoice.from_json({"kernel": "dot", "rows": [1, 8], "seconds": {"dot": [1.0]}})
     with pytest.raises(ValueError):
@@ -230,3 +236,31 @@ def test_long_calls_get_two_rounds() -> None:
     c = choose(candidates("fma", "dot"), fake_timer(costs, calls), buckets=(1, 64), reps=5)
     assert calls.count(("fma", 1)) == 5 and calls.count(("fma", 64)) == 2 and calls.count(("dot", 64)) == 2
     assert c.kernel == "fma"
+
+
+def test_few_rows_go_up_to_the_first_bucket_the_stand_in_loses() -> None:
+    """Per op, the stand-in (the same bits) runs up to the largest bucket before the first it loses; its warm-up pass
+    does not count, each op keeps its fastest pass, and the passes stop once every op has lost a bucket."""
+    fma, ref = choice.FEW_ROWS_KERNEL, choice.REFERENCE
+    cost = {"a": {ref: lambda r: 4.0, fma: lambda r: float(r)},  # even at 4 rows, behind at 8
+            "b": {ref: lambda r: 1.0, fma: lambda r: 2.0},  # behind at once
+            "c": {ref: lambda r: 10.0 * r, fma: lambda r: 1.0}}  # ahead at every bucket
+    passes: list[tuple[str, int]] = []
+
+    def timed_pass(kernel: str, rows: int) -> dict[str, float]:
+        first = (kernel, rows) not in passes
+        passes.append((kernel, rows))
+        # the warm-up pass is slow, and a disturbed one too: neither may count
+        slow = 100.0 if first or len(passes) % 5 == 0 else 1.0
+        return {op: slow * c[kernel](rows) for op, c in cost.items()}
+
+    found = choice.few_rows(["a", "b", "c"], timed_pass, buckets=(1, 2, 4, 8, 16, 32), reps=3)
+    assert {op: rows for op, (rows, _) in found.items()} == {"a": 4, "b": 0, "c": 32}
+    assert found["a"][1] == {ref: (4.0, 4.0, 4.0, 4.0), fma: (1.0, 2.0, 4.0, 8.0)}
+    assert len(found["b"][1][fma]) == 1 and len(found["c"][1][ref]) == 6
+    assert passes.count((fma, 32)) == 4  # c is still ahead: every bucket is timed
+
+    cost["c"] = {ref: lambda r: 1.0, fma: lambda r: 3.0}
+    passes.clear()
+    found = choice.few_rows(["a", "b", "c"], timed_pass, buckets=(1, 2, 4, 8, 16, 32), reps=3)
+    assert found["c"][0] == 0 and max(r for _, r in passes) == 8  # all behind by 8 rows: no pass at 16

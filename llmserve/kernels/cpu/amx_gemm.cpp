@@ -172,6 +172,13 @@ bool amx_int8_supported() {
   return ok;
 }
 
+// The epilogue of one unit: c's rows (fp32, 32 a row: pair p's two blocks of 16 outputs) plus bias, rounded to bf16,
+// into y's rows (y: the unit's first row); glu: silu(gate) * up.
+void amx_store_pair(const float* c, int64_t rows, int64_t p, int64_t N, const float* bias, at::BFloat16* y, bool glu) {
+  if (glu) store_glu(c, rows, p * kBlockRows, N / 2, bias, y);
+  else store_unit(c, rows, 2 * p * kBlockRows, N, bias, y);
+}
+
 // x [M, K] bf16 contiguous, K % 32 == 0; packed: bf16_pack of W [N, K]; bias fp32 [N] or nullptr -> [M, N] bf16.
 torch::Tensor bf16_gemm_amx(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const float* bias,
                             bool glu) {
@@ -240,8 +247,7 @@ torch::Tensor amx_gemm_blocks(const torch::Tensor& x, int64_t NB, int64_t N, con
             two_b ? unit<true, true>(xi, ldx, w0, w1, kt, c) : unit<true, false>(xi, ldx, w0, w1, kt, c);
           else
             two_b ? unit<false, true>(xi, ldx, w0, w1, kt, c) : unit<false, false>(xi, ldx, w0, w1, kt, c);
-          if (glu) store_glu(c, rows, p * kBlockRows, N / 2, bias, yp + i * (N / 2));
-          else store_unit(c, rows, 2 * p * kBlockRows, N, bias, yp + i * N);
+          amx_store_pair(c, rows, p, N, bias, yp + i * (glu ? N / 2 : N), glu);
         }
       }
     }

@@ -33,18 +33,30 @@ struct StackLinear {
   c10::optional<torch::Tensor> wsum;  // w8a8
   c10::optional<torch::Tensor> bias;  // fp32
   int64_t path = 0;  // bf16 weights: bf16_gemm's path argument (the measured kernel, llmserve/kernels/choice.py)
+  // On the amx path (2), batches of at most few_rows rows run qblock_linear_amx_fma over these blocks (`blocks`
+  // where the layer runs on them): the tiles' bits, reading the blocks' bytes (the measured threshold; 0: never).
+  std::optional<QBlockWeight> few;
+  int64_t few_rows = 0;
+
+  const QBlockWeight* few_blocks(const torch::Tensor& x) const {
+    if (path != 2 || x.size(0) > few_rows || x.scalar_type() != at::kBFloat16) return nullptr;
+    return few.has_value() ? &*few : blocks.has_value() ? &*blocks : nullptr;
+  }
 
   // silu(gate) * up of this gate/up projection: fused into the GEMM's epilogue on the amx paths (the same bits as
   // the two calls; at a 2,000-token prefill the separate op re-read the 12 MB gate/up output from beyond L2, ~1.5-2
   // ms a layer), else the GEMM then silu_mul.
   torch::Tensor glu(const torch::Tensor& x) const {
     if (path == 2 && n % 32 == 0 && (blocks.has_value() || packed.scalar_type() == at::kBFloat16) &&
-        x.scalar_type() == at::kBFloat16)
+        x.scalar_type() == at::kBFloat16) {
+      if (const QBlockWeight* f = few_blocks(x)) return qblock_linear_amx_fma(x, *f, bias, true);
       return blocks.has_value() ? qblock_linear_amx(x, *blocks, bias, true) : bf16_gemm(x, packed, n, bias, 2, true);
+    }
     return silu_mul((*this)(x));
   }
 
   torch::Tensor operator()(const torch::Tensor& x) const {
+    if (const QBlockWeight* f = few_blocks(x)) return qblock_linear_amx_fma(x, *f, bias);
     if (blocks.has_value()) return path == 2 ? qblock_linear_amx(x, *blocks, bias) : qblock_linear(x, *blocks, bias, -1);
     if (packed.scalar_type() != at::kChar) return bf16_gemm(x, packed, n, bias, path);
     return wsum.has_value() ? w8a8_linear(x, packed, scale, *wsum, bias) : int8w_gemm(x, packed, scale, bias, -1);
@@ -72,7 +84,8 @@ class DecoderStack {
                 "DecoderStack: heads must be a multiple of kv_heads, head_dim even");
   }
 
-  // A linear's arguments: packed weight, outputs, scale (int8) or None, wsum (w8a8) or None, bias or None.
+  // A linear's arguments: packed weight, outputs, scale (int8) or None, wsum (w8a8) or None, bias or None, path, and
+  // optionally the amx path's few-rows blocks (a QBlockWeight, or None for the layer's own) and their row count.
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, const std::vector<py::object>& qkv,
                  const std::vector<py::object>& o, const std::vector<py::object>& gate_up,
                  const std::vector<py::object>& down, c10::optional<torch::Tensor> q_norm,
@@ -183,10 +196,17 @@ class DecoderStack {
   }
 
   StackLinear linear(const std::vector<py::object>& args, int64_t expected_n, const char* what) const {
-    TORCH_CHECK(args.size() == 6, "DecoderStack: a linear is (packed, n, scale, wsum, bias, path)");
+    TORCH_CHECK(args.size() == 6 || args.size() == 8,
+                "DecoderStack: a linear is (packed, n, scale, wsum, bias, path[, few blocks, few rows])");
     StackLinear l;
     l.n = args[1].cast<int64_t>();
     l.path = args[5].cast<int64_t>();
+    if (args.size() == 8) {
+      if (!args[6].is_none()) l.few = args[6].cast<QBlockWeight>();
+      l.few_rows = args[7].cast<int64_t>();
+      TORCH_CHECK(l.few_rows == 0 || (l.path == 2 && qblock_amx_fma_supported()),
+                  "DecoderStack: ", what, ": few-row blocks need the amx path and qblock_amx_fma_supported()");
+    }
     TORCH_CHECK(l.path != 1 || bf16_dot_supported(), "DecoderStack: ", what, " asks for dot products this CPU lacks");
     TORCH_CHECK(l.path != 2 || amx_bf16_supported(), "DecoderStack: ", what, " asks for AMX tiles this CPU lacks");
     if (py::isinstance<QBlockWeight>(args[0])) {  // (QBlockWeight, n, None, None, bias, 0 or 2: AMX tiles)

@@ -52,6 +52,9 @@ torch::Tensor bf16_gemm_amx(const torch::Tensor& x, const torch::Tensor& packed,
 // a pointer to block b in bf16_pack's layout ([K / 2][16][2]), which may be scratch (K * 16 bf16) filled by the call
 torch::Tensor amx_gemm_blocks(const torch::Tensor& x, int64_t NB, int64_t N, const float* bias,
                               const std::function<const uint16_t*(int64_t, uint16_t*)>& block, bool glu = false);
+// amx_gemm_blocks' epilogue for one unit: c fp32 [rows][32] (pair p: blocks 2p and 2p + 1, or with glu gate block p
+// and up block p + NB / 2) plus bias, rounded to bf16, into y (the unit's first row of the [M, N] or [M, N / 2] output)
+void amx_store_pair(const float* c, int64_t rows, int64_t p, int64_t N, const float* bias, at::BFloat16* y, bool glu);
 torch::Tensor int8w_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, c10::optional<torch::Tensor> bias,
                          int64_t a16);
 bool int8w_a16_supported();
@@ -82,6 +85,10 @@ torch::Tensor qblock_linear(torch::Tensor x, const QBlockWeight& weight, c10::op
 // bf16 x on AMX tiles, each tile of the weight dequantized to bf16 as it is read (amx_bf16_supported())
 torch::Tensor qblock_linear_amx(torch::Tensor x, const QBlockWeight& weight, c10::optional<torch::Tensor> bias,
                                 bool glu = false);
+// qblock_linear_amx's bits by AVX-512 dot products over the blocks, for a few rows (qblock_amx_fma_supported())
+bool qblock_amx_fma_supported();
+torch::Tensor qblock_linear_amx_fma(torch::Tensor x, const QBlockWeight& weight, c10::optional<torch::Tensor> bias,
+                                    bool glu = false);
 void bind_qblocks(pybind11::module_& m);
 
 // decoder_stack.cpp

@@ -35,13 +35,16 @@
 #include "kernels.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #define LLMSERVE_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+#define LLMSERVE_BF16_VBMI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi")))
 #define LLMSERVE_AMX8 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,amx-tile,amx-int8")))
 
 namespace {
@@ -479,6 +482,113 @@ LLMSERVE_AVX512BF16 void dequantize_tile(const Weight& w, int64_t t, uint16_t* o
   }
 }
 
+// ---- The amx path's bits at a few rows, from the blocks (qblock_linear_amx_fma) ----
+// tdpbf16ps sums, for each output and tile of 32 columns, the even columns' products and the odd columns' in two fp32
+// sums that start from zero, each in column order with fused multiply-adds (DAZ and FTZ, round to nearest even), then
+// adds the two, and that to the output (Intel's SDM gives this order in the instruction's operation; summing the 32
+// products in one chain, as its older text and the intrinsics guide have it, differed from the tiles in ~0.02% of
+// outputs, this in none: tests/test_qblock_gemm.py). The products of two bf16 values are exact in fp32. So AVX-512
+// FMAs over dequantize_tile's values, in that order and with MXCSR's DAZ and FTZ set, give the tiles' sums bit for bit,
+// and amx_store_pair (the tiles' own epilogue) rounds them.
+//
+// Why: at one row the tiles use 1 of their 16 rows, and the bf16 weight is 2-4x the blocks' bytes, read from memory
+// at every decode step (SmolLM2-135M: 270 MB a token against ~75 MB of its Q4_1/Q8_0 blocks). Here each weight costs
+// ~8 vector instructions per 16 outputs (unpack, dequantize, round to bf16) plus one FMA a row, shared by the rows of
+// a pass (up to kFmaRows).
+constexpr int kFmaRows = 4;        // rows of x per pass over a tile's blocks
+constexpr unsigned kDazFtz = 0x8040;  // MXCSR: flush-to-zero (bit 15), denormals-are-zero (bit 6)
+
+// acc[i] (i < MR) of tile t: the tiles' fp32 sums for rows i of x, given as column pairs (xp: [MR][K / 2] dwords,
+// pair 16 b + 2 k + par of block b = x[32 b + 4 k + par] in the high word, x[32 b + 4 k + par + 2] in the low one),
+// stored at c + i * ldc.
+// vdpbf16ps adds a dword's high-word product, then its low-word product, to its lane with one rounding each (DAZ,
+// FTZ): two steps of one chain. So a weight vector's lane r holds output r's columns 4k + par (high) and
+// 4k + par + 2 (low), one vector the even chain's, one the odd's. The dequantized values reach that layout by
+// vpermb: the codes of outputs 0-7 interleaved (column 4k + par + 2 then 4k + par, each in a dword's low byte), and
+// of outputs 8-15, dequantized in fp32 with the scales in the same order, and both rounded by one vcvtne2ps2bf16.
+template <int MR, int BITS, bool G16, typename S>
+LLMSERVE_BF16_VBMI __attribute__((optimize("no-tree-pre"))) void fma_tile(const uint32_t* xp, int64_t KP,
+                                                                         const Weight& w, int64_t t, float* c,
+                                                                         int64_t ldc) {
+  constexpr __mmask64 kLowBytes = 0x1111111111111111ull;
+  // byte 4 l of a code vector: output r = (l / 2) (+ 8 for the A half), column 4k + par + (l even ? 2 : 0)
+  alignas(64) static const auto idx = [] {
+    std::array<std::array<uint8_t, 64>, 4> v{};  // [half * 2 + par]
+    for (int half = 0; half < 2; ++half)
+      for (int par = 0; par < 2; ++par)
+        for (int l = 0; l < 16; ++l)
+          v[half * 2 + par][4 * l] = static_cast<uint8_t>(4 * (8 * half + l / 2) + par + (l % 2 == 0 ? 2 : 0));
+    return v;
+  }();
+  __m512i code_idx[4];
+  _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j) code_idx[j] = _mm512_loadu_si512(idx[j].data());
+  const __m512i lo_half = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i hi_half = _mm512_add_epi32(lo_half, _mm512_set1_epi32(8));
+  __m512 acc[MR];
+  _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < w.KB; ++b) {
+    const int64_t g = G16 ? 2 * b : b / w.blocks_per_group;
+    __m512i v[8];
+    unpack_codes<BITS>(w.codes + (t * w.KB + b) * w.bytes, v);
+    __m512 d[2], m[2];
+    group_scales<S>(w, t, g, d[0], m[0]);
+    if constexpr (G16) group_scales<S>(w, t, g + 1, d[1], m[1]);
+    __m512 dl[2], dh[2], ml[2], mh[2];  // the scales of outputs 0-7 and 8-15, each twice
+    _Pragma("GCC unroll 2") for (int h = 0; h < (G16 ? 2 : 1); ++h) {
+      dl[h] = _mm512_permutexvar_ps(lo_half, d[h]);
+      dh[h] = _mm512_permutexvar_ps(hi_half, d[h]);
+      ml[h] = _mm512_permutexvar_ps(lo_half, m[h]);
+      mh[h] = _mm512_permutexvar_ps(hi_half, m[h]);
+    }
+    const uint32_t* xb = xp + b * (kBlock / 2);
+    __m512 sums[2][MR];  // the even chain's, the odd chain's
+    _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i) sums[0][i] = sums[1][i] = _mm512_setzero_ps();
+    _Pragma("GCC unroll 8") for (int k = 0; k < 8; ++k) {
+      const int h = G16 && k >= 4 ? 1 : 0;
+      _Pragma("GCC unroll 2") for (int par = 0; par < 2; ++par) {
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(kLowBytes, code_idx[par], v[k]));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(kLowBytes, code_idx[2 + par], v[k]));
+        // dequantize_tile's values: d * q, + m, rounded to bf16 (nearest even). With fp16 scales d * q is exact in
+        // fp32 (11 + 8 significant bits), so one FMA rounds as the product then the sum do.
+        const __m512bh wv = std::is_same_v<S, c10::Half>
+                                ? _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(dh[h], hi, mh[h]), _mm512_fmadd_ps(dl[h], lo, ml[h]))
+                                : _mm512_cvtne2ps_pbh(_mm512_add_ps(_mm512_mul_ps(dh[h], hi), mh[h]),
+                                                      _mm512_add_ps(_mm512_mul_ps(dl[h], lo), ml[h]));
+        _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i)
+          sums[par][i] = _mm512_dpbf16_ps(sums[par][i], wv, (__m512bh)_mm512_set1_epi32(xb[i * KP + 2 * k + par]));
+      }
+    }
+    _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i)
+      acc[i] = _mm512_add_ps(acc[i], _mm512_add_ps(sums[0][i], sums[1][i]));
+  }
+  _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i) _mm512_storeu_ps(c + i * ldc, acc[i]);
+}
+
+using FmaTile = void (*)(const uint32_t*, int64_t, const Weight&, int64_t, float*, int64_t);
+
+// fma_tile for qw's form and 1, 2 or 4 rows: [0] 1 row, [1] 2, [2] 4
+std::array<FmaTile, 3> fma_tiles(const QBlockWeight& qw) {
+  std::array<FmaTile, 3> f{};
+  auto pick = [&](auto s, auto g16) {
+    using S = decltype(s);
+    constexpr bool G16 = decltype(g16)::value;
+    auto set = [&](auto bits) {
+      constexpr int B = decltype(bits)::value;
+      f = {fma_tile<1, B, G16, S>, fma_tile<2, B, G16, S>, fma_tile<4, B, G16, S>};
+    };
+    switch (qw.bits) {
+      case 4: set(std::integral_constant<int, 4>{}); break;
+      case 5: set(std::integral_constant<int, 5>{}); break;
+      case 6: set(std::integral_constant<int, 6>{}); break;
+      default: set(std::integral_constant<int, 8>{}); break;
+    }
+  };
+  if (qw.group == 16) pick(float{}, std::true_type{});
+  else if (qw.scales.scalar_type() == at::kHalf) pick(c10::Half{}, std::false_type{});
+  else pick(float{}, std::false_type{});
+  return f;
+}
+
 // bias [n] (any float dtype) as contiguous fp32 in holder, or nullptr without one
 const float* bias_fp32(const c10::optional<torch::Tensor>& bias, int64_t n, const char* what, torch::Tensor& holder) {
   if (!bias.has_value()) return nullptr;
@@ -531,6 +641,63 @@ torch::Tensor qblock_linear_amx(torch::Tensor x, const QBlockWeight& qw, c10::op
                            dequantize(w, t, out);
                            return static_cast<const uint16_t*>(out);
                          }, glu);
+}
+
+// qblock_linear_amx's result, bit for bit, by AVX-512 FMAs over the blocks (fma_tile): for a few rows, where the tiles
+// idle and the weight's bytes bound the step. Work items are the tiles' pairs (amx_gemm_blocks'), each pass of up to
+// kFmaRows rows reading the pair's blocks once; MXCSR's DAZ and FTZ are set for the sums only, as the tiles' epilogue
+// (amx_store_pair) runs without them.
+bool qblock_amx_fma_supported() {
+  static const bool ok = cpu_has_avx512_bf16() && __builtin_cpu_supports("avx512vbmi");
+  return ok;
+}
+
+torch::Tensor qblock_linear_amx_fma(torch::Tensor x, const QBlockWeight& qw, c10::optional<torch::Tensor> bias,
+                                    bool glu) {
+  TORCH_CHECK(qblock_amx_fma_supported(), "qblock_linear_amx_fma needs AVX512-BF16 and AVX512-VBMI");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.size(1) == qw.k,
+              "qblock_linear_amx_fma: x must be bf16 [M, ", qw.k, "] on the CPU");
+  const int64_t NT = qw.codes.size(0), N = qw.n, M = x.size(0), K = qw.k;
+  TORCH_CHECK(!glu || (N % (2 * kTileRows) == 0 && NT == N / kTileRows),
+              "the fused gate/up needs 2 I outputs, I a multiple of 16");
+  torch::Tensor b;
+  const float* bp = bias_fp32(bias, N, "qblock_linear_amx_fma", b);
+  auto y = torch::empty({M, glu ? N / 2 : N}, x.options());
+  if (M == 0) return y;
+  // x's column pairs as fma_tile reads them: dword 16 b + 2 k + par = x[32 b + 4 k + par] << 16 | x[... + 2]
+  const torch::Tensor xc = x.contiguous();
+  auto pairs_t = torch::empty({M, K / 2}, x.options().dtype(at::kInt));
+  {
+    const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+    auto* pp = reinterpret_cast<uint32_t*>(pairs_t.data_ptr<int32_t>());
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < K / 4; ++j)
+        for (int par = 0; par < 2; ++par)
+          pp[i * (K / 2) + 2 * j + par] = static_cast<uint32_t>(xs[i * K + 4 * j + par]) << 16 | xs[i * K + 4 * j + par + 2];
+  }
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(pairs_t.data_ptr<int32_t>());
+  auto* yp = y.data_ptr<at::BFloat16>();
+  const Weight w = weight_of(qw);
+  const auto tiles = fma_tiles(qw);
+  const int64_t pairs = glu ? NT / 2 : (NT + 1) / 2, ldy = glu ? N / 2 : N;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float c[kFmaRows * 2 * kTileRows] = {};
+    const unsigned csr = _mm_getcsr();
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t first = glu ? p : 2 * p, second = glu ? p + NT / 2 : 2 * p + 1;
+      for (int64_t i = 0; i < M;) {
+        const int64_t rows = std::min<int64_t>(kFmaRows, M - i), pass = rows == 3 ? 2 : rows;
+        const FmaTile f = tiles[pass == 1 ? 0 : pass == 2 ? 1 : 2];
+        _mm_setcsr(csr | kDazFtz);  // the tiles' sums flush denormals; their epilogue does not
+        f(xp + i * (K / 2), K / 2, w, first, c, 2 * kTileRows);
+        if (second < NT) f(xp + i * (K / 2), K / 2, w, second, c + kTileRows, 2 * kTileRows);
+        _mm_setcsr(csr);
+        amx_store_pair(c, pass, p, N, bp, yp + i * ldy, glu);
+        i += pass;
+      }
+    }
+  });
+  return y;
 }
 
 // The whole weight dequantized to bf16 in bf16_pack's layout ([ceil(n / 16), k / 2, 16, 2], zero past n): the bf16
@@ -690,6 +857,10 @@ void bind_qblocks(pybind11::module_& m) {
   m.def("qblock_linear_amx", &qblock_linear_amx, "x @ W^T (+ bias) over a QBlockWeight on AMX tiles, its tiles "
         "dequantized to bf16 as they are read (bf16 x; AMX-BF16); glu: silu(gate) * up of a gate/up weight",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("glu") = false);
+  m.def("qblock_linear_amx_fma", &qblock_linear_amx_fma, "qblock_linear_amx's result, bit for bit, by AVX-512 FMAs "
+        "over the blocks (for a few rows; AVX512-BF16 and VBMI)", py::arg("x"), py::arg("weight"),
+        py::arg("bias") = py::none(), py::arg("glu") = false);
+  m.def("qblock_amx_fma_supported", &qblock_amx_fma_supported, "whether qblock_linear_amx_fma runs here");
   m.def("qblock_dequantize_bf16", &qblock_dequantize_bf16, "a QBlockWeight dequantized to bf16 in bf16_pack's layout "
         "(AVX512-BF16)", py::arg("weight"));
   m.def("qblock_linear_supported", &qblock_linear_supported, "whether qblock_linear runs here (AVX-512)");
