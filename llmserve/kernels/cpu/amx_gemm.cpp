@@ -48,12 +48,17 @@ constexpr int kArchGetXcompPerm = 0x1022;
 constexpr int kArchReqXcompPerm = 0x1023;
 constexpr int kXfeatureXtiledata = 18;
 
-bool cpuid_amx_bf16() {
+constexpr int kAmxBf16Bit = 22;  // CPUID.(EAX=7, ECX=0):EDX
+constexpr int kAmxTileBit = 24;
+constexpr int kAmxInt8Bit = 25;
+
+// Whether the CPU has AMX-TILE and the AMX feature at EDX bit `feature` of CPUID leaf 7, and the OS saves the tile
+// state (XCR0's XTILECFG, bit 17, and XTILEDATA, bit 18).
+bool cpuid_amx(int feature) {
   unsigned a = 0, b = 0, c = 0, d = 0;
   __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-  const bool tile = (d >> 24) & 1, bf16 = (d >> 22) & 1;
-  if (!tile || !bf16) return false;
-  unsigned lo = 0, hi = 0;  // XCR0: the OS saves XTILECFG (bit 17) and XTILEDATA (bit 18)
+  if (!((d >> kAmxTileBit) & 1) || !((d >> feature) & 1)) return false;
+  unsigned lo = 0, hi = 0;
   __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
   return ((lo >> 17) & 3) == 3;
 }
@@ -155,20 +160,13 @@ LLMSERVE_AVX512 void store_glu(const float* c, int64_t rows, int64_t n0, int64_t
 }  // namespace
 
 bool amx_bf16_supported() {
-  static const bool ok = cpu_has_avx512() && cpuid_amx_bf16() && request_tile_data();
+  static const bool ok = cpu_has_avx512() && cpuid_amx(kAmxBf16Bit) && request_tile_data();
   return ok;
 }
 
 bool amx_int8_supported() {
-  static const bool ok = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-    const bool tile = (d >> 24) & 1, int8 = (d >> 25) & 1;
-    if (!cpu_has_avx512() || !tile || !int8 || !__builtin_cpu_supports("avx512vnni")) return false;
-    unsigned lo = 0, hi = 0;
-    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    return ((lo >> 17) & 3) == 3 && request_tile_data();
-  }();
+  static const bool ok = cpu_has_avx512() && __builtin_cpu_supports("avx512vnni") && cpuid_amx(kAmxInt8Bit) &&
+                         request_tile_data();
   return ok;
 }
 
