@@ -23,6 +23,10 @@ Ops with equivalent paths, and their candidates where each can run at all (the C
   fma, dot, amx, onednn, fp32  the bf16_linear paths over the dequantized weight (exactly the format's values, rounded
           to bf16), which then replaces the blocks. Offered only where every block layer's dequantized weights fit in
           a quarter of the memory available (dequantize_fits): blocks are a quarter to a half of bf16's bytes.
+  Where the winner is amx or blocks_amx, qblock_linear_amx_fma (blocks_fma: the blocks' dot products in the tiles'
+  order, their bits exactly) may run the batches of a few rows, reading the blocks rather than a bf16 weight: up to
+  how many rows is measured after the choice, by passes through the model's block layers (add_few_rows), and kept
+  with the op (OpChoice.few_rows; where it is above 0 the blocks stay beside the dequantized weight).
 - `prefill_attention:H/KVHxD` (native prefill attention of a bf16 model, by the step's prefill tokens):
   fp32    kernels/cpu/prefill_attention.cpp with fp32 FMAs (AVX-512);
   dot     the same with the scores by vdpbf16ps on the keys as stored (AVX512-BF16); P stays fp32;

@@ -198,8 +198,10 @@ class ChoiceTable:
         return "; ".join(f"{', '.join(ops)}: {d}" for d, ops in groups.items()) + f" ({how})"
 
     def as_dict(self) -> dict:
-        """For `bench throughput --json`: each op's kernel and where the table came from."""
+        """For `bench throughput --json`: each op's kernel, the ops whose batches of a few rows run FEW_ROWS_KERNEL
+        (and up to how many), and where the table came from."""
         return {"ops": {op: c.kernel for op, c in sorted(self.ops.items())},
+                "few_rows": {op: c.few_rows for op, c in sorted(self.ops.items()) if c.few_rows},
                 "source": "cache" if self.reused else "measured", "measure_seconds": round(self.seconds, 2)}
 
     def to_json(self) -> dict:

@@ -183,6 +183,7 @@ def test_amx_block_ops_measure_up_to_how_many_rows_the_blocks_stand_in(q4_1_gguf
     assert max(rows for _, rows in passes) == 4 and set(table.ops[next(iter(qops))].few_timed) == {
         choice.REFERENCE, choice.FEW_ROWS_KERNEL}
     assert "<= 2 rows" in table.describe() and "weights read cold" in calibrate.report(table)
+    assert table.as_dict()["few_rows"] == dict.fromkeys(sorted(qops), 2)  # bench throughput --json reports them
     head = model.logits_head()
     model.pack_for_cpu(table)
     for m in layers:

@@ -484,17 +484,21 @@ LLMSERVE_AVX512BF16 void dequantize_tile(const Weight& w, int64_t t, uint16_t* o
 
 // ---- The amx path's bits at a few rows, from the blocks (qblock_linear_amx_fma) ----
 // tdpbf16ps sums, for each output and tile of 32 columns, the even columns' products and the odd columns' in two fp32
-// sums that start from zero, each in column order with fused multiply-adds (DAZ and FTZ, round to nearest even), then
-// adds the two, and that to the output (Intel's SDM gives this order in the instruction's operation; summing the 32
-// products in one chain, as its older text and the intrinsics guide have it, differed from the tiles in ~0.02% of
-// outputs, this in none: tests/test_qblock_gemm.py). The products of two bf16 values are exact in fp32. So AVX-512
-// FMAs over dequantize_tile's values, in that order and with MXCSR's DAZ and FTZ set, give the tiles' sums bit for bit,
-// and amx_store_pair (the tiles' own epilogue) rounds them.
+// sums that start from zero, each in column order with one rounding a product (DAZ and FTZ, round to nearest even),
+// then adds the two, and that to the output. This is the order Intel's SDM gives in the instruction's operation;
+// summing the 32 products in one chain, as the intrinsics guide has it, differed from the tiles in ~0.02% of outputs,
+// this in none (tests/models/test_gguf_native.py). The products of two bf16 values are exact in fp32, so dot products
+// over dequantize_tile's values in that order (vdpbf16ps, fma_tile), the two chains' sums added with MXCSR's DAZ and
+// FTZ set, give the tiles' sums bit for bit, and amx_store_pair (the tiles' own epilogue) rounds them.
 //
 // Why: at one row the tiles use 1 of their 16 rows, and the bf16 weight is 2-4x the blocks' bytes, read from memory
-// at every decode step (SmolLM2-135M: 270 MB a token against ~75 MB of its Q4_1/Q8_0 blocks). Here each weight costs
-// ~8 vector instructions per 16 outputs (unpack, dequantize, round to bf16) plus one FMA a row, shared by the rows of
-// a pass (up to kFmaRows).
+// at every decode step (SmolLM2-135M: 270 MB a token against ~75 MB of its Q4_1/Q8_0 blocks). Here a weight costs ~5
+// vector instructions per 16 outputs (pick its codes, widen, dequantize, round to bf16) plus a dot product per two
+// columns and row. Over SmolLM2's 30 decoder layers' shapes at one row, weights read from memory (2-core Xeon with
+// AMX, model 207): 8.3-8.5 ms against the tiles' 13-14 (the weights hot, 7.7 against 7.6: this is the blocks' bytes,
+// not faster arithmetic); at 4 rows the two were even. Summing in fp32 FMAs over widened values instead of vdpbf16ps
+// took 14 ms: the widening back to fp32 cost as much as the dequantizing. Calibration measures up to how many rows
+// this runs (OpChoice.few_rows, llmserve/kernels/calibrate.py's add_few_rows).
 constexpr int kFmaRows = 4;        // rows of x per pass over a tile's blocks
 constexpr unsigned kDazFtz = 0x8040;  // MXCSR: flush-to-zero (bit 15), denormals-are-zero (bit 6)
 
