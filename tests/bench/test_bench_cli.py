@@ -92,7 +92,12 @@ def test_concurrency_and_request_rate_exclude_each_other(capsys: pytest.CaptureF
 
 
 def test_throughput_json_counts_the_workload_and_profiles_every_step(tiny_model_dir: Callable[[str], str],
-                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+                                                                     capsys: pytest.CaptureFixture[str],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from llmserve.structured.matcher import GrammarState
+
+    for name in ("accept", "masks_with_drafts"):  # no request is constrained: the grammar phase is an empty check
+        monkeypatch.setattr(GrammarState, name, lambda *a, **k: pytest.fail("a grammar ran"))
     rc = main(["bench", "throughput", tiny_model_dir("llama"), "--num-prompts", "6", "--input-len", "20:60",
                "--output-len", "5", "--ignore-eos", "--num-blocks", "64", "--dtype", "float32", "--profile-steps",
                "--json"])
@@ -108,7 +113,6 @@ def test_throughput_json_counts_the_workload_and_profiles_every_step(tiny_model_
     phases = prof["phases"]
     assert set(phases) == {"schedule", "prepare inputs", "linear", "decode attention", "attention", "other model ops",
                            "LM head", "sampling", "grammar", "outputs", "rest of step"}
-    assert phases["grammar"]["share"] < 0.01  # no request was constrained: an empty check per step
     for name in ("schedule", "prepare inputs", "linear", "decode attention", "attention", "LM head", "sampling",
                  "outputs"):
         assert phases[name]["seconds"] > 0, name
