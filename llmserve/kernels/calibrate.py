@@ -23,7 +23,7 @@ Ops with equivalent paths, and their candidates where each can run at all (the C
   fma, dot, amx, onednn, fp32  the bf16_linear paths over the dequantized weight (exactly the format's values, rounded
           to bf16), which then replaces the blocks. Offered only where every block layer's dequantized weights fit in
           a quarter of the memory available (dequantize_fits): blocks are a quarter to a half of bf16's bytes.
-  Where the winner is amx or blocks_amx, qblock_linear_amx_fma (blocks_fma: the blocks' dot products in the tiles'
+  Where the winner is amx or blocks_amx, qblock_linear_amx_dot (blocks_dot: the blocks' dot products in the tiles'
   order, their bits exactly) may run the batches of a few rows, reading the blocks rather than a bf16 weight: up to
   how many rows is measured after the choice, by passes through the model's block layers (add_few_rows), and kept
   with the op (OpChoice.few_rows; where it is above 0 the blocks stay beside the dequantized weight).
@@ -276,12 +276,12 @@ def qblock_linear_candidates(layer: nn.Module, names: tuple[str, ...]) -> list[C
 
 def add_few_rows(model: nn.Module, table: ChoiceTable, timer: Timer = wall_clock) -> ChoiceTable:
     """The table with OpChoice.few_rows for each qblock op whose kernel is an amx path (amx over the dequantized
-    weight, blocks_amx over the blocks) and which qblock_linear_amx_fma can stand in for: measured over passes through
+    weight, blocks_amx over the blocks) and which qblock_linear_amx_dot can stand in for: measured over passes through
     all the model's block layers in order, as a decode step reads them (each op's time its layers' sum), every layer on
     its op's kernel, then every layer on the blocks' dot products. Why the whole model: timed hot, the two were even at
     one row (SmolLM2's shapes, 7.6 ms against 7.7 for its 30 layers, 2-core Xeon with AMX); copies of one op's weight
     (96 MB) ranked them otherwise than a step does; read from memory as a step reads them, 13-14 ms against 8.3-8.5."""
-    if not native.qblock_amx_fma_usable():
+    if not native.qblock_amx_dot_usable():
         return table
     runs: list[tuple[str, int, Callable[[torch.Tensor], object], Callable[[torch.Tensor], object]]] = []
     with torch.inference_mode():
@@ -297,7 +297,7 @@ def add_few_rows(model: nn.Module, table: ChoiceTable, timer: Timer = wall_clock
             else:
                 reference = functools.partial(lambda x, b: native.qblock_linear_amx(x, b, None), b=qb.native)
             runs.append((op, qb.k, reference,
-                         functools.partial(lambda x, b: native.qblock_linear_amx_fma(x, b, None), b=qb.native)))
+                         functools.partial(lambda x, b: native.qblock_linear_amx_dot(x, b, None), b=qb.native)))
         if not runs:
             return table
         gen = torch.Generator().manual_seed(0)

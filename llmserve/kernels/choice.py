@@ -38,7 +38,7 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 FORMAT = 4  # of the cached files; a file of another format is measured again (1, 2: winners per row bucket; 3: no
 # few_rows)
 # The kernel that computes the amx paths' bits from a block-quantized weight's blocks (OpChoice.few_rows)
-FEW_ROWS_KERNEL = "blocks_fma"
+FEW_ROWS_KERNEL = "blocks_dot"
 
 # timer(candidate name, rows, fn) -> seconds one call of fn took. The real one (wall_clock) calls fn; a fake one may not.
 Timer = Callable[[str, int, Callable[[], object]], float]
@@ -60,7 +60,7 @@ class OpChoice:
     seconds: dict[str, tuple[float, ...]] = field(default_factory=dict)
     pinned: bool = False
     # Where another kernel computes this one's very bits: it runs batches of at most few_rows rows (0: none), as
-    # timed against the kernel at few_timed's rows (few_timed[name][i] at few_timed["rows"][i], weights read cold).
+    # timed against the kernel in passes through the model's layers (few_timed[name][i] at FEW_BUCKETS[i] rows).
     few_rows: int = 0
     few_timed: dict[str, tuple[float, ...]] = field(default_factory=dict)
 

@@ -372,18 +372,18 @@ def qblock_linear_amx(x: torch.Tensor, weight: object, bias: torch.Tensor | None
     return _module.qblock_linear_amx(x, weight, bias, glu)
 
 
-def qblock_linear_amx_fma(x: torch.Tensor, weight: object, bias: torch.Tensor | None, glu: bool = False) -> torch.Tensor:
-    """qblock_linear_amx's result, bit for bit, computed by AVX-512 FMAs over the blocks in the tiles' order (two
+def qblock_linear_amx_dot(x: torch.Tensor, weight: object, bias: torch.Tensor | None, glu: bool = False) -> torch.Tensor:
+    """qblock_linear_amx's result, bit for bit, computed by AVX512-BF16 dot products over the blocks in the tiles' order (two
     sums a 32-column tile, the even and the odd columns'): for a few rows, where the tiles idle and reading the weight
-    bounds the step. Needs qblock_amx_fma_usable()."""
-    return _module.qblock_linear_amx_fma(x, weight, bias, glu)
+    bounds the step. Needs qblock_amx_dot_usable()."""
+    return _module.qblock_linear_amx_dot(x, weight, bias, glu)
 
 
 @functools.cache
-def qblock_amx_fma_usable() -> bool:
-    """Whether qblock_linear_amx_fma runs here (AVX512-BF16 and VBMI); it stands in for the tiles only where they run
+def qblock_amx_dot_usable() -> bool:
+    """Whether qblock_linear_amx_dot runs here (AVX512-BF16 and VBMI); it stands in for the tiles only where they run
     too (qblock_amx_usable())."""
-    return qblock_amx_usable() and _module.qblock_amx_fma_supported()
+    return qblock_amx_usable() and _module.qblock_amx_dot_supported()
 
 
 def qblock_dequantize_bf16(weight: object) -> torch.Tensor:

@@ -220,7 +220,7 @@ class Bf16Matmul:
         self.n = weight.shape[0]
         self.kernel = choice.kernel
         # a dequantized block-quantized weight on amx: (its blocks' native handle, rows): batches of at most that many
-        # rows run qblock_linear_amx_fma on the blocks, the tiles' bits from a third of the bytes (models/llama.py)
+        # rows run qblock_linear_amx_dot on the blocks, the tiles' bits from a third of the bytes (models/llama.py)
         self.few: tuple[object, int] | None = None
         if self.packed:
             self.weight = native.bf16_pack(weight)
@@ -232,7 +232,7 @@ class Bf16Matmul:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] bf16 -> [M, N] bf16."""
         if self.few is not None and x.shape[0] <= self.few[1]:
-            return native.qblock_linear_amx_fma(x, self.few[0], bias)
+            return native.qblock_linear_amx_dot(x, self.few[0], bias)
         if self.packed:
             return native.bf16_gemm(x, self.weight, self.n, bias, self.kernel)
         if self.kernel == "onednn":

@@ -168,7 +168,7 @@ class BlockWeight:
         # bf16 x on AMX tiles over the tiles dequantized as read (native.qblock_linear_amx), where the measured choice
         # says so (kernels/calibrate.py's blocks_amx); else the int8-activation kernel
         self.amx = False
-        # with amx: batches of at most this many rows run qblock_linear_amx_fma (the same bits; calibrate's few_rows)
+        # with amx: batches of at most this many rows run qblock_linear_amx_dot (the same bits; calibrate's few_rows)
         self.few_rows = 0
 
     @property
@@ -180,7 +180,7 @@ class BlockWeight:
         if self.native is not None and self.amx and x.dtype == torch.bfloat16:
             x2 = self.gather(x).reshape(-1, self.k)
             few = x2.shape[0] <= self.few_rows
-            y = (native.qblock_linear_amx_fma if few else native.qblock_linear_amx)(x2, self.native, bias)
+            y = (native.qblock_linear_amx_dot if few else native.qblock_linear_amx)(x2, self.native, bias)
             return y.reshape(*x.shape[:-1], self.n)
         if self.native is not None and x.dtype in (torch.float32, torch.bfloat16):
             y = native.qblock_linear(self.gather(x).reshape(-1, self.k), self.native, bias)

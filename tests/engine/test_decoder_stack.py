@@ -96,7 +96,7 @@ def test_gguf_block_stacks_give_the_python_layers_bits(tmp_path, monkeypatch, qt
     _check_same_bits(path, monkeypatch, True)
 
 
-@pytest.mark.skipif(not native.qblock_amx_fma_usable(), reason="needs AMX-BF16, AVX512-BF16 and VBMI")
+@pytest.mark.skipif(not native.qblock_amx_dot_usable(), reason="needs AMX-BF16, AVX512-BF16 and VBMI")
 @pytest.mark.parametrize("kernel", ["amx", "blocks_amx"])
 def test_blocks_standing_in_for_the_tiles_give_the_same_tokens(tmp_path, monkeypatch, kernel: str) -> None:
     """Decode steps of up to 4 rows on the blocks' dot products (OpChoice.few_rows, forced here), the rest on the
@@ -117,8 +117,8 @@ def test_blocks_standing_in_for_the_tiles_give_the_same_tokens(tmp_path, monkeyp
     hf = make_hf_model("llama", vocab_size=300, hidden_size=256, intermediate_size=256)
     path = write_tiny_gguf(hf, tmp_path / "tiny.Q4_1.gguf", gguf.GGMLQuantizationType.Q4_1)
     ran: list[int] = []
-    run = native.qblock_linear_amx_fma
-    monkeypatch.setattr(native, "qblock_linear_amx_fma", lambda x, *a, **k: ran.append(x.shape[0]) or run(x, *a, **k))
+    run = native.qblock_linear_amx_dot
+    monkeypatch.setattr(native, "qblock_linear_amx_dot", lambda x, *a, **k: ran.append(x.shape[0]) or run(x, *a, **k))
     tiles = _run(path, monkeypatch, True, num_blocks=14, enable_prefix_caching=False)
     assert not ran
 

@@ -161,7 +161,7 @@ def test_blocks_or_their_dequantized_weights_by_measurement(q4_1_gguf: str, winn
                            .bfloat16())
 
 
-@pytest.mark.skipif(not native.qblock_amx_fma_usable(), reason="needs AMX-BF16, AVX512-BF16 and VBMI")
+@pytest.mark.skipif(not native.qblock_amx_dot_usable(), reason="needs AMX-BF16, AVX512-BF16 and VBMI")
 def test_amx_block_ops_measure_up_to_how_many_rows_the_blocks_stand_in(q4_1_gguf: str,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Where a block op's choice is amx, passes through the model's block layers time the blocks' dot products (the

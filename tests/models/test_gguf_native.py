@@ -229,10 +229,10 @@ FORMS = {"Q4_1": (4, 32, torch.float16, True, 0), "Q4_0": (4, 32, torch.float16,
          "Q8_0": (8, 32, torch.float16, False, 128), "4-bit/128": (4, 128, torch.float16, True, 0)}
 
 
-@pytest.mark.skipif(not native.qblock_amx_fma_usable(), reason="needs AMX-BF16, AVX512-BF16 and VBMI")
+@pytest.mark.skipif(not native.qblock_amx_dot_usable(), reason="needs AMX-BF16, AVX512-BF16 and VBMI")
 @pytest.mark.parametrize("form", list(FORMS))
 def test_the_blocks_dot_products_give_the_tiles_bits(form: str) -> None:
-    """qblock_linear_amx_fma sums as tdpbf16ps does (per 32-column tile, the even and the odd columns' products in two
+    """qblock_linear_amx_dot sums as tdpbf16ps does (per 32-column tile, the even and the odd columns' products in two
     chains from zero, then added together and to the output; denormals flushed): its outputs are the AMX tiles', bit
     for bit, at every row count of its passes (1, 2, 4 and the leftovers), with a bias and in the fused gate/up, and
     where x holds zeros, denormals and values whose products cancel. Summing the 32 products in one chain, as Intel's
@@ -253,12 +253,12 @@ def test_the_blocks_dot_products_give_the_tiles_bits(form: str) -> None:
             x[-1, 32:40] = 1e-39  # bf16 denormals: the tiles read them as zero
             x[-1, 40:48] = torch.tensor([1e30, -1e30] * 4)
             for b in (None, bias):
-                assert torch.equal(native.qblock_linear_amx_fma(x, w.native, b), native.qblock_linear_amx(x, w.native, b))
+                assert torch.equal(native.qblock_linear_amx_dot(x, w.native, b), native.qblock_linear_amx(x, w.native, b))
             if n % 32 == 0:
-                assert torch.equal(native.qblock_linear_amx_fma(x, w.native, b, glu=True),
+                assert torch.equal(native.qblock_linear_amx_dot(x, w.native, b, glu=True),
                                    native.qblock_linear_amx(x, w.native, b, glu=True))
     with pytest.raises(RuntimeError, match="bf16"):
-        native.qblock_linear_amx_fma(torch.randn(2, k), w.native, None)
+        native.qblock_linear_amx_dot(torch.randn(2, k), w.native, None)
 
 
 @native_only

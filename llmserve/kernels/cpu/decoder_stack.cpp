@@ -33,7 +33,7 @@ struct StackLinear {
   c10::optional<torch::Tensor> wsum;  // w8a8
   c10::optional<torch::Tensor> bias;  // fp32
   int64_t path = 0;  // bf16 weights: bf16_gemm's path argument (the measured kernel, llmserve/kernels/choice.py)
-  // On the amx path (2), batches of at most few_rows rows run qblock_linear_amx_fma over these blocks (`blocks`
+  // On the amx path (2), batches of at most few_rows rows run qblock_linear_amx_dot over these blocks (`blocks`
   // where the layer runs on them): the tiles' bits, reading the blocks' bytes (the measured threshold; 0: never).
   std::optional<QBlockWeight> few;
   int64_t few_rows = 0;
@@ -49,14 +49,14 @@ struct StackLinear {
   torch::Tensor glu(const torch::Tensor& x) const {
     if (path == 2 && n % 32 == 0 && (blocks.has_value() || packed.scalar_type() == at::kBFloat16) &&
         x.scalar_type() == at::kBFloat16) {
-      if (const QBlockWeight* f = few_blocks(x)) return qblock_linear_amx_fma(x, *f, bias, true);
+      if (const QBlockWeight* f = few_blocks(x)) return qblock_linear_amx_dot(x, *f, bias, true);
       return blocks.has_value() ? qblock_linear_amx(x, *blocks, bias, true) : bf16_gemm(x, packed, n, bias, 2, true);
     }
     return silu_mul((*this)(x));
   }
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    if (const QBlockWeight* f = few_blocks(x)) return qblock_linear_amx_fma(x, *f, bias);
+    if (const QBlockWeight* f = few_blocks(x)) return qblock_linear_amx_dot(x, *f, bias);
     if (blocks.has_value()) return path == 2 ? qblock_linear_amx(x, *blocks, bias) : qblock_linear(x, *blocks, bias, -1);
     if (packed.scalar_type() != at::kChar) return bf16_gemm(x, packed, n, bias, path);
     return wsum.has_value() ? w8a8_linear(x, packed, scale, *wsum, bias) : int8w_gemm(x, packed, scale, bias, -1);
@@ -204,8 +204,8 @@ class DecoderStack {
     if (args.size() == 8) {
       if (!args[6].is_none()) l.few = args[6].cast<QBlockWeight>();
       l.few_rows = args[7].cast<int64_t>();
-      TORCH_CHECK(l.few_rows == 0 || (l.path == 2 && qblock_amx_fma_supported()),
-                  "DecoderStack: ", what, ": few-row blocks need the amx path and qblock_amx_fma_supported()");
+      TORCH_CHECK(l.few_rows == 0 || (l.path == 2 && qblock_amx_dot_supported()),
+                  "DecoderStack: ", what, ": few-row blocks need the amx path and qblock_amx_dot_supported()");
     }
     TORCH_CHECK(l.path != 1 || bf16_dot_supported(), "DecoderStack: ", what, " asks for dot products this CPU lacks");
     TORCH_CHECK(l.path != 2 || amx_bf16_supported(), "DecoderStack: ", what, " asks for AMX tiles this CPU lacks");

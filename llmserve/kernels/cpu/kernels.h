@@ -85,9 +85,9 @@ torch::Tensor qblock_linear(torch::Tensor x, const QBlockWeight& weight, c10::op
 // bf16 x on AMX tiles, each tile of the weight dequantized to bf16 as it is read (amx_bf16_supported())
 torch::Tensor qblock_linear_amx(torch::Tensor x, const QBlockWeight& weight, c10::optional<torch::Tensor> bias,
                                 bool glu = false);
-// qblock_linear_amx's bits by AVX-512 dot products over the blocks, for a few rows (qblock_amx_fma_supported())
-bool qblock_amx_fma_supported();
-torch::Tensor qblock_linear_amx_fma(torch::Tensor x, const QBlockWeight& weight, c10::optional<torch::Tensor> bias,
+// qblock_linear_amx's bits by AVX-512 dot products over the blocks, for a few rows (qblock_amx_dot_supported())
+bool qblock_amx_dot_supported();
+torch::Tensor qblock_linear_amx_dot(torch::Tensor x, const QBlockWeight& weight, c10::optional<torch::Tensor> bias,
                                     bool glu = false);
 void bind_qblocks(pybind11::module_& m);
 

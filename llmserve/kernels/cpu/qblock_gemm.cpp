@@ -482,13 +482,30 @@ LLMSERVE_AVX512BF16 void dequantize_tile(const Weight& w, int64_t t, uint16_t* o
   }
 }
 
-// ---- The amx path's bits at a few rows, from the blocks (qblock_linear_amx_fma) ----
+// f(std::integral_constant<int, bits>, S{}, std::bool_constant<G16>) for qw's form: the scale type and group-16 layout
+// (group 16 has fp32 scales, the constructor checks) and the bit width, as the kernels' templates take them
+template <typename F>
+void with_form(const QBlockWeight& qw, const F& f) {
+  auto bits = [&](auto s, auto g16) {
+    switch (qw.bits) {
+      case 4: return f(std::integral_constant<int, 4>{}, s, g16);
+      case 5: return f(std::integral_constant<int, 5>{}, s, g16);
+      case 6: return f(std::integral_constant<int, 6>{}, s, g16);
+      default: return f(std::integral_constant<int, 8>{}, s, g16);
+    }
+  };
+  if (qw.group == 16) bits(float{}, std::true_type{});
+  else if (qw.scales.scalar_type() == at::kHalf) bits(c10::Half{}, std::false_type{});
+  else bits(float{}, std::false_type{});
+}
+
+// ---- The amx path's bits at a few rows, from the blocks (qblock_linear_amx_dot) ----
 // tdpbf16ps sums, for each output and tile of 32 columns, the even columns' products and the odd columns' in two fp32
 // sums that start from zero, each in column order with one rounding a product (DAZ and FTZ, round to nearest even),
 // then adds the two, and that to the output. This is the order Intel's SDM gives in the instruction's operation;
 // summing the 32 products in one chain, as the intrinsics guide has it, differed from the tiles in ~0.02% of outputs,
 // this in none (tests/models/test_gguf_native.py). The products of two bf16 values are exact in fp32, so dot products
-// over dequantize_tile's values in that order (vdpbf16ps, fma_tile), the two chains' sums added with MXCSR's DAZ and
+// over dequantize_tile's values in that order (vdpbf16ps, dot_tile), the two chains' sums added with MXCSR's DAZ and
 // FTZ set, give the tiles' sums bit for bit, and amx_store_pair (the tiles' own epilogue) rounds them.
 //
 // Why: at one row the tiles use 1 of their 16 rows, and the bf16 weight is 2-4x the blocks' bytes, read from memory
@@ -499,7 +516,7 @@ LLMSERVE_AVX512BF16 void dequantize_tile(const Weight& w, int64_t t, uint16_t* o
 // not faster arithmetic); at 4 rows the two were even. Summing in fp32 FMAs over widened values instead of vdpbf16ps
 // took 14 ms: the widening back to fp32 cost as much as the dequantizing. Calibration measures up to how many rows
 // this runs (OpChoice.few_rows, llmserve/kernels/calibrate.py's add_few_rows).
-constexpr int kFmaRows = 4;        // rows of x per pass over a tile's blocks
+constexpr int kDotRows = 4;        // rows of x per pass over a tile's blocks
 constexpr unsigned kDazFtz = 0x8040;  // MXCSR: flush-to-zero (bit 15), denormals-are-zero (bit 6)
 
 // acc[i] (i < MR) of tile t: the tiles' fp32 sums for rows i of x, given as column pairs (xp: [MR][K / 2] dwords,
@@ -511,7 +528,7 @@ constexpr unsigned kDazFtz = 0x8040;  // MXCSR: flush-to-zero (bit 15), denormal
 // vpermb: the codes of outputs 0-7 interleaved (column 4k + par + 2 then 4k + par, each in a dword's low byte), and
 // of outputs 8-15, dequantized in fp32 with the scales in the same order, and both rounded by one vcvtne2ps2bf16.
 template <int MR, int BITS, bool G16, typename S>
-LLMSERVE_BF16_VBMI __attribute__((optimize("no-tree-pre"))) void fma_tile(const uint32_t* xp, int64_t KP,
+LLMSERVE_BF16_VBMI __attribute__((optimize("no-tree-pre"))) void dot_tile(const uint32_t* xp, int64_t KP,
                                                                          const Weight& w, int64_t t, float* c,
                                                                          int64_t ldc) {
   constexpr __mmask64 kLowBytes = 0x1111111111111111ull;
@@ -568,28 +585,17 @@ LLMSERVE_BF16_VBMI __attribute__((optimize("no-tree-pre"))) void fma_tile(const 
   _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i) _mm512_storeu_ps(c + i * ldc, acc[i]);
 }
 
-using FmaTile = void (*)(const uint32_t*, int64_t, const Weight&, int64_t, float*, int64_t);
+using DotTile = void (*)(const uint32_t*, int64_t, const Weight&, int64_t, float*, int64_t);
 
-// fma_tile for qw's form and 1, 2 or 4 rows: [0] 1 row, [1] 2, [2] 4
-std::array<FmaTile, 3> fma_tiles(const QBlockWeight& qw) {
-  std::array<FmaTile, 3> f{};
-  auto pick = [&](auto s, auto g16) {
-    using S = decltype(s);
+// dot_tile for qw's form and 1, 2 or 4 rows: [0] 1 row, [1] 2, [2] 4
+std::array<DotTile, 3> dot_tiles(const QBlockWeight& qw) {
+  std::array<DotTile, 3> f{};
+  with_form(qw, [&](auto bits, auto s, auto g16) {
+    constexpr int B = decltype(bits)::value;
     constexpr bool G16 = decltype(g16)::value;
-    auto set = [&](auto bits) {
-      constexpr int B = decltype(bits)::value;
-      f = {fma_tile<1, B, G16, S>, fma_tile<2, B, G16, S>, fma_tile<4, B, G16, S>};
-    };
-    switch (qw.bits) {
-      case 4: set(std::integral_constant<int, 4>{}); break;
-      case 5: set(std::integral_constant<int, 5>{}); break;
-      case 6: set(std::integral_constant<int, 6>{}); break;
-      default: set(std::integral_constant<int, 8>{}); break;
-    }
-  };
-  if (qw.group == 16) pick(float{}, std::true_type{});
-  else if (qw.scales.scalar_type() == at::kHalf) pick(c10::Half{}, std::false_type{});
-  else pick(float{}, std::false_type{});
+    using S = decltype(s);
+    f = {dot_tile<1, B, G16, S>, dot_tile<2, B, G16, S>, dot_tile<4, B, G16, S>};
+  });
   return f;
 }
 
@@ -609,19 +615,9 @@ Weight weight_of(const QBlockWeight& qw) {
 // dequantize_tile for qw's form
 std::function<void(const Weight&, int64_t, uint16_t*)> tile_dequantizer(const QBlockWeight& qw) {
   std::function<void(const Weight&, int64_t, uint16_t*)> f;
-  auto pick = [&](auto s, auto g16) {
-    using S = decltype(s);
-    constexpr bool G16 = decltype(g16)::value;
-    switch (qw.bits) {
-      case 4: f = dequantize_tile<4, G16, S>; break;
-      case 5: f = dequantize_tile<5, G16, S>; break;
-      case 6: f = dequantize_tile<6, G16, S>; break;
-      default: f = dequantize_tile<8, G16, S>; break;
-    }
-  };
-  if (qw.group == 16) pick(float{}, std::true_type{});
-  else if (qw.scales.scalar_type() == at::kHalf) pick(c10::Half{}, std::false_type{});
-  else pick(float{}, std::false_type{});
+  with_form(qw, [&](auto bits, auto s, auto g16) {
+    f = dequantize_tile<decltype(bits)::value, decltype(g16)::value, decltype(s)>;
+  });
   return f;
 }
 
@@ -647,28 +643,28 @@ torch::Tensor qblock_linear_amx(torch::Tensor x, const QBlockWeight& qw, c10::op
                          }, glu);
 }
 
-// qblock_linear_amx's result, bit for bit, by AVX-512 FMAs over the blocks (fma_tile): for a few rows, where the tiles
+// qblock_linear_amx's result, bit for bit, by dot products over the blocks (dot_tile): for a few rows, where the tiles
 // idle and the weight's bytes bound the step. Work items are the tiles' pairs (amx_gemm_blocks'), each pass of up to
-// kFmaRows rows reading the pair's blocks once; MXCSR's DAZ and FTZ are set for the sums only, as the tiles' epilogue
+// kDotRows rows reading the pair's blocks once; MXCSR's DAZ and FTZ are set for the sums only, as the tiles' epilogue
 // (amx_store_pair) runs without them.
-bool qblock_amx_fma_supported() {
+bool qblock_amx_dot_supported() {
   static const bool ok = cpu_has_avx512_bf16() && __builtin_cpu_supports("avx512vbmi");
   return ok;
 }
 
-torch::Tensor qblock_linear_amx_fma(torch::Tensor x, const QBlockWeight& qw, c10::optional<torch::Tensor> bias,
+torch::Tensor qblock_linear_amx_dot(torch::Tensor x, const QBlockWeight& qw, c10::optional<torch::Tensor> bias,
                                     bool glu) {
-  TORCH_CHECK(qblock_amx_fma_supported(), "qblock_linear_amx_fma needs AVX512-BF16 and AVX512-VBMI");
+  TORCH_CHECK(qblock_amx_dot_supported(), "qblock_linear_amx_dot needs AVX512-BF16 and AVX512-VBMI");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.size(1) == qw.k,
-              "qblock_linear_amx_fma: x must be bf16 [M, ", qw.k, "] on the CPU");
+              "qblock_linear_amx_dot: x must be bf16 [M, ", qw.k, "] on the CPU");
   const int64_t NT = qw.codes.size(0), N = qw.n, M = x.size(0), K = qw.k;
   TORCH_CHECK(!glu || (N % (2 * kTileRows) == 0 && NT == N / kTileRows),
               "the fused gate/up needs 2 I outputs, I a multiple of 16");
   torch::Tensor b;
-  const float* bp = bias_fp32(bias, N, "qblock_linear_amx_fma", b);
+  const float* bp = bias_fp32(bias, N, "qblock_linear_amx_dot", b);
   auto y = torch::empty({M, glu ? N / 2 : N}, x.options());
   if (M == 0) return y;
-  // x's column pairs as fma_tile reads them: dword 16 b + 2 k + par = x[32 b + 4 k + par] << 16 | x[... + 2]
+  // x's column pairs as dot_tile reads them: dword 16 b + 2 k + par = x[32 b + 4 k + par] << 16 | x[... + 2]
   const torch::Tensor xc = x.contiguous();
   auto pairs_t = torch::empty({M, K / 2}, x.options().dtype(at::kInt));
   {
@@ -682,16 +678,16 @@ torch::Tensor qblock_linear_amx_fma(torch::Tensor x, const QBlockWeight& qw, c10
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(pairs_t.data_ptr<int32_t>());
   auto* yp = y.data_ptr<at::BFloat16>();
   const Weight w = weight_of(qw);
-  const auto tiles = fma_tiles(qw);
+  const auto tiles = dot_tiles(qw);
   const int64_t pairs = glu ? NT / 2 : (NT + 1) / 2, ldy = glu ? N / 2 : N;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float c[kFmaRows * 2 * kTileRows] = {};
+    alignas(64) float c[kDotRows * 2 * kTileRows] = {};
     const unsigned csr = _mm_getcsr();
     for (int64_t p = begin; p < end; ++p) {
       const int64_t first = glu ? p : 2 * p, second = glu ? p + NT / 2 : 2 * p + 1;
       for (int64_t i = 0; i < M;) {
-        const int64_t rows = std::min<int64_t>(kFmaRows, M - i), pass = rows == 3 ? 2 : rows;
-        const FmaTile f = tiles[pass == 1 ? 0 : pass == 2 ? 1 : 2];
+        const int64_t rows = std::min<int64_t>(kDotRows, M - i), pass = rows == 3 ? 2 : rows;
+        const DotTile f = tiles[pass == 1 ? 0 : pass == 2 ? 1 : 2];
         _mm_setcsr(csr | kDazFtz);  // the tiles' sums flush denormals; their epilogue does not
         f(xp + i * (K / 2), K / 2, w, first, c, 2 * kTileRows);
         if (second < NT) f(xp + i * (K / 2), K / 2, w, second, c + kTileRows, 2 * kTileRows);
@@ -861,10 +857,10 @@ void bind_qblocks(pybind11::module_& m) {
   m.def("qblock_linear_amx", &qblock_linear_amx, "x @ W^T (+ bias) over a QBlockWeight on AMX tiles, its tiles "
         "dequantized to bf16 as they are read (bf16 x; AMX-BF16); glu: silu(gate) * up of a gate/up weight",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("glu") = false);
-  m.def("qblock_linear_amx_fma", &qblock_linear_amx_fma, "qblock_linear_amx's result, bit for bit, by AVX-512 FMAs "
+  m.def("qblock_linear_amx_dot", &qblock_linear_amx_dot, "qblock_linear_amx's result, bit for bit, by dot products "
         "over the blocks (for a few rows; AVX512-BF16 and VBMI)", py::arg("x"), py::arg("weight"),
         py::arg("bias") = py::none(), py::arg("glu") = false);
-  m.def("qblock_amx_fma_supported", &qblock_amx_fma_supported, "whether qblock_linear_amx_fma runs here");
+  m.def("qblock_amx_dot_supported", &qblock_amx_dot_supported, "whether qblock_linear_amx_dot runs here");
   m.def("qblock_dequantize_bf16", &qblock_dequantize_bf16, "a QBlockWeight dequantized to bf16 in bf16_pack's layout "
         "(AVX512-BF16)", py::arg("weight"));
   m.def("qblock_linear_supported", &qblock_linear_supported, "whether qblock_linear runs here (AVX-512)");
