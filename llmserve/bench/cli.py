@@ -13,21 +13,16 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from llmserve.bench.datasets import BenchRequest, sharegpt, synthetic_chat
 from llmserve.bench.sampling import SamplingKnobs, add_sampling_flags, knobs_from_args
-from llmserve.bench.throughput import (
-    BF16_MATMUL,
-    INT8_MATMUL,
-    INT16_INT8_MATMUL,
-    ThroughputResult,
-    matmul_peak_gflops,
-    run_engine_throughput,
-)
 from llmserve.errors import InvalidRequestError
 
+# The bench modules import torch and transformers (~2-3 s): every `llmserve` command builds this parser, so they are
+# imported by the commands that run them, not here.
 if TYPE_CHECKING:
     import torch
 
+    from llmserve.bench.datasets import BenchRequest
+    from llmserve.bench.throughput import ThroughputResult
     from llmserve.kernels.choice import ChoiceTable
 
 
@@ -119,6 +114,8 @@ def _input_range(spec: str) -> tuple[int, int]:
 
 def _cmd_throughput(args: argparse.Namespace) -> int:
     from llmserve.api import pipeline
+    from llmserve.bench.datasets import BenchRequest
+    from llmserve.bench.throughput import matmul_peak_gflops, run_engine_throughput
     from llmserve.cli import dataclass_from_args
     from llmserve.config import EngineConfig
 
@@ -200,6 +197,8 @@ def peak_matmul_kind(dtype: torch.dtype, device: torch.device,
       against it the fraction passed 100%)."""
     import torch
 
+    from llmserve.bench.throughput import BF16_MATMUL, INT8_MATMUL, INT16_INT8_MATMUL
+
     if quantization == "w8a8":
         return dtype, INT8_MATMUL
     if quantization == "int8" and device.type == "cpu" and dtype in (torch.bfloat16, torch.float32):
@@ -213,6 +212,8 @@ def peak_matmul_kind(dtype: torch.dtype, device: torch.device,
 
 
 def _workload(args: argparse.Namespace, pipe) -> list[BenchRequest]:
+    from llmserve.bench.datasets import sharegpt, synthetic_chat
+
     if args.dataset:
         return sharegpt(args.dataset, pipe.tokenizer, pipe.chat_template, args.num_prompts, args.output_len,
                         pipe.engine.session_len)
@@ -287,6 +288,7 @@ def _cmd_latency(args: argparse.Namespace) -> int:
 
 def _cmd_serving(args: argparse.Namespace) -> int:
     from llmserve.bench import serving
+    from llmserve.bench.datasets import sharegpt, synthetic_chat
     from llmserve.chat_template import ChatTemplate
 
     if args.num_prompts < 1 or (args.concurrency is not None and args.concurrency < 1) or (

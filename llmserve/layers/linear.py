@@ -229,6 +229,15 @@ class Bf16Matmul:
         else:
             self.weight = weight
 
+    @classmethod
+    def prepacked(cls, packed: torch.Tensor, n: int, choice: OpChoice) -> Bf16Matmul:
+        """A weight of n rows already in bf16_pack's layout (a dequantized block-quantized weight: calibrate.unblock),
+        for a packed kernel (fma, dot, amx)."""
+        assert choice.kernel in native.BF16_PATHS, choice.kernel
+        self = cls.__new__(cls)
+        self.n, self.kernel, self.few, self.weight = n, choice.kernel, None, packed
+        return self
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] bf16 -> [M, N] bf16."""
         if self.few is not None and x.shape[0] <= self.few[1]:

@@ -22,11 +22,11 @@ from llmserve.attention import Attention, AttentionMetadata
 from llmserve.distributed.state import shard as tp_share
 from llmserve.distributed.state import tp_state
 from llmserve.errors import ModelLoadError
-from llmserve.kernels import calibrate
+from llmserve.kernels import calibrate, native
 from llmserve.kernels.choice import ChoiceTable, OpChoice
 from llmserve.layers.activation import SiluAndMul
 from llmserve.layers.embedding import VocabEmbedding
-from llmserve.layers.linear import Linear, MergedLinear, ShapeMismatch, int8_packed_ok
+from llmserve.layers.linear import Bf16Matmul, Linear, MergedLinear, ShapeMismatch, int8_packed_ok
 from llmserve.layers.norm import RMSNorm
 from llmserve.layers.rotary import RotaryEmbedding, apply_rotary, rope_config, rotate_
 from llmserve.models import decoder_stack
@@ -312,8 +312,9 @@ class LlamaForCausalLM(nn.Module):
         measured fastest on this machine (choices, kernels/calibrate.py), the rest to oneDNN-blocked weights. A layer on
         block-quantized weights stays on them unless its measured choice is a bf16 kernel over the dequantized weight."""
         few: dict[int, tuple[object, int]] = {}  # id(module): (its blocks, up to how many rows they run)
+        packed: dict[int, tuple[torch.Tensor, int]] = {}  # id(module): (its dequantized weight in bf16_pack's layout, rows)
 
-        def choice(module: nn.Module) -> OpChoice | None:
+        def choice(module: nn.Module, keep_plain: bool = False) -> OpChoice | None:
             if choices is None:
                 return None
             blocks_op = calibrate.qblock_op(module)
@@ -325,12 +326,18 @@ class LlamaForCausalLM(nn.Module):
                     return None
                 if c.kernel == "amx" and c.few_rows:  # the blocks stay beside the bf16 weight, for a few rows
                     few[id(module)] = (module.qblocks.native, c.few_rows)
-                calibrate.unblock(module)
+                n = module.qblocks.n
+                w = calibrate.unblock(module, packed=c.kernel in native.BF16_PATHS and not keep_plain)
+                if w is not None:
+                    packed[id(module)] = (w, n)
                 return c
             return None if module.weight is None else choices.ops.get(calibrate.op_name(module.weight))
 
         def pack(module: nn.Module, c: OpChoice | None, **kw: bool) -> None:
-            module.pack_for_cpu(choice=c, **kw)
+            if id(module) in packed:
+                module.bf16 = Bf16Matmul.prepacked(*packed.pop(id(module)), c)
+            else:
+                module.pack_for_cpu(choice=c, **kw)
             if id(module) in few and module.bf16 is not None:
                 module.bf16.few = few[id(module)]
 
@@ -338,7 +345,8 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 pack(module, choice(module))
         head = self.logits_head()
-        pack(head, choice(head), keep_plain=self.lm_head is None)
+        tied = self.lm_head is None
+        pack(head, choice(head, keep_plain=tied), keep_plain=tied)
 
     def quantize(self, method: str) -> None:
         """After load_weights. int8: weight-only int8 for every linear layer and the embedding / LM head.

@@ -70,7 +70,7 @@ def load_checkpoint(net: nn.Module, model_dir: str, weights: Iterable[tuple[str,
         return net.load_weights(weights)
     layers = _block_layers(net, kinds, native_names)
     if layers:
-        taken = {n for layer in layers.values() for n in _checkpoint_names(net, layer)}
+        taken = {n for prefix, layer in layers.items() for n in _checkpoint_names(net, prefix, layer)}
         weights = _dequantize_rest(weights, taken)
         for layer in layers.values():
             expect_blocks(layer)
@@ -108,8 +108,7 @@ def checkpoint_names(files: list[str]) -> list[str]:
     return names
 
 
-def _checkpoint_names(net: nn.Module, layer: nn.Module) -> list[str]:
-    prefix = next(n for n, m in net.named_modules() if m is layer)
+def _checkpoint_names(net: nn.Module, prefix: str, layer: nn.Module) -> list[str]:
     param = f"{prefix}.weight"
     return [net.checkpoint_name(param, s) for s in layer.weight.shards]
 
@@ -121,7 +120,7 @@ def _block_layers(net: nn.Module, kinds: dict[str, tuple[int, int]], native_name
     for prefix, m in net.named_modules():
         if not isinstance(m, (Linear, VocabEmbedding)) or getattr(m, "weight", None) is None:
             continue
-        names = _checkpoint_names(net, m)
+        names = _checkpoint_names(net, prefix, m)
         if not all(n in native_names for n in names):
             continue
         cols = m.weight.shape[1]

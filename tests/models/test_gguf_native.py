@@ -279,5 +279,12 @@ def test_dequantized_bf16_is_exactly_the_formats_values_rounded(form: str, monke
     w = BlockWeight(BlockTensor(codes, scales, mn, bits, group, zero))
     want = w.dequantize()[:n].bfloat16()
     assert torch.equal(calibrate.dequantized_bf16(w), want)
+    # unblock's packed form is bf16_pack's of that weight (n = 37: the last tile's padding rows are zeros, as there)
+    layer = torch.nn.Module()
+    layer.qblocks = w
+    assert torch.equal(calibrate.unblock(layer, packed=True), native.bf16_pack(want))
+    assert layer.qblocks is None and getattr(layer, "weight", None) is None
     monkeypatch.setattr(native, "bf16_dot_usable", lambda: False)  # torch's, 10 rows at a time
     assert torch.equal(calibrate.dequantized_bf16(w, rows=10), want)
+    layer.qblocks = w
+    assert calibrate.unblock(layer, packed=True) is None and torch.equal(layer.weight, want)
