@@ -57,9 +57,12 @@ import torch
 from llmserve.errors import InvalidRequestError
 from llmserve.kernels import native
 from llmserve.kernels.choice import (
+    AMX8,
+    AMX8_BUCKETS,
     FEW_BUCKETS,
     FEW_ROWS_KERNEL,
     ROW_BUCKETS,
+    VNNI,
     Candidate,
     ChoiceTable,
     OpChoice,
@@ -67,6 +70,7 @@ from llmserve.kernels.choice import (
     amend,
     choose,
     few_rows,
+    from_rows,
     load_or_measure,
     parse_pins,
     pinned,
@@ -327,6 +331,48 @@ def add_few_rows(model: nn.Module, table: ChoiceTable, timer: Timer = wall_clock
     return dataclasses.replace(table, ops=ops)
 
 
+AMX8_NEVER = 2 ** 62  # QBlockWeight.amx8_rows where the tiles never ran faster
+
+
+def add_amx8_rows(model: nn.Module, table: ChoiceTable, timer: Timer = wall_clock, reps: int = 3) -> ChoiceTable:
+    """The table with OpChoice.amx8_rows for each qblock op whose kernel is blocks (not pinned), where AMX-INT8 runs: its
+    first layer timed at AMX8_BUCKETS rows with VNNI alone and with the tiles from every row count (a warm-up and
+    `reps` interleaved calls each, the fastest kept); the tiles run from the smallest bucket from which they were at
+    least as fast at every larger one (choice.from_rows). Both give the same bits, so this only chooses speed. Measured
+    where the kernel used to take a fixed 16 from one machine (a 2-core Xeon 6 207: about even at 16 rows, 1.1-1.3x
+    from 64)."""
+    if not native.qblock_amx8_usable():
+        return table
+    ops = dict(table.ops)
+    with torch.inference_mode():
+        for layer in qblock_layers(model):
+            op = qblock_op(layer)
+            c = ops.get(op)
+            qb = layer.qblocks
+            # (group 16 formats, two scales a block, stay on VNNI: no AMX-INT8 path)
+            if c is None or c.pinned or c.kernel != "blocks" or c.amx8_rows is not None or qb.group == 16:
+                continue
+            gen = torch.Generator().manual_seed(0)
+            kept = qb.native.amx8_rows
+            best = {name: [float("inf")] * len(AMX8_BUCKETS) for name in (VNNI, AMX8)}
+            qb.native.amx8_rows = 1  # vnni=1: the tiles at every row count; vnni=2: VNNI alone
+            try:
+                for i, rows in enumerate(AMX8_BUCKETS):
+                    x = torch.randn(rows, qb.k, generator=gen).bfloat16()
+                    for rep in range(reps + 1):
+                        for name in (VNNI, AMX8):
+                            run = functools.partial(native.qblock_linear, x, qb.native, None, 2 if name == VNNI else 1)
+                            seconds = timer(name, rows, run)
+                            if rep:  # the first call warms up
+                                best[name][i] = min(best[name][i], seconds)
+            finally:
+                qb.native.amx8_rows = kept
+            timed = {name: tuple(v) for name, v in best.items()}
+            ops[op] = dataclasses.replace(c, amx8_rows=from_rows(AMX8_BUCKETS, timed[VNNI], timed[AMX8]),
+                                          amx8_timed=timed)
+    return dataclasses.replace(table, ops=ops)
+
+
 def prefill_attention_candidates(heads: int, kv_heads: int, head_dim: int, names: tuple[str, ...]) -> list[Candidate]:
     """Each path over one fresh bf16 prompt of `rows` tokens (random q, k, v; causal over itself)."""
     gen = torch.Generator().manual_seed(0)
@@ -453,7 +499,7 @@ def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dt
         return None
     pinned_ops = {op: pinned(pins[op.partition(":")[0]]) for op in measure if op.partition(":")[0] in pins}
     table = load_or_measure(key(list(measure), threads, blocks_only), measure, pinned_ops, remeasure)
-    return table if table.reused else amend(add_few_rows(model, table, timer))
+    return table if table.reused else amend(add_amx8_rows(model, add_few_rows(model, table, timer), timer))
 
 
 def _measure(op: str, make: Callable[..., list[Candidate]], args: tuple, timer: Timer,
@@ -489,5 +535,11 @@ def report(table: ChoiceTable) -> str:
             lines.append("  weights read cold, the same bits: " + "".join(f"{n:>11}" for n in names))
             for i, rows in enumerate(FEW_BUCKETS[:len(c.few_timed[names[0]])]):
                 cells = "".join(f"{c.few_timed[n][i] * 1e3:>9.3f}ms" for n in names)
+                lines.append(f"  {rows:>4}  {cells}")
+        if c.amx8_timed:
+            names = list(c.amx8_timed)
+            lines.append("  int8 activations, the same bits: " + "".join(f"{n:>11}" for n in names))
+            for i, rows in enumerate(AMX8_BUCKETS[:len(c.amx8_timed[names[0]])]):
+                cells = "".join(f"{c.amx8_timed[n][i] * 1e3:>9.3f}ms" for n in names)
                 lines.append(f"  {rows:>4}  {cells}")
     return "\n".join(lines)

@@ -35,8 +35,8 @@ from llmserve.errors import InvalidRequestError
 
 # The rows of input a linear's candidates are timed at (each batch size counting alike in the choice).
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-FORMAT = 4  # of the cached files; a file of another format is measured again (1, 2: winners per row bucket; 3: no
-# few_rows)
+FORMAT = 5  # of the cached files; a file of another format is measured again (1, 2: winners per row bucket; 3: no
+# few_rows; 4: no amx8_rows)
 # The kernel that computes the amx paths' bits from a block-quantized weight's blocks (OpChoice.few_rows)
 FEW_ROWS_KERNEL = "blocks_dot"
 
@@ -63,15 +63,22 @@ class OpChoice:
     # timed against the kernel in passes through the model's layers (few_timed[name][i] at FEW_BUCKETS[i] rows).
     few_rows: int = 0
     few_timed: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    # The blocks kernel's int8 activations: from how many rows they run on AMX-INT8 tiles rather than VNNI (the same
+    # bits; 0: never; None: not measured, the kernel's default), as timed (amx8_timed[name][i] at AMX8_BUCKETS[i] rows).
+    amx8_rows: int | None = None
+    amx8_timed: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
     def describe(self) -> str:
         few = f" (<= {self.few_rows} rows: {FEW_ROWS_KERNEL})" if self.few_rows else ""
+        if self.amx8_rows is not None:
+            few += f" (from {self.amx8_rows} rows: {AMX8})" if self.amx8_rows else f" (no {AMX8})"
         return self.kernel + few + (" (pinned)" if self.pinned else "")
 
     def to_json(self) -> dict:
         return {"kernel": self.kernel, "rows": list(self.rows), "pinned": self.pinned,
                 "seconds": {k: list(v) for k, v in self.seconds.items()}, "few_rows": self.few_rows,
-                "few_timed": {k: list(v) for k, v in self.few_timed.items()}}
+                "few_timed": {k: list(v) for k, v in self.few_timed.items()}, "amx8_rows": self.amx8_rows,
+                "amx8_timed": {k: list(v) for k, v in self.amx8_timed.items()}}
 
     @classmethod
     def from_json(cls, d: dict) -> OpChoice:
@@ -83,7 +90,12 @@ class OpChoice:
         few_rows = int(d.get("few_rows", 0))
         if few_rows < 0:
             raise ValueError("few_rows >= 0")
-        return cls(d["kernel"], rows, seconds, bool(d.get("pinned", False)), few_rows, few_timed)
+        amx8_rows = d.get("amx8_rows")
+        if amx8_rows is not None and (not isinstance(amx8_rows, int) or amx8_rows < 0):
+            raise ValueError("amx8_rows: None or an int >= 0")
+        amx8_timed = {str(k): tuple(float(s) for s in v) for k, v in d.get("amx8_timed", {}).items()}
+        return cls(d["kernel"], rows, seconds, bool(d.get("pinned", False)), few_rows, few_timed, amx8_rows,
+                   amx8_timed)
 
 
 def pinned(name: str) -> OpChoice:
@@ -166,6 +178,24 @@ def few_rows(ops: Sequence[str], timed_pass: Callable[[str, int], dict[str, floa
             else:
                 active.remove(op)
     return {op: (rows[op], {k: tuple(v) for k, v in timed[op].items()}) for op in ops}
+
+
+# The blocks kernel's two ways with int8 activations (the same bits): VNNI alone, and AMX-INT8 tiles from every row count;
+# timed at AMX8_BUCKETS rows for OpChoice.amx8_rows.
+VNNI, AMX8 = "vnni", "amx8"
+AMX8_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def from_rows(buckets: Sequence[int], slow: Sequence[float], fast: Sequence[float]) -> int:
+    """The smallest bucket from which `fast` took at most `slow`'s time at that bucket and every larger one (0: it lost
+    the largest). The kernel's choice between two paths with the same bits by batch size: one threshold, so that a
+    single noisy small bucket cannot switch paths back and forth."""
+    rows = 0
+    for b, s, f in sorted(zip(buckets, slow, fast), reverse=True):
+        if f > s:
+            break
+        rows = b
+    return rows
 
 
 def wall_clock(name: str, rows: int, fn: Callable[[], object]) -> float:

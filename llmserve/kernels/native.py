@@ -359,9 +359,9 @@ def qblock_weight(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor 
 
 def qblock_linear(x: torch.Tensor, weight: object, bias: torch.Tensor | None, vnni: bool | None = None) -> torch.Tensor:
     """x [M, K] (fp32/bf16) @ the block-quantized weight [n, K] ^T (+ bias) -> [M, n] in x's dtype. vnni (default:
-    where qblock_vnni_usable()): x quantized to int8 per block of 32 and exact int32 block sums (batches of 16 rows
-    and more on AMX-INT8 tiles where qblock_amx8_usable(), the same bits; vnni=2: VNNI alone); else fp32 FMAs on the
-    widened codes. Either way a row's result does not depend on the other rows. Needs qblock_usable()."""
+    where qblock_vnni_usable()): x quantized to int8 per block of 32 and exact int32 block sums (batches of the
+    weight's amx8_rows rows and more on AMX-INT8 tiles where qblock_amx8_usable(), the same bits; vnni=2: VNNI alone);
+    else fp32 FMAs on the widened codes. Either way a row's result does not depend on the other rows. Needs qblock_usable()."""
     return _module.qblock_linear(x, weight, bias, -1 if vnni is None else int(vnni))
 
 
@@ -417,8 +417,8 @@ def qblock_amx_usable() -> bool:
 
 @functools.cache
 def qblock_amx8_usable() -> bool:
-    """Whether qblock_linear's int8-activation path runs batches of 16 rows and more on AMX-INT8 tiles here (the VNNI
-    kernel's bits; vnni=2 keeps VNNI alone)."""
+    """Whether qblock_linear's int8-activation path runs the larger batches on AMX-INT8 tiles here (from the weight's
+    amx8_rows rows, measured at calibration; the VNNI kernel's bits; vnni=2 keeps VNNI alone)."""
     return qblock_vnni_usable() and _module.qblock_amx8_supported()
 
 

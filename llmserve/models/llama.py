@@ -323,6 +323,8 @@ class LlamaForCausalLM(nn.Module):
                 if c is None or c.kernel in ("blocks", "blocks_amx"):
                     module.qblocks.amx = c is not None and c.kernel == "blocks_amx"
                     module.qblocks.few_rows = c.few_rows if module.qblocks.amx else 0
+                    if c is not None and c.amx8_rows is not None:  # measured: from how many rows AMX-INT8 runs
+                        module.qblocks.native.amx8_rows = c.amx8_rows or calibrate.AMX8_NEVER
                     return None
                 if c.kernel == "amx" and c.few_rows:  # the blocks stay beside the bf16 weight, for a few rows
                     few[id(module)] = (module.qblocks.native, c.few_rows)

@@ -203,6 +203,50 @@ def test_amx_block_ops_measure_up_to_how_many_rows_the_blocks_stand_in(q4_1_gguf
     assert again.reused and {again.ops[op].few_rows for op in qops} == {2}
 
 
+@pytest.mark.skipif(not native.qblock_amx8_usable(), reason="needs AVX512-VNNI and AMX-INT8")
+def test_blocks_ops_measure_from_how_many_rows_their_int8_activations_run_on_the_tiles(
+        q4_1_gguf: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a block op's choice is blocks, its first layer is timed with VNNI alone and with the AMX-INT8 tiles at
+    every bucket; the tiles run from the smallest bucket from which they never lost (both give the same bits), the
+    packed model's weights take that threshold, and the cached table brings it back."""
+    monkeypatch.setattr(choice, "others_busy", lambda before, after: None)  # cached, whatever else runs (CI's workers)
+    model = load_model(q4_1_gguf, EngineConfig(dtype="bfloat16")).model
+    layers = [m for m in calibrate.qblock_layers(model) if m.qblocks.group != 16]
+    assert layers
+    calls: list[tuple[str, int]] = []
+
+    def timer(name: str, rows: int, fn: Callable[[], object]) -> float:
+        if name in (choice.VNNI, choice.AMX8):
+            calls.append((name, rows))
+            fn()  # the real kernel, on the layer's own blocks
+            wins = rows >= 64 or rows == 8  # a lone win at 8, lost at 16 and 32: from 64
+            return 1.0 if (name == choice.AMX8) == wins else 2.0
+        return 1.0 if name == "blocks" else 2.0
+
+    table = calibrate.plan(model, 2, dtype=BF16, timer=timer)
+    qops = {calibrate.qblock_op(m) for m in layers}
+    assert {(table.ops[op].kernel, table.ops[op].amx8_rows) for op in qops} == {("blocks", 64)}
+    assert {rows for _, rows in calls} == set(choice.AMX8_BUCKETS)
+    assert len(calls) == len(qops) * len(choice.AMX8_BUCKETS) * 2 * 4  # a warm-up and 3 calls each, per op
+    assert "from 64 rows: amx8" in table.describe() and "int8 activations" in calibrate.report(table)
+    model.pack_for_cpu(table)
+    gen = torch.Generator().manual_seed(1)
+    for m in layers:
+        assert m.qblocks.native.amx8_rows == 64
+        for rows in (16, 63, 64, 80):
+            x = torch.randn(rows, m.qblocks.k, generator=gen).bfloat16()
+            got = native.qblock_linear(x, m.qblocks.native, None)
+            m.qblocks.native.amx8_rows = calibrate.AMX8_NEVER
+            assert torch.equal(got, native.qblock_linear(x, m.qblocks.native, None))  # the same bits on VNNI alone
+            m.qblocks.native.amx8_rows = 64
+    choice._measured.clear()  # a new process, the same model: the cache has the threshold
+    model = load_model(q4_1_gguf, EngineConfig(dtype="bfloat16")).model
+    again = calibrate.plan(model, 2, dtype=BF16, timer=lambda name, rows, fn: pytest.fail("measured again"))
+    assert again.reused and {again.ops[op].amx8_rows for op in qops} == {64}
+    model.pack_for_cpu(again)
+    assert {m.qblocks.native.amx8_rows for m in calibrate.qblock_layers(model) if m.qblocks.group != 16} == {64}
+
+
 @pytest.mark.skipif(not native.qblock_usable(), reason="the blocks need the native kernel")
 def test_blocks_stay_where_their_dequantized_weights_would_not_fit(q4_1_gguf: str,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:

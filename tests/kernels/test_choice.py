@@ -264,3 +264,27 @@ def test_few_rows_go_up_to_the_first_bucket_the_stand_in_loses() -> None:
     passes.clear()
     found = choice.few_rows(["a", "b", "c"], timed_pass, buckets=(1, 2, 4, 8, 16, 32), reps=3)
     assert found["c"][0] == 0 and max(r for _, r in passes) == 8  # all behind by 8 rows: no pass at 16
+
+
+def test_the_int8_tiles_run_from_the_smallest_bucket_they_win_at_and_beyond() -> None:
+    """from_rows: one threshold, from the smallest bucket from which the faster path (the same bits) never lost; a lone
+    win below a loss does not count, a loss at the largest bucket means never (0)."""
+    buckets = (1, 2, 4, 8, 16, 32, 64)
+    slow = (1.0,) * 7
+    assert choice.from_rows(buckets, slow, (2, 2, 2, 2, 1, 1, 1)) == 16
+    assert choice.from_rows(buckets, slow, (0.5, 2, 2, 0.5, 2, 1, 1)) == 32  # the wins at 1 and 8 are cut off by 16
+    assert choice.from_rows(buckets, slow, (0.5,) * 7) == 1
+    assert choice.from_rows(buckets, slow, (0.5,) * 6 + (2,)) == 0
+
+
+def test_amx8_rows_survive_the_cache_and_bad_values_are_refused() -> None:
+    for rows in (None, 0, 64):
+        c = OpChoice("blocks", (1,), {"blocks": (1.0,)}, amx8_rows=rows,
+                     amx8_timed={} if rows is None else {choice.VNNI: (1.0,), choice.AMX8: (2.0,)})
+        assert OpChoice.from_json(json.loads(json.dumps(c.to_json()))) == c
+    assert "from 64 rows: amx8" in OpChoice("blocks", amx8_rows=64).describe()
+    assert "no amx8" in OpChoice("blocks", amx8_rows=0).describe()
+    assert OpChoice("blocks").describe() == "blocks"
+    for bad in (-1, 1.5, "16"):
+        with pytest.raises(ValueError, match="amx8_rows"):
+            OpChoice.from_json({"kernel": "blocks", "rows": [], "amx8_rows": bad})

@@ -78,6 +78,10 @@ struct QBlockWeight {
   torch::Tensor scales;               // fp16 or fp32 [ceil(n / 16), k / group, 16]
   c10::optional<torch::Tensor> mins;  // like scales, or none
   int64_t n, k, bits, group, zero;
+  // From this many rows of x, qblock_linear's int8 activations run on AMX-INT8 tiles (the VNNI kernel's bits, so a
+  // pure speed choice): measured per op at calibration (llmserve/kernels/calibrate.py, add_amx8_rows); 16 where
+  // nothing measured it.
+  int64_t amx8_rows = 16;
 };
 bool qblock_linear_supported();
 torch::Tensor qblock_linear(torch::Tensor x, const QBlockWeight& weight, c10::optional<torch::Tensor> bias,

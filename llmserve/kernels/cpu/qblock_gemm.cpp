@@ -56,7 +56,6 @@ constexpr int kMaxTiles = 3;          // weight tiles per register tile (4 x 3 a
 constexpr int64_t kChunkRows = 240;   // rows of x per work unit at most (for_each_tile_group)
 constexpr int64_t kPrefetchBytes = 1024;  // one- and two-row tiles stream the codes: prefetch this far ahead
 constexpr int64_t kSerialElems = 32768;   // below this many elements quantizing x runs on one thread
-constexpr int64_t kAmx8MinRows = 16;      // from this many rows of x, int8 activations run on AMX tiles (run_amx8)
 constexpr int64_t kAmx8Chunk = 256;       // rows of x per AMX work item
 constexpr int64_t kAmx8Group = 8;         // weight tiles per AMX work item, at most
 
@@ -285,8 +284,8 @@ LLMSERVE_AVX512 void widen_row(const T* x, int64_t KB, float* xf, float* sx) {
 // Why: the VNNI kernel spends ~13 vector instructions a row per block and 16 outputs; here the products are one tile
 // instruction per 16 rows, and the per-row work is the epilogue's 5. Measured on a 2-core Xeon with AMX (model 207,
 // 2026-11-27): 1.1-1.3x the VNNI kernel from 64 rows (at 16 rows about even), but the epilogue keeps it at ~0.6x the
-// bf16 tiles over the dequantized weight for prefill, so calibration still prefers those there. kAmx8MinRows is a
-// fixed threshold from that one machine, not measured at start (both paths give the same bits).
+// bf16 tiles over the dequantized weight for prefill, so calibration still prefers those there. From how many rows
+// this path runs (QBlockWeight::amx8_rows) is measured per op on the running machine (both paths give the same bits).
 
 // Tile t's codes as B operands: [KB][8][64] bytes, unpack_codes' vectors block by block.
 template <int BITS>
@@ -438,7 +437,7 @@ void run(const torch::Tensor& x, const QBlockWeight& qw, const Weight& w, const 
   });
   const Act a{vnni ? xq.data_ptr<int8_t>() : nullptr, dxp, sxp, K, KB};
   if constexpr (!G16) {
-    if (vnni && tiles && M >= kAmx8MinRows && amx_int8_supported())
+    if (vnni && tiles && M >= qw.amx8_rows && amx_int8_supported())
       return run_amx8<T, S, BITS>(a, w, M, NT, N, bias, yp);
   }
   const float* xf = vnni ? nullptr : xq.data_ptr<float>();
@@ -851,7 +850,9 @@ void bind_qblocks(pybind11::module_& m) {
       .def(py::init<torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t, int64_t, int64_t,
                     int64_t>(),
            py::arg("codes"), py::arg("scales"), py::arg("mins"), py::arg("n"), py::arg("k"), py::arg("bits"),
-           py::arg("group"), py::arg("zero"));
+           py::arg("group"), py::arg("zero"))
+      .def_readwrite("amx8_rows", &QBlockWeight::amx8_rows,
+                     "from this many rows qblock_linear's int8 activations run on AMX-INT8 tiles (the same bits)");
   m.def("qblock_linear", &qblock_linear, "x @ W^T (+ bias) over a QBlockWeight (CPU, AVX-512; VNNI: int8 activations "
         "per block of 32)", py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("vnni") = -1);
   m.def("qblock_linear_amx", &qblock_linear_amx, "x @ W^T (+ bias) over a QBlockWeight on AMX tiles, its tiles "
