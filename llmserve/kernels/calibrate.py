@@ -530,16 +530,17 @@ def report(table: ChoiceTable) -> str:
         for i, rows in enumerate(c.rows):
             cells = "".join(f"{c.seconds[n][i] * 1e3:>9.3f}ms" for n in names)
             lines.append(f"  {rows:>4}  {cells}  {min(names, key=lambda n: c.seconds[n][i])}")
-        if c.few_timed:
-            names = list(c.few_timed)
-            lines.append("  weights read cold, the same bits: " + "".join(f"{n:>11}" for n in names))
-            for i, rows in enumerate(FEW_BUCKETS[:len(c.few_timed[names[0]])]):
-                cells = "".join(f"{c.few_timed[n][i] * 1e3:>9.3f}ms" for n in names)
-                lines.append(f"  {rows:>4}  {cells}")
-        if c.amx8_timed:
-            names = list(c.amx8_timed)
-            lines.append("  int8 activations, the same bits: " + "".join(f"{n:>11}" for n in names))
-            for i, rows in enumerate(AMX8_BUCKETS[:len(c.amx8_timed[names[0]])]):
-                cells = "".join(f"{c.amx8_timed[n][i] * 1e3:>9.3f}ms" for n in names)
-                lines.append(f"  {rows:>4}  {cells}")
+        lines += _same_bits_table("weights read cold, the same bits", c.few_timed, FEW_BUCKETS)
+        lines += _same_bits_table("int8 activations, the same bits", c.amx8_timed, AMX8_BUCKETS)
     return "\n".join(lines)
+
+
+def _same_bits_table(title: str, timed: dict[str, tuple[float, ...]], buckets: tuple[int, ...]) -> list[str]:
+    """report's lines for one op's paths with the same bits (timed[name][i] at buckets[i]); none where none was timed."""
+    if not timed:
+        return []
+    names = list(timed)
+    lines = [f"  {title}: " + "".join(f"{n:>11}" for n in names)]
+    for i, rows in enumerate(buckets[:len(timed[names[0]])]):
+        lines.append(f"  {rows:>4}  " + "".join(f"{timed[n][i] * 1e3:>9.3f}ms" for n in names))
+    return lines
