@@ -229,9 +229,11 @@ class ChoiceTable:
 
     def as_dict(self) -> dict:
         """For `bench throughput --json`: each op's kernel, the ops whose batches of a few rows run FEW_ROWS_KERNEL
-        (and up to how many), and where the table came from."""
+        (and up to how many), from how many rows the blocks' int8 activations run on AMX-INT8 tiles where that was
+        measured (0: never), and where the table came from."""
         return {"ops": {op: c.kernel for op, c in sorted(self.ops.items())},
                 "few_rows": {op: c.few_rows for op, c in sorted(self.ops.items()) if c.few_rows},
+                "amx8_rows": {op: c.amx8_rows for op, c in sorted(self.ops.items()) if c.amx8_rows is not None},
                 "source": "cache" if self.reused else "measured", "measure_seconds": round(self.seconds, 2)}
 
     def to_json(self) -> dict:

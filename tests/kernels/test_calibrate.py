@@ -229,6 +229,7 @@ def test_blocks_ops_measure_from_how_many_rows_their_int8_activations_run_on_the
     assert {rows for _, rows in calls} == set(choice.AMX8_BUCKETS)
     assert len(calls) == len(qops) * len(choice.AMX8_BUCKETS) * 2 * 4  # a warm-up and 3 calls each, per op
     assert "from 64 rows: amx8" in table.describe() and "int8 activations" in calibrate.report(table)
+    assert table.as_dict()["amx8_rows"] == dict.fromkeys(sorted(qops), 64)  # bench throughput --json reports them
     model.pack_for_cpu(table)
     gen = torch.Generator().manual_seed(1)
     for m in layers:
