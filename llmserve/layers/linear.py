@@ -216,27 +216,23 @@ class Bf16Matmul:
     one kernel for every batch size): fma, dot and amx read kernels/cpu/packed_gemm.cpp's layout, onednn its blocked
     copy, fp32 the plain weight (widened per call)."""
 
-    def __init__(self, weight: torch.Tensor, choice: OpChoice) -> None:
-        self.n = weight.shape[0]
+    def __init__(self, weight: torch.Tensor, choice: OpChoice, rows: int | None = None) -> None:
+        """weight: the plain [N, K] weight; or, with rows = N, one already in bf16_pack's layout for a packed kernel
+        (fma, dot, amx): a dequantized block-quantized weight as the native dequantizer writes it (calibrate.unblock)."""
+        self.n = weight.shape[0] if rows is None else rows
         self.kernel = choice.kernel
         # a dequantized block-quantized weight on amx: (its blocks' native handle, rows): batches of at most that many
         # rows run qblock_linear_amx_dot on the blocks, the tiles' bits from a third of the bytes (models/llama.py)
         self.few: tuple[object, int] | None = None
-        if self.packed:
+        if rows is not None:
+            assert self.packed, f"a pre-packed weight needs a packed kernel, not {self.kernel}"
+            self.weight = weight
+        elif self.packed:
             self.weight = native.bf16_pack(weight)
         elif self.kernel == "onednn":
             self.weight = pack_weight(weight)
         else:
             self.weight = weight
-
-    @classmethod
-    def prepacked(cls, packed: torch.Tensor, n: int, choice: OpChoice) -> Bf16Matmul:
-        """A weight of n rows already in bf16_pack's layout (a dequantized block-quantized weight: calibrate.unblock),
-        for a packed kernel (fma, dot, amx)."""
-        assert choice.kernel in native.BF16_PATHS, choice.kernel
-        self = cls.__new__(cls)
-        self.n, self.kernel, self.few, self.weight = n, choice.kernel, None, packed
-        return self
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] bf16 -> [M, N] bf16."""

@@ -337,7 +337,8 @@ class LlamaForCausalLM(nn.Module):
 
         def pack(module: nn.Module, c: OpChoice | None, **kw: bool) -> None:
             if id(module) in packed:
-                module.bf16 = Bf16Matmul.prepacked(*packed.pop(id(module)), c)
+                weight, rows = packed.pop(id(module))
+                module.bf16 = Bf16Matmul(weight, c, rows=rows)
             else:
                 module.pack_for_cpu(choice=c, **kw)
             if id(module) in few and module.bf16 is not None:
