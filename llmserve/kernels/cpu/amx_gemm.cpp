@@ -110,12 +110,9 @@ LLMSERVE_AMX void unit(const uint16_t* x, int64_t ldx, const uint16_t* w0, const
     _tile_zero(2);
     if (TwoB) _tile_zero(3);
   }
-  const int64_t per = ahead.b0 != nullptr ? (ahead.lines + kt - 1) / kt : 0;  // lines a K step
   for (int64_t t = 0; t < kt; ++t) {
-    for (int64_t j = t * per; j < std::min(ahead.lines, (t + 1) * per); ++j) {
-      _mm_prefetch(ahead.b0 + 64 * j, _MM_HINT_T1);
-      if (ahead.b1 != nullptr) _mm_prefetch(ahead.b1 + 64 * j, _MM_HINT_T1);
-    }
+    ask_ahead(ahead.b0, ahead.lines, t, kt);
+    ask_ahead(ahead.b1, ahead.lines, t, kt);
     _tile_loadd(4, x + t * kTileK, ldx);
     _tile_loadd(6, w0 + t * kTileK * kBlockRows, 64);
     if (TwoB) _tile_loadd(7, w1 + t * kTileK * kBlockRows, 64);
@@ -172,13 +169,6 @@ LLMSERVE_AVX512 void store_glu(const float* c, int64_t rows, int64_t n0, int64_t
 
 }  // namespace
 
-namespace {
-// amx_gemm_blocks, and for a weight packed whole (plain: its first block) the next pair's blocks prefetched
-torch::Tensor amx_driver(const torch::Tensor& x, int64_t NB, int64_t N, const float* bias,
-                         const std::function<const uint16_t*(int64_t, uint16_t*)>& block, bool glu,
-                         const uint16_t* plain);
-}  // namespace
-
 bool amx_bf16_supported() {
   static const bool ok = cpu_has_avx512() && cpuid_amx(kAmxBf16Bit) && request_tile_data();
   return ok;
@@ -202,20 +192,14 @@ torch::Tensor bf16_gemm_amx(const torch::Tensor& x, const torch::Tensor& packed,
                             bool glu) {
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const int64_t be = x.size(1) * kBlockRows;
-  return amx_driver(x, packed.size(0), N, bias, [&](int64_t b, uint16_t*) { return wp + b * be; }, glu, wp);
+  return amx_gemm_blocks(x, packed.size(0), N, bias, [&](int64_t b, uint16_t*) { return wp + b * be; }, glu, wp);
 }
 
 // The driver: weight blocks of 16 outputs in bf16_pack's layout come from block(b, scratch) (a pointer to the block,
 // or to scratch, K * 16 bf16, which it may fill); see kernels.h.
 torch::Tensor amx_gemm_blocks(const torch::Tensor& x, int64_t NB, int64_t N, const float* bias,
-                              const std::function<const uint16_t*(int64_t, uint16_t*)>& block, bool glu) {
-  return amx_driver(x, NB, N, bias, block, glu, nullptr);
-}
-
-namespace {
-torch::Tensor amx_driver(const torch::Tensor& x, int64_t NB, int64_t N, const float* bias,
-                         const std::function<const uint16_t*(int64_t, uint16_t*)>& block, bool glu,
-                         const uint16_t* plain) {
+                              const std::function<const uint16_t*(int64_t, uint16_t*)>& block, bool glu,
+                              const uint16_t* plain) {
   TORCH_CHECK(amx_bf16_supported(), "bf16_gemm: the amx path needs a CPU with AMX-BF16 (and the OS's permission)");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kTileK == 0, "bf16_gemm: the amx path needs K a multiple of 32, got ", K);
@@ -296,4 +280,3 @@ torch::Tensor amx_driver(const torch::Tensor& x, int64_t NB, int64_t N, const fl
   });
   return y;
 }
-}  // namespace

@@ -49,9 +49,12 @@ bool amx_int8_supported();
 torch::Tensor bf16_gemm_amx(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const float* bias,
                             bool glu = false);
 // x [M, K] bf16 @ W^T (+ bias) on AMX tiles, W's NB blocks of 16 outputs (N outputs in all) given by block(b, scratch):
-// a pointer to block b in bf16_pack's layout ([K / 2][16][2]), which may be scratch (K * 16 bf16) filled by the call
+// a pointer to block b in bf16_pack's layout ([K / 2][16][2]), which may be scratch (K * 16 bf16) filled by the call.
+// plain: where the blocks lie one after the other in memory (block b at plain + b * K * 16), so the next pair's can be
+// asked for ahead; null where block() makes them.
 torch::Tensor amx_gemm_blocks(const torch::Tensor& x, int64_t NB, int64_t N, const float* bias,
-                              const std::function<const uint16_t*(int64_t, uint16_t*)>& block, bool glu = false);
+                              const std::function<const uint16_t*(int64_t, uint16_t*)>& block, bool glu = false,
+                              const uint16_t* plain = nullptr);
 // amx_gemm_blocks' epilogue for one unit: c fp32 [rows][32] (pair p: blocks 2p and 2p + 1, or with glu gate block p
 // and up block p + NB / 2) plus bias, rounded to bf16, into y (the unit's first row of the [M, N] or [M, N / 2] output)
 void amx_store_pair(const float* c, int64_t rows, int64_t p, int64_t N, const float* bias, at::BFloat16* y, bool glu);

@@ -373,11 +373,9 @@ LLMSERVE_AMX8 __attribute__((optimize("no-tree-pre"))) void unit_amx8(const Act&
   auto odd = [&](int64_t b) { LLMSERVE_AMX8_BLOCK(1, 4, 5, b, c1); };
 #undef LLMSERVE_AMX8_BLOCK
   const int64_t KB = a.KB, per = w.blocks_per_group;
-  const int64_t ahead_step = ahead != nullptr ? (ahead_lines + (KB + 1) / 2 - 1) / ((KB + 1) / 2) : 0;
   even(0);
   for (int64_t b = 0; b < KB; b += 2) {
-    for (int64_t j = b / 2 * ahead_step; j < std::min(ahead_lines, (b / 2 + 1) * ahead_step); ++j)
-      _mm_prefetch(ahead + 64 * j, _MM_HINT_T1);
+    ask_ahead(ahead, ahead_lines, b / 2, (KB + 1) / 2);
     if (b + 1 < KB) odd(b + 1);
     amx8_block_rows<S>(a, w, t, b, per == 1 ? b : b / per, i0, M - 1, c0, acc);
     if (b + 2 < KB) even(b + 2);
