@@ -298,6 +298,13 @@ class EngineConfig:
                                        "port with one node; with several, it must be given.")
     enforce_eager: bool = _f(False, "CUDA: run every step eagerly instead of replaying CUDA graphs captured at start "
                                     "for decode steps (one per batch size up to max_batch_size).")
+    async_scheduling: bool | None = _f(None, "Launch the next decode step before reading this one's tokens, so the "
+                                             "host's work per step (outputs, detokenization, scheduling) runs while "
+                                             "the device computes (vLLM's --async-scheduling). Default: on with "
+                                             "CUDA, off on CPUs, where the host computes the step itself. Steps of "
+                                             "plain requests only: one asking for logprobs, penalties, logit bias, "
+                                             "bad words, a grammar, beams, images, an adapter or a session, and "
+                                             "speculative decoding or tp > 1, run as before.")
     session_len: int | None = _f(None, "Maximum tokens in one sequence (prompt + output). "
                                        "Default: the model's max_position_embeddings.")
     max_batch_size: int = _f(128, "Maximum number of requests running in one step.")

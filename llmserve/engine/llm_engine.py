@@ -33,9 +33,17 @@ from llmserve.sampling.sampler import SamplerOutput
 from llmserve.structured.compiler import GrammarCompiler
 from llmserve.structured.matcher import GrammarState
 from llmserve.vl.inputs import MultiModalInputs
-from llmserve.worker.model_runner import CpuOptions, GraphOptions, ModelRunner, num_blocks_for
+from llmserve.worker.model_runner import CpuOptions, GraphOptions, InFlight, ModelRunner, num_blocks_for
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _InFlightStep:
+    """Async scheduling: a launched decode step (its plan, and the runner's handle on its tokens)."""
+
+    plan: SchedulerOutput
+    handle: InFlight
 
 
 @dataclass
@@ -94,6 +102,11 @@ class LLMEngine:
         self._beams: dict[str, BeamSearch] = {}  # caller's request id -> its beam search
         self._best_of: dict[str, BestOf] = {}  # caller's request id -> its held-back samples
         self._seed_gen = torch.Generator(device="cpu").manual_seed(config.seed)
+        # Async scheduling: the decode step on the device whose tokens are not read yet (see _step_async)
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else loaded.device.type == "cuda" and self.runner.graphs is not None)
+        self.async_scheduling &= self.proposer is None and loaded.tp_workers is None
+        self._in_flight: _InFlightStep | None = None
         # Structured output: xgrammar is imported and the vocabulary read at the first structured request.
         self.grammars = GrammarCompiler(self.tokenizer, loaded.hf_config.vocab_size, loaded.eos_token_ids)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens in all, up to %d tokens per sequence)",
@@ -234,6 +247,10 @@ class LLMEngine:
 
     def step(self) -> list[SequenceOutput]:
         self.sessions.expire()
+        if self._in_flight is not None:
+            if any(s.request.status == RequestStatus.RUNNING for s in self._in_flight.plan.scheduled):
+                return self._step_async()
+            self._in_flight = None  # every request of it was aborted: nothing to read
         plan = self.scheduler.schedule()
         if self.proposer is not None:
             for r in plan.preempted:
@@ -242,10 +259,85 @@ class LLMEngine:
             return []
         if self.proposer is not None:
             self._add_drafts(plan)
+        if self.async_scheduling and self._may_overlap(plan.scheduled):
+            requests = [s.request for s in plan.scheduled]
+            self._in_flight = _InFlightStep(plan, self._launch(requests, [r.num_computed_tokens for r in requests]))
+            return self._step_async()
         sampled = self.runner.execute(plan.scheduled, [self.kv.block_table(s.request.request_id)
                                                        for s in plan.scheduled])
         self.scheduler.update_after_step(plan)
         outputs = self._process(plan, sampled)
+        if self._best_of:
+            outputs = self._hold_best_of(outputs)
+        return outputs
+
+    # --- async scheduling ----------------------------------------------------------------
+    #
+    # Step N's tokens stay on the device while the host launches step N + 1 with them as its inputs; only then does
+    # it read N's tokens and process them (append, detokenize, stops, outputs), while the device runs N + 1. The
+    # host's work per step thus overlaps the device's, where a synchronous step leaves the device idle through it.
+    #
+    # Step N + 1 is launched before N's stops are known: a request that stops at N (an EOS, a stop string) computes
+    # one token more, which is dropped. Its blocks are freed at once, as usual; the device writes that token's K/V
+    # into them in stream order, before any later step can reuse them, and only into a block that is not yet full
+    # (so not in the prefix cache). Requests whose N-th token is known to be their last (max_new_tokens, the session
+    # length) are left out of N + 1. A request's counters lag by that one step while it is in flight:
+    # num_computed_tokens and token_ids catch up when N is read, before anything else looks at them.
+    #
+    # Only steps of plain decodes overlap (_may_overlap): whatever else a step has (a prefill, a waiting request that
+    # could start, logprobs, anything the sampler reads the output for) runs as a synchronous step, after the one in
+    # flight is read.
+
+    def _overlappable(self, r: Request) -> bool:
+        p = r.sampling
+        return (r.status == RequestStatus.RUNNING and p.logprobs is None and not p.beam_width
+                and not p.needs_penalties and not p.logit_bias and not p.bad_words_ids
+                and r.num_output_tokens >= p.min_tokens  # stop ids banned until min_tokens: the count lags a step
+                and r.grammar is None and r.mm is None and r.lora is None and r.session_id is None)
+
+    def _may_overlap(self, scheduled: list[ScheduledRequest]) -> bool:
+        """A step of decodes of every running request, all plain, with no request waiting that could start."""
+        sch = self.scheduler
+        return (0 < len(scheduled) == len(sch.running) <= sch.max_num_batched_tokens
+                and (not sch.waiting or len(sch.running) >= sch.max_batch_size)
+                and all(s.num_new_tokens == 1 and s.samples and not s.draft_token_ids and self._overlappable(s.request)
+                        for s in scheduled))
+
+    def _launch(self, requests: list[Request], positions: list[int],
+                prev: tuple[InFlight, list[int]] | None = None) -> InFlight:
+        return self.runner.launch(requests, positions, [self.kv.block_table(r.request_id) for r in requests], prev)
+
+    def _launch_next(self, step: _InFlightStep) -> _InFlightStep | None:
+        """The step after the one in flight, launched with its tokens as inputs; None where it cannot overlap."""
+        running = [(i, s.request) for i, s in enumerate(step.plan.scheduled) if s.request.status == RequestStatus.RUNNING]
+        if len(running) != len(self.scheduler.running):
+            return None
+        # a request whose token in flight is its last (by length) is not computed further
+        rows = [(i, r) for i, r in running
+                if r.num_output_tokens + 1 < r.max_new_tokens and r.num_tokens + 1 < r.max_total_tokens]
+        sch = self.scheduler
+        if (not rows or len(rows) > sch.max_num_batched_tokens or (sch.waiting and len(rows) < sch.max_batch_size)
+                or not all(self._overlappable(r) for _, r in rows)):
+            return None  # (a waiting request that could start: a synchronous step starts it)
+        # room for the token in flight (computed by this step) and the one this step samples; never a preemption
+        if not all(self.kv.allocate(r, 2) for _, r in rows):
+            return None
+        requests = [r for _, r in rows]
+        plan = SchedulerOutput([ScheduledRequest(r, 1, True) for r in requests])
+        return _InFlightStep(plan, self._launch(requests, [r.num_tokens for r in requests],
+                                                (step.handle, [i for i, _ in rows])))
+
+    def _step_async(self) -> list[SequenceOutput]:
+        step, self._in_flight = self._in_flight, None
+        assert step is not None
+        after = self._launch_next(step)  # before reading `step`'s tokens: the device goes on to it meanwhile
+        tokens = step.handle.token_ids()
+        live = [(s, t) for s, t in zip(step.plan.scheduled, tokens) if s.request.status == RequestStatus.RUNNING]
+        plan = SchedulerOutput([s for s, _ in live])
+        self.scheduler.update_after_step(plan)
+        outputs = self._process(plan, SamplerOutput([t for _, t in live], [None] * len(live)))
+        if after is not None and any(s.request.status == RequestStatus.RUNNING for s in after.plan.scheduled):
+            self._in_flight = after
         if self._best_of:
             outputs = self._hold_best_of(outputs)
         return outputs

@@ -85,6 +85,13 @@ class Sampler:
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=self._logprobs(raw_rows, token_ids, batch),
                              beam_logprobs=beams)
 
+    def choose(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
+        """The batch's tokens [B] on the logits' device, not read back (async scheduling: the next step takes them
+        as its inputs there). For batches without logprobs or beams, whose output is only the tokens."""
+        assert batch.logprob_rows is None and batch.beam_rows is None
+        _process(logits, batch)
+        return self._argmax(logits) if batch.all_greedy else self._choose(logits, batch)
+
     def verify(self, logits: Tensor, batch: SamplingBatch, drafts: list[int]) -> SamplerOutput:
         """Speculative decoding: row i scores the position of draft token drafts[i] (-1: no draft,
         the row after a sequence's last draft). Returns, per row, whether the draft is accepted and

@@ -48,12 +48,19 @@ class CudaGraphDecoder:
         self.sizes = capture_sizes(max_batch_size)
         self.max_size = self.sizes[-1]
         n = self.max_size
-        # ids, positions, slots, lens: one int64 buffer, one host-to-device copy per step
-        self._inputs = torch.zeros((4, n), dtype=torch.int64, device=device)
-        self._staging = torch.zeros((4, n), dtype=torch.int64, pin_memory=True)
+        # ids, positions, slots, lens, and the rows of the previous step's tokens that are this step's ids (async
+        # scheduling: see `run`): one int64 buffer, one host-to-device copy per step
+        self._inputs = torch.zeros((5, n), dtype=torch.int64, device=device)
         self._tables = torch.full((n, self.width), scratch_block, dtype=torch.int32, device=device)
-        # a padding row's (id, position, slot, length): token 0 at position 0, one token of context in the scratch block
-        self._pad = torch.tensor([0, 0, scratch_block * block_size, 1])[:, None]
+        # Pinned host buffers of those copies, two of each in turn: with async scheduling the host fills the next
+        # step's while the device may not yet have copied the last one's (`_copied`: an event after each copy)
+        self._staging = torch.zeros((2, 5, n), dtype=torch.int64, pin_memory=True)
+        self._table_staging = torch.zeros((2, n * self.width), dtype=torch.int32, pin_memory=True)
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+        # a padding row's (id, position, slot, length, previous row): token 0 at position 0, one token of context in
+        # the scratch block
+        self._pad = torch.tensor([0, 0, scratch_block * block_size, 1, 0])[:, None]
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
@@ -64,7 +71,7 @@ class CudaGraphDecoder:
                     len(self.sizes), self.max_size, time.perf_counter() - start)
 
     def _meta(self, size: int, splits: int) -> AttentionMetadata:
-        ids, pos, slots, lens = self._inputs[:, :size]
+        ids, pos, slots, lens = self._inputs[:4, :size]
         return AttentionMetadata(slot_mapping=slots, num_decodes=size, decode_tables=self._tables[:size],
                                  decode_lens=lens, prefills=[], decode_splits=splits)
 
@@ -93,21 +100,30 @@ class CudaGraphDecoder:
 
     @torch.inference_mode()
     def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
-            rope_deltas: list[int] | None = None) -> torch.Tensor:
+            rope_deltas: list[int] | None = None, prev: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor:
         """One decode step of n requests (token_ids[i] at positions[i], over block_tables[i]) -> logits [n, V],
         a view of the graph's output: read it before the next run. rope_deltas: an M-RoPE model's rotary position
-        minus sequence index per request (positions index the cache either way)."""
+        minus sequence index per request (positions index the cache either way). prev: (tokens, rows) where the ids
+        are still on the device (async scheduling): request i's id is tokens[rows[i]], and token_ids is not read."""
         n = len(token_ids)
         size = next(s for s in self.sizes if s >= n)
         bs = self.block_size
-        staging = self._staging
-        staging[0, :n] = torch.tensor(token_ids)
+        turn, self._turn = self._turn, self._turn ^ 1
+        if self._copied[turn] is not None:  # the device has read this buffer (two steps ago): at once in practice
+            self._copied[turn].synchronize()
+        staging = self._staging[turn]
+        if prev is None:
+            staging[0, :n] = torch.tensor(token_ids)
+        else:
+            staging[4, :n] = torch.tensor(prev[1])
         index = torch.tensor(positions)
         staging[1, :n] = index if rope_deltas is None else index + torch.tensor(rope_deltas)
         staging[2, :n] = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions)])
         staging[3, :n] = index + 1
         staging[:, n:size] = self._pad
         self._inputs[:, :size].copy_(staging[:, :size], non_blocking=True)
+        if prev is not None:  # on the device, in stream order after the step that sampled them
+            torch.index_select(prev[0], 0, self._inputs[4, :n], out=self._inputs[0, :n])
         # only the columns in use: a row's later columns are never read (its length bounds the kernel's reads)
         width = max(len(t) for t in block_tables)
         flat: list[int] = []
@@ -115,8 +131,11 @@ class CudaGraphDecoder:
             flat += t
             flat += [self.scratch_block] * (width - len(t))
         flat += [self.scratch_block] * ((size - n) * width)
-        tables = torch.tensor(flat, dtype=torch.int32).view(size, width)
+        tables = self._table_staging[turn, :size * width].view(size, width)
+        tables.copy_(torch.tensor(flat, dtype=torch.int32).view(size, width))
         self._tables[:size, :width].copy_(tables, non_blocking=True)
+        event = self._copied[turn] = self._copied[turn] or torch.cuda.Event()
+        event.record()
         graph, logits = self._graphs[size]
         graph.replay()
         return logits[:n]

@@ -92,6 +92,21 @@ class GraphOptions:
     max_tokens_per_seq: int = 0  # the longest context a request can reach (its block table's width)
 
 
+@dataclass(frozen=True)
+class InFlight:
+    """A decode step launched with async scheduling (`ModelRunner.launch`) whose tokens the host has not read yet."""
+
+    tokens: torch.Tensor  # [n] int64 on the device: where the next step takes its inputs from
+    host: torch.Tensor  # [n] int64 on the host (pinned with CUDA), filled by a copy queued after the step
+    done: torch.cuda.Event | None  # recorded after that copy; None where the step ran synchronously (CPU)
+
+    def token_ids(self) -> list[int]:
+        """The step's tokens, in its requests' order: waits for the step to finish."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
                  cpu: CpuOptions | None = None, kv_cache_dtype: str = "auto",
@@ -190,6 +205,35 @@ class ModelRunner:
         return self.sampler(logits, batch)
 
     @torch.inference_mode()
+    def launch(self, requests: list[Request], positions: list[int], block_tables: list[list[int]],
+               prev: tuple[InFlight, list[int]] | None = None) -> InFlight:
+        """Async scheduling (engine: LLMEngine._launch): one decode step of `requests`, a token each at positions[i],
+        sampled on the device and not read back, so the host can prepare the next step while this one runs. The
+        tokens are each request's at its position; with `prev` (a step in flight, rows), request i's is that step's
+        token of row rows[i], which the host does not know yet. For plain requests only (no logprobs, beams,
+        logits processors, grammar, images or adapters): their output is the tokens alone."""
+        n = len(requests)
+        ids = [0] * n if prev is not None else [r.token_ids[p] for r, p in zip(requests, positions)]
+        if self.graphs is not None and self.graphs.fits(n, max(len(t) for t in block_tables)):
+            logits = self.graphs.run(ids, positions, block_tables,
+                                     prev=None if prev is None else (prev[0].tokens, prev[1]))
+        else:
+            on_device = None
+            if prev is not None:
+                on_device = prev[0].tokens.index_select(0, torch.tensor(prev[1], device=prev[0].tokens.device))
+            logits = self._forward([Span([i], p, t, 1) for i, p, t in zip(ids, positions, block_tables)], on_device)
+        assert logits is not None
+        batch = SamplingBatch.build([_sequence_state(r) for r in requests], self.vocab_size, self.device)
+        tokens = self.sampler.choose(logits, batch)
+        if tokens.device.type != "cuda":
+            return InFlight(tokens, tokens, None)
+        host = torch.empty(n, dtype=torch.int64, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return InFlight(tokens, host, done)
+
+    @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks, source -> destination, in every layer (copy-on-write of forked beams)."""
         if not pairs:
@@ -216,8 +260,10 @@ class ModelRunner:
                 raise self.tp_workers.failed(e) from e
         return self._forward(spans)
 
-    def _forward(self, spans: list[Span]) -> torch.Tensor | None:
-        if self.graphs is not None and self._graph_step(spans):
+    def _forward(self, spans: list[Span], decode_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """decode_ids: the ids of the first len(decode_ids) spans (single tokens), on the device (async scheduling);
+        their spans' token_ids are not read."""
+        if decode_ids is None and self.graphs is not None and self._graph_step(spans):
             # M-RoPE: a decode's token is past every image (a sampled token with no image rows is the last of
             # its sequence), so its three rows are equal, start + delta: plain rotary there
             deltas = [span.mrope.delta if span.mrope is not None else 0 for span in spans] if self.mrope else None
@@ -237,6 +283,8 @@ class ModelRunner:
         meta = build_attention_metadata(seqs, self.block_size, self.device, self.workspace)
         meta.prefill_kernel, meta.decode_dot = self.prefill_kernel, self.decode_dot
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        if decode_ids is not None:
+            ids[:len(decode_ids)] = decode_ids
         if self.mrope:
             pos = _mrope_positions(spans, positions).to(self.device)
         else:

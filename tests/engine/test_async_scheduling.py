@@ -1,0 +1,155 @@
+"""Async scheduling (engine/llm_engine.py: the next decode step launched before this one's tokens are read): the same
+tokens, stops, aborts and bookkeeping as synchronous steps, on the CPU where it can be forced on.
+
+Each test counts the steps launched ahead (with the previous step's tokens still unread), so none passes by
+running synchronously throughout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve import EngineConfig, GenerationConfig, pipeline
+
+GREEDY = GenerationConfig(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def pipes(tiny_model_dir):
+    """(synchronous, async) pipelines of the same tiny model."""
+    base = dict(dtype="float32", device="cpu", block_size=4, num_blocks=96, max_batch_size=8)
+    with pipeline(tiny_model_dir("llama"), backend_config=EngineConfig(**base, async_scheduling=False)) as sync, \
+            pipeline(tiny_model_dir("llama"), backend_config=EngineConfig(**base, async_scheduling=True)) as fast:
+        yield sync, fast
+
+
+class Ahead:
+    """Counts the steps launched with the previous step's tokens still on the device."""
+
+    def __init__(self, engine) -> None:
+        self.count = 0
+        launch = engine.runner.launch
+
+        def counted(requests, positions, tables, prev=None):
+            self.count += prev is not None
+            return launch(requests, positions, tables, prev)
+
+        engine.runner.launch = counted
+
+
+def run(engine, requests: dict[str, tuple[list[int], GenerationConfig]], arrivals: dict[int, list[str]] | None = None,
+        aborts: dict[int, list[str]] | None = None) -> dict[str, tuple[list[int], str | None]]:
+    """Add `requests` (those in arrivals[k] only before step k), step to the end (aborting aborts[k] before step k):
+    per request its tokens and finish reason."""
+    arrivals = arrivals or {0: list(requests)}
+    out: dict[str, tuple[list[int], str | None]] = {rid: ([], None) for rid in requests}
+    k = 0
+    while k <= max(arrivals) or engine.has_unfinished_requests():
+        for rid in arrivals.get(k, []):
+            engine.add_request(rid, *requests[rid])
+        for rid in (aborts or {}).get(k, []):
+            for o in engine.abort(rid):
+                out[rid] = (out[rid][0], o.finish_reason)
+        for o in engine.step():
+            out[o.request_id] = (out[o.request_id][0] + o.new_token_ids, o.finish_reason)
+        k += 1
+    assert engine.kv.usage().in_use == 0 and not engine.scheduler.running
+    engine.kv.check_invariants()
+    return out
+
+
+def both(pipes, requests, **kw) -> tuple[dict, dict, int]:
+    sync, fast = pipes
+    ahead = Ahead(fast.engine)
+    assert not sync.engine.async_scheduling and fast.engine.async_scheduling
+    return run(sync.engine, requests, **kw), run(fast.engine, requests, **kw), ahead.count
+
+
+def test_default_is_off_on_cpus(tiny_model_dir):
+    with pipeline(tiny_model_dir("llama"), backend_config=EngineConfig(dtype="float32", device="cpu", num_blocks=16)) as p:
+        assert not p.engine.async_scheduling
+
+
+def test_same_tokens_and_stops_as_synchronous_steps(pipes):
+    sync, _ = pipes
+    plain = {f"r{i}": (ids(3 + 5 * i, i), GREEDY.replace(max_new_tokens=1 + 3 * i)) for i in range(6)}
+    # stop tokens that end requests mid-run, at steps the engine cannot know ahead
+    first = run(sync.engine, plain)
+    requests = dict(plain)
+    for i, rid in enumerate(["r3", "r4", "r5"]):
+        tokens = first[rid][0]
+        requests[rid] = (plain[rid][0], plain[rid][1].replace(stop_token_ids=[tokens[2 + i]]))
+    want, got, ahead = both(pipes, requests)
+    assert got == want
+    assert {want[r][1] for r in ("r3", "r4", "r5")} == {"stop"} and want["r0"][1] == "length"
+    assert ahead >= 5
+
+
+def test_stop_strings_and_seeded_sampling(pipes):
+    sync, _ = pipes
+    seeded = GenerationConfig(temperature=0.9, top_p=0.95, max_new_tokens=10, ignore_eos=True)
+    requests = {f"s{i}": (ids(6 + i, 10 + i), seeded.replace(random_seed=i)) for i in range(4)}
+    text = sync.engine.tokenizer.decode(run(sync.engine, requests)["s1"][0])
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    requests["s1"] = (requests["s1"][0], requests["s1"][1].replace(stop_words=[stop]))
+    want, got, ahead = both(pipes, requests)
+    assert got == want and want["s1"][1] == "stop"
+    assert ahead >= 5
+
+
+def test_arrivals_and_aborts_mid_run(pipes):
+    requests = {f"a{i}": (ids(4 + 3 * i, 20 + i), GREEDY.replace(max_new_tokens=9 + i)) for i in range(6)}
+    want, got, ahead = both(pipes, requests, arrivals={0: ["a0", "a1", "a2"], 4: ["a3"], 7: ["a4", "a5"]},
+                            aborts={3: ["a1"], 9: ["a4"]})
+    # an aborted request's output so far depends on when the step ran that it was aborted before: a request that
+    # arrives while a step is in flight starts one step later (that step is read first)
+    for rid in ("a1", "a4"):
+        (a, reason_a), (b, reason_b) = want.pop(rid), got.pop(rid)
+        shorter, longer = sorted((a, b), key=len)
+        assert reason_a == reason_b == "abort" and longer[:len(shorter)] == shorter
+    assert got == want
+    assert ahead >= 5
+
+
+def test_a_full_batch_goes_on_ahead_while_requests_wait(pipes):
+    # max_batch_size 8: ten requests, two wait for a place; steps go on ahead while the batch is full
+    requests = {f"w{i}": (ids(5, 40 + i), GREEDY.replace(max_new_tokens=6 + 2 * (i % 3))) for i in range(10)}
+    want, got, ahead = both(pipes, requests)
+    assert got == want
+    assert ahead >= 3
+
+
+def test_requests_it_does_not_cover_run_synchronously_beside_it(pipes):
+    _, fast = pipes
+    requests = {"plain": (ids(7, 50), GREEDY), "lp": (ids(7, 51), GREEDY.replace(logprobs=2)),
+                "pen": (ids(9, 52), GREEDY.replace(repetition_penalty=1.3))}
+    want, got, ahead = both(pipes, requests, arrivals={0: ["plain"], 6: ["lp", "pen"]})
+    assert got == want
+    assert ahead >= 3  # the plain request alone, before the others arrive
+    out = fast.engine
+    out.add_request("lp2", ids(7, 51), GREEDY.replace(logprobs=2, max_new_tokens=4))
+    logprobs = []
+    while out.has_unfinished_requests():
+        for o in out.step():
+            logprobs += o.new_logprobs
+    assert len(logprobs) == 4
+
+
+def test_a_pool_too_small_to_run_ahead_preempts_as_before(tiny_model_dir):
+    # 20 blocks of 4 tokens for 4 requests reaching 30 tokens: preemptions, and steps that cannot allocate ahead
+    requests = {f"p{i}": (ids(10, 60 + i), GREEDY.replace(max_new_tokens=20)) for i in range(4)}
+    results = []
+    counts = []
+    for flag in (False, True):
+        config = EngineConfig(dtype="float32", device="cpu", block_size=4, num_blocks=20, async_scheduling=flag)
+        with pipeline(tiny_model_dir("llama"), backend_config=config) as p:
+            ahead = Ahead(p.engine)
+            results.append(run(p.engine, requests))
+            counts.append((ahead.count, p.engine.scheduler.num_preemptions))
+    assert results[1] == results[0]
+    assert counts[1][0] >= 3 and counts[0][1] > 0
