@@ -155,7 +155,9 @@ class BlockWeight:
         if t.group == 16:
             t = replace(t, scales=t.scales.float(), mins=None if t.mins is None else t.mins.float())
         self.n, self.k, self.bits, self.group, self.zero = n, k, t.bits, t.group, t.zero
-        self.codes = pack_codes(t.codes, t.bits).to(device)
+        # packed where they will live: on a GPU by torch's ops there, never by the CPU extension (which a GPU machine
+        # would compile first, minutes on its first load: the first Triton qblock test on an H100 ran past 60 s)
+        self.codes = pack_codes(t.codes.to(device), t.bits)
         self.scales = _tiles(t.scales).to(device)
         self.mins = None if t.mins is None else _tiles(t.mins).to(device)
         # act-order: the codes' columns are in this order (int64 [k]); x's columns are gathered alike per call
