@@ -44,7 +44,8 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_engine_flags) -> None:
     tp.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     tp.add_argument("--profile-steps", action="store_true",
                     help="time each part of the engine's steps (schedule, inputs, linear, attention, LM head, "
-                         "sampling, outputs) and print the split")
+                         "sampling, outputs) and print the split; the steps run synchronously (no "
+                         "--async-scheduling unless given), since each timed part waits for the device")
     add_sampling_flags(tp)
     add_structured_flag(tp)
     add_engine_flags(tp)
@@ -126,7 +127,10 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     if args.baseline == "unconstrained" and not args.structured:
         raise InvalidRequestError("--baseline unconstrained is the same workload without --structured's constraint: "
                                   "give --structured json-schema|regex|choice")
-    with pipeline(args.model, backend_config=dataclass_from_args(EngineConfig, args), log_level=args.log_level) as pipe:
+    config = dataclass_from_args(EngineConfig, args)
+    if args.profile_steps and config.async_scheduling is None:  # the timers wait for the device at each part
+        config = dataclasses.replace(config, async_scheduling=False)
+    with pipeline(args.model, backend_config=config, log_level=args.log_level) as pipe:
         engine = pipe.engine
         requests = _workload(args, pipe)
         run_engine_throughput(engine, [BenchRequest(r.prompt_token_ids[:16], 4) for r in requests[:4]],

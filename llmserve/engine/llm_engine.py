@@ -109,8 +109,9 @@ class LLMEngine:
         self._in_flight: _InFlightStep | None = None
         # Structured output: xgrammar is imported and the vocabulary read at the first structured request.
         self.grammars = GrammarCompiler(self.tokenizer, loaded.hf_config.vocab_size, loaded.eos_token_ids)
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens in all, up to %d tokens per sequence)",
-                    num_blocks, config.block_size, num_blocks * config.block_size, self.session_len)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens in all, up to %d tokens per sequence); async "
+                    "scheduling %s", num_blocks, config.block_size, num_blocks * config.block_size, self.session_len,
+                    "on" if self.async_scheduling else "off")
 
     # --- requests ------------------------------------------------------------------------
 
