@@ -39,6 +39,20 @@ def stack_server(stack_tiny: EngineHandle) -> Iterator[RunningServer]:
 
 
 @pytest.fixture(scope="session")
+def async_tiny(tiny_model_dir: Callable[[str], str]) -> Iterator[EngineHandle]:
+    """The same model with async scheduling forced on (the default only with CUDA): decode steps launched before the
+    previous step's tokens are read."""
+    with engine_for(tiny_model_dir("llama"), name="tiny-llama", async_scheduling=True, **TINY_ENGINE) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="session")
+def async_server(async_tiny: EngineHandle) -> Iterator[RunningServer]:
+    with running_server(async_tiny, enable_debug_routes=True) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
 def server(tiny: EngineHandle) -> Iterator[RunningServer]:
     with running_server(tiny, enable_debug_routes=True) as s:
         yield s

@@ -1,7 +1,8 @@
 """Load: 64 concurrent streaming clients get complete, correct answers (each equal to the greedy
 answer of the same request sent alone) while 16 more leave mid-stream; afterwards no KV block is in
 use, the pool's invariants hold, and /metrics adds up. Once on the Python layers (fp32), once in the
-native decoder stack (bf16, w8a8), whose steps run without the GIL beside the server's event loop."""
+native decoder stack (bf16, w8a8), whose steps run without the GIL beside the server's event loop, and once with
+async scheduling (the next decode step launched before this one's tokens are read)."""
 
 from __future__ import annotations
 
@@ -63,6 +64,16 @@ def test_64_streams_with_16_leavers(server: RunningServer, tiny: EngineHandle) -
 def test_64_streams_with_16_leavers_in_the_decoder_stack(stack_server: RunningServer, stack_tiny: EngineHandle) -> None:
     _check_load(stack_server, stack_tiny)
     assert stack_tiny.call(lambda e: e.runner.model.model._stack is not None)  # the steps ran in the stack
+
+
+def test_64_streams_with_16_leavers_with_async_scheduling(async_server: RunningServer,
+                                                          async_tiny: EngineHandle) -> None:
+    """Leavers abort requests whose next step is already launched; the answers and the pool must not notice."""
+    from tests.engine.test_async_scheduling import Ahead
+
+    ahead = async_tiny.call(Ahead)
+    _check_load(async_server, async_tiny)
+    assert ahead.count > 50  # steps launched ahead, with the previous step's tokens unread
 
 
 def _check_load(server: RunningServer, tiny: EngineHandle) -> None:
