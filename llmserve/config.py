@@ -302,9 +302,10 @@ class EngineConfig:
                                              "host's work per step (outputs, detokenization, scheduling) runs while "
                                              "the device computes (vLLM's --async-scheduling). Default: on with "
                                              "CUDA, off on CPUs, where the host computes the step itself. Steps of "
-                                             "plain requests only: one asking for logprobs, penalties, logit bias, "
-                                             "bad words, a grammar, beams, images, an adapter or a session, and "
-                                             "speculative decoding or tp > 1, run as before.")
+                                             "plain requests only (logprobs and seeds included): one asking for "
+                                             "penalties, logit bias, bad words, min_tokens, a grammar, beams, "
+                                             "images, an adapter or a session, and speculative decoding or tp > 1, "
+                                             "run as before.")
     session_len: int | None = _f(None, "Maximum tokens in one sequence (prompt + output). "
                                        "Default: the model's max_position_embeddings.")
     max_batch_size: int = _f(128, "Maximum number of requests running in one step.")

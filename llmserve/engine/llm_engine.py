@@ -286,12 +286,12 @@ class LLMEngine:
     # num_computed_tokens and token_ids catch up when N is read, before anything else looks at them.
     #
     # Only steps of plain decodes overlap (_may_overlap): whatever else a step has (a prefill, a waiting request that
-    # could start, logprobs, anything the sampler reads the output for) runs as a synchronous step, after the one in
+    # could start, anything the sampler reads the output for) runs as a synchronous step, after the one in
     # flight is read.
 
     def _overlappable(self, r: Request) -> bool:
         p = r.sampling
-        return (r.status == RequestStatus.RUNNING and p.logprobs is None and not p.beam_width
+        return (r.status == RequestStatus.RUNNING and not p.beam_width
                 and not p.needs_penalties and not p.logit_bias and not p.bad_words_ids
                 and r.num_output_tokens >= p.min_tokens  # stop ids banned until min_tokens: the count lags a step
                 and r.grammar is None and r.mm is None and r.lora is None and r.session_id is None)
@@ -332,11 +332,12 @@ class LLMEngine:
         step, self._in_flight = self._in_flight, None
         assert step is not None
         after = self._launch_next(step)  # before reading `step`'s tokens: the device goes on to it meanwhile
-        tokens = step.handle.token_ids()
-        live = [(s, t) for s, t in zip(step.plan.scheduled, tokens) if s.request.status == RequestStatus.RUNNING]
-        plan = SchedulerOutput([s for s, _ in live])
+        tokens, logprobs = step.handle.result()
+        live = [(s, t, lp) for s, t, lp in zip(step.plan.scheduled, tokens, logprobs, strict=True)
+                if s.request.status == RequestStatus.RUNNING]
+        plan = SchedulerOutput([s for s, _, _ in live])
         self.scheduler.update_after_step(plan)
-        outputs = self._process(plan, SamplerOutput([t for _, t in live], [None] * len(live)))
+        outputs = self._process(plan, SamplerOutput([t for _, t, _ in live], [lp for _, _, lp in live]))
         if after is not None and any(s.request.status == RequestStatus.RUNNING for s in after.plan.scheduled):
             self._in_flight = after
         if self._best_of:

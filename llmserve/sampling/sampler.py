@@ -87,8 +87,9 @@ class Sampler:
 
     def choose(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
         """The batch's tokens [B] on the logits' device, not read back (async scheduling: the next step takes them
-        as its inputs there). For batches without logprobs or beams, whose output is only the tokens."""
-        assert batch.logprob_rows is None and batch.beam_rows is None
+        as its inputs there). For batches without beams; logprobs are the caller's (from the logits before this,
+        which processes them in place)."""
+        assert batch.beam_rows is None
         _process(logits, batch)
         return self._argmax(logits) if batch.all_greedy else self._choose(logits, batch)
 

@@ -23,7 +23,7 @@ from llmserve.errors import InvalidRequestError
 from llmserve.kernels import calibrate
 from llmserve.kernels.choice import ChoiceTable
 from llmserve.models.loader import LoadedModel
-from llmserve.sampling.logprobs import logprobs_of_logits
+from llmserve.sampling.logprobs import TokenLogprobs, logprob_parts, logprobs_of_logits, token_logprobs
 from llmserve.sampling.sampler import Sampler, SamplerOutput, SamplingBatch, SequenceState
 from llmserve.vl.inputs import ImageItem, MRopePositions
 from llmserve.worker.cpu_tuning import configure_cpu, trim_heap, use_onednn
@@ -98,13 +98,23 @@ class InFlight:
 
     tokens: torch.Tensor  # [n] int64 on the device: where the next step takes its inputs from
     host: torch.Tensor  # [n] int64 on the host (pinned with CUDA), filled by a copy queued after the step
-    done: torch.cuda.Event | None  # recorded after that copy; None where the step ran synchronously (CPU)
+    done: torch.cuda.Event | None  # recorded after the copies; None where the step ran synchronously (CPU)
+    # the rows asking for logprobs, their top-N counts and logprob_parts' tensors (copied to the host with CUDA)
+    logprob_rows: tuple[int, ...] = ()
+    num_top: tuple[int, ...] = ()
+    parts: tuple[torch.Tensor, ...] = ()
 
-    def token_ids(self) -> list[int]:
-        """The step's tokens, in its requests' order: waits for the step to finish."""
+    def result(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """The step's tokens and logprobs (None where not asked), in its requests' order: waits for the step."""
         if self.done is not None:
             self.done.synchronize()
-        return self.host.tolist()
+        tokens = self.host.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(tokens)
+        if self.logprob_rows:
+            chosen = torch.tensor([tokens[i] for i in self.logprob_rows])
+            for i, lp in zip(self.logprob_rows, token_logprobs(chosen, *self.parts, list(self.num_top)), strict=True):
+                logprobs[i] = lp
+        return tokens, logprobs
 
 
 class ModelRunner:
@@ -224,14 +234,18 @@ class ModelRunner:
             logits = self._forward([Span([i], p, t, 1) for i, p, t in zip(ids, positions, block_tables)], on_device)
         assert logits is not None
         batch = SamplingBatch.build([_sequence_state(r) for r in requests], self.vocab_size, self.device)
+        raw = None if batch.logprob_rows is None else logits.index_select(0, batch.logprob_rows)  # before processing
         tokens = self.sampler.choose(logits, batch)
-        if tokens.device.type != "cuda":
-            return InFlight(tokens, tokens, None)
-        host = torch.empty(n, dtype=torch.int64, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
+        rows = tuple(i for i, r in enumerate(requests) if r.sampling.logprobs is not None)
+        num_top = tuple(requests[i].sampling.logprobs for i in rows)
+        parts = () if raw is None else logprob_parts(raw, tokens.index_select(0, batch.logprob_rows),
+                                                     min(max(num_top), raw.shape[-1]))
+        if tokens.device.type != "cuda":  # (the CPU: only in tests, which force it on; the same path but the copies)
+            return InFlight(tokens, tokens, None, rows, num_top, parts)
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in (tokens, *parts)]
         done = torch.cuda.Event()
         done.record()
-        return InFlight(tokens, host, done)
+        return InFlight(tokens, host[0], done, rows, num_top, tuple(host[1:]))
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

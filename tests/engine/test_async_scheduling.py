@@ -125,19 +125,40 @@ def test_a_full_batch_goes_on_ahead_while_requests_wait(pipes):
 
 
 def test_requests_it_does_not_cover_run_synchronously_beside_it(pipes):
-    _, fast = pipes
-    requests = {"plain": (ids(7, 50), GREEDY), "lp": (ids(7, 51), GREEDY.replace(logprobs=2)),
+    requests = {"plain": (ids(7, 50), GREEDY), "bias": (ids(7, 51), GREEDY.replace(logit_bias={7: 2.0})),
                 "pen": (ids(9, 52), GREEDY.replace(repetition_penalty=1.3))}
-    want, got, ahead = both(pipes, requests, arrivals={0: ["plain"], 6: ["lp", "pen"]})
+    want, got, ahead = both(pipes, requests, arrivals={0: ["plain"], 6: ["bias", "pen"]})
     assert got == want
     assert ahead >= 3  # the plain request alone, before the others arrive
-    out = fast.engine
-    out.add_request("lp2", ids(7, 51), GREEDY.replace(logprobs=2, max_new_tokens=4))
-    logprobs = []
-    while out.has_unfinished_requests():
-        for o in out.step():
-            logprobs += o.new_logprobs
-    assert len(logprobs) == 4
+
+
+def test_logprobs_come_back_with_the_tokens(pipes):
+    sync, fast = pipes
+    ahead = Ahead(fast.engine)
+    requests = {f"l{i}": (ids(5 + 4 * i, 70 + i), GREEDY.replace(max_new_tokens=8, logprobs=[None, 0, 3][i % 3]))
+                for i in range(5)}
+    results = []
+    for engine in (sync.engine, fast.engine):
+        out = {rid: [] for rid in requests}
+        for rid, (prompt, gen) in requests.items():
+            engine.add_request(rid, prompt, gen)
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                lps = o.new_logprobs or [None] * len(o.new_token_ids)
+                out[o.request_id] += [(t, None) if lp is None else
+                                      (t, lp.token_id, lp.rank, [i for i, _ in lp.top], [lp.logprob, *(v for _, v in lp.top)])
+                                      for t, lp in zip(o.new_token_ids, lps, strict=True)]
+        results.append(out)
+    # (the synchronous step takes the CPU's native logprob kernel, the async one log_softmax: the same to fp32 rounding)
+    for rid in requests:
+        for want, got in zip(results[0][rid], results[1][rid], strict=True):
+            assert got[:4] == want[:4]
+            if want[1] is not None:
+                assert got[4] == pytest.approx(want[4], abs=1e-4)
+    assert all(len(results[0][f"l{i}"]) == 8 for i in range(5))
+    assert len(results[0]["l2"][0][3]) == 3 and results[0]["l1"][0][3] == []  # top-3, and the token's own only
+    assert results[0]["l0"][0][1] is None and results[0]["l1"][0][1] == results[0]["l1"][0][0]
+    assert ahead.count >= 5
 
 
 def test_a_pool_too_small_to_run_ahead_preempts_as_before(tiny_model_dir):
