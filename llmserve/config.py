@@ -301,11 +301,9 @@ class EngineConfig:
     async_scheduling: bool | None = _f(None, "Launch the next decode step before reading this one's tokens, so the "
                                              "host's work per step (outputs, detokenization, scheduling) runs while "
                                              "the device computes (vLLM's --async-scheduling). Default: on with "
-                                             "CUDA, off on CPUs, where the host computes the step itself. Steps of "
-                                             "plain requests only (logprobs and seeds included): one asking for "
-                                             "penalties, logit bias, bad words, min_tokens, a grammar, beams, "
-                                             "images, an adapter or a session, and speculative decoding or tp > 1, "
-                                             "run as before.")
+                                             "CUDA, off on CPUs, where the host computes the step itself. Steps with "
+                                             "a prefill, beams, a grammar, images, an adapter or a session, and "
+                                             "speculative decoding or tp > 1, run as before.")
     session_len: int | None = _f(None, "Maximum tokens in one sequence (prompt + output). "
                                        "Default: the model's max_position_embeddings.")
     max_batch_size: int = _f(128, "Maximum number of requests running in one step.")

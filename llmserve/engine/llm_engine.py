@@ -285,16 +285,23 @@ class LLMEngine:
     # length) are left out of N + 1. A request's counters lag by that one step while it is in flight:
     # num_computed_tokens and token_ids catch up when N is read, before anything else looks at them.
     #
-    # Only steps of plain decodes overlap (_may_overlap): whatever else a step has (a prefill, a waiting request that
-    # could start, anything the sampler reads the output for) runs as a synchronous step, after the one in
-    # flight is read.
+    # Only steps of decodes overlap (_may_overlap): a step with a prefill or a waiting request that could start, or a
+    # request with beams, a grammar, images, an adapter or a session, runs as a synchronous step, after the one in
+    # flight is read. Requests whose sampling reads their output (penalties, bad words, min_tokens) overlap in
+    # part: the next step waits for the one in flight before it launches (_reads_output).
 
-    def _overlappable(self, r: Request) -> bool:
+    @staticmethod
+    def _overlappable(r: Request) -> bool:
+        return (r.status == RequestStatus.RUNNING and not r.sampling.beam_width and r.grammar is None
+                and r.mm is None and r.lora is None and r.session_id is None)
+
+    @staticmethod
+    def _reads_output(r: Request) -> bool:
+        """Whether the request's sampling reads its output tokens (penalties, bad words, min_tokens): the next step
+        needs the one in flight on the host, so it waits for that step before launching (and still processes it
+        while the next one runs)."""
         p = r.sampling
-        return (r.status == RequestStatus.RUNNING and not p.beam_width
-                and not p.needs_penalties and not p.logit_bias and not p.bad_words_ids
-                and r.num_output_tokens >= p.min_tokens  # stop ids banned until min_tokens: the count lags a step
-                and r.grammar is None and r.mm is None and r.lora is None and r.session_id is None)
+        return p.needs_penalties or bool(p.bad_words_ids) or r.num_output_tokens < p.min_tokens
 
     def _may_overlap(self, scheduled: list[ScheduledRequest]) -> bool:
         """A step of decodes of every running request, all plain, with no request waiting that could start."""
@@ -304,9 +311,10 @@ class LLMEngine:
                 and all(s.num_new_tokens == 1 and s.samples and not s.draft_token_ids and self._overlappable(s.request)
                         for s in scheduled))
 
-    def _launch(self, requests: list[Request], positions: list[int],
-                prev: tuple[InFlight, list[int]] | None = None) -> InFlight:
-        return self.runner.launch(requests, positions, [self.kv.block_table(r.request_id) for r in requests], prev)
+    def _launch(self, requests: list[Request], positions: list[int], prev: tuple[InFlight, list[int]] | None = None,
+                known: list[int] | None = None) -> InFlight:
+        return self.runner.launch(requests, positions, [self.kv.block_table(r.request_id) for r in requests], prev,
+                                  known)
 
     def _launch_next(self, step: _InFlightStep) -> _InFlightStep | None:
         """The step after the one in flight, launched with its tokens as inputs; None where it cannot overlap."""
@@ -324,9 +332,13 @@ class LLMEngine:
         if not all(self.kv.allocate(r, 2) for _, r in rows):
             return None
         requests = [r for _, r in rows]
+        known = None
+        if any(self._reads_output(r) for r in requests):
+            tokens = step.handle.result()[0]
+            known = [tokens[i] for i, _ in rows]
         plan = SchedulerOutput([ScheduledRequest(r, 1, True) for r in requests])
         return _InFlightStep(plan, self._launch(requests, [r.num_tokens for r in requests],
-                                                (step.handle, [i for i, _ in rows])))
+                                                (step.handle, [i for i, _ in rows]), known))
 
     def _step_async(self) -> list[SequenceOutput]:
         step, self._in_flight = self._in_flight, None

@@ -92,7 +92,7 @@ class GraphOptions:
     max_tokens_per_seq: int = 0  # the longest context a request can reach (its block table's width)
 
 
-@dataclass(frozen=True)
+@dataclass
 class InFlight:
     """A decode step launched with async scheduling (`ModelRunner.launch`) whose tokens the host has not read yet."""
 
@@ -103,9 +103,15 @@ class InFlight:
     logprob_rows: tuple[int, ...] = ()
     num_top: tuple[int, ...] = ()
     parts: tuple[torch.Tensor, ...] = ()
+    _result: tuple[list[int], list[TokenLogprobs | None]] | None = None
 
     def result(self) -> tuple[list[int], list[TokenLogprobs | None]]:
         """The step's tokens and logprobs (None where not asked), in its requests' order: waits for the step."""
+        if self._result is None:
+            self._result = self._read()
+        return self._result
+
+    def _read(self) -> tuple[list[int], list[TokenLogprobs | None]]:
         if self.done is not None:
             self.done.synchronize()
         tokens = self.host.tolist()
@@ -216,12 +222,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, requests: list[Request], positions: list[int], block_tables: list[list[int]],
-               prev: tuple[InFlight, list[int]] | None = None) -> InFlight:
+               prev: tuple[InFlight, list[int]] | None = None, known: list[int] | None = None) -> InFlight:
         """Async scheduling (engine: LLMEngine._launch): one decode step of `requests`, a token each at positions[i],
         sampled on the device and not read back, so the host can prepare the next step while this one runs. The
         tokens are each request's at its position; with `prev` (a step in flight, rows), request i's is that step's
-        token of row rows[i], which the host does not know yet. For plain requests only (no logprobs, beams,
-        logits processors, grammar, images or adapters): their output is the tokens alone."""
+        token of row rows[i]. `known`: those tokens, where the host has read them, for requests whose sampling reads
+        their output (penalties, bad words, min_tokens count them as generated). Not for beams, grammars, images or
+        adapters. Logprobs are computed here and copied back with the tokens."""
         n = len(requests)
         ids = [0] * n if prev is not None else [r.token_ids[p] for r, p in zip(requests, positions)]
         if self.graphs is not None and self.graphs.fits(n, max(len(t) for t in block_tables)):
@@ -233,7 +240,9 @@ class ModelRunner:
                 on_device = prev[0].tokens.index_select(0, torch.tensor(prev[1], device=prev[0].tokens.device))
             logits = self._forward([Span([i], p, t, 1) for i, p, t in zip(ids, positions, block_tables)], on_device)
         assert logits is not None
-        batch = SamplingBatch.build([_sequence_state(r) for r in requests], self.vocab_size, self.device)
+        states = [_sequence_state(r) for r in requests] if known is None else \
+            [_sequence_state(r, (t,)) for r, t in zip(requests, known, strict=True)]
+        batch = SamplingBatch.build(states, self.vocab_size, self.device)
         raw = None if batch.logprob_rows is None else logits.index_select(0, batch.logprob_rows)  # before processing
         tokens = self.sampler.choose(logits, batch)
         rows = tuple(i for i, r in enumerate(requests) if r.sampling.logprobs is not None)

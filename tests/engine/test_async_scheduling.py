@@ -35,9 +35,9 @@ class Ahead:
         self.count = 0
         launch = engine.runner.launch
 
-        def counted(requests, positions, tables, prev=None):
+        def counted(requests, positions, tables, prev=None, known=None):
             self.count += prev is not None
-            return launch(requests, positions, tables, prev)
+            return launch(requests, positions, tables, prev, known)
 
         engine.runner.launch = counted
 
@@ -124,12 +124,31 @@ def test_a_full_batch_goes_on_ahead_while_requests_wait(pipes):
     assert ahead >= 3
 
 
-def test_requests_it_does_not_cover_run_synchronously_beside_it(pipes):
-    requests = {"plain": (ids(7, 50), GREEDY), "bias": (ids(7, 51), GREEDY.replace(logit_bias={7: 2.0})),
-                "pen": (ids(9, 52), GREEDY.replace(repetition_penalty=1.3))}
-    want, got, ahead = both(pipes, requests, arrivals={0: ["plain"], 6: ["bias", "pen"]})
+def test_penalties_bans_and_bias_see_the_token_in_flight(pipes):
+    # their sampling reads the output: the next step waits for the token in flight, counted as generated
+    sync, _ = pipes
+    tok = sync.engine.tokenizer
+    plain = GREEDY.replace(max_new_tokens=14)
+    first = run(sync.engine, {"m": (ids(6, 84), plain), "b": (ids(7, 85), plain)})
+    requests = {"rep": (ids(7, 80), plain.replace(repetition_penalty=1.5)),
+                "freq": (ids(8, 81), plain.replace(frequency_penalty=0.9, presence_penalty=0.4)),
+                "bias": (ids(9, 82), plain.replace(logit_bias={7: 3.0, 11: -2.0})),
+                # a stop token that the sampler must ban until min_tokens, then may emit
+                "min": (ids(6, 84), plain.replace(stop_token_ids=[first["m"][0][3]], min_new_tokens=6)),
+                "bad": (ids(7, 85), plain.replace(bad_words=[tok.decode(first["b"][0][2:4])])),
+                "plain": (ids(7, 86), plain)}
+    want, got, ahead = both(pipes, requests)
     assert got == want
-    assert ahead >= 3  # the plain request alone, before the others arrive
+    assert want["bad"][0] != first["b"][0]  # the bans changed the output
+    assert ahead >= 10
+
+
+def test_beams_run_synchronously_beside_it(pipes):
+    requests = {"plain": (ids(7, 50), GREEDY), "beam": (ids(7, 51), GREEDY.replace(use_beam_search=True, beam_width=2,
+                                                                                    max_new_tokens=6))}
+    want, got, ahead = both(pipes, requests, arrivals={0: ["plain"], 6: ["beam"]})
+    assert got == want
+    assert ahead >= 3  # the plain request alone, before the beams arrive
 
 
 def test_logprobs_come_back_with_the_tokens(pipes):

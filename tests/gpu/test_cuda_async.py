@@ -43,6 +43,9 @@ def test_async_graph_steps_match_synchronous_ones(arch, tiny_model_dir):
         requests[f"r{i}"] = (requests[f"r{i}"][0], requests[f"r{i}"][1].replace(stop_token_ids=[5, 77, 123, 250]))
     for i in (2, 11, 25):  # logprobs: computed on the device and copied back with the tokens
         requests[f"r{i}"] = (requests[f"r{i}"][0], requests[f"r{i}"][1].replace(logprobs=i % 4))
+    for i in (6, 21):  # penalties: the next step waits for the token in flight, which they count
+        requests[f"r{i}"] = (requests[f"r{i}"][0], requests[f"r{i}"][1].replace(repetition_penalty=1.4,
+                                                                               frequency_penalty=0.5))
     want, got, ahead, graphs = _both(tiny_model_dir(arch), requests, 600,
                                      arrivals={0: [f"r{i}" for i in range(20)], 6: [f"r{i}" for i in range(20, 30)]},
                                      aborts={9: ["r1", "r20"]})
