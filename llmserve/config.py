@@ -302,7 +302,7 @@ class EngineConfig:
                                              "host's work per step (outputs, detokenization, scheduling) runs while "
                                              "the device computes (vLLM's --async-scheduling). Default: on with "
                                              "CUDA, off on CPUs, where the host computes the step itself. Steps with "
-                                             "a prefill, beams, a grammar, images, an adapter or a session, and "
+                                             "a prefill, beams, images, an adapter or a session, and "
                                              "speculative decoding or tp > 1, run as before.")
     session_len: int | None = _f(None, "Maximum tokens in one sequence (prompt + output). "
                                        "Default: the model's max_position_embeddings.")

@@ -286,22 +286,23 @@ class LLMEngine:
     # num_computed_tokens and token_ids catch up when N is read, before anything else looks at them.
     #
     # Only steps of decodes overlap (_may_overlap): a step with a prefill or a waiting request that could start, or a
-    # request with beams, a grammar, images, an adapter or a session, runs as a synchronous step, after the one in
-    # flight is read. Requests whose sampling reads their output (penalties, bad words, min_tokens) overlap in
+    # request with beams, images, an adapter or a session, runs as a synchronous step, after the one in flight is
+    # read. Requests whose sampling reads their output (penalties, bad words, min_tokens, a grammar) overlap in
     # part: the next step waits for the one in flight before it launches (_reads_output).
 
     @staticmethod
     def _overlappable(r: Request) -> bool:
-        return (r.status == RequestStatus.RUNNING and not r.sampling.beam_width and r.grammar is None
-                and r.mm is None and r.lora is None and r.session_id is None)
+        return (r.status == RequestStatus.RUNNING and not r.sampling.beam_width and r.mm is None and r.lora is None
+                and r.session_id is None)
 
     @staticmethod
     def _reads_output(r: Request) -> bool:
-        """Whether the request's sampling reads its output tokens (penalties, bad words, min_tokens): the next step
-        needs the one in flight on the host, so it waits for that step before launching (and still processes it
-        while the next one runs)."""
+        """Whether the request's sampling reads its output tokens (penalties, bad words, min_tokens, a grammar): the
+        next step needs the one in flight on the host, so it waits for that step before launching (and still
+        processes it while the next one runs)."""
         p = r.sampling
-        return p.needs_penalties or bool(p.bad_words_ids) or r.num_output_tokens < p.min_tokens
+        return (p.needs_penalties or bool(p.bad_words_ids) or r.num_output_tokens < p.min_tokens
+                or r.grammar is not None)
 
     def _may_overlap(self, scheduled: list[ScheduledRequest]) -> bool:
         """A step of decodes of every running request, all plain, with no request waiting that could start."""

@@ -227,8 +227,8 @@ class ModelRunner:
         sampled on the device and not read back, so the host can prepare the next step while this one runs. The
         tokens are each request's at its position; with `prev` (a step in flight, rows), request i's is that step's
         token of row rows[i]. `known`: those tokens, where the host has read them, for requests whose sampling reads
-        their output (penalties, bad words, min_tokens count them as generated). Not for beams, grammars, images or
-        adapters. Logprobs are computed here and copied back with the tokens."""
+        their output (penalties, bad words and min_tokens count them as generated; a grammar's mask follows them). Not
+        for beams, images or adapters. Logprobs are computed here and copied back with the tokens."""
         n = len(requests)
         ids = [0] * n if prev is not None else [r.token_ids[p] for r, p in zip(requests, positions)]
         if self.graphs is not None and self.graphs.fits(n, max(len(t) for t in block_tables)):
@@ -240,8 +240,7 @@ class ModelRunner:
                 on_device = prev[0].tokens.index_select(0, torch.tensor(prev[1], device=prev[0].tokens.device))
             logits = self._forward([Span([i], p, t, 1) for i, p, t in zip(ids, positions, block_tables)], on_device)
         assert logits is not None
-        states = [_sequence_state(r) for r in requests] if known is None else \
-            [_sequence_state(r, (t,)) for r, t in zip(requests, known, strict=True)]
+        states = [_state_ahead(r, None if known is None else known[i]) for i, r in enumerate(requests)]
         batch = SamplingBatch.build(states, self.vocab_size, self.device)
         raw = None if batch.logprob_rows is None else logits.index_select(0, batch.logprob_rows)  # before processing
         tokens = self.sampler.choose(logits, batch)
@@ -439,6 +438,19 @@ def _prompt_logprobs(r: Request, start: int, num_real: int) -> PromptLogprobTask
         return None
     return PromptLogprobTask(list(range(end - start)), r.token_ids[start + 1:end + 1], r.sampling.prompt_logprobs or 0,
                              r.prompt_logprobs)
+
+def _state_ahead(r: Request, token: int | None) -> SequenceState:
+    """Async scheduling: a request's sampling state for the step after the one in flight, which samples `token` (None:
+    no step in flight, or one whose token the request's sampling does not read). The token counts as generated, and
+    a grammar's mask is the one after it (the matcher accepts it for the mask and rolls back: the engine accepts it
+    when it reads the step). A token the grammar refuses (a NaN row) ends the request when its step is read: the
+    mask does not matter then."""
+    mask = None
+    if r.grammar is not None:
+        valid = token is not None and r.grammar.valid_prefix([token]) == [token]
+        mask = r.grammar.masks_with_drafts((token,))[1] if valid else r.grammar.masks_with_drafts(())[0]
+    return _sequence_state(r, () if token is None else (token,), mask)
+
 
 def _sequence_state(r: Request, drafts: tuple[int, ...] = (), token_mask: torch.Tensor | None = None) -> SequenceState:
     # A draft row sees the drafts before it as generated (penalties, bans and min_tokens count them), and its

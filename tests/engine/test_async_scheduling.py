@@ -143,6 +143,22 @@ def test_penalties_bans_and_bias_see_the_token_in_flight(pipes):
     assert ahead >= 10
 
 
+def test_structured_output_masks_follow_the_token_in_flight(pipes):
+    from tests.structured.test_engine_structured import FORMATS, matches
+
+    sampled = GenerationConfig(temperature=1.0, max_new_tokens=24, random_seed=5)
+    requests = {f"{kind}{j}": (ids(8 + 5 * j, 90 + j), (GREEDY.replace(max_new_tokens=24) if j else sampled).replace(
+        response_format=fmt)) for kind, fmt in FORMATS.items() for j in range(2)}
+    requests["plain"] = (ids(9, 99), GREEDY.replace(max_new_tokens=20))
+    want, got, ahead = both(pipes, requests)
+    assert got == want
+    tok = pipes[0].engine.tokenizer
+    for rid, (tokens, reason) in want.items():
+        if rid != "plain":
+            assert reason == "stop" and matches(rid[:-1], tok.decode(tokens, skip_special_tokens=True)), rid
+    assert ahead >= 10
+
+
 def test_beams_run_synchronously_beside_it(pipes):
     requests = {"plain": (ids(7, 50), GREEDY), "beam": (ids(7, 51), GREEDY.replace(use_beam_search=True, beam_width=2,
                                                                                     max_new_tokens=6))}

@@ -43,6 +43,10 @@ def test_async_graph_steps_match_synchronous_ones(arch, tiny_model_dir):
         requests[f"r{i}"] = (requests[f"r{i}"][0], requests[f"r{i}"][1].replace(stop_token_ids=[5, 77, 123, 250]))
     for i in (2, 11, 25):  # logprobs: computed on the device and copied back with the tokens
         requests[f"r{i}"] = (requests[f"r{i}"][0], requests[f"r{i}"][1].replace(logprobs=i % 4))
+    from tests.structured.test_engine_structured import FORMATS
+
+    for i, fmt in zip((8, 14, 27), FORMATS.values()):  # grammars: the next step's mask follows the token in flight
+        requests[f"r{i}"] = (requests[f"r{i}"][0], requests[f"r{i}"][1].replace(response_format=fmt))
     for i in (6, 21):  # penalties: the next step waits for the token in flight, which they count
         requests[f"r{i}"] = (requests[f"r{i}"][0], requests[f"r{i}"][1].replace(repetition_penalty=1.4,
                                                                                frequency_penalty=0.5))
