@@ -302,8 +302,8 @@ class EngineConfig:
                                              "host's work per step (outputs, detokenization, scheduling) runs while "
                                              "the device computes (vLLM's --async-scheduling). Default: on with "
                                              "CUDA, off on CPUs, where the host computes the step itself. Steps with "
-                                             "a prefill, beams, images, an adapter or a session, and "
-                                             "speculative decoding or tp > 1, run as before.")
+                                             "a prefill or beams, and speculative decoding or tp > 1, run as "
+                                             "before.")
     session_len: int | None = _f(None, "Maximum tokens in one sequence (prompt + output). "
                                        "Default: the model's max_position_embeddings.")
     max_batch_size: int = _f(128, "Maximum number of requests running in one step.")

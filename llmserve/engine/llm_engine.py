@@ -286,14 +286,13 @@ class LLMEngine:
     # num_computed_tokens and token_ids catch up when N is read, before anything else looks at them.
     #
     # Only steps of decodes overlap (_may_overlap): a step with a prefill or a waiting request that could start, or a
-    # request with beams, images, an adapter or a session, runs as a synchronous step, after the one in flight is
-    # read. Requests whose sampling reads their output (penalties, bad words, min_tokens, a grammar) overlap in
+    # beam search's, runs as a synchronous step, after the one in flight is read. A request of a session that stops
+    # at N keeps only the blocks of its computed tokens (KVCacheManager.hold), which N + 1's write lies beyond. Requests whose sampling reads their output (penalties, bad words, min_tokens, a grammar) overlap in
     # part: the next step waits for the one in flight before it launches (_reads_output).
 
     @staticmethod
     def _overlappable(r: Request) -> bool:
-        return (r.status == RequestStatus.RUNNING and not r.sampling.beam_width and r.mm is None and r.lora is None
-                and r.session_id is None)
+        return r.status == RequestStatus.RUNNING and not r.sampling.beam_width
 
     @staticmethod
     def _reads_output(r: Request) -> bool:

@@ -228,17 +228,22 @@ class ModelRunner:
         tokens are each request's at its position; with `prev` (a step in flight, rows), request i's is that step's
         token of row rows[i]. `known`: those tokens, where the host has read them, for requests whose sampling reads
         their output (penalties, bad words and min_tokens count them as generated; a grammar's mask follows them). Not
-        for beams, images or adapters. Logprobs are computed here and copied back with the tokens."""
+        for beams. Logprobs are computed here and copied back with the tokens."""
         n = len(requests)
         ids = [0] * n if prev is not None else [r.token_ids[p] for r, p in zip(requests, positions)]
-        if self.graphs is not None and self.graphs.fits(n, max(len(t) for t in block_tables)):
-            logits = self.graphs.run(ids, positions, block_tables,
+        mrope = [r.mm.mrope if r.mm is not None else None for r in requests]  # a decode is past every image
+        # (adapters run eagerly, as in execute: the graphs hold the base model's layers only)
+        if (self.graphs is not None and all(r.lora is None for r in requests)
+                and self.graphs.fits(n, max(len(t) for t in block_tables))):
+            deltas = [m.delta if m is not None else 0 for m in mrope] if self.mrope else None
+            logits = self.graphs.run(ids, positions, block_tables, deltas,
                                      prev=None if prev is None else (prev[0].tokens, prev[1]))
         else:
             on_device = None
             if prev is not None:
                 on_device = prev[0].tokens.index_select(0, torch.tensor(prev[1], device=prev[0].tokens.device))
-            logits = self._forward([Span([i], p, t, 1) for i, p, t in zip(ids, positions, block_tables)], on_device)
+            logits = self._forward([Span([i], p, t, 1, mrope=m, lora=r.lora) for i, p, t, m, r in
+                                    zip(ids, positions, block_tables, mrope, requests, strict=True)], on_device)
         assert logits is not None
         states = [_state_ahead(r, None if known is None else known[i]) for i, r in enumerate(requests)]
         batch = SamplingBatch.build(states, self.vocab_size, self.device)

@@ -209,3 +209,38 @@ def test_a_pool_too_small_to_run_ahead_preempts_as_before(tiny_model_dir):
             counts.append((ahead.count, p.engine.scheduler.num_preemptions))
     assert results[1] == results[0]
     assert counts[1][0] >= 3 and counts[0][1] > 0
+
+
+def test_a_session_turn_that_stops_early_keeps_only_its_computed_kv(tiny_model_dir):
+    # turn 1 stops at a stop token, so the step launched after it wrote one more token's K/V into its blocks: the
+    # session keeps only the computed ones, and turn 2 (reusing them) answers as an engine without sessions does
+    p1, new = ids(13, 0), ids(5, 1)
+    gen = GREEDY.replace(max_new_tokens=10)
+    outs = []
+    for flag, sessions in ((False, 0), (True, 4)):
+        config = EngineConfig(dtype="float32", device="cpu", block_size=4, num_blocks=32, async_scheduling=flag,
+                              max_sessions=sessions)
+        with pipeline(tiny_model_dir("llama"), backend_config=config) as p:
+            e, ahead = p.engine, Ahead(p.engine)
+            sid = "s" if sessions else None
+            full = run(e, {"0": (p1, gen)})["0"][0]
+            stop = gen.replace(stop_token_ids=[full[5]])
+            o1 = _turn(e, "1", p1, stop, sid)
+            hits = e.sessions.hit_tokens
+            o2 = _turn(e, "2", p1 + o1 + new, gen, sid)
+            outs.append((full, o1, o2))
+            if sessions:
+                assert e.sessions.hit_tokens - hits == len(p1) + len(o1) and ahead.count >= 5
+                assert e.end_session("s")
+            assert e.kv.usage().in_use == 0
+            e.kv.check_invariants()
+    assert outs[1] == outs[0] and len(outs[0][1]) == outs[0][0].index(outs[0][0][5])
+
+
+def _turn(engine, rid: str, prompt: list[int], gen: GenerationConfig, session: str | None) -> list[int]:
+    engine.add_request(rid, prompt, gen, session_id=session)
+    out: list[int] = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out += o.new_token_ids
+    return out

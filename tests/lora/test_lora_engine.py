@@ -46,6 +46,7 @@ MODES = {
     "ngram-speculation": dict(speculative_method="ngram", num_speculative_tokens=3),
     "segmented": dict(),  # every step's adapters one matmul pair each (LLMSERVE_LORA_STACKED_MAX_ROWS=0, below)
     "stacked": dict(),  # every step with several adapters stacked, however large (pinned, below)
+    "async-scheduling": dict(async_scheduling=True),  # decode steps launched before the last one's tokens are read
 }
 
 
@@ -60,6 +61,9 @@ def test_mixed_batch_matches_peft(mode, base_dir, adapter_dirs, expected, monkey
     batch = [(p, name) for name in names for p in prompts()]
     config = EngineConfig(dtype="float32", adapters=adapter_dirs, **MODES[mode])
     with pipeline(base_dir, backend_config=config) as pipe:
+        from tests.engine.test_async_scheduling import Ahead
+
+        ahead = Ahead(pipe.engine)
         runs = 2 if mode == "prefix-cached" else 1  # the second run is served from the cache
         for _ in range(runs):
             out = pipe([{"input_ids": p} for p, _ in batch], GREEDY, do_preprocess=False,
@@ -73,6 +77,7 @@ def test_mixed_batch_matches_peft(mode, base_dir, adapter_dirs, expected, monkey
             assert engine.scheduler.num_preemptions > 0
         if mode == "prefix-cached":
             assert engine.kv.prefix_stats.hit_tokens > 0
+        assert (ahead.count > 0) == (mode == "async-scheduling")
         engine.kv.check_invariants()
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
 

@@ -235,6 +235,19 @@ def test_graph_decode_path_with_deltas(arch, tiny_vlm_dir, expected):
         assert runner.graphs.steps >= NEW_TOKENS - 1
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_async_scheduling_decodes_with_deltas(arch, tiny_vlm_dir, expected):
+    """Async scheduling (forced on here; the default with CUDA): decode steps launched before the last one's tokens
+    are read keep each request's M-RoPE delta, and the outputs stay transformers'."""
+    from tests.engine.test_async_scheduling import Ahead
+
+    with pipeline(tiny_vlm_dir(arch), dtype="float32", async_scheduling=True) as pipe:
+        ahead = Ahead(pipe.engine)
+        out = pipe([prompt_of(case) for case in CASES], gen_config=GREEDY)
+        assert [r.token_ids for r in out] == expected[arch]
+        assert ahead.count >= NEW_TOKENS - 2
+
+
 # --- checkpoints ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("arch", ARCHS)
