@@ -163,6 +163,7 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
         pad = pipe.tokenizer.pad_token_id if pipe.tokenizer.pad_token_id is not None else 0
         dummy = engine.config.load_format == "dummy"
         choices = engine.runner.kernel_choices
+        overlapped = engine.async_scheduling
         del engine  # the pipeline's close drops the last other reference: weights and KV pool are freed
     if args.baseline == "transformers":
         from llmserve.bench.baseline import run_transformers_throughput
@@ -174,7 +175,7 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
         results.append(run_transformers_throughput(model_dir, dtype, device, requests, args.baseline_batch_size,
                                                    pad, dummy=dummy, sampling=sampling))
     precision = str(dtype).removeprefix("torch.") + (f", {quantization}" if quantization else "")
-    _report(results, peak, precision, args.json, profile, peak_kind, sampling, choices, grammar)
+    _report(results, peak, precision, args.json, profile, peak_kind, sampling, choices, grammar, overlapped)
     return 0
 
 
@@ -227,12 +228,14 @@ def _workload(args: argparse.Namespace, pipe) -> list[BenchRequest]:
 
 def _report(results: list[ThroughputResult], peak_gflops: float, dtype: str, as_json: bool, profile=None,
             peak_kind: str = "matmul", sampling: SamplingKnobs = SamplingKnobs(),
-            choices: ChoiceTable | None = None, grammar: dict[str, float] | None = None) -> None:
+            choices: ChoiceTable | None = None, grammar: dict[str, float] | None = None,
+            async_scheduling: bool = False) -> None:
     """`peak_kind`: what the peak was measured on (the int8 matmul for w8a8, whose figure is in GOP/s). `choices`: the
-    kernels the run's bf16 matmuls took (kernels/choice.py)."""
+    kernels the run's bf16 matmuls took (kernels/choice.py). `async_scheduling`: whether the engine ran it."""
     if as_json:
         out = {"dtype": dtype, "sampling": sampling.describe(), "matmul_peak_gflops": peak_gflops,
                "matmul_peak_kind": peak_kind, "kernel_choice": None if choices is None else choices.as_dict(),
+               "async_scheduling": async_scheduling,
                "grammar_compile": grammar,
                "results": [r.as_dict() for r in results], "ratio_vs_baseline": _ratio(results)}
         if profile is not None:
@@ -253,6 +256,8 @@ def _report(results: list[ThroughputResult], peak_gflops: float, dtype: str, as_
               + (f"  (GPU peak {r.peak_device_mb:.0f} MB)" if r.peak_device_mb is not None else ""))
     if choices is not None:
         print(f"kernel choice: {choices.describe()}")
+    if async_scheduling:
+        print("async scheduling: on")
     if grammar is not None:
         print(f"grammar compile: {grammar['cold_ms']:.1f} ms cold, {grammar['cached_ms']:.3f} ms cached "
               f"({grammar['compiled']:.0f} compiled, {grammar['cache_hits']:.0f} cache hits in the run)")

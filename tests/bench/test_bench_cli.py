@@ -107,6 +107,7 @@ def test_throughput_json_counts_the_workload_and_profiles_every_step(tiny_model_
     [r] = out["results"]
     assert (r["engine"], r["num_requests"], r["output_tokens"]) == ("llmserve", 6, 30)  # ignore_eos: 6 x 5
     assert 6 * 20 <= r["prompt_tokens"] <= 6 * 60 and r["gflop"] > 0 and r["elapsed_s"] > 0
+    assert out["async_scheduling"] is False  # the profile's timers wait at every part: synchronous steps
     assert r["output_tokens_per_s"] == pytest.approx(30 / r["elapsed_s"], rel=1e-6)
     prof = out["step_profile"]
     assert prof["steps"] >= 5  # at least one step per output token
@@ -119,6 +120,15 @@ def test_throughput_json_counts_the_workload_and_profiles_every_step(tiny_model_
     assert sum(p["share"] for p in phases.values()) == pytest.approx(1.0, abs=1e-5)
     # exclusive timing: the phases add up to the steps' wall time, which the run's elapsed time contains
     assert sum(p["seconds"] for p in phases.values()) <= r["elapsed_s"] + 1e-5
+
+
+def test_throughput_reports_async_scheduling(tiny_model_dir: Callable[[str], str],
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", "throughput", tiny_model_dir("llama"), "--num-prompts", "5", "--input-len", "20:40",
+               "--output-len", "7", "--ignore-eos", "--num-blocks", "64", "--dtype", "float32", "--device", "cpu",
+               "--async-scheduling", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["async_scheduling"] is True and out["results"][0]["output_tokens"] == 35
 
 
 def test_structured_throughput_profiles_the_grammar(tiny_model_dir: Callable[[str], str],
