@@ -286,9 +286,10 @@ class LLMEngine:
     # num_computed_tokens and token_ids catch up when N is read, before anything else looks at them.
     #
     # Only steps of decodes overlap (_may_overlap): a step with a prefill or a waiting request that could start, or a
-    # beam search's, runs as a synchronous step, after the one in flight is read. A request of a session that stops
-    # at N keeps only the blocks of its computed tokens (KVCacheManager.hold), which N + 1's write lies beyond. Requests whose sampling reads their output (penalties, bad words, min_tokens, a grammar) overlap in
-    # part: the next step waits for the one in flight before it launches (_reads_output).
+    # beam search's, runs as a synchronous step, after the one in flight is read. Requests whose sampling reads their
+    # output (penalties, bad words, min_tokens, a grammar) overlap in part: the next step waits for the one in flight
+    # before it launches (_reads_output). A session's request that stops at N keeps only the blocks of its computed
+    # tokens (KVCacheManager.hold), which N + 1's write lies beyond.
 
     @staticmethod
     def _overlappable(r: Request) -> bool:
@@ -304,7 +305,7 @@ class LLMEngine:
                 or r.grammar is not None)
 
     def _may_overlap(self, scheduled: list[ScheduledRequest]) -> bool:
-        """A step of decodes of every running request, all plain, with no request waiting that could start."""
+        """A step of decodes of every running request, none a beam's, with no request waiting that could start."""
         sch = self.scheduler
         return (0 < len(scheduled) == len(sch.running) <= sch.max_num_batched_tokens
                 and (not sch.waiting or len(sch.running) >= sch.max_batch_size)
@@ -318,7 +319,8 @@ class LLMEngine:
 
     def _launch_next(self, step: _InFlightStep) -> _InFlightStep | None:
         """The step after the one in flight, launched with its tokens as inputs; None where it cannot overlap."""
-        running = [(i, s.request) for i, s in enumerate(step.plan.scheduled) if s.request.status == RequestStatus.RUNNING]
+        running = [(i, s.request) for i, s in enumerate(step.plan.scheduled)
+                   if s.request.status == RequestStatus.RUNNING]
         if len(running) != len(self.scheduler.running):
             return None
         # a request whose token in flight is its last (by length) is not computed further

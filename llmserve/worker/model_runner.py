@@ -255,7 +255,8 @@ class ModelRunner:
                                                      min(max(num_top), raw.shape[-1]))
         if tokens.device.type != "cuda":  # (the CPU: only in tests, which force it on; the same path but the copies)
             return InFlight(tokens, tokens, None, rows, num_top, parts)
-        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in (tokens, *parts)]
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                for t in (tokens, *parts)]
         done = torch.cuda.Event()
         done.record()
         return InFlight(tokens, host[0], done, rows, num_top, tuple(host[1:]))

@@ -71,7 +71,8 @@ def both(pipes, requests, **kw) -> tuple[dict, dict, int]:
 
 
 def test_default_is_off_on_cpus(tiny_model_dir):
-    with pipeline(tiny_model_dir("llama"), backend_config=EngineConfig(dtype="float32", device="cpu", num_blocks=16)) as p:
+    config = EngineConfig(dtype="float32", device="cpu", num_blocks=16)
+    with pipeline(tiny_model_dir("llama"), backend_config=config) as p:
         assert not p.engine.async_scheduling
 
 
@@ -181,7 +182,8 @@ def test_logprobs_come_back_with_the_tokens(pipes):
             for o in engine.step():
                 lps = o.new_logprobs or [None] * len(o.new_token_ids)
                 out[o.request_id] += [(t, None) if lp is None else
-                                      (t, lp.token_id, lp.rank, [i for i, _ in lp.top], [lp.logprob, *(v for _, v in lp.top)])
+                                      (t, lp.token_id, lp.rank, [i for i, _ in lp.top],
+                                       [lp.logprob, *(v for _, v in lp.top)])
                                       for t, lp in zip(o.new_token_ids, lps, strict=True)]
         results.append(out)
     # (the synchronous step takes the CPU's native logprob kernel, the async one log_softmax: the same to fp32 rounding)
