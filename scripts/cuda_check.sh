@@ -8,6 +8,7 @@
 #   suite   the engine, sampling and model tests with CUDA visible (EngineConfig's device auto picks it)
 #   again   `bench throughput` once more, no baseline (a second process: Triton's disk cache warm)
 #   unfused the same with LLMSERVE_FUSED_OPS=0 (torch's elementwise ops: the A/B of kernels/triton/fused.py)
+#   sync    the same with --no-async-scheduling (synchronous steps: the A/B of async scheduling, engine/llm_engine.py)
 #   base    the same from another checkout, BASE=DIR (e.g. `git archive COMMIT llmserve | tar -x -C DIR`): a same-run
 #           comparison with earlier code on the same GPU
 #   latency `bench latency`, one request, 36-token prompt, 128 tokens
@@ -33,12 +34,13 @@ for part in "${@:-bench tests suite}"; do
         timeout "${BENCH_TIMEOUT:-300}" $PY -m llmserve.cli bench throughput "$MODEL" --load-format dummy \
           --dtype bfloat16 "${W[@]}" --baseline transformers --baseline-batch-size 32 ${BENCH_FLAGS:-} \
           2>&1 | tee "$OUT/bench.log" || status=1 ;;
-      again|unfused|base)
-        dir=$PWD; env=()
+      again|unfused|base|sync)
+        dir=$PWD; env=(); extra=()
         [ "$p" = unfused ] && env=(LLMSERVE_FUSED_OPS=0)
+        [ "$p" = sync ] && extra=(--no-async-scheduling)
         [ "$p" = base ] && dir=${BASE:?BASE=DIR of the other checkout}
         (cd "$dir" && env "${env[@]}" PYTHONPATH="$dir" timeout "${BENCH_TIMEOUT:-300}" $PY -m llmserve.cli bench \
-          throughput "$MODEL_PATH" --load-format dummy --dtype bfloat16 "${W[@]}" ${BENCH_FLAGS:-}) \
+          throughput "$MODEL_PATH" --load-format dummy --dtype bfloat16 "${W[@]}" "${extra[@]}" ${BENCH_FLAGS:-}) \
           2>&1 | tee "$OUT/$p.log" | grep -v "^\s*$" | tail -25 || status=1 ;;
       latency)
         timeout "${BENCH_TIMEOUT:-300}" $PY -m llmserve.cli bench latency "$MODEL" --load-format dummy \
