@@ -27,31 +27,25 @@ class TokenLogprobs:
     top: list[tuple[int, float]]  # top-N (id, logprob), most likely first; order among ties unspecified
 
 
-def gather_logprobs(logprobs: Tensor, token_ids: Tensor, num_top: list[int]) -> list[TokenLogprobs]:
-    """logprobs [R, V] float32 (log_softmax of raw logits), token_ids [R] int64, num_top R values >= 0."""
-    return token_logprobs(token_ids, *_parts(logprobs, token_ids, min(max(num_top), logprobs.shape[-1])), num_top)
-
-
 def logprob_parts(logits: Tensor, token_ids: Tensor, top_n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """What `token_logprobs` reads, computed where the logits are without reading anything back (async scheduling
-    copies them to the host after the step): each row's token logprob [R], rank [R], and top_n ids and values."""
-    return _parts(logits.log_softmax(dim=-1), token_ids, top_n)
-
-
-def _parts(logprobs: Tensor, token_ids: Tensor, top_n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    lp = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [R]
-    ranks = (logprobs > lp.unsqueeze(1)).sum(dim=-1) + 1  # [R]
-    top_values, top_ids = logprobs.topk(top_n, dim=-1)  # [R, top_n], most likely first
+    """What `token_logprobs` reads, from log_softmax of the logits, computed where they are without reading anything
+    back (async scheduling copies them to the host after the step): each row's token logprob [R], rank [R], and
+    top_n ids and values [R, top_n], most likely first."""
+    logprobs = logits.log_softmax(dim=-1)
+    lp = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    ranks = (logprobs > lp.unsqueeze(1)).sum(dim=-1) + 1
+    top_values, top_ids = logprobs.topk(top_n, dim=-1)
     return lp, ranks, top_ids, top_values
 
 
 def logprobs_of_logits(logits: Tensor, token_ids: Tensor, num_top: list[int]) -> list[TokenLogprobs]:
     """logits [R, V] float32: the rows' raw logits (not processed); token_ids [R] int64, num_top R values >= 0."""
+    top_n = min(max(num_top), logits.shape[-1])
     if native.sampling_enabled(logits):
-        token_lp, ranks, top_values, top_ids = native.logprob_rows(logits, token_ids, min(max(num_top), logits.shape[-1]))
+        token_lp, ranks, top_values, top_ids = native.logprob_rows(logits, token_ids, top_n)
         if not bool((ranks < 0).any()):  # else a row holding a NaN or no finite logit: log_softmax's answer
             return token_logprobs(token_ids, token_lp, ranks, top_ids, top_values, num_top)
-    return gather_logprobs(logits.log_softmax(dim=-1), token_ids, num_top)
+    return token_logprobs(token_ids, *logprob_parts(logits, token_ids, top_n), num_top)
 
 
 def token_logprobs(token_ids: Tensor, logprobs: Tensor, ranks: Tensor, top_ids: Tensor, top_values: Tensor,

@@ -81,7 +81,7 @@ class Sampler:
         if batch.beam_rows is not None:  # beams are greedy rows: filters never touch them
             rows = torch.tensor(batch.beam_rows, device=logits.device)
             beams = dict(zip(batch.beam_rows, logits.index_select(0, rows).log_softmax(dim=-1).cpu()))
-        token_ids = self._argmax(logits) if batch.all_greedy else self._choose(logits, batch)
+        token_ids = self._choose(logits, batch)
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=self._logprobs(raw_rows, token_ids, batch),
                              beam_logprobs=beams)
 
@@ -91,7 +91,7 @@ class Sampler:
         which processes them in place)."""
         assert batch.beam_rows is None
         _process(logits, batch)
-        return self._argmax(logits) if batch.all_greedy else self._choose(logits, batch)
+        return self._choose(logits, batch)
 
     def verify(self, logits: Tensor, batch: SamplingBatch, drafts: list[int]) -> SamplerOutput:
         """Speculative decoding: row i scores the position of draft token drafts[i] (-1: no draft,

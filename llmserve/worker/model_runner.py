@@ -445,6 +445,7 @@ def _prompt_logprobs(r: Request, start: int, num_real: int) -> PromptLogprobTask
     return PromptLogprobTask(list(range(end - start)), r.token_ids[start + 1:end + 1], r.sampling.prompt_logprobs or 0,
                              r.prompt_logprobs)
 
+
 def _state_ahead(r: Request, token: int | None) -> SequenceState:
     """Async scheduling: a request's sampling state for the step after the one in flight, which samples `token` (None:
     no step in flight, or one whose token the request's sampling does not read). The token counts as generated, and
