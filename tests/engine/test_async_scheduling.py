@@ -33,10 +33,12 @@ class Ahead:
 
     def __init__(self, engine) -> None:
         self.count = 0
+        self.beams = 0  # launches with a beam search's request among them
         launch = engine.runner.launch
 
         def counted(requests, positions, tables, prev=None, known=None):
             self.count += prev is not None
+            self.beams += any(r.sampling.beam_width for r in requests)
             return launch(requests, positions, tables, prev, known)
 
         engine.runner.launch = counted
@@ -163,9 +165,11 @@ def test_structured_output_masks_follow_the_token_in_flight(pipes):
 def test_beams_run_synchronously_beside_it(pipes):
     requests = {"plain": (ids(7, 50), GREEDY), "beam": (ids(7, 51), GREEDY.replace(use_beam_search=True, beam_width=2,
                                                                                     max_new_tokens=6))}
+    counter = Ahead(pipes[1].engine)
     want, got, ahead = both(pipes, requests, arrivals={0: ["plain"], 6: ["beam"]})
     assert got == want
     assert ahead >= 3  # the plain request alone, before the beams arrive
+    assert counter.beams == 0 and counter.count == ahead  # no step with a beam was launched ahead
 
 
 def test_logprobs_come_back_with_the_tokens(pipes):
