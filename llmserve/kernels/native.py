@@ -26,7 +26,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "cpu" / name
-            for name in ("paged_decode.cpp", "fused_ops.cpp", "w8a8_linear.cpp",
+            for name in ("bindings.cpp", "paged_decode.cpp", "fused_ops.cpp", "w8a8_linear.cpp",
                          "packed_gemm.cpp", "kv_int8.cpp", "prefill_attention.cpp", "decoder_stack.cpp",
                          "sampling.cpp", "qblock_gemm.cpp", "amx_gemm.cpp")]
 _lock = threading.Lock()

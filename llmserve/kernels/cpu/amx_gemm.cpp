@@ -16,7 +16,7 @@
 // 0.240 / 0.258 (2,355 GFLOP/s); 576x1536 at 512 rows 0.394 / 0.824; the 49152x576 LM head at 64 rows 6.7 / 4.8 (bound
 // by reading the weight, where oneDNN streams it better).
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "amx_tiles.h"     // TileConfig, load_tile_config
@@ -188,8 +188,8 @@ void amx_store_pair(const float* c, int64_t rows, int64_t p, int64_t N, const fl
 }
 
 // x [M, K] bf16 contiguous, K % 32 == 0; packed: bf16_pack of W [N, K]; bias fp32 [N] or nullptr -> [M, N] bf16.
-torch::Tensor bf16_gemm_amx(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const float* bias,
-                            bool glu) {
+at::Tensor bf16_gemm_amx(const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* bias,
+                         bool glu) {
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const int64_t be = x.size(1) * kBlockRows;
   return amx_gemm_blocks(x, packed.size(0), N, bias, [&](int64_t b, uint16_t*) { return wp + b * be; }, glu, wp);
@@ -197,16 +197,16 @@ torch::Tensor bf16_gemm_amx(const torch::Tensor& x, const torch::Tensor& packed,
 
 // The driver: weight blocks of 16 outputs in bf16_pack's layout come from block(b, scratch) (a pointer to the block,
 // or to scratch, K * 16 bf16, which it may fill); see kernels.h.
-torch::Tensor amx_gemm_blocks(const torch::Tensor& x, int64_t NB, int64_t N, const float* bias,
-                              const std::function<const uint16_t*(int64_t, uint16_t*)>& block, bool glu,
-                              const uint16_t* plain) {
+at::Tensor amx_gemm_blocks(const at::Tensor& x, int64_t NB, int64_t N, const float* bias,
+                           const std::function<const uint16_t*(int64_t, uint16_t*)>& block, bool glu,
+                           const uint16_t* plain) {
   TORCH_CHECK(amx_bf16_supported(), "bf16_gemm: the amx path needs a CPU with AMX-BF16 (and the OS's permission)");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kTileK == 0, "bf16_gemm: the amx path needs K a multiple of 32, got ", K);
   TORCH_CHECK(!glu || (N % (2 * kBlockRows) == 0 && NB == N / kBlockRows),
               "the fused gate/up needs 2 I outputs, I a multiple of 16");
   // glu: the pairs are (gate block p, up block p + NB / 2), and y is silu(gate) * up, [M, N / 2]
-  auto y = torch::empty({M, glu ? N / 2 : N}, x.options());
+  auto y = at::empty({M, glu ? N / 2 : N}, x.options());
   if (M == 0) return y;
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
   auto* yp = y.data_ptr<at::BFloat16>();

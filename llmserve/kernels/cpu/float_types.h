@@ -2,7 +2,7 @@
 // no intrinsics here, so files built without AVX include it too).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 // f(T{}) with T float, c10::BFloat16 or c10::Half for a float32, bfloat16 or float16 dtype t; any other dtype is
 // refused with a message naming `what` (e.g. "paged_decode (q)") and the accepted dtypes.

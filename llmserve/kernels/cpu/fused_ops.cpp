@@ -14,7 +14,7 @@
 // add+RMSNorm took 465 us and one rotary 604 us, ~3.3 s of a 64-request throughput run); fp16, and CPUs
 // without AVX-512, take the scalar loops.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "float_types.h"  // dispatch_float
@@ -174,7 +174,7 @@ void add_rms_norm_impl(T* x, T* residual, const T* weight, int64_t n_tok, int64_
 
 }  // namespace
 
-void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "rotary_: x must be [T, heads, D], D even, "
               "contiguous in D");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() &&
@@ -187,7 +187,7 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   });
 }
 
-void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes(),
               "add_rms_norm_: x and residual must be contiguous [T, E] of one shape");
   TORCH_CHECK(weight.is_contiguous() && weight.dim() == 1 && weight.size(0) == x.size(1), "add_rms_norm_: weight [E]");
@@ -199,11 +199,11 @@ void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight
   });
 }
 
-torch::Tensor silu_mul(torch::Tensor x) {
+at::Tensor silu_mul(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0 && x.device().is_cpu(),
               "silu_mul: x must be a contiguous CPU tensor [T, 2 * I] (gate, then up)");
   const int64_t I = x.size(1) / 2;
-  auto out = torch::empty({x.size(0), I}, x.options());
+  auto out = at::empty({x.size(0), I}, x.options());
   dispatch_float(x.scalar_type(), "silu_mul", [&](auto tag) {
     using T = decltype(tag);
     silu_mul_impl<T>(x.data_ptr<T>(), out.data_ptr<T>(), x.size(0), I);

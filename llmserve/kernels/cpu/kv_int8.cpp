@@ -14,7 +14,7 @@
 // One call writes both K and V: a decode step would otherwise spend ~10 torch ops per layer on it.
 // write_kv, at the end, does the same for 16- and 32-bit caches (a copy, converted as torch's .to()).
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "float_types.h"  // dispatch_float
@@ -87,7 +87,7 @@ void quantize_row_int4(const T* x, int64_t D, uint8_t* q, at::Half* params) {
 }
 
 template <typename T>
-void write_impl_int4(const torch::Tensor& x, torch::Tensor& cache, torch::Tensor& params, const int64_t* slots) {
+void write_impl_int4(const at::Tensor& x, at::Tensor& cache, at::Tensor& params, const int64_t* slots) {
   const int64_t KVH = x.size(1), D = x.size(2);
   const T* xp = x.data_ptr<T>();
   uint8_t* cp = cache.data_ptr<uint8_t>();
@@ -101,7 +101,7 @@ void write_impl_int4(const torch::Tensor& x, torch::Tensor& cache, torch::Tensor
 }
 
 template <typename T>
-void write_impl(const torch::Tensor& x, torch::Tensor& cache, torch::Tensor& scales, const int64_t* slots) {
+void write_impl(const at::Tensor& x, at::Tensor& cache, at::Tensor& scales, const int64_t* slots) {
   const int64_t T_ = x.size(0), KVH = x.size(1), D = x.size(2);
   const int64_t tok_stride = x.stride(0), head_stride = x.stride(1);
   const T* xp = x.data_ptr<T>();
@@ -128,7 +128,7 @@ void write_impl(const torch::Tensor& x, torch::Tensor& cache, torch::Tensor& sca
 }
 
 // slots (contiguous): one int64 per token, each a row of the cache [NB, BS, ...]; refused otherwise.
-const int64_t* checked_slots(const torch::Tensor& slots, int64_t tokens, const torch::Tensor& cache) {
+const int64_t* checked_slots(const at::Tensor& slots, int64_t tokens, const at::Tensor& cache) {
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == tokens,
               "one int64 slot per token");
   const int64_t* sp = slots.data_ptr<int64_t>();
@@ -139,7 +139,7 @@ const int64_t* checked_slots(const torch::Tensor& slots, int64_t tokens, const t
 }
 
 // int4: the cache is uint8 [num_blocks, block_size, kv_heads, head_dim / 2], the scales fp16 [..., kv_heads, 2].
-void check_side(const torch::Tensor& x, const torch::Tensor& cache, const torch::Tensor& scales, bool int4 = false) {
+void check_side(const at::Tensor& x, const at::Tensor& cache, const at::Tensor& scales, bool int4 = false) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "K/V must be [T, kv_heads, head_dim] with unit stride in head_dim");
   TORCH_CHECK(!int4 || x.size(2) % 2 == 0, "int4 K/V need an even head_dim");
   TORCH_CHECK(cache.scalar_type() == (int4 ? at::kByte : at::kChar) && cache.is_contiguous() && cache.dim() == 4 &&
@@ -156,8 +156,8 @@ void check_side(const torch::Tensor& x, const torch::Tensor& cache, const torch:
 
 // K and V of a step into an int8 (INT4 false) or int4 cache, each row with its scale(s).
 template <bool INT4>
-void write_kv_quantized(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
-                        torch::Tensor& k_scales, torch::Tensor& v_scales, torch::Tensor slots) {
+void write_kv_quantized(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                        at::Tensor& k_scales, at::Tensor& v_scales, at::Tensor slots) {
   check_side(k, k_cache, k_scales, INT4);
   check_side(v, v_cache, v_scales, INT4);
   TORCH_CHECK(k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(), "K and V differ in shape or dtype");
@@ -177,13 +177,13 @@ void write_kv_quantized(const torch::Tensor& k, const torch::Tensor& v, torch::T
 
 }  // namespace
 
-void write_kv_int8(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                   torch::Tensor k_scales, torch::Tensor v_scales, torch::Tensor slots) {
+void write_kv_int8(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
+                   at::Tensor k_scales, at::Tensor v_scales, at::Tensor slots) {
   write_kv_quantized<false>(k, v, k_cache, v_cache, k_scales, v_scales, slots);
 }
 
-void write_kv_int4(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                   torch::Tensor k_scales, torch::Tensor v_scales, torch::Tensor slots) {
+void write_kv_int4(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
+                   at::Tensor k_scales, at::Tensor v_scales, at::Tensor slots) {
   write_kv_quantized<true>(k, v, k_cache, v_cache, k_scales, v_scales, slots);
 }
 
@@ -194,7 +194,7 @@ void write_kv_int4(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torc
 namespace {
 
 template <typename S, typename C>
-void copy_rows(const torch::Tensor& x, torch::Tensor& cache, const int64_t* slots) {
+void copy_rows(const at::Tensor& x, at::Tensor& cache, const int64_t* slots) {
   const int64_t T_ = x.size(0), row = x.size(1) * x.size(2), tok_stride = x.stride(0);
   const S* xp = x.data_ptr<S>();
   C* cp = cache.data_ptr<C>();
@@ -213,7 +213,7 @@ void copy_rows(const torch::Tensor& x, torch::Tensor& cache, const int64_t* slot
 
 }  // namespace
 
-void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
+void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots) {
   for (const auto* x : {&k, &v})
     TORCH_CHECK(x->dim() == 3 && x->stride(2) == 1 && x->stride(1) == x->size(2) && x->device().is_cpu(),
                 "write_kv: K/V must be CPU [T, kv_heads, head_dim] with heads and head_dim contiguous");

@@ -21,7 +21,7 @@
 // depend on the other rows of the batch (the two paths differ from each other: vdpbf16ps adds a pair's products
 // before the accumulator, and flushes denormals).
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "avx512_math.h"  // LLMSERVE_AVX512, storeu16, tail_mask16
@@ -215,17 +215,17 @@ void for_each_tile_widened(int64_t M, int64_t NB, int64_t G, int64_t min_wide, i
 
 // y = (x @ W^T) (* scale) (+ bias) over a packed weight of format F: x [M, K] (X = float or bf16) -> [M, N] in X.
 template <typename F, typename X>
-torch::Tensor packed_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const Epilogue& e) {
+at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, const Epilogue& e) {
   constexpr int kG = F::kGroup;
   constexpr int64_t kWideGroups = kWideColumns / kG;
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), G = packed.size(1), ld = G * kG;
-  auto xf = torch::empty({M, ld}, x.options().dtype(at::kFloat));
+  auto xf = at::empty({M, ld}, x.options().dtype(at::kFloat));
   float* xp = xf.data_ptr<float>();
   const X* xs = x.data_ptr<X>();
   at::parallel_for(0, M, std::max<int64_t>(1, kSerialElems / ld), [&](int64_t begin, int64_t end) {
     widen_rows(xs + begin * K, end - begin, K, ld, xp + begin * ld);
   });
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const auto* wp = reinterpret_cast<const typename F::T*>(packed.data_ptr());
   const int64_t be = G * 16 * kG;  // elements per packed block
   X* yp = y.data_ptr<X>();
@@ -273,15 +273,15 @@ LLMSERVE_AVX512BF16 __attribute__((optimize("no-tree-pre"))) void tile_dot(const
 
 constexpr int kDotTileRows = 6;  // 24 accumulators + 4 weights + a broadcast in 32 registers
 
-torch::Tensor packed_gemm_dot(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const Epilogue& e) {
+at::Tensor packed_gemm_dot(const at::Tensor& x, const at::Tensor& packed, int64_t N, const Epilogue& e) {
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), G = packed.size(1);
-  torch::Tensor xp = x;  // rows of G column pairs: x itself, or a zero-padded copy when K is odd
+  at::Tensor xp = x;  // rows of G column pairs: x itself, or a zero-padded copy when K is odd
   if (K != 2 * G) {
-    xp = torch::zeros({M, 2 * G}, x.options());
+    xp = at::zeros({M, 2 * G}, x.options());
     xp.narrow(1, 0, K).copy_(x);
   }
   const auto* xs = reinterpret_cast<const uint32_t*>(xp.data_ptr());
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const int64_t be = G * 32;  // elements per packed block
   auto* yp = y.data_ptr<at::BFloat16>();
@@ -452,17 +452,17 @@ LLMSERVE_VNNI16 __attribute__((optimize("no-tree-pre"))) void tile_wide_a16(
 }
 
 template <typename X>
-torch::Tensor int8w_gemm_a16(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const Epilogue& e) {
+at::Tensor int8w_gemm_a16(const at::Tensor& x, const at::Tensor& packed, int64_t N, const Epilogue& e) {
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), G = packed.size(1), K4 = G * 4;
-  auto xq = torch::empty({M, K4}, x.options().dtype(at::kShort));
-  auto xs = torch::empty({M}, x.options().dtype(at::kFloat));
+  auto xq = at::empty({M, K4}, x.options().dtype(at::kShort));
+  auto xs = at::empty({M}, x.options().dtype(at::kFloat));
   int16_t* qp = xq.data_ptr<int16_t>();
   float* sp = xs.data_ptr<float>();
   const X* xp = x.data_ptr<X>();
   at::parallel_for(0, M, std::max<int64_t>(1, kSerialElems / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) quantize_row_a16(xp + i * K, K, K4, qp + i * K4, sp + i);
   });
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const int8_t* wp = packed.data_ptr<int8_t>();
   const int64_t bb = G * 64;
   X* yp = y.data_ptr<X>();
@@ -484,7 +484,7 @@ torch::Tensor int8w_gemm_a16(const torch::Tensor& x, const torch::Tensor& packed
 }
 
 // bias [N] (any float dtype) -> contiguous fp32 in holder, or nullptr without one
-const float* fp32_bias(const c10::optional<torch::Tensor>& bias, int64_t N, const char* what, torch::Tensor& holder) {
+const float* fp32_bias(const c10::optional<at::Tensor>& bias, int64_t N, const char* what, at::Tensor& holder) {
   if (!bias.has_value()) return nullptr;
   holder = bias->to(at::kFloat).contiguous();
   TORCH_CHECK(holder.numel() == N, what, ": bias [N]");
@@ -497,7 +497,7 @@ bool packed_gemm_supported() { return cpu_has_avx512(); }
 
 // weight [N, K] bf16 -> [ceil(N / 16), ceil(K / 2), 16, 2] bf16: per block of 16 output rows, the columns in pairs,
 // each pair holding its 2 elements of the 16 rows; zero past N and K.
-torch::Tensor bf16_pack(torch::Tensor weight) {
+at::Tensor bf16_pack(at::Tensor weight) {
   return pack_weight_blocks<uint16_t>(weight, at::kBFloat16, Bf16Weights::kGroup,
                                       "bf16_pack: weight must be bf16 [N, K] on the CPU");
 }
@@ -506,8 +506,8 @@ torch::Tensor bf16_pack(torch::Tensor weight) {
 // path: 0 multiplies with fp32 FMAs on widened weights, 1 with vdpbf16ps (tile_dot; needs bf16_dot_supported()), 2 on
 // AMX tiles (amx_gemm.cpp; needs amx_bf16_supported() and K a multiple of 32).
 // glu (path 2 only): the weight is gate then up (n = 2 I) and the result silu(gate) * up [M, I] (bf16_gemm_amx).
-torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
-                        int64_t path, bool glu) {
+at::Tensor bf16_gemm(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias,
+                     int64_t path, bool glu) {
   TORCH_CHECK(packed_gemm_supported(), "bf16_gemm needs a CPU with AVX-512");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
               "bf16_gemm: x must be bf16 [M, K] on the CPU");
@@ -517,7 +517,7 @@ torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::o
               "bf16_gemm: packed must be bf16_pack's contiguous bf16 [N / 16, K / 2, 16, 2]");
   TORCH_CHECK(N > 0 && packed.size(0) == (N + kBlockRows - 1) / kBlockRows && packed.size(1) == (K + 1) / 2,
               "bf16_gemm: packed weight ", packed.sizes(), " does not fit x's ", K, " columns and ", N, " outputs");
-  torch::Tensor b;
+  at::Tensor b;
   const Epilogue e{nullptr, fp32_bias(bias, N, "bf16_gemm", b)};
   TORCH_CHECK(path >= 0 && path <= 2, "bf16_gemm: path 0 (fma), 1 (dot) or 2 (amx), got ", path);
   TORCH_CHECK(!glu || path == 2, "bf16_gemm: the fused gate/up (glu) runs on the amx path only");
@@ -531,8 +531,8 @@ torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, c10::o
 // packed * scale per output row); bias [N] (any float dtype) or None -> [M, N] in x's dtype.
 // a16: 1 quantizes x to int16 per row (int8w_gemm_a16, needs int8w_a16_supported()), 0 keeps it in fp32 (FMAs), < 0
 // picks (the former where VNNI is).
-torch::Tensor int8w_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, c10::optional<torch::Tensor> bias,
-                         int64_t a16) {
+at::Tensor int8w_gemm(at::Tensor x, at::Tensor packed, at::Tensor scale, c10::optional<at::Tensor> bias,
+                      int64_t a16) {
   TORCH_CHECK(packed_gemm_supported(), "int8w_gemm needs a CPU with AVX-512");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "int8w_gemm: x must be fp32 or bf16 [M, K] on the CPU");
@@ -543,7 +543,7 @@ torch::Tensor int8w_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor sc
   TORCH_CHECK(N > 0 && packed.size(0) == (N + kBlockRows - 1) / kBlockRows && packed.size(1) == (K + 3) / 4,
               "int8w_gemm: packed weight ", packed.sizes(), " does not fit x's ", K, " columns and scale's ", N, " rows");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous(), "int8w_gemm: scale must be contiguous fp32 [N]");
-  torch::Tensor b;
+  at::Tensor b;
   const Epilogue e{scale.data_ptr<float>(), fp32_bias(bias, N, "int8w_gemm", b)};
   const auto xc = x.contiguous();
   TORCH_CHECK(a16 <= 0 || int8w_a16_supported(), "int8w_gemm: 16-bit activations (a16=1) need a CPU with AVX512-VNNI; "

@@ -21,7 +21,7 @@
 // Parallel over (request, kv_head) with at::parallel_for, which is OpenMP in the CPU wheels; it
 // shares torch's OpenMP runtime (libgomp.so.1 is already loaded) and honours torch.set_num_threads.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "float_types.h"  // dispatch_float
@@ -668,10 +668,10 @@ void paged_decode_impl(const TQ* q, const CacheView<T>& kv, const int64_t* table
 // window <= 0 means no sliding window; otherwise keys j with j >= len - window are visible.
 // k_scales / v_scales: given exactly when the cache is int8.
 // splits: parts each context is split into across threads (<= 0: choose_splits; tests and A/B set it).
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor lens, double scale, int64_t window,
-                           c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales,
-                           int64_t splits, int64_t dot) {
+at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                        at::Tensor block_tables, at::Tensor lens, double scale, int64_t window,
+                        c10::optional<at::Tensor> k_scales, c10::optional<at::Tensor> v_scales,
+                        int64_t splits, int64_t dot) {
   TORCH_CHECK(dot <= 0 || decode_dot_supported(), "paged_decode: dot=1 needs a CPU with AVX512-BF16");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad ranks/shapes");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode is CPU only");
@@ -701,7 +701,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                   int4 ? "scales must be contiguous float16 [num_blocks, block_size, kv_heads, 2]"
                        : "scales must be contiguous float32 [num_blocks, block_size, kv_heads]");
   }
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   // The query (and output) dtype and the cache dtype are dispatched separately: fp32, bf16, fp16 (and int8
   // for the cache).
   dispatch_float(q.scalar_type(), "paged_decode (q)", [&](auto q_tag) {
@@ -733,60 +733,5 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 // Whether an int8 cache can be read here (the AVX-512 path; LLMSERVE_DECODE_AVX512=0 turns it off).
 bool int8_kv_decode_supported() { return avx512_decode_supported(); }
 
-// The other files' entry points (one build, one module).
-#include "kernels.h"
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "Paged decode attention reading K/V in place (CPU)", py::arg("q"),
-        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("lens"), py::arg("scale"),
-        py::arg("window"), py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none(),
-        py::arg("splits") = -1, py::arg("dot") = 0);
-  m.def("decode_splits", &choose_splits, "parts paged_decode splits each context into, for items (request, kv_head) "
-        "pairs and the longest context, at this thread count", py::arg("items"), py::arg("max_context"));
-  m.def("int8_kv_decode_supported", &int8_kv_decode_supported, "whether paged_decode reads int8 caches here");
-  m.def("write_kv_int8", &write_kv_int8, "quantize K/V rows to int8 (one scale per token and head) into the cache");
-  m.def("write_kv_int4", &write_kv_int4, "quantize K/V rows to packed int4 (an fp16 scale and zero point per token "
-        "and head) into the cache");
-  m.def("write_kv", &write_kv, "copy K/V rows into a 16- or 32-bit cache at their slots (converted as .to())");
-  m.def("rotary_", &rotary_, "Rotary embedding in place on [T, heads, D] (CPU)");
-  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = weight * rms_norm(residual), in place (CPU)");
-  m.def("silu_mul", &silu_mul, "[T, 2 I] (gate, up) -> silu(gate) * up, [T, I] (CPU)");
-  m.def("w8a8_linear_supported", &w8a8_linear_supported, "whether this CPU runs w8a8_linear (AVX-512 with VNNI)");
-  m.def("prefill_attention_supported", &prefill_attention_supported, "whether prefill_attention runs here (AVX-512)");
-  m.def("prefill_attention", &prefill_attention, "causal prefill attention of every span of a step (CPU, AVX-512)",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scales"),
-        py::arg("v_scales"), py::arg("spans"), py::arg("slots"), py::arg("scale"), py::arg("window"), py::arg("out"),
-        py::arg("dot") = 0);
-  m.def("packed_gemm_supported", &packed_gemm_supported, "whether bf16_gemm and int8w_gemm run here (AVX-512)");
-  m.def("bf16_pack", &bf16_pack, "bf16 [N, K] weight -> the block layout bf16_gemm reads");
-  m.def("bf16_gemm", &bf16_gemm, "x @ W^T (+ bias), bf16 weights packed: fp32 FMAs (path=0, AVX-512), vdpbf16ps "
-        "(path=1, AVX512-BF16) or AMX tiles (path=2, AMX-BF16) (CPU)", py::arg("x"), py::arg("packed"), py::arg("n"),
-        py::arg("bias") = py::none(), py::arg("path") = 0, py::arg("glu") = false);
-  m.def("bf16_dot_supported", &bf16_dot_supported, "whether bf16_gemm's path=1 runs here (AVX512-BF16)");
-  m.def("amx_bf16_supported", &amx_bf16_supported, "whether bf16_gemm's path=2 runs here (AMX-BF16, granted by the OS)");
-  m.def("int8w_gemm", &int8w_gemm, "x @ (W * scale)^T (+ bias), int8 weights packed by w8a8_pack: x in int16 per row "
-        "(vpdpwssd) or fp32 (FMAs) (CPU, AVX-512)", py::arg("x"), py::arg("packed"), py::arg("scale"),
-        py::arg("bias") = py::none(), py::arg("a16") = -1);
-  m.def("int8w_a16_supported", &int8w_a16_supported, "whether int8w_gemm can take 16-bit activations (AVX512-VNNI)");
-  m.def("quantize_rows_int8", &quantize_rows_int8, "weight [N, K] -> (int8 [N, K], fp32 scales [N]), symmetric per row");
-  m.def("w8a8_pack", &w8a8_pack, "int8 [N, K] weight -> the VNNI block layout w8a8_linear reads");
-  m.def("w8a8_linear", &w8a8_linear, "int8 weights (packed) x int8 per-row activations, VNNI GEMM (CPU)",
-        py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("wsum"), py::arg("bias") = py::none());
-  m.def("sample_rows", &sample_rows, "per row: temperature, top-k, top-p, min-p, then one inverse-CDF draw from u; "
-        "temperature 0 is argmax; -1 for rows left to the torch path (CPU)", py::arg("logits"), py::arg("temperature"),
-        py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("u"));
-  m.def("argmax_rows", &argmax_rows, "first maximum of each row; -1 for rows holding a NaN (CPU)");
-  m.def("apply_token_bitmask_", &apply_token_bitmask_, "structured output: -inf where the rows' bitmask bit is 0, in "
-        "place (CPU)");
-  m.def("verify_rows", &verify_rows, "speculative verification per row: (token, draft accepted) under the filters of "
-        "sample_rows, a rejected draft's replacement drawn from u2 over the rest; token -1 for rows left to the torch "
-        "path (CPU)", py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"),
-        py::arg("u"), py::arg("drafts"), py::arg("u2"));
-  m.def("logprob_rows", &logprob_rows, "log-probabilities of raw logits per row: (the token's, its rank, top_n values, "
-        "top_n ids); rank -1 for rows left to log_softmax (CPU)", py::arg("logits"), py::arg("tokens"),
-        py::arg("top_n"));
-  m.def("sampling_avx512", &sampling_avx512, "whether sample_rows and argmax_rows run on AVX-512 here "
-        "(LLMSERVE_SAMPLING_AVX512=0: the scalar passes)");
-  bind_decoder_stack(m);
-  bind_qblocks(m);
-}
+// The split choose_splits makes, for the binding (tests read it).
+int64_t decode_splits(int64_t items, int64_t max_context) { return choose_splits(items, max_context); }

@@ -39,7 +39,7 @@
 // 2 cores (1.8 s of a 64-request workload's prefill), and converting each span's q/k/v to fp32 and back
 // copied every row twice more.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "float_types.h"  // dispatch_float
@@ -500,10 +500,10 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
 }
 
 template <typename TQ, typename TC>
-void prefill_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& k_cache,
-                  const torch::Tensor& v_cache, const float* k_scales, const float* v_scales,
+void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                  const at::Tensor& v_cache, const float* k_scales, const float* v_scales,
                   const std::vector<Span>& spans, const int64_t* slots, double scale, int64_t window, int64_t path,
-                  torch::Tensor& out) {
+                  at::Tensor& out) {
   const int64_t H = q.size(1), D = q.size(2), KVH = k.size(1), G = H / KVH;
   // the amx path: V^T in blocks of 32 keys, [(ctx + 32) / 32][D][32] bf16 (keys past the context 0), of each (span, KV
   // head) whose keys are bf16 (a fresh prompt's, or a bf16 cache's), made once here; other spans keep FMAs
@@ -591,10 +591,10 @@ bool prefill_attention_supported() { return cpu_has_avx512(); }
 // window <= 0: none. path: 1 runs the scores with vdpbf16ps where q and the keys are bf16 (needs AVX512-BF16); 2 both
 // products on AMX tiles where q and the cache are bf16 and head_dim a multiple of 32 (needs AMX-BF16); other dtypes
 // and 0 run fp32 FMAs.
-void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
-                       torch::Tensor v_cache, c10::optional<torch::Tensor> k_scales,
-                       c10::optional<torch::Tensor> v_scales, torch::Tensor spans, torch::Tensor slots, double scale,
-                       int64_t window, torch::Tensor out, int64_t path) {
+void prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_cache,
+                       at::Tensor v_cache, c10::optional<at::Tensor> k_scales,
+                       c10::optional<at::Tensor> v_scales, at::Tensor spans, at::Tensor slots, double scale,
+                       int64_t window, at::Tensor out, int64_t path) {
   TORCH_CHECK(prefill_attention_supported(), "prefill_attention needs a CPU with AVX-512");
   TORCH_CHECK(path != 1 || cpu_has_avx512_bf16(), "prefill_attention: path 1 (dot) needs a CPU with AVX512-BF16");
   TORCH_CHECK(path != 2 || (amx_bf16_supported() && cpu_has_avx512_bf16()),

@@ -27,7 +27,7 @@
 // Zen 5, best of 20, a busy machine): M = 1: 1.66 ms vs 2.18 ms; M = 64: 15.4 ms vs 54.2 ms (w8a8_linear over int8
 // weights: 2.31 and 9.9 ms). The FMA path stays for AVX-512 CPUs without VNNI.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "amx_tiles.h"     // TileConfig, load_tile_config
@@ -439,14 +439,14 @@ bool vnni_supported() {
 }
 
 template <typename T, typename S, int BITS, bool G16>
-void run(const torch::Tensor& x, const QBlockWeight& qw, const Weight& w, const float* bias, bool vnni, bool tiles,
+void run(const at::Tensor& x, const QBlockWeight& qw, const Weight& w, const float* bias, bool vnni, bool tiles,
          T* yp) {
   const int64_t M = x.size(0), K = x.size(1), KB = K / kBlock, N = qw.n, NT = qw.codes.size(0);
   constexpr int64_t kSums = G16 ? 2 : 1;  // activation sums a block
   const T* xp = x.data_ptr<T>();
-  auto dx = torch::empty({M, KB}, x.options().dtype(at::kFloat));
-  auto sx = torch::empty({M, KB * kSums}, x.options().dtype(at::kFloat));
-  torch::Tensor xq = torch::empty({M, K}, x.options().dtype(vnni ? at::kChar : at::kFloat));
+  auto dx = at::empty({M, KB}, x.options().dtype(at::kFloat));
+  auto sx = at::empty({M, KB * kSums}, x.options().dtype(at::kFloat));
+  at::Tensor xq = at::empty({M, K}, x.options().dtype(vnni ? at::kChar : at::kFloat));
   float* dxp = dx.data_ptr<float>();
   float* sxp = sx.data_ptr<float>();
   at::parallel_for(0, M, std::max<int64_t>(1, kSerialElems / K), [&](int64_t begin, int64_t end) {
@@ -619,7 +619,7 @@ std::array<DotTile, 3> dot_tiles(const QBlockWeight& qw) {
 }
 
 // bias [n] (any float dtype) as contiguous fp32 in holder, or nullptr without one
-const float* bias_fp32(const c10::optional<torch::Tensor>& bias, int64_t n, const char* what, torch::Tensor& holder) {
+const float* bias_fp32(const c10::optional<at::Tensor>& bias, int64_t n, const char* what, at::Tensor& holder) {
   if (!bias.has_value()) return nullptr;
   holder = bias->to(at::kFloat).contiguous();
   TORCH_CHECK(holder.numel() == n, what, ": bias [n]");
@@ -648,11 +648,11 @@ bool qblock_linear_supported() { return cpu_has_avx512(); }
 // tile's weights dequantized (dequantize_tile) once per work item of up to 256 rows: the result is bf16_gemm's amx path
 // over the dequantized weight, bit for bit, while a step reads the blocks' bytes rather than bf16's.
 // glu: gate then up (n = 2 I): silu(gate) * up [M, I], as bf16_gemm's glu.
-torch::Tensor qblock_linear_amx(torch::Tensor x, const QBlockWeight& qw, c10::optional<torch::Tensor> bias, bool glu) {
+at::Tensor qblock_linear_amx(at::Tensor x, const QBlockWeight& qw, c10::optional<at::Tensor> bias, bool glu) {
   TORCH_CHECK(cpu_has_avx512_bf16() && amx_bf16_supported(), "qblock_linear_amx needs AMX-BF16 and AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.size(1) == qw.k,
               "qblock_linear_amx: x must be bf16 [M, ", qw.k, "] on the CPU");
-  torch::Tensor b;
+  at::Tensor b;
   const float* bp = bias_fp32(bias, qw.n, "qblock_linear_amx", b);
   const Weight w = weight_of(qw);
   const auto dequantize = tile_dequantizer(qw);
@@ -671,21 +671,21 @@ bool qblock_amx_dot_supported() {
   return ok;
 }
 
-torch::Tensor qblock_linear_amx_dot(torch::Tensor x, const QBlockWeight& qw, c10::optional<torch::Tensor> bias,
-                                    bool glu) {
+at::Tensor qblock_linear_amx_dot(at::Tensor x, const QBlockWeight& qw, c10::optional<at::Tensor> bias,
+                                 bool glu) {
   TORCH_CHECK(qblock_amx_dot_supported(), "qblock_linear_amx_dot needs AVX512-BF16 and AVX512-VBMI");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.size(1) == qw.k,
               "qblock_linear_amx_dot: x must be bf16 [M, ", qw.k, "] on the CPU");
   const int64_t NT = qw.codes.size(0), N = qw.n, M = x.size(0), K = qw.k;
   TORCH_CHECK(!glu || (N % (2 * kTileRows) == 0 && NT == N / kTileRows),
               "the fused gate/up needs 2 I outputs, I a multiple of 16");
-  torch::Tensor b;
+  at::Tensor b;
   const float* bp = bias_fp32(bias, N, "qblock_linear_amx_dot", b);
-  auto y = torch::empty({M, glu ? N / 2 : N}, x.options());
+  auto y = at::empty({M, glu ? N / 2 : N}, x.options());
   if (M == 0) return y;
   // x's column pairs as dot_tile reads them: dword 16 b + 2 k + par = x[32 b + 4 k + par] << 16 | x[... + 2]
-  const torch::Tensor xc = x.contiguous();
-  auto pairs_t = torch::empty({M, K / 2}, x.options().dtype(at::kInt));
+  const at::Tensor xc = x.contiguous();
+  auto pairs_t = at::empty({M, K / 2}, x.options().dtype(at::kInt));
   {
     const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr());
     auto* pp = reinterpret_cast<uint32_t*>(pairs_t.data_ptr<int32_t>());
@@ -722,10 +722,10 @@ torch::Tensor qblock_linear_amx_dot(torch::Tensor x, const QBlockWeight& qw, c10
 // The whole weight dequantized to bf16 in bf16_pack's layout ([ceil(n / 16), k / 2, 16, 2], zero past n): the bf16
 // kernels' weight where the measured choice replaces the blocks (llmserve/kernels/calibrate.py's unblock), exactly
 // BlockTensor.dequantize's values rounded to bf16. Needs AVX512-BF16.
-torch::Tensor qblock_dequantize_bf16(const QBlockWeight& qw) {
+at::Tensor qblock_dequantize_bf16(const QBlockWeight& qw) {
   TORCH_CHECK(cpu_has_avx512_bf16(), "qblock_dequantize_bf16 needs AVX512-BF16");
   const int64_t NT = qw.codes.size(0);
-  auto out = torch::empty({NT, qw.k / 2, kTileRows, 2}, qw.codes.options().dtype(at::kBFloat16));
+  auto out = at::empty({NT, qw.k / 2, kTileRows, 2}, qw.codes.options().dtype(at::kBFloat16));
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const Weight w = weight_of(qw);
   const auto dequantize = tile_dequantizer(qw);
@@ -741,7 +741,7 @@ bool qblock_vnni_supported() { return vnni_supported(); }
 // dtype. vnni: 1 int8 activations (needs qblock_vnni_supported()), 0 fp32 FMAs, < 0 the former where VNNI is; with
 // int8 activations, batches of 16 rows and more run on AMX-INT8 tiles where the CPU has them (the same bits), except
 // with 2 (VNNI alone: for tests and timings).
-torch::Tensor qblock_linear(torch::Tensor x, const QBlockWeight& qw, c10::optional<torch::Tensor> bias, int64_t vnni) {
+at::Tensor qblock_linear(at::Tensor x, const QBlockWeight& qw, c10::optional<at::Tensor> bias, int64_t vnni) {
   TORCH_CHECK(qblock_linear_supported(), "qblock_linear needs a CPU with AVX-512");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "qblock_linear: x must be [M, K] on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "qblock_linear: x fp32 or bf16");
@@ -749,10 +749,10 @@ torch::Tensor qblock_linear(torch::Tensor x, const QBlockWeight& qw, c10::option
   TORCH_CHECK(vnni >= -1 && vnni <= 2, "qblock_linear: vnni -1 (auto), 0, 1 or 2, got ", vnni);
   const bool use_vnni = vnni < 0 ? vnni_supported() : vnni > 0;
   TORCH_CHECK(!use_vnni || vnni_supported(), "qblock_linear: vnni=1 needs AVX512-VNNI");
-  torch::Tensor b;
+  at::Tensor b;
   const float* bp = bias_fp32(bias, qw.n, "qblock_linear", b);
   const auto xc = x.contiguous();
-  auto y = torch::empty({x.size(0), qw.n}, x.options());
+  auto y = at::empty({x.size(0), qw.n}, x.options());
   const Weight w = weight_of(qw);
   const bool half = qw.scales.scalar_type() == at::kHalf;
   auto go = [&](auto t) {
@@ -778,7 +778,7 @@ torch::Tensor qblock_linear(torch::Tensor x, const QBlockWeight& qw, c10::option
   return y;
 }
 
-QBlockWeight::QBlockWeight(torch::Tensor codes_, torch::Tensor scales_, c10::optional<torch::Tensor> mins_, int64_t n_,
+QBlockWeight::QBlockWeight(at::Tensor codes_, at::Tensor scales_, c10::optional<at::Tensor> mins_, int64_t n_,
                            int64_t k_, int64_t bits_, int64_t group_, int64_t zero_)
     : codes(std::move(codes_)), scales(std::move(scales_)), mins(std::move(mins_)), n(n_), k(k_), bits(bits_),
       group(group_), zero(zero_) {
@@ -791,7 +791,7 @@ QBlockWeight::QBlockWeight(torch::Tensor codes_, torch::Tensor scales_, c10::opt
   TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   codes.dim() == 3 && codes.size(0) == NT && codes.size(1) == k / kBlock && codes.size(2) == bits * 64,
               "QBlockWeight: codes must be contiguous uint8 [", NT, ", ", k / kBlock, ", ", bits * 64, "]");
-  auto check = [&](const torch::Tensor& s, const char* what) {
+  auto check = [&](const at::Tensor& s, const char* what) {
     TORCH_CHECK(s.device().is_cpu() && (s.scalar_type() == at::kHalf || s.scalar_type() == at::kFloat) &&
                     s.is_contiguous() && s.dim() == 3 && s.size(0) == NT && s.size(1) == k / group && s.size(2) == 16,
                 "QBlockWeight: ", what, " must be contiguous fp16 or fp32 [", NT, ", ", k / group, ", 16]");
@@ -803,14 +803,14 @@ QBlockWeight::QBlockWeight(torch::Tensor codes_, torch::Tensor scales_, c10::opt
 
 // codes uint8 [n, k] (one per byte, < 2^bits) -> the packed layout [ceil(n / 16), k / 32, bits * 64] (zero past n;
 // see the header), as llmserve/layers/quant_blocks.py's pack_codes (its torch reference) lays it out; one pass at load.
-torch::Tensor qblock_pack(torch::Tensor codes, int64_t bits) {
+at::Tensor qblock_pack(at::Tensor codes, int64_t bits) {
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.device().is_cpu() && codes.size(1) % kBlock == 0,
               "qblock_pack: codes must be uint8 [n, k] on the CPU, k a multiple of 32");
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "qblock_pack: 4, 5, 6 or 8 bits");
   const auto c = codes.contiguous();
   const int64_t n = c.size(0), k = c.size(1), NT = (n + kTileRows - 1) / kTileRows, KB = k / kBlock, bytes = bits * 64;
   const int64_t hb = bits - 4, per = hb > 0 ? 8 / hb : 0;  // high bits a code; vectors a high-plane vector serves
-  auto out = torch::zeros({NT, KB, bytes}, c.options());
+  auto out = at::zeros({NT, KB, bytes}, c.options());
   const uint8_t* src = c.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, NT, 1, [&](int64_t begin, int64_t end) {
@@ -838,13 +838,13 @@ torch::Tensor qblock_pack(torch::Tensor codes, int64_t bits) {
 
 // GGUF blocks of 32 columns holding 16 bytes of nibbles at `offset` in each `size`-byte block (Q4_0, Q4_1: byte j
 // has column j low, j + 16 high): raw uint8 [rows, blocks * size] -> codes uint8 [rows, blocks * 32].
-torch::Tensor gguf_nibbles(torch::Tensor raw, int64_t offset, int64_t size) {
+at::Tensor gguf_nibbles(at::Tensor raw, int64_t offset, int64_t size) {
   TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.device().is_cpu() && raw.size(1) % size == 0 &&
                   offset + 16 <= size,
               "gguf_nibbles: raw must be uint8 [rows, blocks * size] on the CPU");
   const auto r = raw.contiguous();
   const int64_t rows = r.size(0), KB = r.size(1) / size;
-  auto out = torch::empty({rows, KB * kBlock}, r.options());
+  auto out = at::empty({rows, KB * kBlock}, r.options());
   const uint8_t* src = r.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -859,33 +859,4 @@ torch::Tensor gguf_nibbles(torch::Tensor raw, int64_t offset, int64_t size) {
       }
   });
   return out;
-}
-
-void bind_qblocks(pybind11::module_& m) {
-  m.def("qblock_pack", &qblock_pack, "uint8 codes [n, k] (4, 5, 6 or 8 bits) -> qblock_linear's packed layout",
-        py::arg("codes"), py::arg("bits"));
-  m.def("gguf_nibbles", &gguf_nibbles, "the nibbles of GGUF Q4_0/Q4_1 blocks as one code per byte", py::arg("raw"),
-        py::arg("offset"), py::arg("size"));
-  py::class_<QBlockWeight>(m, "QBlockWeight", "a block-quantized weight in qblock_gemm.cpp's layout")
-      .def(py::init<torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t, int64_t, int64_t,
-                    int64_t>(),
-           py::arg("codes"), py::arg("scales"), py::arg("mins"), py::arg("n"), py::arg("k"), py::arg("bits"),
-           py::arg("group"), py::arg("zero"))
-      .def_readwrite("amx8_rows", &QBlockWeight::amx8_rows,
-                     "from this many rows qblock_linear's int8 activations run on AMX-INT8 tiles (the same bits)");
-  m.def("qblock_linear", &qblock_linear, "x @ W^T (+ bias) over a QBlockWeight (CPU, AVX-512; VNNI: int8 activations "
-        "per block of 32)", py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("vnni") = -1);
-  m.def("qblock_linear_amx", &qblock_linear_amx, "x @ W^T (+ bias) over a QBlockWeight on AMX tiles, its tiles "
-        "dequantized to bf16 as they are read (bf16 x; AMX-BF16); glu: silu(gate) * up of a gate/up weight",
-        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("glu") = false);
-  m.def("qblock_linear_amx_dot", &qblock_linear_amx_dot, "qblock_linear_amx's result, bit for bit, by dot products "
-        "over the blocks (for a few rows; AVX512-BF16 and VBMI)", py::arg("x"), py::arg("weight"),
-        py::arg("bias") = py::none(), py::arg("glu") = false);
-  m.def("qblock_amx_dot_supported", &qblock_amx_dot_supported, "whether qblock_linear_amx_dot runs here");
-  m.def("qblock_dequantize_bf16", &qblock_dequantize_bf16, "a QBlockWeight dequantized to bf16 in bf16_pack's layout "
-        "(AVX512-BF16)", py::arg("weight"));
-  m.def("qblock_linear_supported", &qblock_linear_supported, "whether qblock_linear runs here (AVX-512)");
-  m.def("qblock_vnni_supported", &qblock_vnni_supported, "whether qblock_linear's int8 path runs here (AVX512-VNNI)");
-  m.def("qblock_amx8_supported", &amx_int8_supported, "whether qblock_linear's int8 path runs batches on AMX-INT8 "
-        "tiles here");
 }

@@ -24,7 +24,7 @@
 // A row whose logits hold a NaN or no finite maximum (everything banned, or +inf) is not chosen here: its result is
 // -1, and the caller takes the reference path for the batch.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "avx512_math.h"  // LLMSERVE_AVX512, cpu_has_avx512, exp512, tail_mask16
@@ -390,10 +390,10 @@ std::pair<int64_t, bool> verify_row(const float* logits, int64_t V, const RowPar
 // The checked inputs shared by sample_rows and verify_rows: logits [B, V] fp32 (not changed), and per row the
 // filters (temperature, top_p, min_p fp32; top_k int64) and the uniform u (fp32).
 struct FilteredRows {
-  torch::Tensor logits, temperature, top_k, top_p, min_p, u;
+  at::Tensor logits, temperature, top_k, top_p, min_p, u;
   int64_t B, V;
 
-  FilteredRows(torch::Tensor l, torch::Tensor t, torch::Tensor k, torch::Tensor p, torch::Tensor m, torch::Tensor uu)
+  FilteredRows(at::Tensor l, at::Tensor t, at::Tensor k, at::Tensor p, at::Tensor m, at::Tensor uu)
       : logits(checked_logits(l)), B(logits.size(0)), V(logits.size(1)) {
     temperature = row_floats(t, "temperature");
     top_p = row_floats(p, "top_p");
@@ -407,11 +407,11 @@ struct FilteredRows {
             top_p.data_ptr<float>()[r], min_p.data_ptr<float>()[r], u.data_ptr<float>()[r]};
   }
   const float* logits_row(int64_t r) const { return logits.data_ptr<float>() + r * V; }
-  torch::Tensor row_floats(const torch::Tensor& t, const char* name) const {
+  at::Tensor row_floats(const at::Tensor& t, const char* name) const {
     TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == B && t.device().is_cpu(), name, ": [B] float32");
     return t.contiguous();
   }
-  static torch::Tensor checked_logits(const torch::Tensor& l) {
+  static at::Tensor checked_logits(const at::Tensor& l) {
     TORCH_CHECK(l.device().is_cpu() && l.scalar_type() == at::kFloat && l.dim() == 2, "logits: [B, V] float32 on the CPU");
     TORCH_CHECK(l.size(1) > 0 && l.size(1) < std::numeric_limits<int32_t>::max(), "vocabulary size out of range");
     return l.contiguous();
@@ -434,20 +434,20 @@ void for_each_row(int64_t B, int64_t V, const F& f) {
 
 // One token per row (sample_row): -> token ids [B] int64, -1 for rows not chosen here (see the top of this file).
 // temperature 0 is greedy (argmax).
-torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
-                          torch::Tensor min_p, torch::Tensor u) {
+at::Tensor sample_rows(at::Tensor logits, at::Tensor temperature, at::Tensor top_k, at::Tensor top_p,
+                       at::Tensor min_p, at::Tensor u) {
   const FilteredRows in(logits, temperature, top_k, top_p, min_p, u);
-  auto out = torch::empty({in.B}, in.logits.options().dtype(at::kLong));
+  auto out = at::empty({in.B}, in.logits.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
   for_each_row(in.B, in.V, [&](int64_t r, Scratch& s) { op[r] = sample_row(in.logits_row(r), in.V, in.row(r), s); });
   return out;
 }
 
 // The first maximum of each row of [B, V] fp32 logits (torch.argmax), -1 for rows holding a NaN.
-torch::Tensor argmax_rows(torch::Tensor logits) {
+at::Tensor argmax_rows(at::Tensor logits) {
   logits = FilteredRows::checked_logits(logits);
   const int64_t B = logits.size(0), V = logits.size(1);
-  auto out = torch::empty({B}, logits.options().dtype(at::kLong));
+  auto out = at::empty({B}, logits.options().dtype(at::kLong));
   const float* lp = logits.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   const bool wide = sampling_avx512();
@@ -460,16 +460,16 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
 // Speculative verification (verify_row) of each row against drafts [B] int64 (-1: none), with sample_rows'
 // inputs and a second uniform u2 [B] for rejected rows -> (token ids [B] int64, -1 for rows left to the torch path;
 // accepted [B] bool).
-std::vector<torch::Tensor> verify_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k,
-                                       torch::Tensor top_p, torch::Tensor min_p, torch::Tensor u, torch::Tensor drafts,
-                                       torch::Tensor u2) {
+std::vector<at::Tensor> verify_rows(at::Tensor logits, at::Tensor temperature, at::Tensor top_k,
+                                    at::Tensor top_p, at::Tensor min_p, at::Tensor u, at::Tensor drafts,
+                                    at::Tensor u2) {
   const FilteredRows in(logits, temperature, top_k, top_p, min_p, u);
   TORCH_CHECK(drafts.scalar_type() == at::kLong && drafts.numel() == in.B, "drafts: [B] int64");
   const auto dc = drafts.contiguous(), u2c = in.row_floats(u2, "u2");
   const int64_t* dp = dc.data_ptr<int64_t>();
   const float* u2p = u2c.data_ptr<float>();
-  auto out = torch::empty({in.B}, in.logits.options().dtype(at::kLong));
-  auto accepted = torch::empty({in.B}, in.logits.options().dtype(at::kBool));
+  auto out = at::empty({in.B}, in.logits.options().dtype(at::kLong));
+  auto accepted = at::empty({in.B}, in.logits.options().dtype(at::kBool));
   int64_t* op = out.data_ptr<int64_t>();
   bool* ap = accepted.data_ptr<bool>();
   for_each_row(in.B, in.V, [&](int64_t r, Scratch& s) {
@@ -483,7 +483,7 @@ std::vector<torch::Tensor> verify_rows(torch::Tensor logits, torch::Tensor tempe
 // likely first; ties in no set order). One max pass, one exp-sum pass, one counting pass and a gather of the
 // candidates near the max, instead of log_softmax's [R, V] output, a [R, V] comparison and a topk over it. Rows
 // holding a NaN or no finite logit get rank -1 (the caller takes torch's log_softmax for the batch).
-std::vector<torch::Tensor> logprob_rows(torch::Tensor logits, torch::Tensor tokens, int64_t top_n) {
+std::vector<at::Tensor> logprob_rows(at::Tensor logits, at::Tensor tokens, int64_t top_n) {
   logits = FilteredRows::checked_logits(logits);
   const int64_t R = logits.size(0), V = logits.size(1);
   TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.numel() == R, "tokens: [R] int64");
@@ -491,10 +491,10 @@ std::vector<torch::Tensor> logprob_rows(torch::Tensor logits, torch::Tensor toke
   const auto tc = tokens.contiguous();
   const float* lp = logits.data_ptr<float>();
   const int64_t* tp = tc.data_ptr<int64_t>();
-  auto token_lp = torch::empty({R}, logits.options());
-  auto rank = torch::empty({R}, logits.options().dtype(at::kLong));
-  auto top_lp = torch::empty({R, top_n}, logits.options());
-  auto top_ids = torch::empty({R, top_n}, logits.options().dtype(at::kLong));
+  auto token_lp = at::empty({R}, logits.options());
+  auto rank = at::empty({R}, logits.options().dtype(at::kLong));
+  auto top_lp = at::empty({R, top_n}, logits.options());
+  auto top_ids = at::empty({R, top_n}, logits.options().dtype(at::kLong));
   float *olp = token_lp.data_ptr<float>(), *otl = top_lp.data_ptr<float>();
   int64_t *ork = rank.data_ptr<int64_t>(), *oti = top_ids.data_ptr<int64_t>();
   for_each_row(R, V, [&](int64_t r, Scratch& s) {
@@ -560,7 +560,7 @@ void mask_row(float* x, const uint32_t* bits, int64_t V) {
 
 }  // namespace
 
-void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows) {
+void apply_token_bitmask_(at::Tensor logits, at::Tensor bitmask, at::Tensor rows) {
   TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
               logits.is_contiguous(), "logits: contiguous [B, V] fp32 on the CPU");
   TORCH_CHECK(bitmask.scalar_type() == at::kInt && bitmask.dim() == 2 && bitmask.is_contiguous() &&

@@ -27,7 +27,7 @@
 // above without fused multiply-adds, so torch ops in the same order give bit-identical results (the tests
 // compare with torch._int_mm that way).
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "avx512_math.h"  // LLMSERVE_AVX512, masked loads and stores
@@ -133,13 +133,13 @@ LLMSERVE_VNNI __attribute__((optimize("no-tree-pre"))) void tile(const uint8_t* 
 }
 
 template <typename T>
-torch::Tensor w8a8_impl(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
-                        const torch::Tensor& wsum, const float* bias) {
+at::Tensor w8a8_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
+                     const at::Tensor& wsum, const float* bias) {
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), G = packed.size(1), K4 = G * 4;
   const int64_t N = wsum.numel();
-  auto xq = torch::empty({M, K4}, x.options().dtype(at::kByte));
-  auto s = torch::empty({M}, x.options().dtype(at::kFloat));
-  auto zpu = torch::empty({M}, x.options().dtype(at::kInt));
+  auto xq = at::empty({M, K4}, x.options().dtype(at::kByte));
+  auto s = at::empty({M}, x.options().dtype(at::kFloat));
+  auto zpu = at::empty({M}, x.options().dtype(at::kInt));
   const T* xp = x.data_ptr<T>();
   uint8_t* qp = xq.data_ptr<uint8_t>();
   float* sp = s.data_ptr<float>();
@@ -147,7 +147,7 @@ torch::Tensor w8a8_impl(const torch::Tensor& x, const torch::Tensor& packed, con
   at::parallel_for(0, M, std::max<int64_t>(1, kSerialElems / K), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) quantize_row(xp + i * K, K, K4, qp + i * K4, sp + i, zp + i);
   });
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const Rescale e{sp, zp, wsum.data_ptr<int32_t>(), w_scale.data_ptr<float>(), bias};
   const int8_t* wp = packed.data_ptr<int8_t>();
   const int64_t bb = G * 64;  // bytes per packed block
@@ -177,12 +177,12 @@ LLMSERVE_AVX512 int64_t quantize_row16(const T* row, int64_t K, float s, int8_t*
 // weight [N, K] (fp32, bf16 or fp16) -> (int8 [N, K], fp32 scales [N]): each row symmetric, its max |w| -> 127, as
 // llmserve.layers.linear.quantize_rows does in torch (the same fp32 operations, rounding half to even), so the bytes
 // are the same; one pass instead of six over the weight (SmolLM2-135M's linears and LM head: ~0.5 s of a w8a8 start).
-std::vector<torch::Tensor> quantize_rows_int8(torch::Tensor weight) {
+std::vector<at::Tensor> quantize_rows_int8(at::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu(), "quantize_rows_int8: weight must be [N, K] on the CPU");
   const auto w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1);
-  auto q = torch::empty({N, K}, w.options().dtype(at::kChar));
-  auto scale = torch::empty({N}, w.options().dtype(at::kFloat));
+  auto q = at::empty({N, K}, w.options().dtype(at::kChar));
+  auto scale = at::empty({N}, w.options().dtype(at::kFloat));
   int8_t* qp = q.data_ptr<int8_t>();
   float* sp = scale.data_ptr<float>();
   dispatch_float(w.scalar_type(), "quantize_rows_int8", [&](auto tag) {
@@ -216,14 +216,14 @@ bool w8a8_linear_supported() {
 
 // qweight [N, K] int8 -> [ceil(N / 16), ceil(K / 4), 16, 4] int8: for each block of 16 output rows, the
 // columns in groups of 4, each group holding its 4 bytes of the 16 rows; zero past N and K.
-torch::Tensor w8a8_pack(torch::Tensor qweight) {
+at::Tensor w8a8_pack(at::Tensor qweight) {
   return pack_weight_blocks<int8_t>(qweight, at::kChar, 4, "w8a8_pack: qweight must be int8 [N, K] on the CPU");
 }
 
 // x [M, K] fp32 or bf16; packed: w8a8_pack of the int8 weight [N, K]; w_scale [N] fp32; wsum [N] int32 (row
 // sums of the int8 weight); bias [N] (any float dtype) or None. Returns [M, N] in x's dtype.
-torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, torch::Tensor wsum,
-                          c10::optional<torch::Tensor> bias) {
+at::Tensor w8a8_linear(at::Tensor x, at::Tensor packed, at::Tensor w_scale, at::Tensor wsum,
+                       c10::optional<at::Tensor> bias) {
   TORCH_CHECK(w8a8_linear_supported(), "w8a8_linear needs a CPU with AVX-512 (F, BW, VL, DQ) and VNNI");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "w8a8_linear: x must be [M, K] on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "w8a8_linear: x fp32 or bf16");
@@ -240,7 +240,7 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w
   TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.numel() == N && w_scale.is_contiguous(),
               "w8a8_linear: w_scale must be contiguous fp32 [N]");
   TORCH_CHECK(wsum.scalar_type() == at::kInt && wsum.is_contiguous(), "w8a8_linear: wsum must be contiguous int32 [N]");
-  torch::Tensor b;
+  at::Tensor b;
   if (bias.has_value()) {
     b = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(b.numel() == N, "w8a8_linear: bias [N]");
