@@ -59,16 +59,37 @@ def load() -> ModuleType | None:
                 # the time is taken here, not in the thread: this thread holds the GIL into cpp_load, which may make
                 # its own lock before the watcher's first line runs (it then took that lock for an old one, and a
                 # 5-minute build on a 2-core Xeon lost its lock and failed)
-                threading.Thread(target=_watch_build_lock, args=(done, 5.0, time.time()), daemon=True).start()
+                began = time.time()
+                threading.Thread(target=_watch_build_lock, args=(done, 5.0, began), daemon=True).start()
+                # a first start compiles the kernels for minutes without a word: say so once it has taken a while
+                notice = threading.Timer(BUILD_NOTICE_S, log.info, (
+                    "building the native CPU kernels: once per machine and llmserve version, 3 minutes on a 2-core "
+                    "Zen 4 (cached in %s)", _build_root()))
+                notice.daemon = True
+                notice.start()
                 try:
                     _module = cpp_load(name="llmserve_cpu_kernels", sources=[str(p) for p in _SOURCES],
                                        extra_cflags=_cflags(), extra_ldflags=["-fopenmp"], verbose=False)
                 finally:
                     done.set()
+                    notice.cancel()
+                if time.time() - began >= BUILD_NOTICE_S:
+                    log.info("native CPU kernels ready after %.0f s", time.time() - began)
             except Exception as e:  # noqa: BLE001 - any build or link failure means "use the fallback"
                 _failed = True
                 log.warning("native CPU kernels unavailable, using torch: %s", e)
     return _module
+
+
+# A build (or a wait for another process's) longer than this is announced in the log, and its time logged at the end.
+BUILD_NOTICE_S = 3.0
+
+
+def _build_root() -> str:
+    """Where torch builds and caches the extension (TORCH_EXTENSIONS_DIR, else its default)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
 
 
 # A build that was killed (Ctrl-C, a test timeout) leaves torch's build lock behind, and torch waits on

@@ -69,3 +69,29 @@ def test_load_times_its_start_before_the_build_can_make_its_lock(monkeypatch: py
     assert native.load() is not None
     assert watched.wait(10)
     assert seen["started"] <= seen["build"]
+
+
+@pytest.mark.parametrize("slow", [True, False])
+def test_a_long_build_is_announced_and_a_quick_load_is_not(monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture, slow: bool) -> None:
+    """A first start compiles for minutes (3 on a 2-core Zen 4): the log says so while it runs, and how long it took;
+    a load from the cache says nothing."""
+    import torch.utils.cpp_extension as cpp
+
+    def fake_load(**kwargs: object) -> object:
+        time.sleep(0.5 if slow else 0)
+        return object()
+
+    monkeypatch.setattr(native, "_watch_build_lock", lambda *args: None)
+    monkeypatch.setattr(cpp, "load", fake_load)
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_failed", False)
+    monkeypatch.setattr(native, "BUILD_NOTICE_S", 0.1 if slow else 30.0)
+    with caplog.at_level("INFO", logger=native.log.name):
+        assert native.load() is not None
+    messages = [r.getMessage() for r in caplog.records if r.name == native.log.name]
+    if slow:
+        assert any(m.startswith("building the native CPU kernels: once per machine") for m in messages), messages
+        assert any(m.startswith("native CPU kernels ready after") for m in messages), messages
+    else:
+        assert messages == []
