@@ -111,6 +111,12 @@ PRUNE = 2.0
 # disturbance the rounds guard against) is a tenth of it or less. (Prefill attention over 4,096 tokens took 95-146 ms
 # a call on a 2-core Xeon, a second of the embedded model's calibration in its last three rounds.)
 LONG_CALL = 0.05
+# A candidate's time at a bucket above this many times its time at the next larger bucket is timed again, after every
+# bucket was timed, and it keeps its fastest round: a kernel's time grows with its rows, so that was a disturbance that
+# lasted through its rounds there (or pruned it after two). Where the slow bucket is real, the rounds again say so and
+# nothing changes. (A 2-core Xeon with AMX: `amx` read 0.982 ms at 4 rows in both of its rounds, against 0.228 at 8
+# and 0.063 when timed again in one process, and that bucket alone flipped the gate/up choice of one tune.)
+RECHECK = 1.5
 
 
 def choose(candidates: Sequence[Candidate], timer: Timer, buckets: Sequence[int] = ROW_BUCKETS,
@@ -119,7 +125,8 @@ def choose(candidates: Sequence[Candidate], timer: Timer, buckets: Sequence[int]
     for one far behind, PRUNE, and for long calls, LONG_CALL) and choose one for every bucket: the lowest sum over
     buckets of its time relative to the bucket's fastest (each batch size counts alike; the earlier on a tie). Each
     keeps its fastest round: another process taking a core only ever adds time (a busy 2-core VM put a scheduler
-    quantum, ~8 ms, into most samples), so the minimum is the least disturbed run."""
+    quantum, ~8 ms, into most samples), so the minimum is the least disturbed run. A time above RECHECK times the same
+    candidate's at the next larger bucket is timed again once every bucket was."""
     if not candidates:
         raise ValueError("choose needs at least one candidate")
     seconds: dict[str, list[float]] = {c.name: [] for c in candidates}
@@ -138,6 +145,15 @@ def choose(candidates: Sequence[Candidate], timer: Timer, buckets: Sequence[int]
                 active = [c for c in active if min(samples[c.name]) <= PRUNE * fastest_yet]
         for name, s in samples.items():
             seconds[name].append(min(s))
+    for c in candidates:
+        times = seconds[c.name]
+        for i in reversed(range(len(buckets) - 1)):  # from the larger buckets down: a corrected time is compared
+            if times[i] > RECHECK * times[i + 1]:
+                rows = buckets[i]
+                c.run(rows)
+                rounds = 2 if times[i] >= LONG_CALL else reps
+                again = [timer(c.name, rows, lambda c=c, rows=rows: c.run(rows)) for _ in range(rounds)]
+                times[i] = min(times[i], *again)
     names = [c.name for c in candidates]
     fastest = [max(min(seconds[n][i] for n in names), 1e-12) for i in range(len(buckets))]
     best = min(names, key=lambda n: sum(t / f for t, f in zip(seconds[n], fastest)))

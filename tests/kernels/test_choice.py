@@ -288,3 +288,36 @@ def test_amx8_rows_survive_the_cache_and_bad_values_are_refused() -> None:
     for bad in (-1, 1.5, "16"):
         with pytest.raises(ValueError, match="amx8_rows"):
             OpChoice.from_json({"kernel": "blocks", "rows": [], "amx8_rows": bad})
+
+
+def test_a_bucket_slower_than_the_next_larger_is_timed_again() -> None:
+    """A disturbance that lasts through a candidate's rounds at one bucket (or prunes it after two) cannot decide the
+    choice: a time above RECHECK times the same candidate's at the next larger bucket is timed again once every bucket
+    was, keeping the fastest round. A bucket that is really slow stays slow, and nothing changes."""
+    buckets = (1, 2, 4, 8, 16)
+    MS = 1e-3  # calls well under LONG_CALL: reps rounds
+    disturbed = {"left": 2}
+
+    def amx(rows: int) -> float:  # 0.8 of blocks' time everywhere, but its first two rounds at 4 rows read 10x
+        if rows == 4 and disturbed["left"]:
+            disturbed["left"] -= 1
+            return 10 * MS * 0.8 * rows
+        return MS * 0.8 * rows
+
+    calls: list[tuple[str, int]] = []
+    c = choose(candidates("blocks", "amx"), fake_timer({"blocks": lambda r: MS * r, "amx": amx}, calls),
+               buckets=buckets, reps=3)
+    assert c.kernel == "amx" and c.seconds["amx"][2] == pytest.approx(3.2 * MS)
+    assert calls.count(("amx", 4)) == 2 + 3 and calls.count(("blocks", 4)) == 3  # pruned after two, then 3 again
+    # without the second look the disturbed bucket (32 against blocks' 4) outweighs amx's lead in the other four
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(choice, "RECHECK", float("inf"))
+        disturbed["left"] = 2
+        assert choose(candidates("blocks", "amx"), fake_timer({"blocks": lambda r: MS * r, "amx": amx}),
+                      buckets=buckets, reps=3).kernel == "blocks"
+    # really slow at 4 rows: timed again, still slow, so blocks
+    calls.clear()
+    slow = {"blocks": lambda r: MS * r, "amx": lambda r: MS * (8.0 * r if r == 4 else 0.8 * r)}
+    c = choose(candidates("blocks", "amx"), fake_timer(slow, calls), buckets=buckets, reps=3)
+    assert c.kernel == "blocks" and c.seconds["amx"][2] == pytest.approx(32 * MS)
+    assert calls.count(("amx", 4)) == 5 and all(calls.count(("amx", r)) == 3 for r in (1, 2, 8, 16))
