@@ -65,7 +65,7 @@ def load() -> ModuleType | None:
                 threading.Thread(target=_watch_build_lock, args=(done, 5.0, began), daemon=True).start()
                 # a first start compiles the kernels for minutes without a word: say so once it has taken a while
                 notice = threading.Timer(BUILD_NOTICE_S, log.info, (
-                    "building the native CPU kernels: once per machine and llmserve version, 3 minutes on a 2-core "
+                    "building the native CPU kernels: once per machine and llmserve version, 2.5 minutes on a 2-core "
                     "Zen 4 (cached in %s)", _build_root()))
                 notice.daemon = True
                 notice.start()
