@@ -25,8 +25,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# Longest compile first (ninja starts them in this order, as many at once as there are cores): listed last,
-# qblock_gemm.cpp (97 s of a 179 s build on 2 cores) started when the rest were nearly done and ended alone.
+# Longest compile first (ninja starts them in this order, a few at once): listed last, qblock_gemm.cpp (97 s of a 179 s
+# build on 2 cores) started when the rest were nearly done and ended alone.
 _SOURCES = [Path(__file__).parent / "cpu" / name
             for name in ("qblock_gemm.cpp", "bindings.cpp", "decoder_stack.cpp", "packed_gemm.cpp",
                          "prefill_attention.cpp", "paged_decode.cpp", "kv_int8.cpp", "sampling.cpp", "w8a8_linear.cpp",
