@@ -31,6 +31,7 @@ _SOURCES = [Path(__file__).parent / "cpu" / name
             for name in ("qblock_gemm.cpp", "bindings.cpp", "decoder_stack.cpp", "packed_gemm.cpp",
                          "prefill_attention.cpp", "paged_decode.cpp", "kv_int8.cpp", "sampling.cpp", "w8a8_linear.cpp",
                          "amx_gemm.cpp", "fused_ops.cpp")]
+NAME = "llmserve_cpu_kernels"  # the extension torch builds and caches
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed = False
@@ -66,17 +67,17 @@ def load() -> ModuleType | None:
                 # a first start compiles the kernels for minutes without a word: say so once it has taken a while
                 notice = threading.Timer(BUILD_NOTICE_S, log.info, (
                     "building the native CPU kernels: once per machine and llmserve version, 2.5 minutes on a 2-core "
-                    "Zen 4 (cached in %s)", _build_root()))
+                    "Zen 4 (cached in %s)", _build_dir()))
                 notice.daemon = True
                 notice.start()
                 try:
-                    _module = cpp_load(name="llmserve_cpu_kernels", sources=[str(p) for p in _SOURCES],
+                    _module = cpp_load(name=NAME, sources=[str(p) for p in _SOURCES],
                                        extra_cflags=_cflags(), extra_ldflags=["-fopenmp"], verbose=False)
                 finally:
                     done.set()
                     notice.cancel()
-                if time.time() - began >= BUILD_NOTICE_S:
-                    log.info("native CPU kernels ready after %.0f s", time.time() - began)
+                if (took := time.time() - began) >= BUILD_NOTICE_S:
+                    log.info("native CPU kernels ready after %.0f s", took)
             except Exception as e:  # noqa: BLE001 - any build or link failure means "use the fallback"
                 _failed = True
                 log.warning("native CPU kernels unavailable, using torch: %s", e)
@@ -87,11 +88,11 @@ def load() -> ModuleType | None:
 BUILD_NOTICE_S = 3.0
 
 
-def _build_root() -> str:
-    """Where torch builds and caches the extension (TORCH_EXTENSIONS_DIR, else its default)."""
-    from torch.utils.cpp_extension import get_default_build_root
+def _build_dir() -> Path:
+    """Where torch builds and caches the extension (under TORCH_EXTENSIONS_DIR, else its default root)."""
+    from torch.utils.cpp_extension import _get_build_directory
 
-    return os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    return Path(_get_build_directory(NAME, verbose=False))
 
 
 # A build that was killed (Ctrl-C, a test timeout) leaves torch's build lock behind, and torch waits on
@@ -119,10 +120,8 @@ def _watch_build_lock(done: threading.Event, period_s: float = 5.0, started: flo
     """While load() builds or waits for another process's build, remove the lock once it is stale (it, and the
     build directory's files, older than STALE_LOCK_S). Only a lock that was there before this process started loading
     (`started`): its own build's lock (made after) is never taken away from it, however slow the build."""
-    from torch.utils.cpp_extension import _get_build_directory
-
     started = time.time() if started is None else started
-    lock = Path(_get_build_directory("llmserve_cpu_kernels", verbose=False)) / "lock"
+    lock = _build_dir() / "lock"
     while True:
         try:
             made = lock.stat().st_mtime
