@@ -82,9 +82,11 @@ needs_dot = pytest.mark.skipif(not native.bf16_dot_usable(), reason="the dot pat
 @pytest.mark.parametrize("splits", [1, 3])
 def test_dot_scores_match_the_reference(kernel_path: str, heads: int, kv_heads: int, head_dim: int, block_size: int,
                                         window: int | None, splits: int) -> None:
-    """dot=1 on a bf16 query and cache: the scores by vdpbf16ps on the keys as stored (exact products, fp32 sums,
-    scaled after), every block shape, partial last blocks (keys past a block's end never read), head dims that are
-    not a multiple of 32, windows, split contexts. On the AVX2 path the flag changes nothing."""
+    """dot=1 on a bf16 query and cache: both products by vdpbf16ps on the cache as stored (the scores exact products
+    in fp32 sums, scaled after; the probabilities rounded to bf16 for P @ V, whose accumulators hold each 32 dims
+    permuted until the end), every block shape, partial last blocks (keys past a block's end never read) and odd
+    token counts (the last token's pair is zeros), windows, split contexts. Head dims that are not a multiple of 32
+    run the FMA path, and so does everything on the AVX2 path: the flag changes nothing there."""
     q, kv_cache, meta = _case(LENS, heads, kv_heads, block_size, dtype=torch.bfloat16, seed=heads + head_dim,
                               head_dim=head_dim)
     scale = head_dim ** -0.5
@@ -92,9 +94,9 @@ def test_dot_scores_match_the_reference(kernel_path: str, heads: int, kv_heads: 
     dot, fma = native.paged_decode(*args, dot=True), native.paged_decode(*args, dot=False)
     want = decode_attention(q.float(), kv_cache.float(), None, meta, scale, window)
     torch.testing.assert_close(dot.float(), want, rtol=1e-2, atol=2e-3)
-    if kernel_path == "avx2":
+    if kernel_path == "avx2" or head_dim % 32:
         assert torch.equal(dot, fma)
-    else:  # only the order of the fp32 sums differs (nothing is rounded on the way): at most a bf16 ulp apart
+    else:  # the sums' order and the probabilities' bf16 rounding differ: within a bf16 ulp or two
         torch.testing.assert_close(dot.float(), fma.float(), rtol=1e-2, atol=2e-3)
 
 
