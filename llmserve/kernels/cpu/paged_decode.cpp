@@ -25,6 +25,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "aligned.h"      // AlignedVector: the scratch
 #include "float_types.h"  // dispatch_float
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -698,16 +699,14 @@ void paged_decode_impl(const TQ* q, const CacheView<T>& kv, const int64_t* table
     // Per-thread scratch, reused across this thread's (request, kv_head, part) units.
     // The AVX-512 path scores whole 16-key vectors and widens a block's keys into kf first.
     const int64_t score_cols = wide ? round16(dm.block_size) : dm.block_size;
-    // acc, scores, kf (the dot path: its bf16 keys) and pb (the dot path's bf16 probabilities) on 64-byte boundaries:
-    // a vector's own 16-byte alignment splits every 64-byte row access across two cache lines (the dot path ran
-    // 1.3x slower on L2-resident blocks with its scratch unaligned; 2-core Zen 4)
-    auto fit = [](int64_t floats) { return (floats + 15) / 16 * 16; };
-    const int64_t n_acc = fit(G * D), n_scores = fit(G * score_cols), n_kf = fit(wide ? score_cols * D : 0);
-    std::vector<float> qs(G * D), m(G), l(G), buf(n_acc + n_scores + n_kf + fit(dot ? G * score_cols / 2 + 1 : 0) + 16);
-    float* const acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
-    float* const scores = acc + n_acc;
-    float* const kf = scores + n_scores;
-    uint16_t* const pb = reinterpret_cast<uint16_t*>(kf + n_kf);
+    // kf: the dot path's bf16 keys, else widened ones; pb: the dot path's bf16 probabilities
+    std::vector<float> qs(G * D), m(G), l(G);
+    AlignedVector<float> acc_buf(G * D), scores_buf(G * score_cols), kf_buf(wide ? score_cols * D : 0);
+    AlignedVector<uint16_t> pb_buf(dot ? G * score_cols : 0);
+    float* const acc = acc_buf.data();
+    float* const scores = scores_buf.data();
+    float* const kf = kf_buf.data();
+    uint16_t* const pb = pb_buf.data();
     auto unit_range = [&](int64_t u) {  // [start, len) of unit u's keys
       auto range = key_range(u / S / dm.kv_heads);
       if (S > 1) split_range(range.first, range.second, dm.block_size, u % S, S, &range.first, &range.second);
