@@ -34,7 +34,7 @@ Ops with equivalent paths, and their candidates where each can run at all (the C
 - `decode_attention:H/KVHxD` (native decode attention of a bf16 model over its bf16 cache, by the step's decodes):
   fp32    kernels/cpu/paged_decode.cpp, scores by FMAs over widened keys (AVX-512);
   dot     both products by vdpbf16ps on the cache as stored (AVX512-BF16, head_dim % 32 == 0; other head dims run
-          fp32), the probabilities rounded to bf16 for P @ V as transformers rounds them.
+          fp32), P as two bf16 terms (~17 bits) for P @ V.
 
 Each op is timed on random weights of its shape (a qblock_linear on the first such layer's own blocks), so calibration
 runs before the weights are packed. The embedded SmolLM2-135M's five shapes take ~3 s on a 2-core Zen 5; later starts

@@ -83,10 +83,10 @@ needs_dot = pytest.mark.skipif(not native.bf16_dot_usable(), reason="the dot pat
 def test_dot_scores_match_the_reference(kernel_path: str, heads: int, kv_heads: int, head_dim: int, block_size: int,
                                         window: int | None, splits: int) -> None:
     """dot=1 on a bf16 query and cache: both products by vdpbf16ps on the cache as stored (the scores exact products
-    in fp32 sums, scaled after; the probabilities rounded to bf16 for P @ V, whose accumulators hold each 32 dims
-    permuted until the end), every block shape, partial last blocks (keys past a block's end never read) and odd
-    token counts (the last token's pair is zeros), windows, split contexts. Head dims that are not a multiple of 32
-    run the FMA path, and so does everything on the AVX2 path: the flag changes nothing there."""
+    in fp32 sums, scaled after; P as two bf16 terms for P @ V, whose accumulators hold each 32 dims permuted until the
+    end), every block shape, partial last blocks (keys past a block's end never read) and odd token counts (the last
+    token's pair is zeros), windows, split contexts. Head dims that are not a multiple of 32 run the FMA path, and so
+    does everything on the AVX2 path: the flag changes nothing there."""
     q, kv_cache, meta = _case(LENS, heads, kv_heads, block_size, dtype=torch.bfloat16, seed=heads + head_dim,
                               head_dim=head_dim)
     scale = head_dim ** -0.5
@@ -96,8 +96,12 @@ def test_dot_scores_match_the_reference(kernel_path: str, heads: int, kv_heads: 
     torch.testing.assert_close(dot.float(), want, rtol=1e-2, atol=2e-3)
     if kernel_path == "avx2" or head_dim % 32:
         assert torch.equal(dot, fma)
-    else:  # the sums' order and the probabilities' bf16 rounding differ: within a bf16 ulp or two
+    else:
         torch.testing.assert_close(dot.float(), fma.float(), rtol=1e-2, atol=2e-3)
+        # P to ~17 bits: the output is the FMA path's (and prefill attention's, whose P is fp32: a prompt's last
+        # position gives one token whether prefill or, after a prefix-cache hit, this kernel computes it) but for a
+        # rare bf16 unit; one bf16 P (2^-9) changed 30% of the elements here
+        assert (dot != fma).float().mean().item() < 0.01
 
 
 @needs_dot

@@ -1,8 +1,8 @@
 // Paged decode attention on CPU: one query token per request, K/V read in place from the paged
 // cache (no gather copy), online softmax block by block (flash-decoding style), fp32 accumulation.
 // dot=1 (a bf16 query over a bf16 cache, head_dim % 32 == 0, CPUs with AVX512-BF16): both products by vdpbf16ps
-// on the cache as stored (attend_one_dot), the probabilities rounded to bf16 before P @ V as transformers rounds them;
-// else FMAs on widened copies. Which path runs is measured (llmserve/kernels/calibrate.py).
+// on the cache as stored (attend_one_dot), P as two bf16 terms (~17 bits, as prefill attention's amx path); else FMAs
+// on widened copies. Which path runs is measured (llmserve/kernels/calibrate.py).
 //
 // Layouts (all contiguous):
 //   q            [nd, H, D]            query of each decode request (scaled here, not by the caller)
@@ -311,17 +311,20 @@ LLMSERVE_AVX512BF16 inline void qk16_dot(const uint16_t* q, const uint16_t* k, i
 
 // acc[g] += sum_t p[g, t] v[t] for NG heads of the dot path, NC chunks of 32 dims a pass, by vdpbf16ps over pairs
 // of tokens: rows t and t + 1 of V interleaved (unpacklo / unpackhi_epi16) against the bf16 pair (p[g, t],
-// p[g, t + 1]) broadcast, so each instruction does 32 products and V is read as stored. The unpacks work within
-// 128-bit lanes, so a chunk's 32 dims sit in its two accumulators permuted (dot_dim); the caller puts them back in
-// order once, at the end. A row past n is never read: an odd last token pairs with zeros (and p there is 0).
+// p[g, t + 1]) broadcast, so each instruction does 32 products and V is read as stored. P comes as two bf16 terms,
+// p = hi + lo (hi at p, lo `term` elements on), ~17 of its 24 bits: one bf16 P moves outputs by 2^-9 relative, and
+// prefill attention keeps P in fp32 (so a prompt's last position gives the same token whether prefill or, after a
+// prefix-cache hit, this kernel computes it; prefill_attention.cpp). The unpacks work within 128-bit lanes, so a
+// chunk's 32 dims sit in its two accumulators permuted (dot_dim); the caller puts them back in order once, at the
+// end. A row past n is never read: an odd last token pairs with zeros (and p there is 0).
 template <int NG, int NC>
-LLMSERVE_AVX512BF16 inline void pv_dot_pass(const uint16_t* p, int64_t p_stride, const uint16_t* vb,
+LLMSERVE_AVX512BF16 inline void pv_dot_pass(const uint16_t* p, int64_t p_stride, int64_t term, const uint16_t* vb,
                                             int64_t tok_stride, int64_t n, int64_t D, float* acc) {
   for (int64_t c = 0; c < D; c += 32 * NC) {
     __m512 a[NG][2 * NC];
     for (int g = 0; g < NG; ++g)
       for (int j = 0; j < 2 * NC; ++j) a[g][j] = _mm512_loadu_ps(acc + g * D + c + 16 * j);
-    for (int64_t t = 0; t < n; t += 2) {  // tokens t and t + 1 (the lambda-free loop keeps the target's intrinsics)
+    for (int64_t t = 0; t < n; t += 2) {  // tokens t and t + 1 (a loop, not a lambda: the target's intrinsics)
       const bool odd = t + 1 == n;
       __m512i lo[NC], hi[NC];
       for (int i = 0; i < NC; ++i) {
@@ -330,15 +333,16 @@ LLMSERVE_AVX512BF16 inline void pv_dot_pass(const uint16_t* p, int64_t p_stride,
         lo[i] = _mm512_unpacklo_epi16(r0, r1);
         hi[i] = _mm512_unpackhi_epi16(r0, r1);
       }
-      for (int g = 0; g < NG; ++g) {
-        int32_t pt;
-        std::memcpy(&pt, p + g * p_stride + t, sizeof pt);
-        const __m512bh pp = (__m512bh)_mm512_set1_epi32(pt);
-        for (int i = 0; i < NC; ++i) {
-          a[g][2 * i] = _mm512_dpbf16_ps(a[g][2 * i], pp, (__m512bh)lo[i]);
-          a[g][2 * i + 1] = _mm512_dpbf16_ps(a[g][2 * i + 1], pp, (__m512bh)hi[i]);
+      for (int g = 0; g < NG; ++g)
+        for (int64_t part = 0; part < 2; ++part) {
+          int32_t pt;
+          std::memcpy(&pt, p + part * term + g * p_stride + t, sizeof pt);
+          const __m512bh pp = (__m512bh)_mm512_set1_epi32(pt);
+          for (int i = 0; i < NC; ++i) {
+            a[g][2 * i] = _mm512_dpbf16_ps(a[g][2 * i], pp, (__m512bh)lo[i]);
+            a[g][2 * i + 1] = _mm512_dpbf16_ps(a[g][2 * i + 1], pp, (__m512bh)hi[i]);
+          }
         }
-      }
     }
     for (int g = 0; g < NG; ++g)
       for (int j = 0; j < 2 * NC; ++j) _mm512_storeu_ps(acc + g * D + c + 16 * j, a[g][j]);
@@ -346,16 +350,16 @@ LLMSERVE_AVX512BF16 inline void pv_dot_pass(const uint16_t* p, int64_t p_stride,
 }
 
 template <int NC>
-LLMSERVE_AVX512BF16 inline void pv_dot_heads(const uint16_t* p, int64_t p_stride, const uint16_t* vb,
+LLMSERVE_AVX512BF16 inline void pv_dot_heads(const uint16_t* p, int64_t p_stride, int64_t term, const uint16_t* vb,
                                              int64_t tok_stride, int64_t n, int64_t D, int64_t G, float* acc) {
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
     const uint16_t* pg = p + g0 * p_stride;
     float* a = acc + g0 * D;
     switch (std::min<int64_t>(4, G - g0)) {
-      case 1: pv_dot_pass<1, NC>(pg, p_stride, vb, tok_stride, n, D, a); break;
-      case 2: pv_dot_pass<2, NC>(pg, p_stride, vb, tok_stride, n, D, a); break;
-      case 3: pv_dot_pass<3, NC>(pg, p_stride, vb, tok_stride, n, D, a); break;
-      default: pv_dot_pass<4, NC>(pg, p_stride, vb, tok_stride, n, D, a); break;
+      case 1: pv_dot_pass<1, NC>(pg, p_stride, term, vb, tok_stride, n, D, a); break;
+      case 2: pv_dot_pass<2, NC>(pg, p_stride, term, vb, tok_stride, n, D, a); break;
+      case 3: pv_dot_pass<3, NC>(pg, p_stride, term, vb, tok_stride, n, D, a); break;
+      default: pv_dot_pass<4, NC>(pg, p_stride, term, vb, tok_stride, n, D, a); break;
     }
   }
 }
@@ -462,9 +466,9 @@ LLMSERVE_AVX512 inline void softmax_block(float* scores, int64_t bs16, int64_t n
 // cache as stored. Per block: its keys copied in order into a contiguous bf16 scratch kb16 [round16(BS), D] (zero
 // rows past n; streamed in order, with the next slice asked for one token per key: loading 16 scattered cold rows
 // straight into the products ran 1.3x slower), scores 16 keys at a time (qk16_dot), the softmax in fp32, the
-// probabilities rounded to bf16 (pb [G, bs16]) as transformers rounds its fp32 softmax to the value dtype before
-// P @ V, then P @ V by pairs of tokens (pv_dot_pass) into fp32 accumulators. q: the group's unscaled bf16 query
-// [G, D]; the other arguments as attend_one_512's.
+// probabilities split into two bf16 terms (pb [2, G, bs16]: P rounded, then the exact rest rounded), then P @ V by
+// pairs of tokens (pv_dot_pass) into fp32 accumulators. q: the group's unscaled bf16 query [G, D]; the other arguments
+// as attend_one_512's.
 LLMSERVE_AVX512BF16 void attend_one_dot(const uint16_t* q, const CacheView<c10::BFloat16>& kv, const int64_t* table,
                                         int64_t start, int64_t len, int64_t kvh, const Dims& dm, float scale,
                                         float* acc, uint16_t* kb16, float* scores, uint16_t* pb, float* m, float* l,
@@ -493,14 +497,19 @@ LLMSERVE_AVX512BF16 void attend_one_dot(const uint16_t* q, const CacheView<c10::
     for (int64_t t = 0; t < n16; t += 16)
       for (int64_t g = 0; g < G; ++g) qk16_dot(q + g * D, kb16, t, D, scale, scores + g * bs16);
     softmax_block(scores, bs16, n, G, D, m, l, acc);
+    const int64_t term = G * bs16;  // pb: P's high bf16 terms [G, bs16], then its low ones
     for (int64_t g = 0; g < G; ++g)
-      for (int64_t t = 0; t < n16; t += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + g * bs16 + t),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(scores + g * bs16 + t)));
+      for (int64_t t = 0; t < n16; t += 16) {
+        const __m512 pv = _mm512_loadu_ps(scores + g * bs16 + t);
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(pv);
+        const __m512 rest = _mm512_sub_ps(pv, widen_bf16(h));  // exact
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + g * bs16 + t), h);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + term + g * bs16 + t), (__m256i)_mm512_cvtneps_pbh(rest));
+      }
     if (D % 64 == 0)
-      pv_dot_heads<2>(pb, bs16, vb, tok_stride, n, D, G, acc);
+      pv_dot_heads<2>(pb, bs16, term, vb, tok_stride, n, D, G, acc);
     else
-      pv_dot_heads<1>(pb, bs16, vb, tok_stride, n, D, G, acc);
+      pv_dot_heads<1>(pb, bs16, term, vb, tok_stride, n, D, G, acc);
   }
   for (int64_t g = 0; g < G; ++g)  // each chunk's 32 dims back in order
     for (int64_t c = 0; c < D; c += 32) {
@@ -702,7 +711,7 @@ void paged_decode_impl(const TQ* q, const CacheView<T>& kv, const int64_t* table
     // kf: the dot path's bf16 keys, else widened ones; pb: the dot path's bf16 probabilities
     std::vector<float> qs(G * D), m(G), l(G);
     AlignedVector<float> acc_buf(G * D), scores_buf(G * score_cols), kf_buf(wide ? score_cols * D : 0);
-    AlignedVector<uint16_t> pb_buf(dot ? G * score_cols : 0);
+    AlignedVector<uint16_t> pb_buf(dot ? 2 * G * score_cols : 0);
     float* const acc = acc_buf.data();
     float* const scores = scores_buf.data();
     float* const kf = kf_buf.data();
