@@ -428,6 +428,16 @@ inline void prefetch_token(const NextSlice<T>& next, int64_t t) {
   }
 }
 
+// Block b's keys [t0, t0 + n) of a context's keys [start, len), blocks of BS (n16: n rounded up to whole 16-key score
+// vectors): the block loop of both AVX-512 paths.
+struct BlockKeys {
+  int64_t t0, n, n16;
+};
+inline BlockKeys block_keys(int64_t b, int64_t start, int64_t len, int64_t BS) {
+  const int64_t t0 = std::max(start - b * BS, int64_t(0)), n = std::min(len - b * BS, BS) - t0;
+  return {t0, n, round16(n)};
+}
+
 // Online softmax over one block's n scores of each of the G heads (scores [G, bs16], rows padded to round16(n)): the
 // scores become p = exp(s - m) (0 past n), the running max m and sum l [G] move on, and acc [G, D] is rescaled by
 // exp(m_old - m_new) (element by element, so in whatever order acc holds its dims).
@@ -479,9 +489,7 @@ LLMSERVE_AVX512BF16 void attend_one_dot(const uint16_t* q, const CacheView<c10::
   const int64_t blk_stride = BS * tok_stride;
   reset_state(m, l, acc, G, D);
   for (int64_t b = start / BS; b * BS < len; ++b) {
-    const int64_t t0 = std::max(start - b * BS, int64_t(0));
-    const int64_t t1 = std::min(len - b * BS, BS);
-    const int64_t n = t1 - t0, n16 = round16(n);
+    const auto [t0, n, n16] = block_keys(b, start, len, BS);
     const auto* kb = reinterpret_cast<const uint16_t*>(kv.k + table[b] * blk_stride + kvh * D + t0 * tok_stride);
     const auto* vb = reinterpret_cast<const uint16_t*>(kv.v + table[b] * blk_stride + kvh * D + t0 * tok_stride);
     const NextSlice<c10::BFloat16> next =
@@ -533,9 +541,7 @@ LLMSERVE_AVX512 void attend_one_512(const float* qs, const CacheView<T>& kv, con
   const int64_t blk_stride = BS * tok_stride;
   reset_state(m, l, acc, G, D);
   for (int64_t b = start / BS; b * BS < len; ++b) {
-    const int64_t t0 = std::max(start - b * BS, int64_t(0));
-    const int64_t t1 = std::min(len - b * BS, BS);
-    const int64_t n = t1 - t0, n16 = round16(n);
+    const auto [t0, n, n16] = block_keys(b, start, len, BS);
     const T* kb = kv.k + table[b] * blk_stride + kvh * R + t0 * tok_stride;
     const T* vb = kv.v + table[b] * blk_stride + kvh * R + t0 * tok_stride;
     const int64_t scale0 = (table[b] * BS + t0) * KVH + kvh;  // int8: token t's scale at scale0 + t * KVH
@@ -708,7 +714,7 @@ void paged_decode_impl(const TQ* q, const CacheView<T>& kv, const int64_t* table
     // Per-thread scratch, reused across this thread's (request, kv_head, part) units.
     // The AVX-512 path scores whole 16-key vectors and widens a block's keys into kf first.
     const int64_t score_cols = wide ? round16(dm.block_size) : dm.block_size;
-    // kf: the dot path's bf16 keys, else widened ones; pb: the dot path's bf16 probabilities
+    // kf: the dot path's bf16 keys, else widened ones; pb: the dot path's P as two bf16 terms [2, G, score_cols]
     std::vector<float> qs(G * D), m(G), l(G);
     AlignedVector<float> acc_buf(G * D), scores_buf(G * score_cols), kf_buf(wide ? score_cols * D : 0);
     AlignedVector<uint16_t> pb_buf(dot ? 2 * G * score_cols : 0);
