@@ -32,6 +32,8 @@ _SOURCES = [Path(__file__).parent / "cpu" / name
                          "prefill_attention.cpp", "paged_decode.cpp", "kv_int8.cpp", "sampling.cpp", "w8a8_linear.cpp",
                          "amx_gemm.cpp", "fused_ops.cpp")]
 NAME = "llmserve_cpu_kernels"  # the extension torch builds and caches
+# A build (or a wait for another process's) longer than this is announced in the log, and its time logged at the end.
+BUILD_NOTICE_S = 3.0
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed = False
@@ -82,10 +84,6 @@ def load() -> ModuleType | None:
                 _failed = True
                 log.warning("native CPU kernels unavailable, using torch: %s", e)
     return _module
-
-
-# A build (or a wait for another process's) longer than this is announced in the log, and its time logged at the end.
-BUILD_NOTICE_S = 3.0
 
 
 def _build_dir() -> Path:

@@ -741,7 +741,8 @@ void paged_decode_impl(const TQ* q, const CacheView<T>& kv, const int64_t* table
       }
       const int64_t head0 = kvh * G;  // first query head of this KV head's group
       const TQ* qr = q + (r * dm.heads + head0) * D;
-      for (int64_t i = 0; i < G * D; ++i) qs[i] = static_cast<float>(qr[i]) * static_cast<float>(scale);
+      if (!dot)  // (the dot path reads the bf16 query as it is and scales the scores)
+        for (int64_t i = 0; i < G * D; ++i) qs[i] = static_cast<float>(qr[i]) * static_cast<float>(scale);
       if (start >= len)  // an empty part (or context): no keys, weight 0 in the merge
         reset_state(m.data(), l.data(), acc, G, D);
       else if (dot) {
