@@ -108,15 +108,14 @@ struct Ahead {
 // 5.78 / 4.08 (oneDNN's plain matmul, no SiLU: 3.48). The other shapes, whose epilogue is only the stores: 0-8%.
 class Epilogue {
  public:
-  Epilogue(int64_t N, const float* bias, bool glu) : N_(N), bias_(bias), glu_(glu) {}
-  // the unit just stored in c: `rows` rows of pair p, y its first output row (ldy elements a row)
-  void set(const float* c, int64_t rows, int64_t p, at::BFloat16* y, int64_t ldy) {
+  Epilogue(int64_t N, const float* bias, bool glu) : N_(N), ldy_(glu ? N / 2 : N), bias_(bias), glu_(glu) {}
+  // the unit just stored in c: `rows` rows of pair p from row i of y (the previous unit's epilogue finished first)
+  void set(const float* c, int64_t rows, int64_t p, at::BFloat16* y, int64_t i) {
     finish();
     c_ = c;
     rows_ = rows;
     p_ = p;
-    y_ = y;
-    ldy_ = ldy;
+    y_ = y + i * ldy_;
     done_ = 0;
   }
   // step t of `steps`: the rows up to (t + 1) / steps of the unit's
@@ -128,17 +127,18 @@ class Epilogue {
       done_ = upto;
     }
   }
+  // the rows not yet stored (a thread's last unit, or before the next unit is set)
   void finish() {
     slice(0, 1);
     c_ = nullptr;
   }
 
  private:
-  const int64_t N_;
+  const int64_t N_, ldy_;  // outputs of the product, and of y (glu: N / 2) a row
   const float* bias_;
   const bool glu_;
   const float* c_ = nullptr;
-  int64_t rows_ = 0, p_ = 0, ldy_ = 0, done_ = 0;
+  int64_t rows_ = 0, p_ = 0, done_ = 0;
   at::BFloat16* y_ = nullptr;
 };
 
@@ -321,8 +321,7 @@ at::Tensor amx_gemm_blocks(const at::Tensor& x, int64_t NB, int64_t N, const flo
           else if (r1 > 0) unit<true, false>(xi, ldx, w0, w1, kt, ci, ahead, pending);
           else if (two_b) unit<false, true>(xi, ldx, w0, w1, kt, ci, ahead, pending);
           else unit<false, false>(xi, ldx, w0, w1, kt, ci, ahead, pending);
-          const int64_t ldy = glu ? N / 2 : N;
-          pending.set(ci, rows, p, yp + i * ldy, ldy);
+          pending.set(ci, rows, p, yp, i);
           cur ^= 1;
         }
       }
