@@ -27,6 +27,11 @@ Ops with equivalent paths, and their candidates where each can run at all (the C
   order, their bits exactly) may run the batches of a few rows, reading the blocks rather than a bf16 weight: up to
   how many rows is measured after the choice, by passes through the model's block layers (add_few_rows), and kept
   with the op (OpChoice.few_rows; where it is above 0 the blocks stay beside the dequantized weight).
+- `w8a8_linear:NxK` (a w8a8 layer: int8 weights and int8 activations, kernels/cpu/w8a8_linear.cpp), where the CPU has
+  AMX-INT8: both give the same bits (exact int32 sums), so the choice is a threshold, not one kernel for every batch:
+  vnni    VNNI register tiles at every row count;
+  amx8    from OpChoice.amx8_rows rows on, AMX-INT8 tiles (each layer's w8a8_amx_rows). Timed on the op's first
+          layer at AMX8_BUCKETS rows (measure_w8a8); pins: vnni (never the tiles), amx8 (the tiles from one row).
 - `prefill_attention:H/KVHxD` (native prefill attention of a bf16 model, by the step's prefill tokens):
   fp32    kernels/cpu/prefill_attention.cpp with fp32 FMAs (AVX-512);
   dot     the same with the scores by vdpbf16ps on the keys as stored (AVX512-BF16); P stays fp32;
@@ -89,9 +94,11 @@ BF16_LINEAR = "bf16_linear"
 QBLOCK_LINEAR = "qblock_linear"
 PREFILL_ATTENTION = "prefill_attention"
 DECODE_ATTENTION = "decode_attention"
+W8A8_LINEAR = "w8a8_linear"
 BF16_KERNELS = ("fma", "dot", "amx", "onednn", "fp32")
 KINDS: dict[str, tuple[str, ...]] = {BF16_LINEAR: BF16_KERNELS, QBLOCK_LINEAR: ("blocks", "blocks_amx") + BF16_KERNELS,
-                                     PREFILL_ATTENTION: ("fp32", "dot", "amx"), DECODE_ATTENTION: ("fp32", "dot")}
+                                     PREFILL_ATTENTION: ("fp32", "dot", "amx"), DECODE_ATTENTION: ("fp32", "dot"),
+                                     W8A8_LINEAR: (VNNI, AMX8)}
 # dequantize_fits: the share of the memory available that a model's dequantized block layers may take
 DEQUANTIZE_SHARE = 0.25
 # prefill tokens in a step: a chunk's attention grows with its square, so its buckets are wider than a linear's
@@ -199,6 +206,8 @@ def attention_op(model: nn.Module, kind: str, dtype: torch.dtype) -> str | None:
 
 def available(kind: str) -> tuple[str, ...]:
     """The candidates of an op kind that can run on this machine (flags only gate; they never choose)."""
+    if kind == W8A8_LINEAR:
+        return ((VNNI, AMX8) if native.w8a8_amx_usable() else (VNNI,)) if native.w8a8_usable() else ()
     if kind in (PREFILL_ATTENTION, DECODE_ATTENTION):
         names = ("fp32", "dot") if native.bf16_dot_usable() else ("fp32",)
         return names + ("amx",) if kind == PREFILL_ATTENTION and native.prefill_amx_usable() else names
@@ -284,6 +293,44 @@ def qblock_linear_candidates(layer: nn.Module, names: tuple[str, ...]) -> list[C
     if others:
         out += bf16_linear_candidates(qb.n, qb.k, others, dequantized_bf16(qb))
     return out
+
+
+def w8a8_op(layer: nn.Module) -> str | None:
+    """The op name of a w8a8 linear (int8 weights in w8a8_pack's layout with their row sums), else None."""
+    if getattr(layer, "wsum", None) is None or getattr(layer, "int8_packed", None) is None:
+        return None
+    return f"{W8A8_LINEAR}:{layer.out_features}x{layer.in_features}"
+
+
+def w8a8_amx_rows(c: OpChoice) -> int:
+    """A w8a8 op's choice as w8a8_linear's amx_rows: pinned vnni 0 (never), pinned amx8 1 (every batch), measured: its
+    amx8_rows (0: the tiles never ran faster)."""
+    if c.pinned or c.amx8_rows is None:
+        return 1 if c.kernel == AMX8 else 0
+    return c.amx8_rows
+
+
+def measure_w8a8(layer: nn.Module, dtype: torch.dtype, timer: Timer = wall_clock, reps: int = 3) -> OpChoice:
+    """From how many rows a w8a8 op's batches run on AMX-INT8 tiles: its first layer timed at AMX8_BUCKETS rows on VNNI
+    alone and on the tiles (a warm-up and `reps` interleaved calls each, the fastest kept); the tiles run from the
+    smallest bucket from which they were at least as fast at every larger one (choice.from_rows). The same bits either
+    way, so this only chooses speed. On a 2-core Xeon with AMX (model 207), SmolLM2-135M's four decoder shapes over 30
+    layers: VNNI faster at 1-4 rows, the tiles 1.06x at 8 and 1.4-1.7x from 16 (BENCHMARKS.md)."""
+    gen = torch.Generator().manual_seed(0)
+    x_dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.bfloat16
+    best = {name: [float("inf")] * len(AMX8_BUCKETS) for name in (VNNI, AMX8)}
+    with torch.inference_mode():
+        for i, rows in enumerate(AMX8_BUCKETS):
+            x = torch.randn(rows, layer.in_features, generator=gen).to(x_dtype)
+            for rep in range(reps + 1):
+                for name in (VNNI, AMX8):
+                    run = functools.partial(native.w8a8_linear, x, layer.int8_packed, layer.scale, layer.wsum, None,
+                                            0 if name == VNNI else 1)
+                    seconds = timer(name, rows, run)
+                    if rep:  # the first call warms up
+                        best[name][i] = min(best[name][i], seconds)
+    timed = {name: tuple(v) for name, v in best.items()}
+    return OpChoice(VNNI, amx8_rows=from_rows(AMX8_BUCKETS, timed[VNNI], timed[AMX8]), amx8_timed=timed)
 
 
 def add_few_rows(model: nn.Module, table: ChoiceTable, timer: Timer = wall_clock) -> ChoiceTable:
@@ -454,8 +501,8 @@ def key(ops: list[str], threads: int, blocks_only: bool = False) -> dict[str, ob
 
 def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dtype: torch.dtype,
          timer: Timer = wall_clock, remeasure: bool = False) -> ChoiceTable | None:
-    """The choice table for the model's bf16 matmuls and, where its attention runs natively, its prefill and decode
-    attention on this machine (None where there is nothing to choose: no bf16 matmul and no native bf16 attention):
+    """The choice table for the model's bf16 matmuls, its w8a8 linears (where AMX-INT8 can run them) and, where its
+    attention runs natively, its prefill and decode attention on this machine (None where there is nothing to choose):
     pinned by kernel_choice (else LLMSERVE_KERNEL_CHOICE, else "auto"), read from the cache, or measured now. dtype:
     the model's compute dtype (attention_op)."""
     shapes = {op_name(w): (w.shape[0], w.shape[1]) for w in bf16_weights(model)}
@@ -485,6 +532,11 @@ def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dt
             op = qblock_op(layer)
             measure.setdefault(op, functools.partial(_measure, op, qblock_linear_candidates, (layer, qnames), timer,
                                                      ROW_BUCKETS))
+    if AMX8 in available(W8A8_LINEAR):  # (VNNI alone: nothing to choose)
+        for layer in model.modules():
+            op = w8a8_op(layer)
+            if op is not None:  # the first layer of each op stands for it
+                measure.setdefault(op, functools.partial(measure_w8a8, layer, dtype, timer))
     for kind, make, buckets in ((PREFILL_ATTENTION, prefill_attention_candidates, ATTENTION_BUCKETS),
                                 (DECODE_ATTENTION, decode_attention_candidates, DECODE_BUCKETS)):
         op = attention_op(model, kind, dtype)
@@ -524,11 +576,10 @@ def report(table: ChoiceTable) -> str:
     lines = []
     for op, c in sorted(table.ops.items()):
         lines.append(f"{op}: {c.describe()}")
-        if not c.seconds:
-            continue
         names = list(c.seconds)
-        lines.append("  rows  " + "".join(f"{n:>11}" for n in names) + "  fastest")
-        for i, rows in enumerate(c.rows):
+        if names:
+            lines.append("  rows  " + "".join(f"{n:>11}" for n in names) + "  fastest")
+        for i, rows in enumerate(c.rows if names else ()):
             cells = "".join(f"{c.seconds[n][i] * 1e3:>9.3f}ms" for n in names)
             lines.append(f"  {rows:>4}  {cells}  {min(names, key=lambda n: c.seconds[n][i])}")
         lines += _same_bits_table("weights read cold, the same bits", c.few_timed, FEW_BUCKETS)

@@ -250,17 +250,25 @@ def w8a8_pack(qweight: torch.Tensor) -> torch.Tensor:
 
 
 def w8a8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, wsum: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
+                bias: torch.Tensor | None, amx_rows: int = -1) -> torch.Tensor:
     """x [M, K] (fp32/bf16) quantized per row to int8 (asymmetric), times the int8 weight [N, K] (packed by
     w8a8_pack) in the VNNI GEMM, rescaled by scale [N] (+ bias); wsum [N]: the weight's row sums. [M, N] in
-    x's dtype. Needs w8a8_usable()."""
-    return _module.w8a8_linear(x, packed, scale, wsum, bias)
+    x's dtype. amx_rows: batches of at least this many rows run on AMX-INT8 tiles where w8a8_amx_usable() and K >= 64,
+    the same bits (0: never; < 0: the kernel's default, 16; calibrate.add_w8a8_amx_rows measures it). Needs
+    w8a8_usable()."""
+    return _module.w8a8_linear(x, packed, scale, wsum, bias, amx_rows)
 
 
 @functools.cache
 def w8a8_usable() -> bool:
     """Whether the W8A8 kernel runs here: the extension builds and the CPU has AVX-512 with VNNI."""
     return load() is not None and _module.w8a8_linear_supported()
+
+
+@functools.cache
+def w8a8_amx_usable() -> bool:
+    """Whether w8a8_linear runs the larger batches on AMX-INT8 tiles here (the OS grants the tiles)."""
+    return w8a8_usable() and _module.qblock_amx8_supported()
 
 
 def bf16_pack(weight: torch.Tensor) -> torch.Tensor:

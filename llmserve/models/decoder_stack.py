@@ -38,18 +38,22 @@ def enabled() -> bool:
 
 
 def _linear_args(linear: Linear) -> list[Any] | None:
-    """(packed weight, outputs, scale, wsum, bias, path, few-row blocks, few rows) of a linear the stack runs, or None.
-    A bf16 linear runs in the stack where its measured kernel is a packed one (fma, dot or amx: bf16_gemm's path
-    argument; kernels/choice.py). On the amx path, batches of at most `few rows` rows run on the blocks (the layer's
-    own where the few-row blocks are None; OpChoice.few_rows)."""
+    """(packed weight, outputs, scale, wsum, bias, path, few-row blocks, few rows[, amx rows]) of a linear the stack
+    runs, or None. A bf16 linear runs in the stack where its measured kernel is a packed one (fma, dot or amx:
+    bf16_gemm's path argument; kernels/choice.py). On the amx path, batches of at most `few rows` rows run on the
+    blocks (the layer's own where the few-row blocks are None; OpChoice.few_rows). A w8a8 linear's `amx rows`: from
+    how many rows its batches run on AMX-INT8 tiles (Linear.w8a8_amx_rows)."""
     if linear.qblocks is not None:  # block-quantized (layers/quant_blocks.py), where the native kernel runs
         qb = linear.qblocks
         if qb.native is None or qb.perm is not None:  # (act-order: the stack would not gather x)
             return None
         return [qb.native, linear.out_features, None, None, linear.bias, 2 if qb.amx else 0, None,
                 qb.few_rows if qb.amx else 0]
-    if linear.int8_packed is not None:  # w8a8 (with wsum) or weight-only
-        return [linear.int8_packed, linear.out_features, linear.scale, linear.wsum, linear.bias, 0]
+    if linear.int8_packed is not None and linear.wsum is not None:  # w8a8
+        return [linear.int8_packed, linear.out_features, linear.scale, linear.wsum, linear.bias, 0, None, 0,
+                linear.w8a8_amx_rows]
+    if linear.int8_packed is not None:  # weight-only int8
+        return [linear.int8_packed, linear.out_features, linear.scale, None, linear.bias, 0]
     if linear.bf16 is not None and linear.bf16.packed:
         few, few_rows = linear.bf16.few or (None, 0)
         return [linear.bf16.weight, linear.out_features, None, None, linear.bias,

@@ -333,6 +333,11 @@ class LlamaForCausalLM(nn.Module):
                 if w is not None:
                     packed[id(module)] = (w, n)
                 return c
+            w8a8 = calibrate.w8a8_op(module)
+            if w8a8 is not None:  # from how many rows its batches run on AMX-INT8 tiles (the same bits)
+                if w8a8 in choices.ops:
+                    module.w8a8_amx_rows = calibrate.w8a8_amx_rows(choices.ops[w8a8])
+                return None
             return None if module.weight is None else choices.ops.get(calibrate.op_name(module.weight))
 
         def pack(module: nn.Module, c: OpChoice | None, **kw: bool) -> None:

@@ -78,6 +78,32 @@ def test_int8_weight_stacks_give_the_python_layers_bits(tiny_model_dir, monkeypa
                      kv_cache_dtype=kv)
 
 
+@pytest.mark.skipif(not native.w8a8_amx_usable(), reason="needs AMX-INT8")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_w8a8_tiles_in_the_stack_give_vnnis_bits_in_the_python_layers(tiny_model_dir, monkeypatch, dtype: str) -> None:
+    """w8a8 linears pinned to AMX-INT8 tiles at every batch size (the stack passes each layer's threshold) against
+    the Python layers pinned to VNNI: the same tokens and logprobs."""
+    from llmserve.models import decoder_stack
+
+    passed: list[int] = []  # each w8a8 linear's amx rows as the stack receives them
+    linear_args = decoder_stack._linear_args
+
+    def spy(linear):
+        args = linear_args(linear)
+        if args is not None and len(args) == 9:
+            passed.append(args[8])
+        return args
+
+    monkeypatch.setattr(decoder_stack, "_linear_args", spy)
+    monkeypatch.setenv("LLMSERVE_KERNEL_CHOICE", "w8a8_linear=amx8")
+    ids, lps, calls = _run(tiny_model_dir("qwen2"), monkeypatch, True, dtype=dtype, quantization="w8a8")
+    monkeypatch.setenv("LLMSERVE_KERNEL_CHOICE", "w8a8_linear=vnni")
+    ref_ids, ref_lps, ref_calls = _run(tiny_model_dir("qwen2"), monkeypatch, False, dtype=dtype, quantization="w8a8")
+    assert calls > 0 and ref_calls == 0
+    assert passed and set(passed) == {1}  # the tiles from one row: every step of the stack ran on them
+    assert ids == ref_ids and lps == ref_lps
+
+
 @pytest.mark.skipif(not native.qblock_usable(), reason="GGUF blocks run natively on AVX-512 CPUs")
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q5_K", "Q6_K"])  # 4-bit; 5-bit; 6-bit in groups of 16
 @pytest.mark.parametrize("kernel", ["blocks", "blocks_amx", "amx"])  # int8 activations; AMX on the blocks; dequantized

@@ -361,3 +361,61 @@ def test_the_cache_key_names_what_can_run(monkeypatch: pytest.MonkeyPatch) -> No
     full = calibrate.key(["bf16_linear:8x8"], 2)
     monkeypatch.setattr(calibrate, "available", lambda kind: ("onednn", "fp32"))
     assert calibrate.key(["bf16_linear:8x8"], 2) != full
+
+
+@pytest.mark.skipif(not native.w8a8_amx_usable(), reason="needs AVX512-VNNI and AMX-INT8")
+def test_w8a8_ops_measure_from_how_many_rows_they_run_on_the_tiles(tiny_model_dir: Callable[[str], str],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each w8a8 op's first layer is timed with VNNI alone and with the AMX-INT8 tiles at every bucket; the tiles run
+    from the smallest bucket from which they never lost (the same bits either way), every layer of the op takes that
+    threshold, and the cached table brings it back. Pins replace it: vnni never takes the tiles, amx8 always does."""
+    monkeypatch.setattr(choice, "others_busy", lambda before, after: None)  # cached, whatever else runs (CI's workers)
+    config = EngineConfig(dtype="bfloat16", quantization="w8a8")
+    model = load_model(tiny_model_dir("llama"), config).model
+    layers = [m for m in model.modules() if calibrate.w8a8_op(m) is not None]
+    assert layers and all(m.w8a8_amx_rows == -1 for m in layers)  # the kernel's default until measured
+    ops = {calibrate.w8a8_op(m) for m in layers}
+    calls: list[tuple[str, int]] = []
+
+    def timer(name: str, rows: int, fn: Callable[[], object]) -> float:
+        if name in (choice.VNNI, choice.AMX8):
+            calls.append((name, rows))
+            fn()  # the real kernel, on the layer's own weight
+            wins = rows >= 64 or rows == 8  # a lone win at 8, lost at 16 and 32: from 64
+            return 1.0 if (name == choice.AMX8) == wins else 2.0
+        return 1.0
+
+    table = calibrate.plan(model, 2, dtype=BF16, timer=timer)
+    assert {(table.ops[op].kernel, table.ops[op].amx8_rows) for op in ops} == {(choice.VNNI, 64)}
+    assert {rows for _, rows in calls} == set(choice.AMX8_BUCKETS)
+    assert len(calls) == len(ops) * len(choice.AMX8_BUCKETS) * 2 * 4  # a warm-up and 3 calls each, per op
+    assert "vnni (from 64 rows: amx8)" in table.describe() and "int8 activations" in calibrate.report(table)
+    assert table.as_dict()["amx8_rows"] == dict.fromkeys(sorted(ops), 64)  # bench throughput --json reports them
+    model.pack_for_cpu(table)
+    assert {m.w8a8_amx_rows for m in layers} == {64}
+    choice._measured.clear()  # a new process, the same model: the cache has the threshold
+    model = load_model(tiny_model_dir("llama"), config).model
+    again = calibrate.plan(model, 2, dtype=BF16, timer=lambda name, rows, fn: pytest.fail("measured again"))
+    assert again.reused and {again.ops[op].amx8_rows for op in ops} == {64}
+    model.pack_for_cpu(again)
+    assert {m.w8a8_amx_rows for m in model.modules() if calibrate.w8a8_op(m)} == {64}
+    for pin, rows in (("vnni", 0), ("amx8", 1)):
+        model = load_model(tiny_model_dir("llama"), config).model
+        table = calibrate.plan(model, 2, f"w8a8_linear={pin}", dtype=BF16,
+                               timer=lambda name, rows, fn: 1.0 if name not in (choice.VNNI, choice.AMX8)
+                               else pytest.fail("a pinned op was measured"))
+        model.pack_for_cpu(table)
+        assert {m.w8a8_amx_rows for m in model.modules() if calibrate.w8a8_op(m)} == {rows}, pin
+
+
+def test_w8a8_ops_are_not_measured_without_amx(tiny_model_dir: Callable[[str], str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the CPU has no AMX-INT8, VNNI is the w8a8 layers' only path: nothing to time, and an amx8 pin is refused."""
+    if not native.w8a8_usable():
+        pytest.skip("w8a8 needs AVX-512 with VNNI")
+    monkeypatch.setattr(native, "w8a8_amx_usable", lambda: False)
+    model = load_model(tiny_model_dir("llama"), EngineConfig(dtype="bfloat16", quantization="w8a8")).model
+    table = calibrate.plan(model, 2, dtype=BF16, timer=lambda name, rows, fn: 1.0)
+    assert table is None or not any(op.startswith("w8a8_linear:") for op in table.ops)
+    with pytest.raises(InvalidRequestError, match="cannot run on this machine"):
+        calibrate.plan(model, 2, "w8a8_linear=amx8", dtype=BF16, timer=lambda name, rows, fn: 1.0)

@@ -57,18 +57,35 @@ def test_quantize_w8a8_keeps_packed_int8_weights_and_their_row_sums() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,in_f,out_f", [(1, 576, 960), (3, 13, 7), (2, 100, 33), (8, 1000, 17), (9, 64, 16),
-                                             (64, 576, 1030), (17, 1536, 40), (130, 40, 33), (487, 70, 90)])
+                                             (64, 576, 1030), (17, 1536, 40), (130, 40, 33), (487, 70, 90),
+                                             (31, 200, 50), (33, 128, 16), (300, 576, 48)])
 # every register tile shape (1-6 rows of x by 1-4 blocks of 16), K not a multiple of 4, N not of 16, and more
-# rows than one work chunk (240) in balanced chunks
+# rows than one work chunk (240) in balanced chunks; on the AMX tiles (amx_rows=1, where the CPU has them): units of
+# 1-32 rows by one or two blocks, more rows than one work item (256), K < 64 (VNNI alone) and columns past the last
+# whole 64 (summed by VNNI into the tiles' sums)
 @pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("amx_rows", [0, 1])  # VNNI alone; the tiles at every row count
 def test_kernel_is_bit_exact_with_its_torch_arithmetic(dtype: torch.dtype, rows: int, in_f: int, out_f: int,
-                                                       bias: bool) -> None:
+                                                       bias: bool, amx_rows: int) -> None:
     layer = _layer(out_f, in_f, bias, seed=rows)
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(rows, in_f, generator=g) * 3 + 0.5).to(dtype)  # off-centre: zero points not -0
-    got = native.w8a8_linear(x, layer.int8_packed, layer.scale, layer.wsum, layer.bias)
+    got = native.w8a8_linear(x, layer.int8_packed, layer.scale, layer.wsum, layer.bias, amx_rows)
     assert got.dtype == dtype and got.shape == (rows, out_f)
     assert torch.equal(got, reference(x, layer.qweight, layer.scale, layer.wsum, layer.bias))
+
+
+@pytest.mark.skipif(not native.w8a8_amx_usable(), reason="needs AMX-INT8")
+def test_the_tiles_give_vnnis_bits_at_every_row_count() -> None:
+    """The AMX-INT8 tiles and the VNNI kernel sum the same int32 products and rescale them alike: equal outputs for
+    every row count from 1 to 70 (every unit shape of the tiles, with and without a second block)."""
+    for out_f in (16, 40):
+        layer = _layer(out_f, 192, bias=True, seed=out_f)
+        x = torch.randn(70, 192, generator=torch.Generator().manual_seed(2)).bfloat16()
+        for rows in range(1, 71):
+            tiles = native.w8a8_linear(x[:rows], layer.int8_packed, layer.scale, layer.wsum, layer.bias, 1)
+            vnni = native.w8a8_linear(x[:rows], layer.int8_packed, layer.scale, layer.wsum, layer.bias, 0)
+            assert torch.equal(tiles, vnni), (out_f, rows)
 
 
 def test_no_rows() -> None:
@@ -96,7 +113,7 @@ def test_edge_rows_zero_positive_negative_and_huge() -> None:
     assert torch.isfinite(got).all()
 
 
-@pytest.mark.parametrize("rows", [1, 9])  # one tile and two
+@pytest.mark.parametrize("rows", [1, 9, 40])  # one register tile and two; AMX tiles where the CPU has them
 def test_exact_up_to_the_longest_rows_int32_holds(rows: int) -> None:
     # A constant positive row quantizes to 127 everywhere with zero point -128: every (xq - zp) * w is
     # 255 * 127, and over 66,000 columns their sum, 2,137,410,000, is just inside int32. One column more
@@ -129,11 +146,13 @@ def test_close_to_the_float_matmul_and_through_the_layer(dtype: torch.dtype) -> 
     assert (got.float() - want).abs().mean() < 0.1 * want.abs().mean()
 
 
-def test_rows_do_not_depend_on_each_other() -> None:
-    """Each row has its own scale and zero point: a request's result does not depend on its batch."""
+@pytest.mark.parametrize("rows", [9, 40])  # 40: together on AMX tiles (from 16 rows) where the CPU has them
+def test_rows_do_not_depend_on_each_other(rows: int) -> None:
+    """Each row has its own scale and zero point: a request's result does not depend on its batch (nor on the kernel
+    its batch's size takes)."""
     layer = _layer(64, 128, bias=False)
-    x = torch.randn(9, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
-    together = native.w8a8_linear(x, layer.int8_packed, layer.scale, layer.wsum, None)
-    alone = torch.cat([native.w8a8_linear(x[i:i + 1], layer.int8_packed, layer.scale, layer.wsum, None)
-                       for i in range(9)])
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
+    together = native.w8a8_linear(x, layer.int8_packed, layer.scale, layer.wsum, None, 16)
+    alone = torch.cat([native.w8a8_linear(x[i:i + 1], layer.int8_packed, layer.scale, layer.wsum, None, 16)
+                       for i in range(rows)])
     assert torch.equal(together, alone)

@@ -73,8 +73,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8w_a16_supported", &int8w_a16_supported, "whether int8w_gemm can take 16-bit activations (AVX512-VNNI)");
   m.def("quantize_rows_int8", &quantize_rows_int8, "weight [N, K] -> (int8 [N, K], fp32 scales [N]), symmetric per row");
   m.def("w8a8_pack", &w8a8_pack, "int8 [N, K] weight -> the VNNI block layout w8a8_linear reads");
-  m.def("w8a8_linear", &w8a8_linear, "int8 weights (packed) x int8 per-row activations, VNNI GEMM (CPU)",
-        py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("wsum"), py::arg("bias") = py::none());
+  m.def("w8a8_linear", &w8a8_linear, "int8 weights (packed) x int8 per-row activations, VNNI GEMM, from amx_rows rows "
+        "on AMX-INT8 tiles where the CPU has them (the same bits; 0: never; < 0: the kernel's default) (CPU)",
+        py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("wsum"), py::arg("bias") = py::none(),
+        py::arg("amx_rows") = -1);
   m.def("sample_rows", &sample_rows, "per row: temperature, top-k, top-p, min-p, then one inverse-CDF draw from u; "
         "temperature 0 is argmax; -1 for rows left to the torch path (CPU)", py::arg("logits"), py::arg("temperature"),
         py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("u"));

@@ -37,6 +37,7 @@ struct StackLinear {
   // where the layer runs on them): the tiles' bits, reading the blocks' bytes (the measured threshold; 0: never).
   std::optional<QBlockWeight> few;
   int64_t few_rows = 0;
+  int64_t amx_rows = -1;  // w8a8: w8a8_linear's amx_rows (from how many rows AMX-INT8 runs; the measured threshold)
 
   const QBlockWeight* few_blocks(const torch::Tensor& x) const {
     if (path != 2 || x.size(0) > few_rows || x.scalar_type() != at::kBFloat16) return nullptr;
@@ -59,7 +60,7 @@ struct StackLinear {
     if (const QBlockWeight* f = few_blocks(x)) return qblock_linear_amx_dot(x, *f, bias);
     if (blocks.has_value()) return path == 2 ? qblock_linear_amx(x, *blocks, bias) : qblock_linear(x, *blocks, bias, -1);
     if (packed.scalar_type() != at::kChar) return bf16_gemm(x, packed, n, bias, path);
-    return wsum.has_value() ? w8a8_linear(x, packed, scale, *wsum, bias) : int8w_gemm(x, packed, scale, bias, -1);
+    return wsum.has_value() ? w8a8_linear(x, packed, scale, *wsum, bias, amx_rows) : int8w_gemm(x, packed, scale, bias, -1);
   }
 };
 
@@ -196,12 +197,14 @@ class DecoderStack {
   }
 
   StackLinear linear(const std::vector<py::object>& args, int64_t expected_n, const char* what) const {
-    TORCH_CHECK(args.size() == 6 || args.size() == 8,
-                "DecoderStack: a linear is (packed, n, scale, wsum, bias, path[, few blocks, few rows])");
+    TORCH_CHECK(args.size() == 6 || args.size() == 8 || args.size() == 9,
+                "DecoderStack: a linear is (packed, n, scale, wsum, bias, path[, few blocks, few rows[, w8a8 amx "
+                "rows]])");
     StackLinear l;
     l.n = args[1].cast<int64_t>();
     l.path = args[5].cast<int64_t>();
-    if (args.size() == 8) {
+    if (args.size() == 9) l.amx_rows = args[8].cast<int64_t>();
+    if (args.size() >= 8) {
       if (!args[6].is_none()) l.few = args[6].cast<QBlockWeight>();
       l.few_rows = args[7].cast<int64_t>();
       TORCH_CHECK(l.few_rows == 0 || (l.path == 2 && qblock_amx_dot_supported()),

@@ -36,7 +36,7 @@ bool w8a8_linear_supported();
 at::Tensor w8a8_pack(at::Tensor qweight);
 std::vector<at::Tensor> quantize_rows_int8(at::Tensor weight);
 at::Tensor w8a8_linear(at::Tensor x, at::Tensor packed, at::Tensor w_scale, at::Tensor wsum,
-                       c10::optional<at::Tensor> bias);
+                       c10::optional<at::Tensor> bias, int64_t amx_rows = -1);
 // packed_gemm.cpp
 bool packed_gemm_supported();
 at::Tensor bf16_pack(at::Tensor weight);

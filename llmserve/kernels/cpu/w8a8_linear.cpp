@@ -30,8 +30,10 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "amx_tiles.h"     // TileConfig, load_tile_config
 #include "avx512_math.h"  // LLMSERVE_AVX512, masked loads and stores
 #include "float_types.h"  // dispatch_float
+#include "kernels.h"      // amx_int8_supported
 
 #include <algorithm>
 #include <cmath>
@@ -40,6 +42,7 @@
 #include <vector>
 
 #define LLMSERVE_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+#define LLMSERVE_AMX8 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,amx-tile,amx-int8")))
 
 namespace {
 
@@ -53,6 +56,10 @@ constexpr int64_t kChunkRows = 240;  // rows of x per work unit at most (for_eac
 constexpr int64_t kPrefetchBytes = 1024;
 constexpr int64_t kMaxColumns = (int64_t{1} << 31) / (255 * 127);  // 66311, see w8a8_linear
 constexpr int64_t kSerialElems = 32768;  // below this many elements quantizing x runs on one thread
+constexpr int64_t kAmxGroups = 16;       // groups of 4 columns a tile product takes (a 64-byte row of x)
+constexpr int64_t kAmxUnitRows = 32;     // rows of x per AMX unit (two A tiles)
+constexpr int64_t kAmxChunk = 256;       // rows of x per AMX work item at most
+constexpr int64_t kAmxDefaultRows = 16;  // amx_rows < 0: the tiles from this many rows (calibration measures it)
 
 // One row of x -> K4 unsigned bytes xq + 128 (the padding past K: 0), its scale and its zero point + 128.
 // The range always includes 0, so 0 is exact.
@@ -92,6 +99,28 @@ struct Rescale {
   const float* bias;     // [N] or null
 };
 
+// The rescale of one packed block's 16 outputs n .. n + 15 (those below N), for any row's int32 sums: both kernels
+// (VNNI register tiles, AMX tiles) end in it, so their outputs are the same bits.
+struct Outputs {
+  int64_t n, N;
+  __mmask16 m;
+  __m512i ws;
+  __m512 wsc, bv;
+  LLMSERVE_AVX512 Outputs(const Rescale& e, int64_t n_, int64_t N_) : n(n_), N(N_), m(tail_mask16(N_ - n_)) {
+    ws = _mm512_maskz_loadu_epi32(m, e.wsum + n);
+    wsc = _mm512_maskz_loadu_ps(m, e.w_scale + n);
+    bv = e.bias != nullptr ? _mm512_maskz_loadu_ps(m, e.bias + n) : _mm512_setzero_ps();
+  }
+  template <typename T>
+  LLMSERVE_AVX512 void store(const Rescale& e, __m512i acc, int64_t row, T* y) const {
+    // (xq + 128) . w - (zp + 128) * wsum = xq . w - zp * wsum: int32 wraps alike on both sides
+    const __m512i c = _mm512_sub_epi32(acc, _mm512_mullo_epi32(_mm512_set1_epi32(e.zpu[row]), ws));
+    __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_mul_ps(_mm512_set1_ps(e.s[row]), wsc));
+    if (e.bias != nullptr) v = _mm512_add_ps(v, bv);
+    storeu16(y + row * N + n, v, m);
+  }
+};
+
 // y[i0 : i0 + MR, n0 : n0 + NR * 16] (columns below N) for one register tile: MR rows of x (G groups of 4
 // unsigned bytes each, ldx apart), NR packed blocks (G groups of [16 rows][4 bytes] each, block_bytes apart).
 // no-tree-pre: with it GCC 12 stores all 24 accumulators to the stack on every iteration (measured 2x slower).
@@ -116,25 +145,125 @@ LLMSERVE_VNNI __attribute__((optimize("no-tree-pre"))) void tile(const uint8_t* 
     }
   }
   _Pragma("GCC unroll 8") for (int j = 0; j < NR; ++j) {
-    const int64_t n = n0 + j * kBlockRows;
-    const __mmask16 m = tail_mask16(N - n);
-    const __m512i ws = _mm512_maskz_loadu_epi32(m, e.wsum + n);
-    const __m512 wsc = _mm512_maskz_loadu_ps(m, e.w_scale + n);
-    const __m512 bv = e.bias != nullptr ? _mm512_maskz_loadu_ps(m, e.bias + n) : _mm512_setzero_ps();
-    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {
-      const int64_t row = i0 + i;
-      // (xq + 128) . w - (zp + 128) * wsum = xq . w - zp * wsum: int32 wraps alike on both sides
-      const __m512i c = _mm512_sub_epi32(acc[i][j], _mm512_mullo_epi32(_mm512_set1_epi32(e.zpu[row]), ws));
-      __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_mul_ps(_mm512_set1_ps(e.s[row]), wsc));
-      if (e.bias != nullptr) v = _mm512_add_ps(v, bv);
-      storeu16(y + row * N + n, v, m);
+    const Outputs o(e, n0 + j * kBlockRows, N);
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) o.store(e, acc[i][j], i0 + i, y);
+  }
+}
+
+// ---- The same product on AMX-INT8 tiles (CPUs with AMX: Sapphire Rapids and later) ----
+// A packed block's [G][16][4] bytes are, 16 groups at a time, the B operand of tdpbusd as stored (16 rows of 64 bytes:
+// row g holds columns 4g .. 4g + 3 of the 16 outputs), and x's unsigned bytes (xq + 128, K4 a row) the A operand read
+// in place: one tile product sums 64 columns of 16 rows by 16 outputs into int32, exactly as vpdpbusd does (the sums are
+// exact: |sum| <= K * 255 * 128 < 2^31 for K <= kMaxColumns), so the int32 sums, and after Outputs' rescale y, are the
+// VNNI kernel's bits: a batch may take either, and a request's result does not depend on its batch. Columns past the
+// last whole 16 groups (K % 64) are summed by vpdpbusd into the stored tiles.
+// Why: the VNNI register tile does ~1 vpdpbusd (64 products) per cycle and core; a tile product does 16,384 in ~16.
+// From how many rows the tiles run is the measured choice of the running machine (amx_rows, llmserve/kernels/
+// calibrate.py's add_w8a8_amx_rows): at a few rows a tile is mostly padding.
+
+// tmm0-3: C (rows i0 .. i0 + 15 by block 0, by block 1; rows i0 + 16 .. by block 0, by block 1), tmm4, tmm5: A
+// (rows r0, r1), tmm6, tmm7: B (16 x 64 bytes). Configured for a unit's rows (r0 <= 16, r1 <= 16), released at the
+// end of the thread's work.
+class W8A8Tiles {
+ public:
+  LLMSERVE_AMX8 void configure(int r0, int r1) {
+    if (r0 == r0_ && r1 == r1_) return;
+    TileConfig c;
+    for (int k = 0; k < 8; ++k) {
+      const bool second = k == 2 || k == 3 || k == 5;  // the second 16 rows' C and A tiles
+      c.rows[k] = static_cast<uint8_t>(k >= 6 ? kAmxGroups : second ? std::max(r1, 1) : r0);
+      c.colsb[k] = 64;
+    }
+    load_tile_config(c);
+    r0_ = r0, r1_ = r1;
+  }
+  LLMSERVE_AMX8 ~W8A8Tiles() {
+    if (r0_ >= 0) _tile_release();
+  }
+
+ private:
+  int r0_ = -1, r1_ = -1;
+};
+
+// y[i0 : i0 + r, n0 : n0 + 16 (32 with B2)) on the tiles configured for r rows (16 < r <= 32 with R2, else r <= 16):
+// w is block n0 / 16's packed bytes, the next block's bb bytes on; cbuf: 4 x 256 int32 of scratch.
+template <bool R2, bool B2, typename T>
+LLMSERVE_AMX8 void unit_amx(const uint8_t* x, int64_t ldx, int64_t G, const int8_t* w, int64_t bb, int64_t i0, int r,
+                            int64_t n0, int64_t N, const Rescale& e, int32_t* cbuf, T* y) {
+  const int64_t GT = G / kAmxGroups * kAmxGroups;  // groups on the tiles
+  const uint8_t* x0 = x + i0 * ldx;
+  const uint8_t* x1 = x0 + 16 * ldx;
+  _tile_zero(0);
+  if constexpr (B2) _tile_zero(1);
+  if constexpr (R2) {
+    _tile_zero(2);
+    if constexpr (B2) _tile_zero(3);
+  }
+  for (int64_t g = 0; g < GT; g += kAmxGroups) {
+    _tile_loadd(6, w + g * 64, 64);
+    _tile_loadd(4, x0 + g * 4, ldx);
+    _tile_dpbusd(0, 4, 6);
+    if constexpr (B2) {
+      _tile_loadd(7, w + bb + g * 64, 64);
+      _tile_dpbusd(1, 4, 7);
+    }
+    if constexpr (R2) {
+      _tile_loadd(5, x1 + g * 4, ldx);
+      _tile_dpbusd(2, 5, 6);
+      if constexpr (B2) _tile_dpbusd(3, 5, 7);
+    }
+  }
+  _tile_stored(0, cbuf, 64);
+  if constexpr (B2) _tile_stored(1, cbuf + 256, 64);
+  if constexpr (R2) {
+    _tile_stored(2, cbuf + 512, 64);
+    if constexpr (B2) _tile_stored(3, cbuf + 768, 64);
+  }
+  _Pragma("GCC unroll 2") for (int j = 0; j < (B2 ? 2 : 1); ++j) {
+    const Outputs o(e, n0 + j * kBlockRows, N);
+    const int8_t* wj = w + j * bb;
+    for (int i = 0; i < r; ++i) {
+      __m512i acc = _mm512_loadu_si512(cbuf + (i / 16 * 2 + j) * 256 + i % 16 * 16);
+      const int32_t* xr = reinterpret_cast<const int32_t*>(x0 + i * ldx);
+      for (int64_t g = GT; g < G; ++g) acc = _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(xr[g]), _mm512_loadu_si512(wj + g * 64));
+      o.store(e, acc, i0 + i, y);
     }
   }
 }
 
+// The tiles over every row. Work items: (chunk of up to kAmxChunk rows, pair of blocks), chunk-major, so a thread's
+// items share its rows of x (in L2) and read each block pair once a chunk.
+template <typename T>
+void run_amx(const uint8_t* qp, int64_t ldx, int64_t G, const int8_t* wp, int64_t bb, int64_t M, int64_t NB, int64_t N,
+             const Rescale& e, T* yp) {
+  const int64_t chunks = (M + kAmxChunk - 1) / kAmxChunk, pairs = (NB + 1) / 2;
+  at::parallel_for(0, chunks * pairs, 1, [&](int64_t begin, int64_t end) {
+    W8A8Tiles tiles;
+    alignas(64) int32_t cbuf[4 * 256];
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t c = u / pairs, b = u % pairs * 2;
+      const int64_t m1 = std::min(M, (c + 1) * kAmxChunk);
+      const bool two = b + 1 < NB;
+      const int8_t* w = wp + b * bb;
+      for (int64_t i = c * kAmxChunk; i < m1; i += kAmxUnitRows) {
+        const int r = static_cast<int>(std::min<int64_t>(kAmxUnitRows, m1 - i));
+        tiles.configure(std::min(r, 16), std::max(r - 16, 0));
+        const int64_t n0 = b * kBlockRows;
+        if (r > 16) {
+          if (two) unit_amx<true, true, T>(qp, ldx, G, w, bb, i, r, n0, N, e, cbuf, yp);
+          else unit_amx<true, false, T>(qp, ldx, G, w, bb, i, r, n0, N, e, cbuf, yp);
+        } else {
+          if (two) unit_amx<false, true, T>(qp, ldx, G, w, bb, i, r, n0, N, e, cbuf, yp);
+          else unit_amx<false, false, T>(qp, ldx, G, w, bb, i, r, n0, N, e, cbuf, yp);
+        }
+      }
+    }
+  });
+}
+
 template <typename T>
 at::Tensor w8a8_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
-                     const at::Tensor& wsum, const float* bias) {
+                     const at::Tensor& wsum, const float* bias, int64_t amx_rows) {
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), G = packed.size(1), K4 = G * 4;
   const int64_t N = wsum.numel();
   auto xq = at::empty({M, K4}, x.options().dtype(at::kByte));
@@ -152,6 +281,11 @@ at::Tensor w8a8_impl(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const int8_t* wp = packed.data_ptr<int8_t>();
   const int64_t bb = G * 64;  // bytes per packed block
   T* yp = y.data_ptr<T>();
+  if (amx_rows < 0) amx_rows = kAmxDefaultRows;
+  if (amx_rows > 0 && M >= amx_rows && G >= kAmxGroups && amx_int8_supported()) {
+    run_amx<T>(qp, K4, G, wp, bb, M, NB, N, e, yp);
+    return y;
+  }
   for_each_tile<kTileRows, kTileBlocks>(M, NB, kChunkRows, [&](auto mr, auto nb, int64_t i, int64_t b) {
     tile<decltype(mr)::value, decltype(nb)::value, T>(qp, K4, G, wp + b * bb, bb, i, b * kBlockRows, N, e, yp);
   });
@@ -221,9 +355,11 @@ at::Tensor w8a8_pack(at::Tensor qweight) {
 }
 
 // x [M, K] fp32 or bf16; packed: w8a8_pack of the int8 weight [N, K]; w_scale [N] fp32; wsum [N] int32 (row
-// sums of the int8 weight); bias [N] (any float dtype) or None. Returns [M, N] in x's dtype.
+// sums of the int8 weight); bias [N] (any float dtype) or None. Returns [M, N] in x's dtype. amx_rows: batches of at
+// least this many rows run on AMX-INT8 tiles where the CPU has them and K >= 64 (the same bits as VNNI); 0: never;
+// < 0: kAmxDefaultRows.
 at::Tensor w8a8_linear(at::Tensor x, at::Tensor packed, at::Tensor w_scale, at::Tensor wsum,
-                       c10::optional<at::Tensor> bias) {
+                       c10::optional<at::Tensor> bias, int64_t amx_rows) {
   TORCH_CHECK(w8a8_linear_supported(), "w8a8_linear needs a CPU with AVX-512 (F, BW, VL, DQ) and VNNI");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "w8a8_linear: x must be [M, K] on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "w8a8_linear: x fp32 or bf16");
@@ -247,6 +383,6 @@ at::Tensor w8a8_linear(at::Tensor x, at::Tensor packed, at::Tensor w_scale, at::
   }
   const float* bp = bias.has_value() ? b.data_ptr<float>() : nullptr;
   const auto xc = x.contiguous();
-  if (xc.scalar_type() == at::kBFloat16) return w8a8_impl<at::BFloat16>(xc, packed, w_scale, wsum, bp);
-  return w8a8_impl<float>(xc, packed, w_scale, wsum, bp);
+  if (xc.scalar_type() == at::kBFloat16) return w8a8_impl<at::BFloat16>(xc, packed, w_scale, wsum, bp, amx_rows);
+  return w8a8_impl<float>(xc, packed, w_scale, wsum, bp, amx_rows);
 }
