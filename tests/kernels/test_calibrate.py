@@ -419,3 +419,17 @@ def test_w8a8_ops_are_not_measured_without_amx(tiny_model_dir: Callable[[str], s
     assert table is None or not any(op.startswith("w8a8_linear:") for op in table.ops)
     with pytest.raises(InvalidRequestError, match="cannot run on this machine"):
         calibrate.plan(model, 2, "w8a8_linear=amx8", dtype=BF16, timer=lambda name, rows, fn: 1.0)
+
+
+def test_a_w8a8_models_int8_head_is_not_timed_as_a_bf16_matmul(tiny_model_dir: Callable[[str], str]) -> None:
+    """w8a8 gives the LM head int8 weights; a tied embedding keeps its bf16 table for the lookup only, so no bf16_linear
+    choice is measured for it (nothing would use one)."""
+    if not native.w8a8_usable():
+        pytest.skip("w8a8 needs AVX-512 with VNNI")
+    model = load_model(tiny_model_dir("llama-tied"), EngineConfig(dtype="bfloat16", quantization="w8a8")).model
+    head = model.logits_head()
+    assert head.head_int8_packed is not None and head.weight is not None  # int8 logits, bf16 lookups
+    assert not any(w is head.weight for w in calibrate.bf16_weights(model))
+    table = calibrate.plan(model, 2, dtype=BF16, timer=lambda name, rows, fn: 1.0)
+    vocab = f"bf16_linear:{head.weight.shape[0]}x{head.weight.shape[1]}"
+    assert table is None or vocab not in table.ops
