@@ -203,6 +203,21 @@ def test_amx_block_ops_measure_up_to_how_many_rows_the_blocks_stand_in(q4_1_gguf
     assert again.reused and {again.ops[op].few_rows for op in qops} == {2}
 
 
+def _tiles_win_from_64(calls: list[tuple[str, int]], others: Callable[[str], float]) -> choice.Timer:
+    """A timer for the int8 tiles' thresholds: VNNI and the AMX-INT8 tiles each run the real kernel (recorded in
+    calls) and the tiles win alone at 8 rows, lose at 16 and 32, and win from 64 (so: from 64); any other candidate
+    takes others(name)."""
+    def timer(name: str, rows: int, fn: Callable[[], object]) -> float:
+        if name in (choice.VNNI, choice.AMX8):
+            calls.append((name, rows))
+            fn()
+            wins = rows >= 64 or rows == 8
+            return 1.0 if (name == choice.AMX8) == wins else 2.0
+        return others(name)
+
+    return timer
+
+
 @pytest.mark.skipif(not native.qblock_amx8_usable(), reason="needs AVX512-VNNI and AMX-INT8")
 def test_blocks_ops_measure_from_how_many_rows_their_int8_activations_run_on_the_tiles(
         q4_1_gguf: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -214,15 +229,7 @@ def test_blocks_ops_measure_from_how_many_rows_their_int8_activations_run_on_the
     layers = [m for m in calibrate.qblock_layers(model) if m.qblocks.group != 16]
     assert layers
     calls: list[tuple[str, int]] = []
-
-    def timer(name: str, rows: int, fn: Callable[[], object]) -> float:
-        if name in (choice.VNNI, choice.AMX8):
-            calls.append((name, rows))
-            fn()  # the real kernel, on the layer's own blocks
-            wins = rows >= 64 or rows == 8  # a lone win at 8, lost at 16 and 32: from 64
-            return 1.0 if (name == choice.AMX8) == wins else 2.0
-        return 1.0 if name == "blocks" else 2.0
-
+    timer = _tiles_win_from_64(calls, lambda name: 1.0 if name == "blocks" else 2.0)
     table = calibrate.plan(model, 2, dtype=BF16, timer=timer)
     qops = {calibrate.qblock_op(m) for m in layers}
     assert {(table.ops[op].kernel, table.ops[op].amx8_rows) for op in qops} == {("blocks", 64)}
@@ -376,16 +383,7 @@ def test_w8a8_ops_measure_from_how_many_rows_they_run_on_the_tiles(tiny_model_di
     assert layers and all(m.w8a8_amx_rows == -1 for m in layers)  # the kernel's default until measured
     ops = {calibrate.w8a8_op(m) for m in layers}
     calls: list[tuple[str, int]] = []
-
-    def timer(name: str, rows: int, fn: Callable[[], object]) -> float:
-        if name in (choice.VNNI, choice.AMX8):
-            calls.append((name, rows))
-            fn()  # the real kernel, on the layer's own weight
-            wins = rows >= 64 or rows == 8  # a lone win at 8, lost at 16 and 32: from 64
-            return 1.0 if (name == choice.AMX8) == wins else 2.0
-        return 1.0
-
-    table = calibrate.plan(model, 2, dtype=BF16, timer=timer)
+    table = calibrate.plan(model, 2, dtype=BF16, timer=_tiles_win_from_64(calls, lambda name: 1.0))
     assert {(table.ops[op].kernel, table.ops[op].amx8_rows) for op in ops} == {(choice.VNNI, 64)}
     assert {rows for _, rows in calls} == set(choice.AMX8_BUCKETS)
     assert len(calls) == len(ops) * len(choice.AMX8_BUCKETS) * 2 * 4  # a warm-up and 3 calls each, per op

@@ -286,8 +286,8 @@ LLMSERVE_AMX8 void unit_amx(const uint8_t* x0, int64_t ldx, int64_t GT, const in
 // memory) where the thread's next item takes them, spread over all of its units' steps: over SmolLM2's 30 decoders'
 // linears read cold (Xeon with AMX, best of 9 alternated in one process), 2-10% faster than asking over the first unit
 // only (64 rows 10.4 -> 9.7 ms, 256 rows 27.7 -> 25.5), and two pairs ahead was no better. The chunks are as even as
-// whole units allow, at most kAmxChunk
-// rows (320 rows as 256 + 64 left one thread a quarter of the work: 0.69 ms against 0.39 for 256 rows).
+// whole units allow, at most kAmxChunk rows (320 rows as 256 + 64 left one thread a quarter of the work: 0.69 ms
+// against 0.39 for 256 rows).
 template <typename T>
 void run_amx(const uint8_t* qp, int64_t ldx, int64_t G, const int8_t* wp, int64_t bb, int64_t M, int64_t NB, int64_t N,
              const Rescale& e, T* yp) {
