@@ -319,20 +319,9 @@ def measure_w8a8(layer: nn.Module, dtype: torch.dtype, timer: Timer = wall_clock
     smallest bucket from which they were at least as fast at every larger one (choice.from_rows). The same bits either
     way, so this only chooses speed. On a 2-core Xeon with AMX (model 207), SmolLM2-135M's four decoder shapes over 30
     layers: VNNI faster at 1-4 rows, the tiles 1.06x at 8 and 1.4-1.7x from 16 (BENCHMARKS.md)."""
-    gen = torch.Generator().manual_seed(0)
     x_dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.bfloat16
-    best = {name: [float("inf")] * len(AMX8_BUCKETS) for name in (VNNI, AMX8)}
-    with torch.inference_mode():
-        for i, rows in enumerate(AMX8_BUCKETS):
-            x = torch.randn(rows, layer.in_features, generator=gen).to(x_dtype)
-            for rep in range(reps + 1):
-                for name in (VNNI, AMX8):
-                    run = functools.partial(native.w8a8_linear, x, layer.int8_packed, layer.scale, layer.wsum, None,
-                                            0 if name == VNNI else 1)
-                    seconds = timer(name, rows, run)
-                    if rep:  # the first call warms up
-                        best[name][i] = min(best[name][i], seconds)
-    timed = {name: tuple(v) for name, v in best.items()}
+    timed = _time_int8_paths(layer.in_features, x_dtype, timer, reps, lambda x, name: functools.partial(
+        native.w8a8_linear, x, layer.int8_packed, layer.scale, layer.wsum, None, 0 if name == VNNI else 1))
     return OpChoice(VNNI, amx8_rows=from_rows(AMX8_BUCKETS, timed[VNNI], timed[AMX8]), amx8_timed=timed)
 
 
@@ -403,25 +392,34 @@ def add_amx8_rows(model: nn.Module, table: ChoiceTable, timer: Timer = wall_cloc
             # (group 16 formats, two scales a block, stay on VNNI: no AMX-INT8 path)
             if c is None or c.pinned or c.kernel != "blocks" or c.amx8_rows is not None or qb.group == 16:
                 continue
-            gen = torch.Generator().manual_seed(0)
             kept = qb.native.amx8_rows
-            best = {name: [float("inf")] * len(AMX8_BUCKETS) for name in (VNNI, AMX8)}
             qb.native.amx8_rows = 1  # vnni=1: the tiles at every row count; vnni=2: VNNI alone
             try:
-                for i, rows in enumerate(AMX8_BUCKETS):
-                    x = torch.randn(rows, qb.k, generator=gen).bfloat16()
-                    for rep in range(reps + 1):
-                        for name in (VNNI, AMX8):
-                            run = functools.partial(native.qblock_linear, x, qb.native, None, 2 if name == VNNI else 1)
-                            seconds = timer(name, rows, run)
-                            if rep:  # the first call warms up
-                                best[name][i] = min(best[name][i], seconds)
+                timed = _time_int8_paths(qb.k, torch.bfloat16, timer, reps, lambda x, name, b=qb.native: functools.partial(
+                    native.qblock_linear, x, b, None, 2 if name == VNNI else 1))
             finally:
                 qb.native.amx8_rows = kept
-            timed = {name: tuple(v) for name, v in best.items()}
             ops[op] = dataclasses.replace(c, amx8_rows=from_rows(AMX8_BUCKETS, timed[VNNI], timed[AMX8]),
                                           amx8_timed=timed)
     return dataclasses.replace(table, ops=ops)
+
+
+def _time_int8_paths(k: int, dtype: torch.dtype, timer: Timer, reps: int,
+                     call: Callable[[torch.Tensor, str], Callable[[], object]]) -> dict[str, tuple[float, ...]]:
+    """VNNI alone against the AMX-INT8 tiles, two paths with the same bits, at AMX8_BUCKETS rows of random x [rows, k]
+    in dtype: call(x, name) is the op on one path; a warm-up and `reps` interleaved calls each, the fastest kept.
+    {VNNI: times, AMX8: times}, times[i] at AMX8_BUCKETS[i] rows."""
+    gen = torch.Generator().manual_seed(0)
+    best = {name: [float("inf")] * len(AMX8_BUCKETS) for name in (VNNI, AMX8)}
+    with torch.inference_mode():
+        for i, rows in enumerate(AMX8_BUCKETS):
+            x = torch.randn(rows, k, generator=gen).to(dtype)
+            for rep in range(reps + 1):
+                for name in (VNNI, AMX8):
+                    seconds = timer(name, rows, call(x, name))
+                    if rep:  # the first call warms up
+                        best[name][i] = min(best[name][i], seconds)
+    return {name: tuple(v) for name, v in best.items()}
 
 
 def prefill_attention_candidates(heads: int, kv_heads: int, head_dim: int, names: tuple[str, ...]) -> list[Candidate]:

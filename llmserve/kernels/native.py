@@ -254,7 +254,7 @@ def w8a8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, wsum
     """x [M, K] (fp32/bf16) quantized per row to int8 (asymmetric), times the int8 weight [N, K] (packed by
     w8a8_pack) in the VNNI GEMM, rescaled by scale [N] (+ bias); wsum [N]: the weight's row sums. [M, N] in
     x's dtype. amx_rows: batches of at least this many rows run on AMX-INT8 tiles where w8a8_amx_usable() and K >= 64,
-    the same bits (0: never; < 0: the kernel's default, 16; calibrate.add_w8a8_amx_rows measures it). Needs
+    the same bits (0: never; < 0: the kernel's default, 16; calibrate.measure_w8a8 measures it). Needs
     w8a8_usable()."""
     return _module.w8a8_linear(x, packed, scale, wsum, bias, amx_rows)
 
