@@ -271,6 +271,19 @@ def w8a8_amx_usable() -> bool:
     return w8a8_usable() and _module.qblock_amx8_supported()
 
 
+def work_queue_trace(total: int, run: int, spin_us: int = 0) -> torch.Tensor:
+    """How the kernels' shared work queue (kernels/cpu/work_queue.h) handed out `total` units in runs of `run`: int64
+    [total, 3], per unit the thread that ran it, its place in that thread's order and the unit the thread was told it
+    runs next (-1: none). Each unit spins spin_us microseconds. For tests; needs load()."""
+    return _module.work_queue_trace(total, run, spin_us)
+
+
+def work_queue_enabled() -> bool:
+    """Whether the kernels hand out their units from a queue (the default), or split them in equal contiguous shares
+    (LLMSERVE_WORK_QUEUE=0, read once per process). Needs load()."""
+    return _module.work_queue_enabled()
+
+
 def bf16_pack(weight: torch.Tensor) -> torch.Tensor:
     """bf16 [N, K] weight -> the block layout bf16_gemm reads: [ceil(N/16), ceil(K/2), 16, 2] bf16, for each 16
     output rows the columns in pairs (zero padded). Needs packed_gemm_usable()."""

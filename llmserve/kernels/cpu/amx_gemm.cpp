@@ -22,6 +22,7 @@
 #include "amx_tiles.h"     // TileConfig, load_tile_config
 #include "avx512_math.h"  // LLMSERVE_AVX512, storeu16, tail_mask16
 #include "kernels.h"
+#include "work_queue.h"   // parallel_units
 
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -272,14 +273,17 @@ at::Tensor amx_gemm_blocks(const at::Tensor& x, int64_t NB, int64_t N, const flo
   const int64_t threads = at::get_num_threads();
   const int64_t group = std::clamp<int64_t>(pairs * chunks / (4 * threads), 1, kGroupPairs);
   const int64_t groups = (pairs + group - 1) / group;
-  at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
+  // A group's chunks (pair-major), else a chunk's groups, are one run of the work queue: they share their weights or
+  // their rows of x.
+  parallel_units(groups * chunks, pair_major ? chunks : groups, [&](WorkCursor& cursor) {
     Tiles tiles;
     alignas(64) float c[2][kUnitRows * 2 * kBlockRows];  // the unit's C and the previous one's, still being stored
     int cur = 0;
     Epilogue pending(N, bias, glu);
     std::vector<uint16_t> scratch(group * 2 * K * kBlockRows);
     const uint16_t* w[2 * kGroupPairs];
-    for (int64_t u = begin; u < end; ++u) {
+    for (; cursor.valid(); cursor.advance()) {
+      const int64_t u = cursor.unit(), next_u = cursor.upcoming();
       const int64_t g = pair_major ? u / chunks : u % groups, chunk = pair_major ? u % chunks : u / groups;
       const int64_t m0 = chunk * kChunkRows, m1 = std::min(M, m0 + kChunkRows);
       // the group's pairs p0 .. p1: w[2 (p - p0)], w[2 (p - p0) + 1] their blocks (the second null past NB)
@@ -308,7 +312,7 @@ at::Tensor amx_gemm_blocks(const at::Tensor& x, int64_t NB, int64_t N, const flo
           Ahead ahead;
           if (plain != nullptr && i == m0) {
             int64_t np = p + 1;
-            if (np == p1 && u + 1 < end) np = (pair_major ? (u + 1) / chunks : (u + 1) % groups) * group;
+            if (np == p1 && next_u >= 0) np = (pair_major ? next_u / chunks : next_u % groups) * group;
             if (np < pairs) {
               const int64_t first = glu ? np : 2 * np, second = glu ? np + NB / 2 : 2 * np + 1;
               ahead = {reinterpret_cast<const char*>(plain + first * K * kBlockRows),

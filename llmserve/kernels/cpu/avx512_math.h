@@ -6,6 +6,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "work_queue.h"  // parallel_units
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -140,8 +142,9 @@ inline at::Tensor pack_weight_blocks(const at::Tensor& weight, at::ScalarType ty
 
 // The work split of the packed-weight GEMMs (w8a8_linear.cpp, packed_gemm.cpp). The M rows of x are cut into balanced
 // chunks of at most max_rows (a multiple of tile_rows; a chunk's rows of x stay in L2), and the work units are
-// (chunk, packed block of 16 outputs), chunk-major: each thread takes a contiguous run of them, so at a few rows the
-// threads split the weights and with many rows the chunks. make_worker(rows) is called once per thread (rows: the
+// (chunk, span of whole tile groups of blocks), chunk-major, about four spans a thread over the call, handed out by
+// work_queue.h's queue: at a few rows the threads split the weights and with many rows the chunks, and a thread that
+// is ahead takes more of them. make_worker(rows) is called once per thread (rows: the
 // chunk size, for its scratch); the worker it returns gets (m0, m1, block, nr) for each group of nr <= tile_blocks
 // consecutive blocks of a chunk [m0, m1), so the group's weights stay in L1/L2 while the chunk's rows go past them.
 template <typename MakeWorker>
@@ -151,13 +154,15 @@ inline void for_each_tile_group(int64_t M, int64_t NB, int64_t max_rows, int64_t
   const int64_t even = (M + (M + max_rows - 1) / max_rows - 1) / ((M + max_rows - 1) / max_rows);
   const int64_t rows = (even + tile_rows - 1) / tile_rows * tile_rows;
   const int64_t chunks = (M + rows - 1) / rows;
-  at::parallel_for(0, chunks * NB, 1, [&](int64_t begin, int64_t end) {
+  const int64_t want = (chunks * NB + 4 * at::get_num_threads() - 1) / (4 * at::get_num_threads());
+  const int64_t span = std::min(NB, (want + tile_blocks - 1) / tile_blocks * tile_blocks);
+  const int64_t spans = (NB + span - 1) / span;
+  parallel_units(chunks * spans, 1, [&](WorkCursor& cursor) {
     auto worker = make_worker(rows);
-    for (int64_t u = begin; u < end;) {
-      const int64_t c = u / NB, b0 = u % NB, b1 = std::min(NB, b0 + (end - u));
+    for (; cursor.valid(); cursor.advance()) {
+      const int64_t c = cursor.unit() / spans, b0 = cursor.unit() % spans * span, b1 = std::min(NB, b0 + span);
       const int64_t m0 = c * rows, m1 = std::min(M, m0 + rows);
       for (int64_t b = b0; b < b1; b += tile_blocks) worker(m0, m1, b, static_cast<int>(std::min(tile_blocks, b1 - b)));
-      u += b1 - b0;
     }
   });
 }

@@ -6,6 +6,30 @@
 #include <torch/extension.h>
 
 #include "kernels.h"
+#include "work_queue.h"
+
+#include <chrono>
+
+// The work queue's hand-out, for its tests: [total, 3] int64, per unit (the thread that ran it, its place in that
+// thread's order, the unit WorkCursor::upcoming named while it ran). Each unit spins `spin_us` so the threads meet.
+static at::Tensor work_queue_trace(int64_t total, int64_t run, int64_t spin_us) {
+  auto out = at::full({total, 3}, -2, at::kLong);
+  auto* o = out.data_ptr<int64_t>();
+  std::atomic<int64_t> thread_ids{0};
+  parallel_units(total, run, [&](WorkCursor& c) {
+    const int64_t me = thread_ids.fetch_add(1);
+    for (int64_t k = 0; c.valid(); c.advance(), ++k) {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
+      while (std::chrono::steady_clock::now() < until) {
+      }
+      int64_t* row = o + 3 * c.unit();
+      row[0] = me;
+      row[1] = k;
+      row[2] = c.upcoming();
+    }
+  });
+  return out;
+}
 
 // decoder_stack.cpp
 void bind_decoder_stack(py::module_& m);
@@ -92,6 +116,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("top_n"));
   m.def("sampling_avx512", &sampling_avx512, "whether sample_rows and argmax_rows run on AVX-512 here "
         "(LLMSERVE_SAMPLING_AVX512=0: the scalar passes)");
+  m.def("work_queue_trace", &work_queue_trace, "which thread ran each unit of parallel_units, in what order, and "
+        "the upcoming unit it named (tests)", py::arg("total"), py::arg("run"), py::arg("spin_us") = 0);
+  m.def("work_queue_enabled", &work_queue_enabled, "whether the kernels share out their units from a queue here "
+        "(LLMSERVE_WORK_QUEUE=0: equal contiguous shares)");
   bind_decoder_stack(m);
   bind_qblocks(m);
 }

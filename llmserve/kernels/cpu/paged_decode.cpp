@@ -19,14 +19,15 @@
 //   lens         [nd] int64            context length including this step's token
 //   out          [nd, H, D]
 // Query head h reads KV head h / (H / KVH) (GQA, same as SDPA's enable_gqa).
-// Parallel over (request, kv_head) with at::parallel_for, which is OpenMP in the CPU wheels; it
-// shares torch's OpenMP runtime (libgomp.so.1 is already loaded) and honours torch.set_num_threads.
+// Parallel over (request, kv_head) units from a shared queue (work_queue.h) on at::parallel_for's threads, which are
+// OpenMP in the CPU wheels: torch's OpenMP runtime (libgomp.so.1 is already loaded), torch.set_num_threads honoured.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "aligned.h"      // AlignedVector: the scratch
 #include "float_types.h"  // dispatch_float
+#include "work_queue.h"   // parallel_units
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -710,7 +711,8 @@ void paged_decode_impl(const TQ* q, const CacheView<T>& kv, const int64_t* table
   // S > 1: each part's normalised output and its softmax max / sum, merged below: [items, S, G, D] and [items, S, G]
   std::vector<float> part_acc(S > 1 ? items * S * G * D : 0), part_m(S > 1 ? items * S * G : 0),
       part_l(S > 1 ? items * S * G : 0);
-  at::parallel_for(0, items * S, 1, [&](int64_t begin, int64_t end) {
+  const int64_t total = items * S;
+  auto worker = [&](WorkCursor& cursor) {
     // Per-thread scratch, reused across this thread's (request, kv_head, part) units.
     // The AVX-512 path scores whole 16-key vectors and widens a block's keys into kf first.
     const int64_t score_cols = wide ? round16(dm.block_size) : dm.block_size;
@@ -727,16 +729,15 @@ void paged_decode_impl(const TQ* q, const CacheView<T>& kv, const int64_t* table
       if (S > 1) split_range(range.first, range.second, dm.block_size, u % S, S, &range.first, &range.second);
       return range;
     };
-    auto [next_start, next_len] = unit_range(begin);
-    for (int64_t u = begin; u < end; ++u) {
+    auto process = [&](int64_t u, int64_t nu) {
       const int64_t w = u / S, r = w / dm.kv_heads, kvh = w % dm.kv_heads;
-      const int64_t start = next_start, len = next_len;
+      const auto [start, len] = unit_range(u);
       NextSlice<T> after;  // the first block of this thread's next unit, prefetched during this unit's last
-      if (u + 1 < end) {
-        std::tie(next_start, next_len) = unit_range(u + 1);
-        const int64_t nr = (u + 1) / S / dm.kv_heads, b = next_start / dm.block_size;
+      if (nu >= 0) {
+        const auto [next_start, next_len] = unit_range(nu);
+        const int64_t nr = nu / S / dm.kv_heads, b = next_start / dm.block_size;
         if (wide && next_start < next_len)
-          after = next_slice(kv, tables[nr * dm.max_blocks + b], (u + 1) / S % dm.kv_heads,
+          after = next_slice(kv, tables[nr * dm.max_blocks + b], nu / S % dm.kv_heads,
                              std::min(next_len - b * dm.block_size, dm.block_size), dm);
       }
       const int64_t head0 = kvh * G;  // first query head of this KV head's group
@@ -764,8 +765,13 @@ void paged_decode_impl(const TQ* q, const CacheView<T>& kv, const int64_t* table
         std::copy(m.begin(), m.end(), part_m.begin() + u * G);
         std::copy(l.begin(), l.end(), part_l.begin() + u * G);
       }
-    }
-  });
+    };
+    for (; cursor.valid(); cursor.advance()) process(cursor.unit(), cursor.upcoming());
+  };
+  // Runs of the work queue: with many requests, a request's kv heads together (their rows share the blocks' pages:
+  // 30 layers of 64 x 288 tokens, 45.7 ms against 50.7 one unit at a time); with a few, and the parts of a split
+  // context, one unit at a time, so that both threads have work.
+  parallel_units(total, S == 1 && nd >= 4 * at::get_num_threads() ? dm.kv_heads : 1, worker);
   if (S == 1) return;
   // out = sum_s w_s acc_s / sum_s w_s, w_s = l_s exp(m_s - max_s m_s): the softmax over all keys again
   std::vector<float> merged(D);

@@ -33,6 +33,7 @@
 #include "amx_tiles.h"     // TileConfig, load_tile_config
 #include "avx512_math.h"  // LLMSERVE_AVX512, masked loads and stores, for_each_tile
 #include "kernels.h"
+#include "work_queue.h"   // parallel_units
 
 #include <algorithm>
 #include <array>
@@ -394,12 +395,14 @@ void run_amx8(const Act& a, const Weight& w, int64_t M, int64_t NT, int64_t N, c
   const int64_t group = std::clamp<int64_t>(NT * chunks / (4 * threads), 1, kAmx8Group);
   const int64_t groups = (NT + group - 1) / group;
   const bool group_major = chunks <= 2;
-  at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
+  // a group's chunks (group-major), else a chunk's groups, are one run of the work queue, as amx_gemm_blocks' items
+  parallel_units(groups * chunks, group_major ? chunks : groups, [&](WorkCursor& cursor) {
     Int8Tiles tiles;
     std::vector<uint8_t> codes(group * a.KB * 512);
     alignas(64) int32_t cbuf[2 * 256];
     int64_t unpacked = -1;  // the group whose codes are in `codes`
-    for (int64_t u = begin; u < end; ++u) {
+    for (; cursor.valid(); cursor.advance()) {
+      const int64_t u = cursor.unit(), up = cursor.upcoming();
       const int64_t g = group_major ? u / chunks : u % groups, chunk = group_major ? u % chunks : u / groups;
       const int64_t t0 = g * group, t1 = std::min(NT, t0 + group);
       if (g != unpacked) {
@@ -413,8 +416,8 @@ void run_amx8(const Act& a, const Weight& w, int64_t M, int64_t NT, int64_t N, c
       // Xeon with AMX, model 207, 2026-11-27), median of 15, ms: 16 rows 6.0 / 6.4 without, 32 rows 9.1 / 9.8, 64 rows
       // 15.8 / 16.4.
       int64_t next_t0 = -1;
-      if (u + 1 < end) {
-        const int64_t g2 = group_major ? (u + 1) / chunks : (u + 1) % groups;
+      if (up >= 0) {
+        const int64_t g2 = group_major ? up / chunks : up % groups;
         if (g2 != g) next_t0 = g2 * group;
       }
       const int64_t tile_bytes = a.KB * w.bytes;
@@ -699,10 +702,11 @@ at::Tensor qblock_linear_amx_dot(at::Tensor x, const QBlockWeight& qw, c10::opti
   const Weight w = weight_of(qw);
   const auto tiles = dot_tiles(qw);
   const int64_t pairs = glu ? NT / 2 : (NT + 1) / 2, ldy = glu ? N / 2 : N;
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+  parallel_units(pairs, std::max<int64_t>(1, pairs / (4 * at::get_num_threads())), [&](WorkCursor& cursor) {
     alignas(64) float c[kDotRows * 2 * kTileRows] = {};
     const unsigned csr = _mm_getcsr();
-    for (int64_t p = begin; p < end; ++p) {
+    for (; cursor.valid(); cursor.advance()) {
+      const int64_t p = cursor.unit();
       const int64_t first = glu ? p : 2 * p, second = glu ? p + NT / 2 : 2 * p + 1;
       for (int64_t i = 0; i < M;) {
         const int64_t rows = std::min<int64_t>(kDotRows, M - i), pass = rows == 3 ? 2 : rows;

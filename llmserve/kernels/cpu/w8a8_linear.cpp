@@ -295,17 +295,21 @@ void run_amx(const uint8_t* qp, int64_t ldx, int64_t G, const int8_t* wp, int64_
   const int64_t even = (M + (M + kAmxChunk - 1) / kAmxChunk - 1) / ((M + kAmxChunk - 1) / kAmxChunk);
   const int64_t rows = (even + kAmxUnitRows - 1) / kAmxUnitRows * kAmxUnitRows;  // a chunk's
   const int64_t chunks = (M + rows - 1) / rows;
-  at::parallel_for(0, chunks * pairs, 1, [&](int64_t begin, int64_t end) {
+  // runs of consecutive pairs of a chunk (its rows of x stay in L2; the next pair is the next in memory), ~4 a thread
+  const int64_t run = std::max<int64_t>(1, chunks * pairs / (4 * at::get_num_threads()));
+  parallel_units(chunks * pairs, run, [&](WorkCursor& cursor) {
     W8A8Tiles tiles;
     alignas(64) int32_t cbuf[2][32 * 32];
     W8A8Epilogue<T> epilogue(qp, ldx, G, bb, N, e, yp);
     int cur = 0;
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t c = u / pairs, b = u % pairs * 2;
+    for (; cursor.valid(); cursor.advance()) {
+      const int64_t u = cursor.unit(), c = u / pairs, b = u % pairs * 2;
       const int64_t m0 = c * rows, m1 = std::min(M, m0 + rows);
       const bool two = b + 1 < NB;
       const int8_t* w = wp + b * bb;
-      const int64_t next = u + 1 < end && b + 2 < NB ? std::min<int64_t>(2, NB - b - 2) : 0;  // blocks asked for
+      // the pair this thread takes next, asked for during this one's units (none: the next in memory, as before)
+      const int64_t up = cursor.upcoming(), nb = up >= 0 ? up % pairs * 2 : b + 2;
+      const int64_t next = nb < NB ? std::min<int64_t>(2, NB - nb) : 0;  // blocks asked for
       const int64_t units = (m1 - m0 + kAmxUnitRows - 1) / kAmxUnitRows, steps = GT / kAmxGroups;
       const int64_t n0 = b * kBlockRows;
       for (int64_t i = m0; i < m1; i += kAmxUnitRows) {
@@ -313,7 +317,7 @@ void run_amx(const uint8_t* qp, int64_t ldx, int64_t G, const int8_t* wp, int64_
         tiles.configure(std::min(r, 16), std::max(r - 16, 0));
         int32_t* cb = cbuf[cur];
         cur ^= 1;
-        const char* ahead = next > 0 ? reinterpret_cast<const char*>(w + 2 * bb) : nullptr;
+        const char* ahead = next > 0 ? reinterpret_cast<const char*>(wp + nb * bb) : nullptr;
         const int64_t lines = next * bb / 64, step0 = (i - m0) / kAmxUnitRows * steps, total = units * steps;
         const uint8_t* x0 = qp + i * ldx;
         if (r > 16) {
