@@ -395,8 +395,8 @@ void run_amx8(const Act& a, const Weight& w, int64_t M, int64_t NT, int64_t N, c
   const int64_t group = std::clamp<int64_t>(NT * chunks / (4 * threads), 1, kAmx8Group);
   const int64_t groups = (NT + group - 1) / group;
   const bool group_major = chunks <= 2;
-  // a group's chunks (group-major), else a chunk's groups, are one run of the work queue, as amx_gemm_blocks' items
-  parallel_units(groups * chunks, group_major ? chunks : groups, [&](WorkCursor& cursor) {
+  // runs of the work queue as amx_gemm_blocks' items: a group's chunks (group-major), else item by item
+  parallel_units(groups * chunks, group_major ? chunks : 1, [&](WorkCursor& cursor) {
     Int8Tiles tiles;
     std::vector<uint8_t> codes(group * a.KB * 512);
     alignas(64) int32_t cbuf[2 * 256];
