@@ -307,8 +307,8 @@ void run_amx(const uint8_t* qp, int64_t ldx, int64_t G, const int8_t* wp, int64_
       const int64_t m0 = c * rows, m1 = std::min(M, m0 + rows);
       const bool two = b + 1 < NB;
       const int8_t* w = wp + b * bb;
-      // the pair this thread takes next, asked for during this one's units (none: the next in memory, as before)
-      const int64_t up = cursor.upcoming(), nb = up >= 0 ? up % pairs * 2 : b + 2;
+      // the pair this thread takes next (the next in memory within a run), asked for during this one's units
+      const int64_t up = cursor.upcoming(), nb = up >= 0 ? up % pairs * 2 : NB;
       const int64_t next = nb < NB ? std::min<int64_t>(2, NB - nb) : 0;  // blocks asked for
       const int64_t units = (m1 - m0 + kAmxUnitRows - 1) / kAmxUnitRows, steps = GT / kAmxGroups;
       const int64_t n0 = b * kBlockRows;
