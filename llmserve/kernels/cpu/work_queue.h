@@ -1,10 +1,10 @@
 // Units of work handed out to whichever thread asks next, in place of at::parallel_for's equal contiguous shares.
 //
-// Why: on a shared machine one core is often slower than the other for a while (another tenant on its sibling
-// hyperthread, an interrupt storm), and with equal shares every parallel call waits for the slow one. On the 2-vCPU
-// Xeon with AMX (model 207, 2026-11-28), 30 layers of paged decode attention over 64 requests x 288 tokens with equal
-// shares: one thread busy 48-55 ms, the other 39-42 (the same work); taken from a shared queue, both 45-51 ms. Where
-// the cores run alike the order of the units is what at::parallel_for's would be, within a thread.
+// Why: on a shared machine one core is often slower than the other for a while (for example another tenant on its
+// sibling hyperthread, or the OpenMP worker waking late after the Python between two calls), and with equal shares
+// every parallel call waits for the slow one. On the 2-vCPU Xeon with AMX (model 207, 2026-11-28), 30 layers of paged
+// decode attention over 64 requests x 288 tokens with equal shares: one thread busy 48-55 ms, the other 39-42 (the
+// same work); taken from a shared queue, both 45-51 ms. Where the cores run alike each takes about half the runs.
 //
 // Units are claimed in runs of consecutive units that share their data (a request's kv heads read the same blocks'
 // pages; a weight group's row chunks read its weights), so a run stays on one core. A thread claims its next run only
