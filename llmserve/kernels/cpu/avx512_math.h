@@ -6,7 +6,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
-#include "work_queue.h"  // parallel_units
+#include "work_queue.h"  // parallel_units, env_is_zero
 
 #include <immintrin.h>
 
@@ -19,12 +19,6 @@
 // Code that also runs vdpbf16ps (AVX512-BF16: bf16 pairs multiplied and summed into fp32); callers check
 // cpu_has_avx512_bf16() first.
 #define LLMSERVE_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
-
-// Whether the environment variable `name` is exactly "0": the kernels' switches back to another path (tests, A/B).
-inline bool env_is_zero(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr && v[0] == '0' && v[1] == '\0';
-}
 
 // Whether this CPU runs LLMSERVE_AVX512 code (F, BW, DQ and VL); asked once.
 inline bool cpu_has_avx512() {

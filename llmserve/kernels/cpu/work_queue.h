@@ -20,7 +20,6 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
-#include <string>
 
 class WorkCursor {
  public:
@@ -56,13 +55,16 @@ class WorkCursor {
   int64_t cur_ = 0, end_ = 0, ahead_ = 0;
 };
 
+// Whether the environment variable `name` is exactly "0": the kernels' switches back to another path (tests, A/B).
+inline bool env_is_zero(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && v[0] == '0' && v[1] == '\0';
+}
+
 // LLMSERVE_WORK_QUEUE=0 (read once per process): every thread takes one equal contiguous share, as at::parallel_for
 // splits a range, for A/B runs.
 inline bool work_queue_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("LLMSERVE_WORK_QUEUE");
-    return v == nullptr || std::string(v) != "0";
-  }();
+  static const bool on = !env_is_zero("LLMSERVE_WORK_QUEUE");
   return on;
 }
 
