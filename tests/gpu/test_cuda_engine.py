@@ -45,6 +45,9 @@ def test_cuda_greedy_matches_transformers_on_cuda(arch, dtype, tiny_model_dir):
         assert pipe.engine.kv.usage().in_use == 0
 
 
+# the CPU engine needs the native extension, which a fresh GPU machine compiles first (146 s on an H100's 16 cores):
+# on an H200 the llama case failed at a 60 s limit a test and the qwen2 case after it passed (2026-11-28)
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_cuda_int8_kv_cache_agrees_with_the_cpu_engine(arch, tiny_model_dir, monkeypatch):
     """An int8 cache on CUDA runs the torch reference (quantize on write, dequantize on read); the CPU engine's
