@@ -12,6 +12,8 @@
 #   base    the same from another checkout, BASE=DIR (e.g. `git archive COMMIT llmserve | tar -x -C DIR`): a same-run
 #           comparison with earlier code on the same GPU
 #   latency `bench latency`, one request, 36-token prompt, 128 tokens
+#   int8    `bench throughput` and `bench latency` with --quantization int8 (kernels/triton/int8.py), then the same
+#           with LLMSERVE_INT8_TRITON=0 (torch's path, the weight dequantized at every call): its A/B
 # Extra `bench throughput` flags: BENCH_FLAGS="...".
 set -u
 OUT=${OUT:-/tmp/cuda_check}
@@ -45,6 +47,16 @@ for part in "${@:-bench tests suite}"; do
       latency)
         timeout "${BENCH_TIMEOUT:-300}" $PY -m llmserve.cli bench latency "$MODEL" --load-format dummy \
           --dtype bfloat16 --input-len 36 --output-len 128 2>&1 | tee "$OUT/latency.log" | tail -25 || status=1 ;;
+      int8)
+        for env in LLMSERVE_INT8_TRITON=1 LLMSERVE_INT8_TRITON=0; do
+          echo "--- $env"
+          env $env timeout "${BENCH_TIMEOUT:-300}" $PY -m llmserve.cli bench throughput "$MODEL" --load-format dummy \
+            --dtype bfloat16 "${W[@]}" --quantization int8 ${BENCH_FLAGS:-} 2>&1 | tee -a "$OUT/int8.log" \
+            | grep -v "^\s*$" | tail -6 || status=1
+          env $env timeout "${BENCH_TIMEOUT:-300}" $PY -m llmserve.cli bench latency "$MODEL" --load-format dummy \
+            --dtype bfloat16 --quantization int8 --input-len 36 --output-len 128 2>&1 | tee -a "$OUT/int8.log" \
+            | tail -8 || status=1
+        done ;;
       profile)
         timeout "${BENCH_TIMEOUT:-300}" $PY -m llmserve.cli bench throughput "$MODEL" --load-format dummy \
           --dtype bfloat16 "${W[@]}" --profile-steps ${BENCH_FLAGS:-} 2>&1 | tee "$OUT/profile.log" || status=1 ;;

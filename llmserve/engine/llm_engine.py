@@ -66,7 +66,9 @@ class LLMEngine:
         draft = self._load_draft(loaded, config)
         num_blocks = config.num_blocks or num_blocks_for(loaded, config.block_size, config.cache_max_bytes,
                                                          config.cache_max_entry_count, draft, config.kv_cache_dtype)
-        graphs = GraphOptions(not config.enforce_eager and config.quantization is None and config.tp == 1,
+        # graphs are CUDA's; int8 weights there run kernels/triton/int8.py (or torch's dequantizing path), both
+        # capturable (w8a8 runs on CPUs only)
+        graphs = GraphOptions(not config.enforce_eager and config.tp == 1,
                               config.max_batch_size, self.session_len + config.num_speculative_tokens)
         threads = config.num_threads
         if config.tp > 1:  # the ranks split the cores

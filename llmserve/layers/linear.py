@@ -8,6 +8,10 @@ when it comes, belongs in these loaders too.
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,6 +22,8 @@ from llmserve.cpu_features import fp32_compute_for_bf16
 from llmserve.distributed.state import all_reduce_, shard, tp_state
 from llmserve.kernels import native
 from llmserve.kernels.choice import OpChoice
+
+log = logging.getLogger(__name__)
 
 
 class ShapeMismatch(ValueError):
@@ -291,16 +297,20 @@ def quantize_rows_torch(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
 
 
-# Which int8 path runs where the packed kernel does not (int8_packed_ok false: CUDA, CPUs without AVX-512), by rows:
-# for bf16 activations torch's int8 matmul up to 64 rows (at 16-36 rows 2-5x faster than dequantizing); beyond, and
-# for fp32/fp16, the weight dequantized into a matmul, in fp32 for bf16 activations where that is faster (see
-# FP32_COMPUTE_MIN_ROWS).
+# Which int8 path runs where the packed kernel does not (int8_packed_ok false: CUDA, CPUs without AVX-512). On CUDA,
+# kernels/triton/int8.py's GEMM (one byte a weight read, nothing dequantized to memory). On CPUs, by rows: for bf16
+# activations torch's int8 matmul up to 64 rows (at 16-36 rows 2-5x faster than dequantizing); beyond, and for
+# fp32/fp16, the weight dequantized into a matmul, in fp32 for bf16 activations where that is faster (see
+# FP32_COMPUTE_MIN_ROWS). The last is also CUDA's path without triton or with LLMSERVE_INT8_TRITON=0 (for A/B runs).
 INT8PACK_MAX_ROWS = 64
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
-    """(x @ qweight.T) * scale (+ bias), x: [M, in] -> [M, out] in x's dtype."""
+    """(x @ qweight.T) * scale (+ bias), x: [..., in] -> [..., out] in x's dtype."""
+    triton_linear = _triton_int8_linear(x.device)
+    if triton_linear is not None and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        return triton_linear(x, qweight, scale, bias)
     rows = x.shape[0] if x.dim() == 2 else None
     if x.device.type == "cpu" and rows is not None:
         # torch's int8 matmul reads K in steps of 16: other widths crash it (segfault, torch 2.13)
@@ -311,6 +321,29 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         if x.dtype == torch.bfloat16 and rows >= FP32_COMPUTE_MIN_ROWS and fp32_compute_for_bf16():
             return fp32_linear(x, qweight.float() * scale[:, None], bias)
     return F.linear(x, qweight.to(x.dtype) * scale.to(x.dtype)[:, None], bias)
+
+
+def int8_triton_runs() -> bool:
+    """Whether int8 linears on CUDA run kernels/triton/int8.py's GEMM here (triton importable, not pinned off)."""
+    return _triton_int8_linear(torch.device("cuda")) is not None
+
+
+def _triton_int8_linear(device: torch.device) -> Callable[..., torch.Tensor] | None:
+    """kernels/triton/int8.py's GEMM for x on CUDA; None elsewhere, without triton or with LLMSERVE_INT8_TRITON=0
+    (torch's path, for A/B runs)."""
+    if device.type != "cuda" or os.environ.get("LLMSERVE_INT8_TRITON", "1") == "0":
+        return None
+    return _import_triton_int8()
+
+
+@functools.cache
+def _import_triton_int8() -> Callable[..., torch.Tensor] | None:
+    try:
+        from llmserve.kernels.triton.int8 import int8_linear as triton_int8_linear
+    except ImportError:  # CPU-only torch builds bring no triton
+        log.warning("triton is not installed: int8 linears on CUDA dequantize their weight at every call")
+        return None
+    return triton_int8_linear
 
 
 class MergedLinear(Linear):

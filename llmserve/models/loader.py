@@ -29,7 +29,7 @@ from llmserve.config import EngineConfig
 from llmserve.distributed.state import tp_state
 from llmserve.errors import InvalidRequestError, ModelLoadError
 from llmserve.kernels import native
-from llmserve.layers.linear import int8_packed_ok
+from llmserve.layers.linear import int8_packed_ok, int8_triton_runs
 from llmserve.layers.rotary import model_max_positions
 from llmserve.models import model_config
 from llmserve.models.gguf_loader import gguf_to_hf_dir
@@ -108,7 +108,8 @@ def load_model(model: str | None, config: EngineConfig) -> LoadedModel:
         raise
     if config.quantization is not None:
         net.quantize(config.quantization)
-    if config.quantization == "int8" and not int8_packed_ok(torch.empty(0, dtype=dtype, device=device)):
+    if (config.quantization == "int8" and not int8_packed_ok(torch.empty(0, dtype=dtype, device=device))
+            and not (device.type == "cuda" and int8_triton_runs())):
         log.warning("quantization=int8 has no packed int8 kernel for %s on %s here: small bf16 batches use torch's "
                     "int8 matmul and the rest dequantize the weights at every step, which saves memory but runs "
                     "slower than unquantized weights (the packed kernel needs a CPU with AVX-512 and dtype float32 "

@@ -39,12 +39,14 @@ def _run(model_dir: str, config: EngineConfig, requests) -> tuple[dict, dict]:
     return tokens, logprobs
 
 
-@pytest.mark.parametrize("arch,kv_dtype", [("llama", "auto"), ("mistral", "auto"), ("qwen3", "auto"),
-                                           ("llama", "int8")])
-def test_graphs_match_eager(arch, kv_dtype, tiny_model_dir):
+@pytest.mark.parametrize("arch,kv_dtype,quantization", [("llama", "auto", None), ("mistral", "auto", None),
+                                                        ("qwen3", "auto", None), ("llama", "int8", None),
+                                                        ("llama", "auto", "int8"), ("qwen3", "int8", "int8")])
+def test_graphs_match_eager(arch, kv_dtype, quantization, tiny_model_dir):
+    """Int8 weights (kernels/triton/int8.py's GEMM) are captured as unquantized ones are."""
     requests = _requests(37)
     base = dict(dtype="float32", device="cuda", kv_cache_dtype=kv_dtype, block_size=4, num_blocks=600,
-                max_batch_size=40, max_prefill_token_num=64)
+                max_batch_size=40, max_prefill_token_num=64, quantization=quantization)
     eager = _run(tiny_model_dir(arch), EngineConfig(**base, enforce_eager=True), requests)
     graphs = _run(tiny_model_dir(arch), EngineConfig(**base), requests)
     assert graphs[0] == eager[0]
