@@ -263,8 +263,10 @@ class LLMEngine:
         if self.proposer is not None:
             self._add_drafts(plan)
         if self.async_scheduling and self._may_overlap(plan.scheduled):
-            requests = [s.request for s in plan.scheduled]
-            self._in_flight = _InFlightStep(plan, self._launch(requests, [r.num_computed_tokens for r in requests]))
+            singles = [s.request for s in plan.scheduled if s.num_new_tokens == 1]  # first, as the scheduler sorts
+            prompts = [(s.request, s.num_new_tokens) for s in plan.scheduled if s.num_new_tokens > 1]
+            self._in_flight = _InFlightStep(plan, self._launch(singles, [r.num_computed_tokens for r in singles],
+                                                               prompts=prompts))
             return self._step_async()
         sampled = self.runner.execute(plan.scheduled, [self.kv.block_table(s.request.request_id)
                                                        for s in plan.scheduled])
@@ -287,11 +289,17 @@ class LLMEngine:
     # length) are left out of N + 1. A request's counters lag by that one step while it is in flight:
     # num_computed_tokens and token_ids catch up when N is read, before anything else looks at them.
     #
-    # Only steps of decodes overlap (_may_overlap): a step with a prefill or a waiting request that could start, or a
-    # beam search's, runs as a synchronous step, after the one in flight is read. Requests whose sampling reads their
-    # output (penalties, bad words, min_tokens, a grammar) overlap in part: the next step waits for the one in flight
-    # before it launches (_reads_output). A session's request that stops at N keeps only the blocks of its computed
-    # tokens (KVCacheManager.hold), which N + 1's write lies beyond.
+    # Steps of decodes overlap, and so do steps that start requests (_may_overlap, _launch_next): a waiting request
+    # whose whole prompt fits the step's budget starts in step N + 1 beside the decodes (its prompt computed and its
+    # first token sampled on the device; such a step runs eagerly, not from a graph), so a server's stream of arrivals
+    # does not make every step that starts one synchronous. Its counters lag by its prompt while N + 1 is in flight,
+    # as a decode's lag by one token: the step after it takes its first token from N + 1 at position num_tokens.
+    # A prompt chunked over several steps, images, prompt logprobs, n > 1 siblings after the first (which wait for
+    # its prompt's blocks) and beams start, and run, in synchronous steps, after the one in flight is read, as does
+    # a step that must preempt. Requests whose sampling reads their output (penalties, bad words, min_tokens, a
+    # grammar) overlap in part: the next step waits for the one in flight before it launches (_reads_output). A
+    # session's request that stops at N keeps only the blocks of its computed tokens (KVCacheManager.hold), which
+    # N + 1's write lies beyond.
 
     @staticmethod
     def _overlappable(r: Request) -> bool:
@@ -307,17 +315,19 @@ class LLMEngine:
                 or r.grammar is not None)
 
     def _may_overlap(self, scheduled: list[ScheduledRequest]) -> bool:
-        """A step of decodes of every running request, none a beam's, with no request waiting that could start."""
-        sch = self.scheduler
-        return (0 < len(scheduled) == len(sch.running) <= sch.max_num_batched_tokens
-                and (not sch.waiting or len(sch.running) >= sch.max_batch_size)
-                and all(s.num_new_tokens == 1 and s.samples and not s.draft_token_ids and self._overlappable(s.request)
+        """A step of every running request, none a beam's, each sampling: decodes, and prompts computed whole (the
+        rest of them, past a cached prefix) that may start ahead (_starts_ahead)."""
+        return (0 < len(scheduled) == len(self.scheduler.running)
+                and all(s.samples and not s.draft_token_ids and self._overlappable(s.request)
+                        and (s.request.num_output_tokens > 0 and s.num_new_tokens == 1
+                             or s.num_new_tokens == s.request.num_tokens - s.request.num_computed_tokens
+                             and self._starts_ahead(s.request))
                         for s in scheduled))
 
     def _launch(self, requests: list[Request], positions: list[int], prev: tuple[InFlight, list[int]] | None = None,
-                known: list[int] | None = None) -> InFlight:
+                known: list[int] | None = None, prompts: list[tuple[Request, int]] = ()) -> InFlight:
         return self.runner.launch(requests, positions, [self.kv.block_table(r.request_id) for r in requests], prev,
-                                  known)
+                                  known, [(r, n, self.kv.block_table(r.request_id)) for r, n in prompts])
 
     def _launch_next(self, step: _InFlightStep) -> _InFlightStep | None:
         """The step after the one in flight, launched with its tokens as inputs; None where it cannot overlap."""
@@ -329,20 +339,40 @@ class LLMEngine:
         rows = [(i, r) for i, r in running
                 if r.num_output_tokens + 1 < r.max_new_tokens and r.num_tokens + 1 < r.max_total_tokens]
         sch = self.scheduler
-        if (not rows or len(rows) > sch.max_num_batched_tokens or (sch.waiting and len(rows) < sch.max_batch_size)
-                or not all(self._overlappable(r) for _, r in rows)):
-            return None  # (a waiting request that could start: a synchronous step starts it)
-        # room for the token in flight (computed by this step) and the one this step samples; never a preemption
-        if not all(self.kv.allocate(r, 2) for _, r in rows):
+        if (len(rows) > sch.max_num_batched_tokens or not all(self._overlappable(r) for _, r in rows)
+                or not (rows or sch.waiting)):
+            return None
+        # room for the token in flight (computed by the step after this one: position num_tokens, since the token is
+        # not appended yet) and the one that step samples; never a preemption. (A request whose prompt the step in
+        # flight computes has not counted it yet: its num_computed_tokens lags by the prompt, not by one.)
+        if not all(self.kv.allocate(r, r.num_tokens + 1 - r.num_computed_tokens) for _, r in rows):
+            return None
+        # waiting requests whose whole prompt fits start in this step too (a plain text prompt: see _starts_ahead)
+        started: list[ScheduledRequest] = []
+        if sch.waiting and len(rows) < sch.max_batch_size:
+            started = sch.start_waiting(sch.max_num_batched_tokens - len(rows), whole_if=self._starts_ahead)
+            if not started:
+                return None  # (a waiting request that could start: a synchronous step starts it)
+        if not rows and not started:
             return None
         requests = [r for _, r in rows]
         known = None
         if any(self._reads_output(r) for r in requests):
             tokens = step.handle.result()[0]
             known = [tokens[i] for i, _ in rows]
-        plan = SchedulerOutput([ScheduledRequest(r, 1, True) for r in requests])
+        started.sort(key=lambda s: s.num_new_tokens != 1)  # the runner's order: single tokens first
+        plan = SchedulerOutput([ScheduledRequest(r, 1, True) for r in requests] + started)
         return _InFlightStep(plan, self._launch(requests, [r.num_tokens for r in requests],
-                                                (step.handle, [i for i, _ in rows]), known))
+                                                (step.handle, [i for i, _ in rows]), known,
+                                                [(s.request, s.num_new_tokens) for s in started]))
+
+    @staticmethod
+    def _starts_ahead(r: Request) -> bool:
+        """Whether a waiting request may start in a step launched before the one in flight is read: a prompt of
+        text (no images: their encoder runs in the step), computed once (not n > 1 siblings sharing the first one's
+        blocks, which lag while in flight), with no prompt logprobs (read back in the step) and no beams."""
+        return (r.mm is None and r.prompt_source is None and r.prompt_logprobs is None
+                and not r.sampling.beam_width)
 
     def _step_async(self) -> list[SequenceOutput]:
         step, self._in_flight = self._in_flight, None

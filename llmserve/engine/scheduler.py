@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -127,20 +128,36 @@ class Scheduler:
                 i += 1
             else:
                 break  # the request itself was preempted: it was the newest
+        if not preempted:
+            scheduled += self.start_waiting(budget, may_park=not scheduled)
+        scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first, order kept
+        return SchedulerOutput(scheduled, preempted)
+
+    def start_waiting(self, budget: int, may_park: bool = False,
+                      whole_if: Callable[[Request], bool] | None = None) -> list[ScheduledRequest]:
+        """Start waiting requests, first come first served, within `budget` tokens and the batch size: each gets a
+        chunk of its prompt (the whole of it where it fits). `may_park`: nothing else runs this step (see _admit).
+        `whole_if` (async scheduling's step launched before the one in flight is read, LLMEngine._launch_next):
+        only requests it accepts whose whole prompt fits the budget start; the queue stops at the first other one."""
+        scheduled: list[ScheduledRequest] = []
         loras = {id(r.lora) for r in self.running if r.lora is not None}
         j = 0  # the queue's first request that may start: those before it wait for a LoRA place
-        while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_batch_size and not preempted:
+        while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_batch_size:
             request = self.waiting[j]
             if (request.lora is not None and self.max_loras is not None and id(request.lora) not in loras
                     and len(loras) >= self.max_loras):
                 j += 1  # its adapter waits until one of the running ones is done; the ones behind it may go
                 continue
+            if whole_if is not None and not whole_if(request):
+                break
             start = self._start_of(request)
             if start is None:
                 break  # waits for its sibling's prompt; first come, first served, so do the ones behind it
             num_cached = start.num_tokens
             n = min(request.num_tokens - num_cached, budget)
-            if not self._admit(request, n, start, may_park=not scheduled):
+            if whole_if is not None and n < request.num_tokens - num_cached:
+                break
+            if not self._admit(request, n, start, may_park=may_park and not scheduled):
                 break  # first come, first served: nobody overtakes the head of the queue
             if start.source == "cache":
                 self.kv.prefix_stats.queried_tokens += request.num_tokens
@@ -157,8 +174,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(ScheduledRequest.of(request, n))
             budget -= n
-        scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first, order kept
-        return SchedulerOutput(scheduled, preempted)
+        return scheduled
 
     def _lookahead(self, request: Request, budget: int) -> int:
         """Draft tokens a decoding request may verify this step: none past its max_new_tokens (the

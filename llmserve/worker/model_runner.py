@@ -222,18 +222,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, requests: list[Request], positions: list[int], block_tables: list[list[int]],
-               prev: tuple[InFlight, list[int]] | None = None, known: list[int] | None = None) -> InFlight:
+               prev: tuple[InFlight, list[int]] | None = None, known: list[int] | None = None,
+               prompts: list[tuple[Request, int, list[int]]] = ()) -> InFlight:
         """Async scheduling (engine: LLMEngine._launch): one decode step of `requests`, a token each at positions[i],
         sampled on the device and not read back, so the host can prepare the next step while this one runs. The
         tokens are each request's at its position; with `prev` (a step in flight, rows), request i's is that step's
         token of row rows[i]. `known`: those tokens, where the host has read them, for requests whose sampling reads
         their output (penalties, bad words and min_tokens count them as generated; a grammar's mask follows them). Not
-        for beams. Logprobs are computed here and copied back with the tokens."""
+        for beams. Logprobs are computed here and copied back with the tokens.
+        `prompts` (request, n, block table): requests that start in this step, computing the last n tokens of their
+        prompt (the rest is cached) and sampling their first token, after the decodes' rows (single-token ones
+        first, as `forward` requires); such a step runs eagerly."""
         n = len(requests)
         ids = [0] * n if prev is not None else [r.token_ids[p] for r, p in zip(requests, positions)]
         mrope = [r.mm.mrope if r.mm is not None else None for r in requests]  # a decode is past every image
         # (adapters run eagerly, as in execute: the graphs hold the base model's layers only)
-        if (self.graphs is not None and all(r.lora is None for r in requests)
+        if (self.graphs is not None and not prompts and all(r.lora is None for r in requests)
                 and self.graphs.fits(n, max(len(t) for t in block_tables))):
             deltas = [m.delta if m is not None else 0 for m in mrope] if self.mrope else None
             logits = self.graphs.run(ids, positions, block_tables, deltas,
@@ -242,10 +246,17 @@ class ModelRunner:
             on_device = None
             if prev is not None:
                 on_device = prev[0].tokens.index_select(0, torch.tensor(prev[1], device=prev[0].tokens.device))
-            logits = self._forward([Span([i], p, t, 1, mrope=m, lora=r.lora) for i, p, t, m, r in
-                                    zip(ids, positions, block_tables, mrope, requests, strict=True)], on_device)
+            spans = [Span([i], p, t, 1, mrope=m, lora=r.lora) for i, p, t, m, r in
+                     zip(ids, positions, block_tables, mrope, requests, strict=True)]
+            for r, num, table in prompts:
+                start = r.num_tokens - num
+                spans.append(Span(r.token_ids[start:], start, table, 1, lora=r.lora))
+            logits = self._forward(spans, on_device)
         assert logits is not None
         states = [_state_ahead(r, None if known is None else known[i]) for i, r in enumerate(requests)]
+        for r, _, _ in prompts:  # nothing generated yet: a grammar's first mask
+            states.append(_sequence_state(r, (), None if r.grammar is None else r.grammar.masks_with_drafts(())[0]))
+        requests = [*requests, *(r for r, _, _ in prompts)]
         batch = SamplingBatch.build(states, self.vocab_size, self.device)
         raw = None if batch.logprob_rows is None else logits.index_select(0, batch.logprob_rows)  # before processing
         tokens = self.sampler.choose(logits, batch)

@@ -34,12 +34,14 @@ class Ahead:
     def __init__(self, engine) -> None:
         self.count = 0
         self.beams = 0  # launches with a beam search's request among them
+        self.started = 0  # requests that started (their prompt computed) in a step launched ahead
         launch = engine.runner.launch
 
-        def counted(requests, positions, tables, prev=None, known=None):
+        def counted(requests, positions, tables, prev=None, known=None, prompts=()):
             self.count += prev is not None
-            self.beams += any(r.sampling.beam_width for r in requests)
-            return launch(requests, positions, tables, prev, known)
+            self.started += len(prompts) if prev is not None else 0
+            self.beams += any(r.sampling.beam_width for r in [*requests, *(p[0] for p in prompts)])
+            return launch(requests, positions, tables, prev, known, prompts)
 
         engine.runner.launch = counted
 
@@ -250,3 +252,94 @@ def _turn(engine, rid: str, prompt: list[int], gen: GenerationConfig, session: s
         for o in engine.step():
             out += o.new_token_ids
     return out
+
+
+def run_with_logprobs(engine, requests, arrivals, aborts=None) -> dict[str, list[tuple[int, float | None]]]:
+    """As `run`, keeping each token's logprob (None where not asked)."""
+    out: dict[str, list[tuple[int, float | None]]] = {rid: [] for rid in requests}
+    k = 0
+    while k <= max(arrivals) or engine.has_unfinished_requests():
+        for rid in arrivals.get(k, []):
+            engine.add_request(rid, *requests[rid])
+        for rid in (aborts or {}).get(k, []):
+            engine.abort(rid)
+        for o in engine.step():
+            lps = o.new_logprobs or [None] * len(o.new_token_ids)
+            out[o.request_id] += [(t, None if lp is None else lp.logprob) for t, lp in zip(o.new_token_ids, lps)]
+        k += 1
+    assert engine.kv.usage().in_use == 0 and not engine.scheduler.running
+    engine.kv.check_invariants()
+    return out
+
+
+def test_arrivals_start_in_steps_launched_ahead(pipes):
+    """Requests that arrive while a step is in flight start in the next step, launched before that one is read
+    (their prompt computed beside the decodes, the first token sampled on the device): every kind of sampling the
+    decodes take, a first token that is the last, a stop token, a prompt whose prefix another request computed, and
+    the same tokens and logprobs as synchronous steps."""
+    from tests.structured.test_engine_structured import FORMATS
+
+    sync, fast = pipes
+    base = {f"b{i}": (ids(6 + i, 200 + i), GREEDY.replace(max_new_tokens=18)) for i in range(2)}
+    first = run(sync.engine, {"x": (ids(5, 210), GREEDY)})["x"][0]
+    late = {"plain": (ids(9, 201), GREEDY.replace(max_new_tokens=7)),
+            "one": (ids(4, 202), GREEDY.replace(max_new_tokens=1)),
+            "seeded": (ids(7, 203), GenerationConfig(temperature=0.8, top_p=0.9, max_new_tokens=8, ignore_eos=True,
+                                                    random_seed=3)),
+            "stop": (ids(5, 210), GREEDY.replace(stop_token_ids=[first[3]])),
+            "lp": (ids(6, 204), GREEDY.replace(max_new_tokens=6, logprobs=2)),
+            "pen": (ids(8, 205), GREEDY.replace(max_new_tokens=9, repetition_penalty=1.5)),
+            "regex": (ids(8, 206), GREEDY.replace(max_new_tokens=24, response_format=FORMATS["regex"])),
+            "prefix": (base["b0"][0] + ids(3, 207), GREEDY.replace(max_new_tokens=5))}
+    requests = {**base, **late}
+    arrivals = {0: list(base), 3: ["plain", "one", "seeded"], 5: ["stop", "lp", "pen"], 8: ["regex", "prefix"]}
+    ahead = Ahead(fast.engine)
+    want = run_with_logprobs(sync.engine, requests, arrivals)
+    got = run_with_logprobs(fast.engine, requests, arrivals)
+    assert len(want["stop"]) < len(first) and len(got["one"]) == 1
+    for rid in requests:
+        assert [t for t, _ in got[rid]] == [t for t, _ in want[rid]], rid
+        for (_, a), (_, b) in zip(got[rid], want[rid]):
+            assert (a is None) == (b is None) and (a is None or a == pytest.approx(b, abs=1e-4)), rid
+    assert ahead.started == len(late)  # every late request started in a step launched ahead
+
+
+def test_an_abort_while_its_prompt_is_in_flight(pipes):
+    """A request aborted after it started in a step launched ahead, before that step is read: freed, nothing
+    emitted for it, the others unchanged."""
+    sync, fast = pipes
+    requests = {"a": (ids(7, 220), GREEDY.replace(max_new_tokens=10)),
+                "b": (ids(12, 221), GREEDY.replace(max_new_tokens=10)),
+                "c": (ids(5, 222), GREEDY.replace(max_new_tokens=6))}
+    ahead = Ahead(fast.engine)
+    # "b" arrives before step 3 (it starts in the step launched then) and is aborted before step 4 reads that step
+    want = run_with_logprobs(sync.engine, requests, {0: ["a"], 3: ["b", "c"]}, aborts={4: ["b"]})
+    got = run_with_logprobs(fast.engine, requests, {0: ["a"], 3: ["b", "c"]}, aborts={4: ["b"]})
+    assert got["b"] == [] and ahead.started == 2
+    assert got["a"] == want["a"] and got["c"] == want["c"]
+
+
+@pytest.mark.parametrize("case", ["long prompt", "small pool", "siblings", "prompt logprobs"])
+def test_what_cannot_start_ahead_starts_in_a_synchronous_step(tiny_model_dir, case):
+    """A prompt over the step's budget (chunked), n > 1 siblings after the first (which wait for its prompt's
+    blocks) and prompt logprobs start as before: in a synchronous step, with the same tokens. A pool with no room
+    for the late request: it waits for room, then starts ahead or not, with the same tokens."""
+    budget, blocks = (16, 96) if case == "long prompt" else (2048, 14 if case == "small pool" else 96)
+    requests = {"a": (ids(6, 230), GREEDY.replace(max_new_tokens=14)), "b": (ids(5, 231), GREEDY)}
+    late = {"long prompt": (ids(30, 232), GREEDY.replace(max_new_tokens=5)),
+            "small pool": (ids(30, 232), GREEDY.replace(max_new_tokens=5)),
+            "siblings": (ids(9, 232), GenerationConfig(temperature=0.7, n=2, max_new_tokens=5, random_seed=1)),
+            "prompt logprobs": (ids(9, 232), GREEDY.replace(max_new_tokens=5, prompt_logprobs=1))}[case]
+    requests["late"] = late
+    results, started = [], []
+    for flag in (False, True):
+        config = EngineConfig(dtype="float32", device="cpu", block_size=4, num_blocks=blocks,
+                              max_prefill_token_num=budget, async_scheduling=flag)
+        with pipeline(tiny_model_dir("llama"), backend_config=config) as p:
+            ahead = Ahead(p.engine)
+            results.append(run(p.engine, requests, arrivals={0: ["a", "b"], 4: ["late"]}))
+            started.append((ahead.count, ahead.started))
+    assert results[1] == results[0]
+    assert started[1][0] >= 3
+    if case != "small pool":
+        assert started[1][1] == (1 if case == "siblings" else 0)

@@ -14,8 +14,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 GREEDY = GenerationConfig(temperature=0.0, ignore_eos=True)
 
 
-def _both(model_dir: str, requests, num_blocks: int, **kw) -> tuple[dict, dict, int, int]:
-    results, ahead, graphs = [], 0, 0
+def _both(model_dir: str, requests, num_blocks: int, **kw) -> tuple[dict, dict, int, int, int]:
+    results, ahead, graphs, started = [], 0, 0, 0
     for flag in (False, True):
         config = EngineConfig(dtype="float32", device="cuda", block_size=4, num_blocks=num_blocks, max_batch_size=24,
                               max_prefill_token_num=64, async_scheduling=None if flag else False)
@@ -32,8 +32,8 @@ def _both(model_dir: str, requests, num_blocks: int, **kw) -> tuple[dict, dict, 
             engine.runner.graphs.run = counted
             results.append(run(engine, requests, **kw))
             if flag:
-                ahead, graphs = counter.count, sum(used)
-    return results[0], results[1], ahead, graphs
+                ahead, graphs, started = counter.count, sum(used), counter.started
+    return results[0], results[1], ahead, graphs, started
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -50,7 +50,7 @@ def test_async_graph_steps_match_synchronous_ones(arch, tiny_model_dir):
     for i in (6, 21):  # penalties: the next step waits for the token in flight, which they count
         requests[f"r{i}"] = (requests[f"r{i}"][0], requests[f"r{i}"][1].replace(repetition_penalty=1.4,
                                                                                frequency_penalty=0.5))
-    want, got, ahead, graphs = _both(tiny_model_dir(arch), requests, 600,
+    want, got, ahead, graphs, started = _both(tiny_model_dir(arch), requests, 600,
                                      arrivals={0: [f"r{i}" for i in range(20)], 6: [f"r{i}" for i in range(20, 30)]},
                                      aborts={9: ["r1", "r20"]})
     for rid in ("r1", "r20"):  # aborted: a prefix of the same greedy tokens, however many steps had run
@@ -59,9 +59,10 @@ def test_async_graph_steps_match_synchronous_ones(arch, tiny_model_dir):
         assert longer[:len(shorter)] == shorter
     assert got == want
     assert ahead >= 10 and graphs >= 10  # steps launched ahead, replayed from the graphs with device-side ids
+    assert started >= 1  # late arrivals started in eager steps launched ahead (their prompts beside the decodes)
 
 
 def test_async_graph_steps_under_preemption(tiny_model_dir):
     requests = {f"p{i}": (ids(10 + i, 40 + i), GREEDY.replace(max_new_tokens=12 + i % 5)) for i in range(16)}
-    want, got, ahead, _ = _both(tiny_model_dir("llama"), requests, 40)
+    want, got, ahead, _, _ = _both(tiny_model_dir("llama"), requests, 40)
     assert got == want and ahead >= 3

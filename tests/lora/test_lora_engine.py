@@ -82,6 +82,32 @@ def test_mixed_batch_matches_peft(mode, base_dir, adapter_dirs, expected, monkey
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
+def test_adapters_arriving_while_steps_are_in_flight(base_dir, adapter_dirs, expected) -> None:
+    """Async scheduling: requests under each adapter (and the base model) arrive one step apart while steps are in
+    flight, so most start in a step launched before the last one is read, their adapters' rows beside the decodes:
+    each sequence's tokens are PEFT's."""
+    from tests.engine.test_async_scheduling import Ahead
+
+    names = [*ADAPTERS, None]
+    batch = [(i, p, name) for name in names for i, p in enumerate(prompts())]
+    with pipeline(base_dir, backend_config=EngineConfig(dtype="float32", adapters=adapter_dirs,
+                                                        async_scheduling=True)) as pipe:
+        engine, ahead = pipe.engine, Ahead(pipe.engine)
+        got: dict[str, list[int]] = {}
+        pending = list(enumerate(batch))
+        while pending or engine.has_unfinished_requests():
+            if pending:
+                k, (_, p, name) = pending.pop(0)
+                engine.add_request(str(k), p, GREEDY, adapter_name=name)
+            for o in engine.step():
+                got[o.request_id] = got.get(o.request_id, []) + o.new_token_ids
+        for k, (i, _, name) in enumerate(batch):
+            assert got[str(k)] == expected[name][i], (name, i)
+        assert ahead.started >= len(batch) // 2
+        engine.kv.check_invariants()
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
 def test_single_adapter_name_for_the_whole_call(base_dir, adapter_dirs, expected) -> None:
     with pipeline(base_dir, backend_config=EngineConfig(dtype="float32", adapters={"qv": adapter_dirs["qv"]})) as pipe:
         out = pipe([{"input_ids": p} for p in prompts()], GREEDY, do_preprocess=False, adapter_name="qv")
