@@ -303,13 +303,19 @@ def quantize_rows_torch(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 # fp32/fp16, the weight dequantized into a matmul, in fp32 for bf16 activations where that is faster (see
 # FP32_COMPUTE_MIN_ROWS). The last is also CUDA's path without triton or with LLMSERVE_INT8_TRITON=0 (for A/B runs).
 INT8PACK_MAX_ROWS = 64
+# On CUDA, batches of this many rows and more (prefill chunks) dequantize the weight into the dense GEMM instead of
+# the Triton kernel: they are compute-bound, where cuBLAS's tuned GEMM beats the untuned Triton one by more than the
+# transient weight costs (vLLM's AWQ takes the same turn at 256 rows). On an H200, 64 requests of Llama-3-8B's shape:
+# 4,436 output tok/s with the kernel at every size, against 7,520 for bf16 (BENCHMARKS.md, 2026-11-28).
+INT8_TRITON_MAX_ROWS = int(os.environ.get("LLMSERVE_INT8_TRITON_MAX_ROWS", "256"))
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """(x @ qweight.T) * scale (+ bias), x: [..., in] -> [..., out] in x's dtype."""
     triton_linear = _triton_int8_linear(x.device)
-    if triton_linear is not None and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
+    if (triton_linear is not None and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and x.numel() < INT8_TRITON_MAX_ROWS * x.shape[-1]):
         return triton_linear(x, qweight, scale, bias)
     rows = x.shape[0] if x.dim() == 2 else None
     if x.device.type == "cpu" and rows is not None:

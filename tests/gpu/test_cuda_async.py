@@ -51,8 +51,8 @@ def test_async_graph_steps_match_synchronous_ones(arch, tiny_model_dir):
         requests[f"r{i}"] = (requests[f"r{i}"][0], requests[f"r{i}"][1].replace(repetition_penalty=1.4,
                                                                                frequency_penalty=0.5))
     want, got, ahead, graphs, started = _both(tiny_model_dir(arch), requests, 600,
-                                     arrivals={0: [f"r{i}" for i in range(20)], 6: [f"r{i}" for i in range(20, 30)]},
-                                     aborts={9: ["r1", "r20"]})
+                                     arrivals={0: [f"r{i}" for i in range(20)], 12: [f"r{i}" for i in range(20, 30)]},
+                                     aborts={9: ["r1"], 14: ["r20"]})
     for rid in ("r1", "r20"):  # aborted: a prefix of the same greedy tokens, however many steps had run
         (a, _), (b, _) = want.pop(rid), got.pop(rid)
         shorter, longer = sorted((a, b), key=len)

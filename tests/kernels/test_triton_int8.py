@@ -100,22 +100,19 @@ def test_int8_linear_runs_it_only_on_cuda(monkeypatch) -> None:
     """layers/linear.py's int8_linear: the Triton kernel for x on CUDA, unless LLMSERVE_INT8_TRITON=0 pins torch's
     path; never for x on a CPU."""
     assert linear._triton_int8_linear(torch.device("cpu")) is None
-    calls = []
-    monkeypatch.setattr(tint8, "int8_linear", lambda *a: calls.append(a))
-    q, s = _weight(16, 64)
-    linear.int8_linear(torch.randn(2, 64), q.cpu(), s.cpu(), None)
-    assert not calls
-    assert linear._triton_int8_linear(torch.device("cuda")) is not None and linear.int8_triton_runs()
+    # (the kernel is not monkeypatched here: the import is cached, and later tests would get the stand-in)
+    assert linear._triton_int8_linear(torch.device("cuda")) is tint8.int8_linear and linear.int8_triton_runs()
     monkeypatch.setenv("LLMSERVE_INT8_TRITON", "0")
     assert linear._triton_int8_linear(torch.device("cuda")) is None and not linear.int8_triton_runs()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("n, k, m", [(4096, 4096, 1), (28672, 4096, 7), (4096, 14336, 64), (1000, 2048, 300)])
+@pytest.mark.parametrize("n, k, m", [(4096, 4096, 1), (28672, 4096, 7), (4096, 14336, 64), (1000, 2048, 100)])
 def test_cuda_shapes_through_int8_linear(n: int, k: int, m: int, monkeypatch) -> None:
-    """Llama-3-8B's shapes on CUDA through int8_linear (the default split-K choice), against the exact product and
-    against torch's path (LLMSERVE_INT8_TRITON=0, which rounds q * s to x's dtype first), in bf16 and fp16."""
+    """Llama-3-8B's shapes on CUDA through int8_linear (the default split-K choice; 2 x m rows, under
+    INT8_TRITON_MAX_ROWS), against the exact product and against torch's path (LLMSERVE_INT8_TRITON=0, which rounds
+    q * s to x's dtype first), in bf16 and fp16."""
     q, s = _weight(n, k, seed=6)
     for dtype in (torch.bfloat16, torch.float16):
         x = torch.randn(2, m, k, device=DEVICE).to(dtype)
@@ -130,6 +127,17 @@ def test_cuda_shapes_through_int8_linear(n: int, k: int, m: int, monkeypatch) ->
         assert err < TOL[dtype], err
         err_torch = ((torch_path.double() - want).norm() / want.norm()).item()
         assert err < 2 * err_torch + 1e-3, (err, err_torch)
+
+
+def test_large_batches_take_the_dense_gemm(monkeypatch) -> None:
+    """From INT8_TRITON_MAX_ROWS rows int8_linear dequantizes into the dense GEMM (torch's path), below it the kernel
+    (routed here as for CUDA)."""
+    used = []
+    monkeypatch.setattr(linear, "_triton_int8_linear", lambda device: lambda *a: used.append(a[0].shape) or 0)
+    q, s = _weight(16, 64)
+    for rows in (1, linear.INT8_TRITON_MAX_ROWS - 1, linear.INT8_TRITON_MAX_ROWS, 1000):
+        y = linear.int8_linear(torch.randn(rows, 64, device=DEVICE), q, s, None)
+    assert used == [(1, 64), (linear.INT8_TRITON_MAX_ROWS - 1, 64)] and y.shape == (1000, 16)
 
 
 @pytest.mark.skipif(CUDA, reason="on CUDA tests/gpu/test_cuda_graphs.py runs an int8 model compiled")
