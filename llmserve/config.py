@@ -167,6 +167,9 @@ class GenerationConfig:
             _check_type(value, (int, float), name)
             _check(-2 <= value <= 2, name, f"must be in [-2, 2], got {value}")
         _check_type(self.random_seed, (int,), "random_seed", optional=True)
+        # torch's generators take a 64-bit seed (a larger one raised inside the engine loop: a 500 under the fuzzer)
+        _check(self.random_seed is None or -2 ** 63 <= self.random_seed < 2 ** 64, "random_seed",
+               f"must be a 64-bit integer (in [-2**63, 2**64)), got {self.random_seed}")
         _check_type(self.logprobs, (int,), "logprobs", optional=True)
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
                f"must be in [0, 20], got {self.logprobs}")

@@ -57,6 +57,8 @@ OPENAI_400 = [
     (CHAT, _chat(max_tokens=0), "max_tokens", "max_tokens: must be >= 1, got 0"),
     (CHAT, _chat(n=0), "n", "n: must be >= 1, got 0"),
     (CHAT, _chat(presence_penalty=3), "presence_penalty", "must be in [-2, 2], got 3"),
+    # found by the fuzzer: a seed past 64 bits raised in the engine loop (a 500 on TGI's /generate_stream)
+    (CHAT, _chat(seed=2 ** 64), "seed", "seed: must be a 64-bit integer (in [-2**63, 2**64)), got 18446744073709551616"),
     (CHAT, _chat(logprobs=True, top_logprobs=30), "top_logprobs", "must be in [0, 20], got 30"),
     (CHAT, _chat(top_logprobs=2), "top_logprobs", "requires logprobs to be true"),
     (CHAT, _chat(n=3, best_of=2), "best_of", "best_of: must be >= n (3), got 2"),

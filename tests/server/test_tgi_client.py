@@ -81,6 +81,15 @@ def test_typical_p_is_refused_as_a_validation_error(client: Client) -> None:
     assert client.generate(PROMPT, max_new_tokens=2).details.generated_tokens == 2
 
 
+def test_a_seed_past_64_bits_is_a_validation_error(client: Client, server: RunningServer) -> None:
+    """Found by the fuzzer: the seed reached torch's generator in the engine loop and /generate_stream answered 500."""
+    with pytest.raises(ValidationError, match="seed: must be a 64-bit integer"):
+        client.generate(PROMPT, max_new_tokens=3, do_sample=True, seed=2 ** 64)
+    r = httpx.post(server.url + "/generate_stream", json={"inputs": PROMPT, "parameters": {"seed": -2 ** 64}})
+    assert r.status_code == 400 and r.json()["error_type"] == "validation" and "seed" in r.json()["error"]
+    assert client.generate(PROMPT, max_new_tokens=2, do_sample=True, seed=2 ** 64 - 1).details.generated_tokens == 2
+
+
 def test_compat_route_wraps_in_a_list_and_returns_full_text_by_default(server: RunningServer) -> None:
     plain = httpx.post(server.url + "/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 4}})
     assert plain.status_code == 200 and set(plain.json()) == {"generated_text"}  # no details unless asked
