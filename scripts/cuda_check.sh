@@ -68,7 +68,7 @@ for part in "${@:-bench tests suite}"; do
         # tests passed 90 s) fails alone and the summary still prints; the durations say where the time went
         timeout "${TESTS_TIMEOUT:-420}" $PY -m pytest -q -p no:cacheprovider --timeout "${TEST_TIMEOUT:-60}" -rfE \
           --durations=10 tests/gpu tests/attention/test_triton_decode.py tests/attention/test_triton_prefill.py \
-          tests/kernels/test_triton_fused.py tests/kernels/test_triton_qblock.py 2>&1 \
+          tests/kernels/test_triton_fused.py tests/kernels/test_triton_qblock.py tests/kernels/test_triton_int8.py 2>&1 \
           | tee "$OUT/gpu_tests.log" | tail -40 || status=1 ;;
       suite)
         # the CPU extension first (tests compare with the CPU engine): its compile outlasted a test's timeout once
