@@ -32,6 +32,10 @@ Ops with equivalent paths, and their candidates where each can run at all (the C
   vnni    VNNI register tiles at every row count;
   amx8    from OpChoice.amx8_rows rows on, AMX-INT8 tiles (each layer's w8a8_amx_rows). Timed on the op's first
           layer at AMX8_BUCKETS rows (measure_w8a8); pins: vnni (never the tiles), amx8 (the tiles from one row).
+- `int8w_linear:NxK` (weight-only int8 on the packed kernel: --quantization int8's layers and LM head, w8a8's LM head;
+  x rounded to int16 per row), where the CPU has AMX-INT8: the same threshold between vnni (vpdpwssd) and amx8 (the
+  16-bit activations as two int8 tile products, the same bits), measured by measure_int8w; each layer's
+  w8a8_amx_rows, the head's amx8_rows.
 - `prefill_attention:H/KVHxD` (native prefill attention of a bf16 model, by the step's prefill tokens):
   fp32    kernels/cpu/prefill_attention.cpp with fp32 FMAs (AVX-512);
   dot     the same with the scores by vdpbf16ps on the keys as stored (AVX512-BF16); P stays fp32;
@@ -95,10 +99,11 @@ QBLOCK_LINEAR = "qblock_linear"
 PREFILL_ATTENTION = "prefill_attention"
 DECODE_ATTENTION = "decode_attention"
 W8A8_LINEAR = "w8a8_linear"
+INT8W_LINEAR = "int8w_linear"
 BF16_KERNELS = ("fma", "dot", "amx", "onednn", "fp32")
 KINDS: dict[str, tuple[str, ...]] = {BF16_LINEAR: BF16_KERNELS, QBLOCK_LINEAR: ("blocks", "blocks_amx") + BF16_KERNELS,
                                      PREFILL_ATTENTION: ("fp32", "dot", "amx"), DECODE_ATTENTION: ("fp32", "dot"),
-                                     W8A8_LINEAR: (VNNI, AMX8)}
+                                     W8A8_LINEAR: (VNNI, AMX8), INT8W_LINEAR: (VNNI, AMX8)}
 # dequantize_fits: the share of the memory available that a model's dequantized block layers may take
 DEQUANTIZE_SHARE = 0.25
 # prefill tokens in a step: a chunk's attention grows with its square, so its buckets are wider than a linear's
@@ -211,6 +216,8 @@ def available(kind: str) -> tuple[str, ...]:
     """The candidates of an op kind that can run on this machine (flags only gate; they never choose)."""
     if kind == W8A8_LINEAR:
         return ((VNNI, AMX8) if native.w8a8_amx_usable() else (VNNI,)) if native.w8a8_usable() else ()
+    if kind == INT8W_LINEAR:  # 16-bit activations (VNNI), on the tiles where AMX-INT8 is
+        return ((VNNI, AMX8) if native.w8a8_amx_usable() else (VNNI,)) if native.int8w_a16_usable() else ()
     if kind in (PREFILL_ATTENTION, DECODE_ATTENTION):
         names = ("fp32", "dot") if native.bf16_dot_usable() else ("fp32",)
         return names + ("amx",) if kind == PREFILL_ATTENTION and native.prefill_amx_usable() else names
@@ -303,6 +310,35 @@ def w8a8_op(layer: nn.Module) -> str | None:
     if getattr(layer, "wsum", None) is None or getattr(layer, "int8_packed", None) is None:
         return None
     return f"{W8A8_LINEAR}:{layer.out_features}x{layer.in_features}"
+
+
+def int8w_op(layer: nn.Module) -> str | None:
+    """The op name of a weight-only int8 matmul on the packed kernel (a Linear's int8 weights without w8a8's row sums,
+    or an int8 LM head: --quantization int8, and w8a8's head) whose columns the tiles take (a multiple of 64), else
+    None."""
+    from llmserve.layers.embedding import VocabEmbedding
+
+    if isinstance(layer, VocabEmbedding):
+        packed = getattr(layer, "head_int8_packed", None)
+    elif getattr(layer, "wsum", None) is None:
+        packed = getattr(layer, "int8_packed", None)
+    else:
+        packed = None
+    if packed is None or packed.shape[1] % 16:
+        return None
+    return f"{INT8W_LINEAR}:{layer.scale.numel()}x{packed.shape[1] * 4}"
+
+
+def measure_int8w(layer: nn.Module, dtype: torch.dtype, timer: Timer = wall_clock, reps: int = 3) -> OpChoice:
+    """From how many rows a weight-only int8 op's batches run on AMX-INT8 tiles (int8w_gemm's 16-bit activations as
+    two int8 products: the same bits as VNNI), timed as measure_w8a8 times w8a8's. On a 2-core Xeon with AMX (model
+    207), w8a8's LM head (49152 x 576), best of 15: VNNI / tiles 0.67 / 0.89 ms at 1 row, 1.6 / 1.0 at 8, 9.8 / 3.7 at
+    64."""
+    packed = layer.head_int8_packed if hasattr(layer, "head_int8_packed") else layer.int8_packed
+    x_dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.bfloat16
+    timed = _time_int8_paths(packed.shape[1] * 4, x_dtype, timer, reps, lambda x, name: functools.partial(
+        native.int8w_gemm, x, packed, layer.scale, None, None, 0 if name == VNNI else 1))
+    return OpChoice(VNNI, amx8_rows=from_rows(AMX8_BUCKETS, timed[VNNI], timed[AMX8]), amx8_timed=timed)
 
 
 def w8a8_amx_rows(c: OpChoice) -> int:
@@ -538,6 +574,11 @@ def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dt
             op = w8a8_op(layer)
             if op is not None:  # the first layer of each op stands for it
                 measure.setdefault(op, functools.partial(measure_w8a8, layer, dtype, timer))
+    if AMX8 in available(INT8W_LINEAR):
+        for layer in model.modules():
+            op = int8w_op(layer)
+            if op is not None:
+                measure.setdefault(op, functools.partial(measure_int8w, layer, dtype, timer))
     for kind, make, buckets in ((PREFILL_ATTENTION, prefill_attention_candidates, ATTENTION_BUCKETS),
                                 (DECODE_ATTENTION, decode_attention_candidates, DECODE_BUCKETS)):
         op = attention_op(model, kind, dtype)

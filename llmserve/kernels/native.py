@@ -318,12 +318,14 @@ def bf16_dot_usable() -> bool:
 
 
 def int8w_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-               a16: bool | None = None) -> torch.Tensor:
+               a16: bool | None = None, amx_rows: int = -1) -> torch.Tensor:
     """Weight-only int8: x [M, K] (fp32/bf16) @ (the int8 weight [N, K] packed by w8a8_pack, times scale [N] per row)^T
     (+ bias) -> [M, N] in x's dtype. a16 (default: where int8w_a16_usable()): each row of x quantized to int16 and the
     products summed in int32 by VNNI, twice the fp32 FMAs' rate; else fp32 FMAs on the widened weights. Either way each
-    output is summed over k in order, whatever the other rows. Needs packed_gemm_usable()."""
-    return _module.int8w_gemm(x, packed, scale, bias, -1 if a16 is None else int(a16))
+    output is summed over k in order, whatever the other rows. With a16, batches of at least amx_rows rows (0: never;
+    < 0: the kernel's default, 16) run on AMX-INT8 tiles where the CPU has them and K % 64 == 0: the same bits.
+    Needs packed_gemm_usable()."""
+    return _module.int8w_gemm(x, packed, scale, bias, -1 if a16 is None else int(a16), int(amx_rows))
 
 
 @functools.cache

@@ -50,6 +50,9 @@ class VocabEmbedding(nn.Module):
         # int8 rows in w8a8_pack's layout for logits() (kernels/cpu/packed_gemm.cpp), with `scale`: quantize_head_int8 (the
         # lookup keeps the plain table), or quantize_int8 where the packed kernel runs (lookups read it too)
         self.head_int8_packed: torch.Tensor | None = None
+        # from how many rows the int8 head runs on AMX-INT8 tiles (the same bits as VNNI; -1: the kernel's default), as
+        # measured (kernels/calibrate.py, int8w_linear)
+        self.amx8_rows = -1
         # A block-quantized table (GGUF) replacing the weight, for lookups and logits alike: layers/quant_blocks.py
         self.qblocks: Any = None
 
@@ -94,7 +97,7 @@ class VocabEmbedding(nn.Module):
         if self.qweight is not None:
             return int8_linear(hidden, self.qweight, self.scale, None).float()
         if self.head_int8_packed is not None:
-            return native.int8w_gemm(hidden, self.head_int8_packed, self.scale, None).float()
+            return native.int8w_gemm(hidden, self.head_int8_packed, self.scale, None, amx_rows=self.amx8_rows).float()
         if self.bf16 is not None:
             return self.bf16(hidden, None).float()
         if self.packed is not None:

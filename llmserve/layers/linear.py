@@ -136,8 +136,9 @@ class Linear(nn.Module):
         # int8 where kernels/cpu/packed_gemm.cpp runs (quantize_int8)
         self.int8_packed: torch.Tensor | None = None
         self.wsum: torch.Tensor | None = None  # int32 [out]: row sums of the int8 weight, for int8 activations (w8a8)
-        # w8a8: from how many rows a batch runs on AMX-INT8 tiles (the same bits as VNNI; 0: never; -1: the kernel's
-        # default), as measured on this machine (kernels/calibrate.py, w8a8_linear)
+        # int8 weights (w8a8, or weight-only on the packed kernel): from how many rows a batch runs on AMX-INT8 tiles (the
+        # same bits as VNNI; 0: never; -1: the kernel's default), as measured on this machine (kernels/calibrate.py,
+        # w8a8_linear and int8w_linear)
         self.w8a8_amx_rows = -1
         # LoRA adapters on this layer (llmserve/lora): adds each adapter's x @ A.T @ B.T to its requests' rows
         self.lora: Any = None
@@ -161,7 +162,7 @@ class Linear(nn.Module):
             if self.wsum is not None:
                 y = native.w8a8_linear(x2, self.int8_packed, self.scale, self.wsum, self.bias, self.w8a8_amx_rows)
             elif self.int8_packed is not None:
-                y = native.int8w_gemm(x2, self.int8_packed, self.scale, self.bias)
+                y = native.int8w_gemm(x2, self.int8_packed, self.scale, self.bias, amx_rows=self.w8a8_amx_rows)
             else:
                 y = self.bf16(x2, self.bias)
             return y.reshape(*x.shape[:-1], self.out_features)

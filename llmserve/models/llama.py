@@ -338,6 +338,15 @@ class LlamaForCausalLM(nn.Module):
                 if w8a8 in choices.ops:
                     module.w8a8_amx_rows = calibrate.w8a8_amx_rows(choices.ops[w8a8])
                 return None
+            int8w = calibrate.int8w_op(module)
+            if int8w is not None:  # weight-only int8: the same threshold
+                if int8w in choices.ops:
+                    rows = calibrate.w8a8_amx_rows(choices.ops[int8w])
+                    if isinstance(module, Linear):
+                        module.w8a8_amx_rows = rows
+                    else:
+                        module.amx8_rows = rows
+                return None
             return None if module.weight is None else choices.ops.get(calibrate.op_name(module.weight))
 
         def pack(module: nn.Module, c: OpChoice | None, **kw: bool) -> None:

@@ -386,9 +386,11 @@ def test_w8a8_ops_measure_from_how_many_rows_they_run_on_the_tiles(tiny_model_di
     table = calibrate.plan(model, 2, dtype=BF16, timer=_tiles_win_from_64(calls, lambda name: 1.0))
     assert {(table.ops[op].kernel, table.ops[op].amx8_rows) for op in ops} == {(choice.VNNI, 64)}
     assert {rows for _, rows in calls} == set(choice.AMX8_BUCKETS)
-    assert len(calls) == len(ops) * len(choice.AMX8_BUCKETS) * 2 * 4  # a warm-up and 3 calls each, per op
+    # a warm-up and 3 calls each, per op, and for the int8 LM head's op (int8w_linear: weight-only, the same way)
+    assert len(calls) == (len(ops) + 1) * len(choice.AMX8_BUCKETS) * 2 * 4
     assert "vnni (from 64 rows: amx8)" in table.describe() and "int8 activations" in calibrate.report(table)
-    assert table.as_dict()["amx8_rows"] == dict.fromkeys(sorted(ops), 64)  # bench throughput --json reports them
+    head = calibrate.int8w_op(model.logits_head())
+    assert table.as_dict()["amx8_rows"] == dict.fromkeys(sorted(ops | {head}), 64)  # bench throughput --json reports
     model.pack_for_cpu(table)
     assert {m.w8a8_amx_rows for m in layers} == {64}
     choice._measured.clear()  # a new process, the same model: the cache has the threshold
@@ -431,3 +433,36 @@ def test_a_w8a8_models_int8_head_is_not_timed_as_a_bf16_matmul(tiny_model_dir: C
     table = calibrate.plan(model, 2, dtype=BF16, timer=lambda name, rows, fn: 1.0)
     vocab = f"bf16_linear:{head.weight.shape[0]}x{head.weight.shape[1]}"
     assert table is None or vocab not in table.ops
+
+
+@pytest.mark.skipif(not (native.int8w_a16_usable() and native.w8a8_amx_usable()), reason="needs VNNI and AMX-INT8")
+@pytest.mark.parametrize("quantization", ["int8", "w8a8"])
+def test_weight_only_int8_ops_measure_from_how_many_rows_they_run_on_the_tiles(
+        quantization: str, tiny_model_dir: Callable[[str], str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weight-only int8 on the packed kernel (every linear and the LM head with --quantization int8; w8a8's LM head)
+    takes the same threshold as w8a8's layers: each op's first layer timed on VNNI alone and on the tiles (16-bit x as
+    two int8 products, the same bits), every layer of the op (and the head) takes it, and pins replace it."""
+    from llmserve.layers.linear import Linear
+
+    monkeypatch.setattr(choice, "others_busy", lambda before, after: None)
+    config = EngineConfig(dtype="bfloat16", quantization=quantization)
+
+    def thresholds(model) -> set[int]:  # the linears' and the LM head's (an untied embedding is only looked up)
+        return {m.w8a8_amx_rows for m in model.modules() if isinstance(m, Linear) and calibrate.int8w_op(m)} | {
+            model.logits_head().amx8_rows}
+
+    model = load_model(tiny_model_dir("llama"), config).model
+    ops = {calibrate.int8w_op(m) for m in model.modules()} - {None}
+    head = calibrate.int8w_op(model.logits_head())
+    assert head in ops and (len(ops) > 1) == (quantization == "int8")  # w8a8's decoder layers are w8a8 ops
+    assert thresholds(model) == {-1}  # the kernel's default until measured
+    calls: list[tuple[str, int]] = []
+    table = calibrate.plan(model, 2, dtype=BF16, timer=_tiles_win_from_64(calls, lambda name: 1.0))
+    assert {(table.ops[op].kernel, table.ops[op].amx8_rows) for op in ops} == {(choice.VNNI, 64)}
+    model.pack_for_cpu(table)
+    assert thresholds(model) == {64}
+    for pin, rows in (("vnni", 0), ("amx8", 1)):
+        model = load_model(tiny_model_dir("llama"), config).model
+        table = calibrate.plan(model, 2, f"int8w_linear={pin}", dtype=BF16, timer=lambda name, rows, fn: 1.0)
+        model.pack_for_cpu(table)
+        assert thresholds(model) == {rows}, pin

@@ -104,3 +104,22 @@ def test_native_quantize_rows_gives_the_torch_bytes(dtype: torch.dtype) -> None:
     q_ref, scale_ref = lin.quantize_rows_torch(w)
     assert torch.equal(scale, scale_ref) and torch.equal(q, q_ref)
     assert torch.equal(lin.quantize_rows(w)[0], q_ref)  # the layers use the native pass on CPU
+
+
+@pytest.mark.skipif(not (native.int8w_a16_usable() and native.w8a8_amx_usable()), reason="needs VNNI and AMX-INT8")
+@pytest.mark.parametrize("n, k", [(40, 64), (200, 576), (33, 1536), (96, 640), (64, 100)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_tiles_give_the_vnni_bits(n: int, k: int, dtype: torch.dtype) -> None:
+    """int8w_gemm's 16-bit activations on AMX-INT8 tiles (each as a high and a low byte, two int8 products) sum the
+    same int32 chunks as vpdpwssd: the same bits at every row count, with a bias, over partial blocks (n % 16), a last
+    partial chunk of 256 columns (k = 640) and rows past a tile's 16; k = 100 (not a multiple of 64) stays on VNNI."""
+    gen = torch.Generator().manual_seed(n + k)
+    qweight, scale = quantize_rows(torch.randn(n, k, generator=gen) * 0.05)
+    packed = native.w8a8_pack(qweight)
+    bias = torch.randn(n, generator=gen)
+    for rows in (1, 15, 16, 17, 40, 300):
+        x = (torch.randn(rows, k, generator=gen) * 4).to(dtype)
+        x[0, :7] = 0
+        vnni = native.int8w_gemm(x, packed, scale, bias, amx_rows=0)
+        tiles = native.int8w_gemm(x, packed, scale, bias, amx_rows=1)
+        assert torch.equal(vnni, tiles), (rows, (vnni.float() - tiles.float()).abs().max().item())

@@ -51,6 +51,10 @@ def _cases() -> dict[str, Callable[[], torch.Tensor]]:
             for amx_rows in (0, 16) if native.w8a8_amx_usable() else (0,):  # VNNI alone; the tiles from 16 rows
                 cases[f"w8a8_linear x{rows} amx_rows={amx_rows}"] = (
                     lambda x=x, a=amx_rows: native.w8a8_linear(x, *w8a8, None, a))
+            if native.int8w_a16_usable():  # weight-only int8, 16-bit x: vpdpwssd alone; the tiles from 16 rows
+                for amx_rows in (0, 16) if native.w8a8_amx_usable() else (0,):
+                    cases[f"int8w_gemm x{rows} amx_rows={amx_rows}"] = (
+                        lambda x=x, a=amx_rows: native.int8w_gemm(x, w8a8[0], w8a8[1], None, amx_rows=a))
     tokens, e = 300, 576
     xs = torch.randn(tokens, e, generator=gen).bfloat16()
     res = torch.randn(tokens, e, generator=gen).bfloat16()

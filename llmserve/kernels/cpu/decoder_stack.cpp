@@ -37,7 +37,8 @@ struct StackLinear {
   // where the layer runs on them): the tiles' bits, reading the blocks' bytes (the measured threshold; 0: never).
   std::optional<QBlockWeight> few;
   int64_t few_rows = 0;
-  int64_t amx_rows = -1;  // w8a8: w8a8_linear's amx_rows (from how many rows AMX-INT8 runs; the measured threshold)
+  int64_t amx_rows = -1;  // int8 weights: w8a8_linear's or int8w_gemm's amx_rows (from how many rows AMX-INT8 tiles
+                          // run: the measured threshold)
 
   const QBlockWeight* few_blocks(const torch::Tensor& x) const {
     if (path != 2 || x.size(0) > few_rows || x.scalar_type() != at::kBFloat16) return nullptr;
@@ -60,7 +61,7 @@ struct StackLinear {
     if (const QBlockWeight* f = few_blocks(x)) return qblock_linear_amx_dot(x, *f, bias);
     if (blocks.has_value()) return path == 2 ? qblock_linear_amx(x, *blocks, bias) : qblock_linear(x, *blocks, bias, -1);
     if (packed.scalar_type() != at::kChar) return bf16_gemm(x, packed, n, bias, path);
-    return wsum.has_value() ? w8a8_linear(x, packed, scale, *wsum, bias, amx_rows) : int8w_gemm(x, packed, scale, bias, -1);
+    return wsum.has_value() ? w8a8_linear(x, packed, scale, *wsum, bias, amx_rows) : int8w_gemm(x, packed, scale, bias, -1, amx_rows);
   }
 };
 

@@ -62,7 +62,7 @@ at::Tensor amx_gemm_blocks(const at::Tensor& x, int64_t NB, int64_t N, const flo
 // and up block p + NB / 2) plus bias, rounded to bf16, into y (the unit's first row of the [M, N] or [M, N / 2] output)
 void amx_store_pair(const float* c, int64_t rows, int64_t p, int64_t N, const float* bias, at::BFloat16* y, bool glu);
 at::Tensor int8w_gemm(at::Tensor x, at::Tensor packed, at::Tensor scale, c10::optional<at::Tensor> bias,
-                      int64_t a16);
+                      int64_t a16, int64_t amx_rows);
 bool int8w_a16_supported();
 // sampling.cpp
 at::Tensor sample_rows(at::Tensor logits, at::Tensor temperature, at::Tensor top_k, at::Tensor top_p,

@@ -24,6 +24,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "amx_tiles.h"    // TileConfig, load_tile_config
 #include "avx512_math.h"  // LLMSERVE_AVX512, storeu16, tail_mask16
 #include "kernels.h"  // bf16_gemm_amx
 
@@ -483,6 +484,158 @@ at::Tensor int8w_gemm_a16(const at::Tensor& x, const at::Tensor& packed, int64_t
   return y;
 }
 
+// ---- The same product on AMX-INT8 tiles (CPUs with AMX) ----
+// AMX has no int16 products, but each 16-bit activation q is 256 * hi + lo with hi = q >> 8 (signed byte) and
+// lo = q & 255 (unsigned byte): x . w = 256 * (hi . w) + lo . w, one tdpbssd and one tdpbusd over the packed int8 weight
+// as stored (its [16 groups][16 rows][4 bytes] are the B operand, as w8a8_linear.cpp's tiles read it). Both sums are
+// exact in int32 over a 256-column chunk (|hi . w| <= 256 * 128 * 127, |lo . w| <= 256 * 255 * 127), and so is their
+// combination (the chunk's exact sum, which vpdpwssd's int32 accumulators hold too), so each chunk's int32 sum, its
+// conversion, the chunks' fp32 additions in column order and the rescale are tile_a16's: the same bits at any batch.
+// Why: at 64 rows the VNNI register tiles do ~64 products a cycle and core; a tile product does 16,384 in ~16 cycles.
+// w8a8's LM head (49152 x 576) on a 2-core Xeon with AMX (model 207), 64 rows, best of 15: 11.4 ms on VNNI, 5.3 in
+// bf16 on AMX, 3.0 with int8 activations on AMX (which costs perplexity).
+#define LLMSERVE_AMX16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,amx-tile,amx-int8")))
+
+constexpr int64_t kA16AmxGroups = 16;       // groups of 4 columns a tile step reads: 64 columns
+constexpr int64_t kA16AmxChunkRows = 256;   // rows of x a work item takes at most
+constexpr int64_t kA16AmxDefaultRows = 16;  // amx_rows < 0: the tiles from this many rows (calibration measures it)
+
+// One row of x -> quantize_row_a16's int16 values (the same operations on each element), in column order, as bytes:
+// lo[k] = q & 255, hi[k] = q >> 8; padding 0.
+template <typename X>
+LLMSERVE_VNNI16 void quantize_row_a16_split(const X* x, int64_t K, int64_t K4, uint8_t* lo, int8_t* hi, float* s) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(loadu16(x + k, tail_mask16(K - k))));
+  const float m = _mm512_reduce_max_ps(amax);
+  const float scale = m > 0.f ? m / 32767.f : 1.f;
+  *s = scale;
+  const __m512 sv = _mm512_set1_ps(scale), top = _mm512_set1_ps(32767.f), bottom = _mm512_set1_ps(-32767.f);
+  for (int64_t k = 0; k < K4; k += 16) {
+    const __mmask16 in = tail_mask16(K - k), out = tail_mask16(K4 - k);
+    const __m512 v = _mm512_roundscale_ps(_mm512_div_ps(loadu16(x + k, in), sv),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i n = _mm512_cvtps_epi32(_mm512_min_ps(top, _mm512_max_ps(bottom, v)));
+    _mm_mask_storeu_epi8(lo + k, out, _mm512_cvtepi32_epi8(n));  // the low byte
+    _mm_mask_storeu_epi8(hi + k, out, _mm512_cvtepi32_epi8(_mm512_srai_epi32(n, 8)));
+  }
+}
+
+// tmm0, tmm1: lo sums (block 0, block 1), tmm2, tmm3: hi sums, tmm4, tmm5: A (lo, hi bytes of r rows), tmm6, tmm7: B
+class A16Tiles {
+ public:
+  LLMSERVE_AMX16 void configure(int r) {
+    if (r == r_) return;
+    TileConfig c;
+    for (int k = 0; k < 8; ++k) {
+      c.rows[k] = static_cast<uint8_t>(k >= 6 ? kA16AmxGroups : r);
+      c.colsb[k] = 64;
+    }
+    load_tile_config(c);
+    r_ = r;
+  }
+  LLMSERVE_AMX16 ~A16Tiles() {
+    if (r_ >= 0) _tile_release();
+  }
+
+ private:
+  int r_ = -1;
+};
+
+// Rows i0 .. i0 + r (r <= 16) by block w (and the next, bb bytes on, with two) -> y, through tile_a16's chunk sums and
+// epilogue. G is a multiple of kA16AmxGroups.
+template <bool TWO, typename Y>
+LLMSERVE_AMX16 void unit_a16_amx(const uint8_t* lo, const int8_t* hi, int64_t ldx, int64_t G, const int8_t* w,
+                                 int64_t bb, int r, int64_t i0, int64_t n0, int64_t N, const float* xs,
+                                 const Epilogue& e, Y* y) {
+  alignas(64) float sums[16][32];
+  alignas(64) int32_t cl[16][32], ch[16][32];
+  const uint8_t* l0 = lo + i0 * ldx;
+  const int8_t* h0 = hi + i0 * ldx;
+  for (int64_t g0 = 0; g0 < G; g0 += kA16ChunkGroups) {
+    const int64_t g1 = std::min(G, g0 + kA16ChunkGroups);
+    _tile_zero(0);
+    _tile_zero(2);
+    if constexpr (TWO) {
+      _tile_zero(1);
+      _tile_zero(3);
+    }
+    for (int64_t g = g0; g < g1; g += kA16AmxGroups) {
+      _tile_loadd(6, w + g * 64, 64);
+      _tile_loadd(4, l0 + g * 4, ldx);
+      _tile_loadd(5, h0 + g * 4, ldx);
+      _tile_dpbusd(0, 4, 6);
+      _tile_dpbssd(2, 5, 6);
+      if constexpr (TWO) {
+        _tile_loadd(7, w + bb + g * 64, 64);
+        _tile_dpbusd(1, 4, 7);
+        _tile_dpbssd(3, 5, 7);
+      }
+    }
+    constexpr int64_t ldc = 32 * sizeof(int32_t);
+    _tile_stored(0, &cl[0][0], ldc);
+    _tile_stored(2, &ch[0][0], ldc);
+    if constexpr (TWO) {
+      _tile_stored(1, &cl[0][16], ldc);
+      _tile_stored(3, &ch[0][16], ldc);
+    }
+    for (int i = 0; i < r; ++i)
+      _Pragma("GCC unroll 2") for (int j = 0; j < (TWO ? 2 : 1); ++j) {
+        const __m512i q = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(&ch[i][16 * j]), 8),
+                                           _mm512_load_si512(&cl[i][16 * j]));
+        const __m512 c = _mm512_cvtepi32_ps(q);
+        _mm512_store_ps(&sums[i][16 * j], g0 == 0 ? c : _mm512_add_ps(_mm512_load_ps(&sums[i][16 * j]), c));
+      }
+  }
+  for (int i = 0; i < r; ++i) {
+    const __m512 sv = _mm512_set1_ps(xs[i0 + i]);
+    _Pragma("GCC unroll 2") for (int j = 0; j < (TWO ? 2 : 1); ++j) {
+      const __m512 out[1][1] = {{_mm512_mul_ps(_mm512_load_ps(&sums[i][16 * j]), sv)}};
+      store_tile<1, 1>(out, i0 + i, n0 + j * kBlockRows, N, e, y);
+    }
+  }
+}
+
+// The tiles over every row. Work items: (chunk of at most kA16AmxChunkRows rows, pair of blocks), chunk-major, handed
+// out in runs of consecutive pairs (work_queue.h), so a thread's items share its rows of x and read each pair once a
+// chunk.
+template <typename X>
+at::Tensor int8w_gemm_a16_amx(const at::Tensor& x, const at::Tensor& packed, int64_t N, const Epilogue& e) {
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), G = packed.size(1), K4 = G * 4;
+  auto lo = at::empty({M, K4}, x.options().dtype(at::kByte));
+  auto hi = at::empty({M, K4}, x.options().dtype(at::kChar));
+  auto xs = at::empty({M}, x.options().dtype(at::kFloat));
+  uint8_t* lp = lo.data_ptr<uint8_t>();
+  int8_t* hp = hi.data_ptr<int8_t>();
+  float* sp = xs.data_ptr<float>();
+  const X* xp = x.data_ptr<X>();
+  at::parallel_for(0, M, std::max<int64_t>(1, kSerialElems / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) quantize_row_a16_split(xp + i * K, K, K4, lp + i * K4, hp + i * K4, sp + i);
+  });
+  auto y = at::empty({M, N}, x.options());
+  X* yp = y.data_ptr<X>();
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const int64_t bb = G * 64, pairs = (NB + 1) / 2;
+  const int64_t nchunks = (M + kA16AmxChunkRows - 1) / kA16AmxChunkRows;
+  const int64_t rows = ((M + nchunks - 1) / nchunks + 15) / 16 * 16;  // a chunk's, in whole units of 16 rows
+  const int64_t chunks = (M + rows - 1) / rows;
+  const int64_t run = std::max<int64_t>(1, chunks * pairs / (4 * at::get_num_threads()));
+  parallel_units(chunks * pairs, run, [&](WorkCursor& cursor) {
+    A16Tiles tiles;
+    for (; cursor.valid(); cursor.advance()) {
+      const int64_t u = cursor.unit(), c = u / pairs, b = u % pairs * 2;
+      const int64_t m0 = c * rows, m1 = std::min(M, m0 + rows);
+      const int8_t* w = wp + b * bb;
+      for (int64_t i = m0; i < m1; i += 16) {
+        const int r = static_cast<int>(std::min<int64_t>(16, m1 - i));
+        tiles.configure(r);
+        if (b + 1 < NB) unit_a16_amx<true>(lp, hp, K4, G, w, bb, r, i, b * kBlockRows, N, sp, e, yp);
+        else unit_a16_amx<false>(lp, hp, K4, G, w, bb, r, i, b * kBlockRows, N, sp, e, yp);
+      }
+    }
+  });
+  return y;
+}
+
 // bias [N] (any float dtype) -> contiguous fp32 in holder, or nullptr without one
 const float* fp32_bias(const c10::optional<at::Tensor>& bias, int64_t N, const char* what, at::Tensor& holder) {
   if (!bias.has_value()) return nullptr;
@@ -530,9 +683,11 @@ at::Tensor bf16_gemm(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<a
 // Weight-only int8: x [M, K] fp32 or bf16; packed: w8a8_pack of the int8 weight [N, K]; scale [N] fp32 (the weight is
 // packed * scale per output row); bias [N] (any float dtype) or None -> [M, N] in x's dtype.
 // a16: 1 quantizes x to int16 per row (int8w_gemm_a16, needs int8w_a16_supported()), 0 keeps it in fp32 (FMAs), < 0
-// picks (the former where VNNI is).
+// picks (the former where VNNI is). amx_rows (16-bit activations only): batches of at least this many rows run on
+// AMX-INT8 tiles where the CPU has them and K is a multiple of 64 (int8w_gemm_a16_amx: the same bits); 0: never; < 0:
+// the kernel's default (kA16AmxDefaultRows).
 at::Tensor int8w_gemm(at::Tensor x, at::Tensor packed, at::Tensor scale, c10::optional<at::Tensor> bias,
-                      int64_t a16) {
+                      int64_t a16, int64_t amx_rows) {
   TORCH_CHECK(packed_gemm_supported(), "int8w_gemm needs a CPU with AVX-512");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "int8w_gemm: x must be fp32 or bf16 [M, K] on the CPU");
@@ -549,6 +704,11 @@ at::Tensor int8w_gemm(at::Tensor x, at::Tensor packed, at::Tensor scale, c10::op
   TORCH_CHECK(a16 <= 0 || int8w_a16_supported(), "int8w_gemm: 16-bit activations (a16=1) need a CPU with AVX512-VNNI; "
               "pass a16=0 (fp32 activations) or -1 (whichever runs here)");
   if (a16 > 0 || (a16 < 0 && a16_default())) {
+    if (amx_rows < 0) amx_rows = kA16AmxDefaultRows;
+    if (amx_rows > 0 && xc.size(0) >= amx_rows && packed.size(1) % kA16AmxGroups == 0 && amx_int8_supported()) {
+      if (xc.scalar_type() == at::kBFloat16) return int8w_gemm_a16_amx<at::BFloat16>(xc, packed, N, e);
+      return int8w_gemm_a16_amx<float>(xc, packed, N, e);
+    }
     if (xc.scalar_type() == at::kBFloat16) return int8w_gemm_a16<at::BFloat16>(xc, packed, N, e);
     return int8w_gemm_a16<float>(xc, packed, N, e);
   }
