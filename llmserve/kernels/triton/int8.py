@@ -15,12 +15,12 @@ and K, so CUDA graphs capture it. k needs no particular multiple (the last step 
 
 from __future__ import annotations
 
-import functools
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
+
+from llmserve.kernels.triton.qblock import Plan, destination, finish
+from llmserve.kernels.triton.qblock import plan as qblock_plan
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # x's dtypes the kernel takes
 
@@ -72,35 +72,11 @@ def _int8_kernel(X, Q, Scale, Bias, Out, M, N, K, stride_xm, stride_qn, stride_o
         tl.store(Out + rows, acc.to(Out.dtype.element_ty), mask=out_mask)
 
 
-class Plan(NamedTuple):
-    """One launch's shape: tile sizes, the k steps' split and the launch options."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    splits: int
-    num_warps: int
-    num_stages: int
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
 def plan(m: int, n: int, k: int, device: torch.device, splits: int | None = None) -> Plan:
-    """Tiles for M rows of x: 16-row tiles (tl.dot's smallest) for decode, up to 128 x 128 for prefill; BLOCK_K 128
-    (64 for the big tiles); split-K where the tiles alone would leave the GPU under two waves (at most 16 splits, none
-    empty). Not tuned on a GPU: qblock.py's shapes, which read the same bytes a weight at 8 bits."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-    block_n = 64 if m <= 64 else 128
-    block_k = 64 if block_m == 128 else 128
-    steps = triton.cdiv(k, block_k)
-    if splits is None:
-        tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-        splits = min(16, steps, max(1, triton.cdiv(2 * _num_sms(device), tiles)))
-    splits = triton.cdiv(steps, triton.cdiv(steps, max(1, min(splits, steps))))  # no empty split
-    return Plan(block_m, block_n, block_k, splits, 8 if block_m == 128 else 4, 3 if block_m >= 64 else 4)
+    """qblock.py's plan for the same bytes a weight (16-row tiles for decode, up to 128 x 128 for prefill, split-K
+    under two waves of the GPU), k rounded up to whole 128-column steps (the last one masked here). Not tuned on a
+    GPU."""
+    return qblock_plan(m, n, triton.cdiv(k, 128) * 128, 128, device, splits)
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -119,7 +95,7 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bia
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
     p = plan(m, n, k, x.device, splits)
-    dest = out if p.splits == 1 else torch.empty((p.splits, m, n), dtype=torch.float32, device=x.device)
+    dest = destination(out, p)
     grid = (triton.cdiv(n, p.block_n), triton.cdiv(m, p.block_m), p.splits)
     steps = triton.cdiv(k, p.block_k)
     _int8_kernel[grid](
@@ -128,9 +104,5 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bia
         HAS_BIAS=bias is not None, PARTIAL=p.splits > 1, EVEN_K=k % p.block_k == 0, BLOCK_M=p.block_m,
         BLOCK_N=p.block_n, BLOCK_K=p.block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         WIDEN_DOTS=x.device.type != "cuda", num_warps=p.num_warps, num_stages=p.num_stages)
-    if p.splits > 1:
-        y = dest.sum(0)
-        if bias is not None:
-            y += bias.float()
-        out.copy_(y)
+    finish(out, dest, bias)
     return out.reshape(*x.shape[:-1], n)

@@ -123,6 +123,21 @@ def plan(m: int, n: int, k: int, group: int, device: torch.device, splits: int |
     return Plan(block_m, block_n, block_k, splits, 8 if block_m == 128 else 4, 3 if block_m >= 64 else 4)
 
 
+def destination(out: torch.Tensor, p: Plan) -> torch.Tensor:
+    """Where a launch of plan p writes: out itself, or with split-K fp32 partial sums [splits, M, N] (see finish)."""
+    return out if p.splits == 1 else torch.empty((p.splits, *out.shape), dtype=torch.float32, device=out.device)
+
+
+def finish(out: torch.Tensor, dest: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """After a split-K launch: out = the partial sums in dest added (in torch: deterministic), plus the bias."""
+    if dest is out:
+        return
+    y = dest.sum(0)
+    if bias is not None:
+        y += bias.float()
+    out.copy_(y)
+
+
 def qblock_linear(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None,
                   splits: int | None = None) -> torch.Tensor:
     """x [..., k] (fp16, bf16 or fp32; columns already in the codes' order) -> [..., n] in x's dtype. `splits`
@@ -136,7 +151,7 @@ def qblock_linear(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None,
     if m == 0:
         return out.reshape(*x.shape[:-1], w.n)
     p = plan(m, w.n, w.k, w.group, x.device, splits)
-    dest = out if p.splits == 1 else torch.empty((p.splits, m, w.n), dtype=torch.float32, device=x.device)
+    dest = destination(out, p)
     grid = (triton.cdiv(w.n, p.block_n), triton.cdiv(m, p.block_m), p.splits)
     steps = w.k // p.block_k
     _qblock_kernel[grid](
@@ -147,9 +162,5 @@ def qblock_linear(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None,
         PARTIAL=p.splits > 1, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", WIDEN_DOTS=x.device.type != "cuda",
         num_warps=p.num_warps, num_stages=p.num_stages)
-    if p.splits > 1:
-        y = dest.sum(0)
-        if bias is not None:
-            y += bias.float()
-        out.copy_(y)
+    finish(out, dest, bias)
     return out.reshape(*x.shape[:-1], w.n)
