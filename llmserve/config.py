@@ -328,12 +328,14 @@ class EngineConfig:
     session_ttl: float = _f(600.0, "Seconds an idle session keeps its KV before it is evicted.")
     num_threads: int | None = _f(None, "CPU threads for torch. Default: the cores this process may run on (OpenMP's "
                                     "team size where OMP_NUM_THREADS or thread binding is set).")
-    kernel_choice: str = _f("auto", "CPU kernels of a bf16 model's matmuls and attention: auto times the candidates at the first "
+    kernel_choice: str = _f("auto", "CPU kernels of the model's matmuls and attention: auto times the candidates at the first "
                                     "start (cached under ~/.cache/llmserve/tuning; `llmserve tune` measures again), "
                                     "or pin for A/B runs: bf16_linear=fma|dot|amx|onednn|fp32, "
-                                    "qblock_linear=blocks|fma|dot|amx|onednn|fp32 (block-quantized weights: kept, or "
-                                    "dequantized to bf16 for that kernel), prefill_attention=fp32|dot, "
-                                    "decode_attention=fp32|dot (comma-separated). "
+                                    "qblock_linear=blocks|blocks_amx|fma|dot|amx|onednn|fp32 (block-quantized weights: kept, or "
+                                    "dequantized to bf16 for that kernel; blocks_amx: kept, on AMX tiles), "
+                                    "prefill_attention=fp32|dot|amx, decode_attention=fp32|dot, and for int8 weights "
+                                    "w8a8_linear=vnni|amx8, int8w_linear=vnni|amx8 (from how many rows AMX-INT8 tiles "
+                                    "run is measured; vnni: never, amx8: always; the same bits) (comma-separated). "
                                     "LLMSERVE_KERNEL_CHOICE sets it where this is auto.")
     revision: str | None = _f(None, "Hub revision (branch, tag or commit) of the model.")
     download_dir: str | None = _f(None, "Where hub downloads go. Default: the Hugging Face cache.")
