@@ -353,8 +353,6 @@ class LLMEngine:
             started = sch.start_waiting(sch.max_num_batched_tokens - len(rows), whole_if=self._starts_ahead)
             if not started:
                 return None  # (a waiting request that could start: a synchronous step starts it)
-        if not rows and not started:
-            return None
         requests = [r for _, r in rows]
         known = None
         if any(self._reads_output(r) for r in requests):

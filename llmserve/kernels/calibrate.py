@@ -30,12 +30,12 @@ Ops with equivalent paths, and their candidates where each can run at all (the C
 - `w8a8_linear:NxK` (a w8a8 layer: int8 weights and int8 activations, kernels/cpu/w8a8_linear.cpp), where the CPU has
   AMX-INT8: both give the same bits (exact int32 sums), so the choice is a threshold, not one kernel for every batch:
   vnni    VNNI register tiles at every row count;
-  amx8    from OpChoice.amx8_rows rows on, AMX-INT8 tiles (each layer's w8a8_amx_rows). Timed on the op's first
+  amx8    from OpChoice.amx8_rows rows on, AMX-INT8 tiles (each layer's amx8_rows). Timed on the op's first
           layer at AMX8_BUCKETS rows (measure_w8a8); pins: vnni (never the tiles), amx8 (the tiles from one row).
 - `int8w_linear:NxK` (weight-only int8 on the packed kernel: --quantization int8's layers and LM head, w8a8's LM head;
   x rounded to int16 per row), where the CPU has AMX-INT8: the same threshold between vnni (vpdpwssd) and amx8 (the
   16-bit activations as two int8 tile products, the same bits), measured by measure_int8w; each layer's
-  w8a8_amx_rows, the head's amx8_rows.
+  amx8_rows, as the head's.
 - `prefill_attention:H/KVHxD` (native prefill attention of a bf16 model, by the step's prefill tokens):
   fp32    kernels/cpu/prefill_attention.cpp with fp32 FMAs (AVX-512);
   dot     the same with the scores by vdpbf16ps on the keys as stored (AVX512-BF16); P stays fp32;
@@ -335,15 +335,13 @@ def measure_int8w(layer: nn.Module, dtype: torch.dtype, timer: Timer = wall_cloc
     207), w8a8's LM head (49152 x 576), best of 15: VNNI / tiles 0.67 / 0.89 ms at 1 row, 1.6 / 1.0 at 8, 9.8 / 3.7 at
     64."""
     packed = layer.head_int8_packed if hasattr(layer, "head_int8_packed") else layer.int8_packed
-    x_dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.bfloat16
-    timed = _time_int8_paths(packed.shape[1] * 4, x_dtype, timer, reps, lambda x, name: functools.partial(
+    return _amx8_threshold(packed.shape[1] * 4, dtype, timer, reps, lambda x, name: functools.partial(
         native.int8w_gemm, x, packed, layer.scale, None, None, 0 if name == VNNI else 1))
-    return OpChoice(VNNI, amx8_rows=from_rows(AMX8_BUCKETS, timed[VNNI], timed[AMX8]), amx8_timed=timed)
 
 
-def w8a8_amx_rows(c: OpChoice) -> int:
-    """A w8a8 op's choice as w8a8_linear's amx_rows: pinned vnni 0 (never), pinned amx8 1 (every batch), measured: its
-    amx8_rows (0: the tiles never ran faster)."""
+def int8_amx_rows(c: OpChoice) -> int:
+    """An int8 op's choice (w8a8_linear, int8w_linear) as its kernel's amx_rows: pinned vnni 0 (never), pinned amx8 1
+    (every batch), measured: its amx8_rows (0: the tiles never ran faster)."""
     if c.pinned or c.amx8_rows is None:
         return 1 if c.kernel == AMX8 else 0
     return c.amx8_rows
@@ -355,9 +353,16 @@ def measure_w8a8(layer: nn.Module, dtype: torch.dtype, timer: Timer = wall_clock
     smallest bucket from which they were at least as fast at every larger one (choice.from_rows). The same bits either
     way, so this only chooses speed. On a 2-core Xeon with AMX (model 207), SmolLM2-135M's four decoder shapes over 30
     layers: VNNI faster at 1-4 rows, the tiles 1.06x at 8 and 1.4-1.7x from 16 (BENCHMARKS.md)."""
-    x_dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.bfloat16
-    timed = _time_int8_paths(layer.in_features, x_dtype, timer, reps, lambda x, name: functools.partial(
+    return _amx8_threshold(layer.in_features, dtype, timer, reps, lambda x, name: functools.partial(
         native.w8a8_linear, x, layer.int8_packed, layer.scale, layer.wsum, None, 0 if name == VNNI else 1))
+
+
+def _amx8_threshold(k: int, dtype: torch.dtype, timer: Timer, reps: int,
+                    call: Callable[[torch.Tensor, str], Callable[[], object]]) -> OpChoice:
+    """An int8 op's choice: VNNI, with the AMX-INT8 tiles from the smallest bucket from which they never lost
+    (_time_int8_paths on x of the model's dtype, bf16 for others)."""
+    x_dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.bfloat16
+    timed = _time_int8_paths(k, x_dtype, timer, reps, call)
     return OpChoice(VNNI, amx8_rows=from_rows(AMX8_BUCKETS, timed[VNNI], timed[AMX8]), amx8_timed=timed)
 
 
@@ -569,16 +574,12 @@ def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dt
             op = qblock_op(layer)
             measure.setdefault(op, functools.partial(_measure, op, qblock_linear_candidates, (layer, qnames), timer,
                                                      ROW_BUCKETS))
-    if AMX8 in available(W8A8_LINEAR):  # (VNNI alone: nothing to choose)
-        for layer in model.modules():
-            op = w8a8_op(layer)
-            if op is not None:  # the first layer of each op stands for it
-                measure.setdefault(op, functools.partial(measure_w8a8, layer, dtype, timer))
-    if AMX8 in available(INT8W_LINEAR):
-        for layer in model.modules():
-            op = int8w_op(layer)
-            if op is not None:
-                measure.setdefault(op, functools.partial(measure_int8w, layer, dtype, timer))
+    for kind, op_of, measure_op in ((W8A8_LINEAR, w8a8_op, measure_w8a8), (INT8W_LINEAR, int8w_op, measure_int8w)):
+        if AMX8 in available(kind):  # (VNNI alone: nothing to choose)
+            for layer in model.modules():
+                op = op_of(layer)
+                if op is not None:  # the first layer of each op stands for it
+                    measure.setdefault(op, functools.partial(measure_op, layer, dtype, timer))
     for kind, make, buckets in ((PREFILL_ATTENTION, prefill_attention_candidates, ATTENTION_BUCKETS),
                                 (DECODE_ATTENTION, decode_attention_candidates, DECODE_BUCKETS)):
         op = attention_op(model, kind, dtype)

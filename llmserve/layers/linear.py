@@ -139,7 +139,7 @@ class Linear(nn.Module):
         # int8 weights (w8a8, or weight-only on the packed kernel): from how many rows a batch runs on AMX-INT8 tiles (the
         # same bits as VNNI; 0: never; -1: the kernel's default), as measured on this machine (kernels/calibrate.py,
         # w8a8_linear and int8w_linear)
-        self.w8a8_amx_rows = -1
+        self.amx8_rows = -1
         # LoRA adapters on this layer (llmserve/lora): adds each adapter's x @ A.T @ B.T to its requests' rows
         self.lora: Any = None
         # A block-quantized weight (GGUF, AWQ, GPTQ) kept at its bit width, replacing the weight: layers/quant_blocks.py
@@ -160,9 +160,9 @@ class Linear(nn.Module):
         if self.int8_packed is not None or self.bf16 is not None:
             x2 = x.reshape(-1, self.in_features)  # the packed-weight kernels take [M, K]
             if self.wsum is not None:
-                y = native.w8a8_linear(x2, self.int8_packed, self.scale, self.wsum, self.bias, self.w8a8_amx_rows)
+                y = native.w8a8_linear(x2, self.int8_packed, self.scale, self.wsum, self.bias, self.amx8_rows)
             elif self.int8_packed is not None:
-                y = native.int8w_gemm(x2, self.int8_packed, self.scale, self.bias, amx_rows=self.w8a8_amx_rows)
+                y = native.int8w_gemm(x2, self.int8_packed, self.scale, self.bias, amx_rows=self.amx8_rows)
             else:
                 y = self.bf16(x2, self.bias)
             return y.reshape(*x.shape[:-1], self.out_features)

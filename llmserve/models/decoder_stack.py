@@ -42,7 +42,7 @@ def _linear_args(linear: Linear) -> list[Any] | None:
     runs, or None. A bf16 linear runs in the stack where its measured kernel is a packed one (fma, dot or amx:
     bf16_gemm's path argument; kernels/choice.py). On the amx path, batches of at most `few rows` rows run on the
     blocks (the layer's own where the few-row blocks are None; OpChoice.few_rows). A w8a8 linear's `amx rows`: from
-    how many rows its batches run on AMX-INT8 tiles (Linear.w8a8_amx_rows)."""
+    how many rows its batches run on AMX-INT8 tiles (Linear.amx8_rows)."""
     if linear.qblocks is not None:  # block-quantized (layers/quant_blocks.py), where the native kernel runs
         qb = linear.qblocks
         if qb.native is None or qb.perm is not None:  # (act-order: the stack would not gather x)
@@ -51,7 +51,7 @@ def _linear_args(linear: Linear) -> list[Any] | None:
                 qb.few_rows if qb.amx else 0]
     if linear.int8_packed is not None and linear.wsum is not None:  # w8a8
         return [linear.int8_packed, linear.out_features, linear.scale, linear.wsum, linear.bias, 0, None, 0,
-                linear.w8a8_amx_rows]
+                linear.amx8_rows]
     if linear.int8_packed is not None:  # weight-only int8
         return [linear.int8_packed, linear.out_features, linear.scale, None, linear.bias, 0]
     if linear.bf16 is not None and linear.bf16.packed:

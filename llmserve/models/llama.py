@@ -333,19 +333,10 @@ class LlamaForCausalLM(nn.Module):
                 if w is not None:
                     packed[id(module)] = (w, n)
                 return c
-            w8a8 = calibrate.w8a8_op(module)
-            if w8a8 is not None:  # from how many rows its batches run on AMX-INT8 tiles (the same bits)
-                if w8a8 in choices.ops:
-                    module.w8a8_amx_rows = calibrate.w8a8_amx_rows(choices.ops[w8a8])
-                return None
-            int8w = calibrate.int8w_op(module)
-            if int8w is not None:  # weight-only int8: the same threshold
-                if int8w in choices.ops:
-                    rows = calibrate.w8a8_amx_rows(choices.ops[int8w])
-                    if isinstance(module, Linear):
-                        module.w8a8_amx_rows = rows
-                    else:
-                        module.amx8_rows = rows
+            int8 = calibrate.w8a8_op(module) or calibrate.int8w_op(module)
+            if int8 is not None:  # int8 weights: from how many rows its batches run on AMX-INT8 tiles (the same bits)
+                if int8 in choices.ops:
+                    module.amx8_rows = calibrate.int8_amx_rows(choices.ops[int8])
                 return None
             return None if module.weight is None else choices.ops.get(calibrate.op_name(module.weight))
 

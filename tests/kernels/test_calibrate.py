@@ -380,7 +380,7 @@ def test_w8a8_ops_measure_from_how_many_rows_they_run_on_the_tiles(tiny_model_di
     config = EngineConfig(dtype="bfloat16", quantization="w8a8")
     model = load_model(tiny_model_dir("llama"), config).model
     layers = [m for m in model.modules() if calibrate.w8a8_op(m) is not None]
-    assert layers and all(m.w8a8_amx_rows == -1 for m in layers)  # the kernel's default until measured
+    assert layers and all(m.amx8_rows == -1 for m in layers)  # the kernel's default until measured
     ops = {calibrate.w8a8_op(m) for m in layers}
     calls: list[tuple[str, int]] = []
     table = calibrate.plan(model, 2, dtype=BF16, timer=_tiles_win_from_64(calls, lambda name: 1.0))
@@ -392,20 +392,20 @@ def test_w8a8_ops_measure_from_how_many_rows_they_run_on_the_tiles(tiny_model_di
     head = calibrate.int8w_op(model.logits_head())
     assert table.as_dict()["amx8_rows"] == dict.fromkeys(sorted(ops | {head}), 64)  # bench throughput --json reports
     model.pack_for_cpu(table)
-    assert {m.w8a8_amx_rows for m in layers} == {64}
+    assert {m.amx8_rows for m in layers} == {64}
     choice._measured.clear()  # a new process, the same model: the cache has the threshold
     model = load_model(tiny_model_dir("llama"), config).model
     again = calibrate.plan(model, 2, dtype=BF16, timer=lambda name, rows, fn: pytest.fail("measured again"))
     assert again.reused and {again.ops[op].amx8_rows for op in ops} == {64}
     model.pack_for_cpu(again)
-    assert {m.w8a8_amx_rows for m in model.modules() if calibrate.w8a8_op(m)} == {64}
+    assert {m.amx8_rows for m in model.modules() if calibrate.w8a8_op(m)} == {64}
     for pin, rows in (("vnni", 0), ("amx8", 1)):
         model = load_model(tiny_model_dir("llama"), config).model
         table = calibrate.plan(model, 2, f"w8a8_linear={pin}", dtype=BF16,
                                timer=lambda name, rows, fn: 1.0 if name not in (choice.VNNI, choice.AMX8)
                                else pytest.fail("a pinned op was measured"))
         model.pack_for_cpu(table)
-        assert {m.w8a8_amx_rows for m in model.modules() if calibrate.w8a8_op(m)} == {rows}, pin
+        assert {m.amx8_rows for m in model.modules() if calibrate.w8a8_op(m)} == {rows}, pin
 
 
 def test_w8a8_ops_are_not_measured_without_amx(tiny_model_dir: Callable[[str], str],
@@ -448,7 +448,7 @@ def test_weight_only_int8_ops_measure_from_how_many_rows_they_run_on_the_tiles(
     config = EngineConfig(dtype="bfloat16", quantization=quantization)
 
     def thresholds(model) -> set[int]:  # the linears' and the LM head's (an untied embedding is only looked up)
-        return {m.w8a8_amx_rows for m in model.modules() if isinstance(m, Linear) and calibrate.int8w_op(m)} | {
+        return {m.amx8_rows for m in model.modules() if isinstance(m, Linear) and calibrate.int8w_op(m)} | {
             model.logits_head().amx8_rows}
 
     model = load_model(tiny_model_dir("llama"), config).model

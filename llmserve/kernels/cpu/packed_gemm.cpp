@@ -328,24 +328,35 @@ bool a16_default() {
   return ok;
 }
 
+// A row of x's int16 scale, max|x| / 32767 (1 for a row of zeros), and its values at columns k .. k + 15 (0 past K) as
+// int32 lanes: x / scale rounded half to even by IEEE division, clamped to +-32767. Both 16-bit paths (the VNNI tiles
+// and the AMX tiles) quantize through these two, so they multiply the same int16 values.
+template <typename X>
+LLMSERVE_VNNI16 float a16_scale(const X* x, int64_t K) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(loadu16(x + k, tail_mask16(K - k))));
+  const float m = _mm512_reduce_max_ps(amax);
+  return m > 0.f ? m / 32767.f : 1.f;
+}
+
+template <typename X>
+LLMSERVE_VNNI16 inline __m512i a16_values(const X* x, int64_t k, int64_t K, __m512 sv) {
+  const __m512 v = _mm512_roundscale_ps(_mm512_div_ps(loadu16(x + k, tail_mask16(K - k)), sv),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_set1_ps(32767.f), _mm512_max_ps(_mm512_set1_ps(-32767.f), v)));
+}
+
 // One row of x -> int16 in the order the tile reads: per group of 4 columns [x0, x2, x1, x3] (vpdpwssd pairs 32-bit
 // lanes: the even columns' (x0, x2) against the weights' bytes 0 and 2, the odd ones' against 1 and 3); padding 0.
 // IEEE division and rounding half to even, 16 columns at a time (a scalar loop was ~1 s of a 64-request int8 run).
 template <typename X>
 LLMSERVE_VNNI16 void quantize_row_a16(const X* x, int64_t K, int64_t K4, int16_t* q, float* s) {
-  __m512 amax = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(loadu16(x + k, tail_mask16(K - k))));
-  const float m = _mm512_reduce_max_ps(amax);
-  const float scale = m > 0.f ? m / 32767.f : 1.f;
-  *s = scale;
-  const __m512 sv = _mm512_set1_ps(scale), hi = _mm512_set1_ps(32767.f), lo = _mm512_set1_ps(-32767.f);
+  *s = a16_scale(x, K);
+  const __m512 sv = _mm512_set1_ps(*s);
   const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
   for (int64_t k = 0; k < K4; k += 16) {  // K4 is a multiple of 4: the last piece may be 4, 8 or 12 columns
-    const __mmask16 in = tail_mask16(K - k), out = tail_mask16(K4 - k);
-    const __m512 v = _mm512_roundscale_ps(_mm512_div_ps(loadu16(x + k, in), sv),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512i n = _mm512_permutexvar_epi32(order, _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, v))));
-    _mm256_mask_storeu_epi16(q + k, out, _mm512_cvtepi32_epi16(n));
+    const __m512i n = _mm512_permutexvar_epi32(order, a16_values(x, k, K, sv));
+    _mm256_mask_storeu_epi16(q + k, tail_mask16(K4 - k), _mm512_cvtepi32_epi16(n));
   }
 }
 
@@ -500,21 +511,15 @@ constexpr int64_t kA16AmxGroups = 16;       // groups of 4 columns a tile step r
 constexpr int64_t kA16AmxChunkRows = 256;   // rows of x a work item takes at most
 constexpr int64_t kA16AmxDefaultRows = 16;  // amx_rows < 0: the tiles from this many rows (calibration measures it)
 
-// One row of x -> quantize_row_a16's int16 values (the same operations on each element), in column order, as bytes:
-// lo[k] = q & 255, hi[k] = q >> 8; padding 0.
+// One row of x -> quantize_row_a16's int16 values, in column order, as bytes: lo[k] = q & 255, hi[k] = q >> 8; padding
+// 0.
 template <typename X>
 LLMSERVE_VNNI16 void quantize_row_a16_split(const X* x, int64_t K, int64_t K4, uint8_t* lo, int8_t* hi, float* s) {
-  __m512 amax = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(loadu16(x + k, tail_mask16(K - k))));
-  const float m = _mm512_reduce_max_ps(amax);
-  const float scale = m > 0.f ? m / 32767.f : 1.f;
-  *s = scale;
-  const __m512 sv = _mm512_set1_ps(scale), top = _mm512_set1_ps(32767.f), bottom = _mm512_set1_ps(-32767.f);
+  *s = a16_scale(x, K);
+  const __m512 sv = _mm512_set1_ps(*s);
   for (int64_t k = 0; k < K4; k += 16) {
-    const __mmask16 in = tail_mask16(K - k), out = tail_mask16(K4 - k);
-    const __m512 v = _mm512_roundscale_ps(_mm512_div_ps(loadu16(x + k, in), sv),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512i n = _mm512_cvtps_epi32(_mm512_min_ps(top, _mm512_max_ps(bottom, v)));
+    const __mmask16 out = tail_mask16(K4 - k);
+    const __m512i n = a16_values(x, k, K, sv);
     _mm_mask_storeu_epi8(lo + k, out, _mm512_cvtepi32_epi8(n));  // the low byte
     _mm_mask_storeu_epi8(hi + k, out, _mm512_cvtepi32_epi8(_mm512_srai_epi32(n, 8)));
   }
