@@ -23,6 +23,9 @@ Ops with equivalent paths, and their candidates where each can run at all (the C
   fma, dot, amx, onednn, fp32  the bf16_linear paths over the dequantized weight (exactly the format's values, rounded
           to bf16), which then replaces the blocks. Offered only where every block layer's dequantized weights fit in
           a quarter of the memory available (dequantize_fits): blocks are a quarter to a half of bf16's bytes.
+  Timed first on one layer's weight in cache, then, up to COLD_MAX_ROWS rows (decode batches), again with the weights
+  read from memory in passes through the model's layers (add_cold_times): the blocks are a third of bf16's bytes, and
+  a step reads every weight from memory. The op's choice is made from both.
   Where the winner is amx or blocks_amx, qblock_linear_amx_dot (blocks_dot: the blocks' dot products in the tiles'
   order, their bits exactly) may run the batches of a few rows, reading the blocks rather than a bf16 weight: up to
   how many rows is measured after the choice, by passes through the model's block layers (add_few_rows), and kept
@@ -58,6 +61,7 @@ import hashlib
 import logging
 import os
 import platform
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -71,6 +75,7 @@ from llmserve.kernels.choice import (
     AMX8_BUCKETS,
     FEW_BUCKETS,
     FEW_ROWS_KERNEL,
+    PRUNE,
     ROW_BUCKETS,
     VNNI,
     Candidate,
@@ -85,6 +90,7 @@ from llmserve.kernels.choice import (
     parse_pins,
     pinned,
     wall_clock,
+    with_cold_times,
 )
 
 if TYPE_CHECKING:
@@ -412,6 +418,90 @@ def add_few_rows(model: nn.Module, table: ChoiceTable, timer: Timer = wall_clock
     return dataclasses.replace(table, ops=ops)
 
 
+# Rows up to which a block-quantized op's candidates are timed again with their weights read from memory (decode
+# batches: compute is small there, and the bytes a kernel reads decide its time), and the candidates timed so: the
+# blocks, and the packed kernels over the dequantized weight (one copy of the model's layers for all three)
+COLD_MAX_ROWS = 64
+COLD_KERNELS = ("blocks", "blocks_amx") + tuple(native.BF16_PATHS)
+
+
+def add_cold_times(model: nn.Module, table: ChoiceTable, timer: Timer = wall_clock, reps: int = 2) -> ChoiceTable:
+    """The table with each measured qblock op's times at the buckets up to COLD_MAX_ROWS taken again with the weights
+    read from memory, and its kernel chosen again from them (choice.with_cold_times): passes through all the model's
+    block layers in order, the LM head last, as a decode step reads them, each layer on one candidate (the blocks, or a
+    packed kernel over the layer's dequantized weight) and each op's time the mean over its layers; a warm-up pass and
+    `reps` interleaved ones per candidate, the fastest kept. Candidates are those within PRUNE of the bucket's fastest
+    as timed hot, and the blocks always; the others (oneDNN's and fp32's layouts, not built for every layer) are
+    scaled from a timed one that reads the same bytes. Not where only the blocks were candidates (they read the
+    same bytes either way).
+    Why: each op was timed on one layer's weight, in cache, where a bf16 kernel over the dequantized weight can beat
+    the blocks; a step reads the weights from memory, and the blocks are a third of bf16's bytes. On a 2-core Zen 5,
+    SmolLM2's 576x576 at one row: dot 0.005 against the blocks' 0.008 ms hot, 0.019 against 0.012 read cold; its two
+    smaller shapes went to dot, and single-request decode ran 160-174 tokens/s against 186-226 on the blocks."""
+    heads = {id(m.logits_head()) for m in model.modules() if hasattr(m, "logits_head")}
+    layers = []
+    for layer in qblock_layers(model):
+        c = table.ops.get(qblock_op(layer))
+        if c is not None and not c.pinned and "blocks" in c.seconds and set(c.seconds) - {"blocks", "blocks_amx"}:
+            layers.append(layer)
+    if not layers:
+        return table
+    layers.sort(key=lambda m: id(m) in heads)  # decoder layers in the model's order, then the head
+    start = time.perf_counter()
+    ops = {id(m): qblock_op(m) for m in layers}
+    count = {op: list(ops.values()).count(op) for op in set(ops.values())}
+    # per op and cold bucket (index into its rows): the candidates timed cold
+    names: dict[str, dict[int, list[str]]] = {}
+    for op in count:
+        c = table.ops[op]
+        names[op] = {}
+        for i, rows in enumerate(c.rows):
+            if rows <= COLD_MAX_ROWS:
+                fastest = min(c.seconds[n][i] for n in c.seconds)
+                names[op][i] = [n for n in c.seconds if n in COLD_KERNELS
+                                and (n == "blocks" or c.seconds[n][i] <= PRUNE * fastest)]
+    packed: dict[int, torch.Tensor] = {}
+    gen = torch.Generator().manual_seed(0)
+    cold: dict[str, dict[str, dict[int, float]]] = {op: {} for op in count}
+    with torch.inference_mode():
+        if any(n in native.BF16_PATHS for per in names.values() for ns in per.values() for n in ns):
+            for m in layers:  # the dequantized weight as unblock(packed=True) makes it
+                qb = m.qblocks
+                packed[id(m)] = (native.qblock_dequantize_bf16(qb.native) if native.bf16_dot_usable()
+                                 else native.bf16_pack(dequantized_bf16(qb)))
+
+        def call(name: str, m: nn.Module, x: torch.Tensor) -> Callable[[], object]:
+            qb = m.qblocks
+            if name == "blocks":
+                return functools.partial(native.qblock_linear, x, qb.native, None)
+            if name == "blocks_amx":
+                return functools.partial(native.qblock_linear_amx, x, qb.native, None)
+            return functools.partial(native.bf16_gemm, x, packed[id(m)], qb.n, None, name)
+
+        buckets = sorted({(i, table.ops[op].rows[i]) for op in count for i in names[op]})
+        for i, rows in buckets:
+            xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in {m.qblocks.k for m in layers}}
+            active = [n for n in COLD_KERNELS if any(n in names[op].get(i, ()) for op in count)]
+            best: dict[tuple[str, str], float] = {}
+            for rep in range(reps + 1):
+                for name in active:
+                    sums: dict[str, float] = {}
+                    for m in layers:
+                        op = ops[id(m)]
+                        if name in names[op].get(i, ()):
+                            sums[op] = sums.get(op, 0.0) + timer(name, rows, call(name, m, xs[m.qblocks.k]))
+                    if rep:  # the first pass warms up
+                        for op, t in sums.items():
+                            best[op, name] = min(best.get((op, name), float("inf")), t)
+            for (op, name), t in best.items():
+                cold[op].setdefault(name, {})[i] = t / count[op]
+    packed.clear()
+    ops_out = dict(table.ops)
+    for op, times in cold.items():
+        ops_out[op] = with_cold_times(table.ops[op], times, lambda n: "blocks" if n.startswith("blocks") else "bf16")
+    return dataclasses.replace(table, ops=ops_out, seconds=table.seconds + time.perf_counter() - start)
+
+
 AMX8_NEVER = 2 ** 62  # QBlockWeight.amx8_rows where the tiles never ran faster
 
 
@@ -595,7 +685,9 @@ def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dt
         return None
     pinned_ops = {op: pinned(pins[op.partition(":")[0]]) for op in measure if op.partition(":")[0] in pins}
     table = load_or_measure(key(list(measure), threads, blocks_only), measure, pinned_ops, remeasure)
-    return table if table.reused else amend(add_amx8_rows(model, add_few_rows(model, table, timer), timer))
+    if table.reused:
+        return table
+    return amend(add_amx8_rows(model, add_few_rows(model, add_cold_times(model, table, timer), timer), timer))
 
 
 def _measure(op: str, make: Callable[..., list[Candidate]], args: tuple, timer: Timer,
@@ -624,7 +716,10 @@ def report(table: ChoiceTable) -> str:
             lines.append("  rows  " + "".join(f"{n:>11}" for n in names) + "  fastest")
         for i, rows in enumerate(c.rows if names else ()):
             cells = "".join(f"{c.seconds[n][i] * 1e3:>9.3f}ms" for n in names)
-            lines.append(f"  {rows:>4}  {cells}  {min(names, key=lambda n: c.seconds[n][i])}")
+            cold = "*" if rows <= c.cold_rows else " "
+            lines.append(f"  {rows:>4}{cold} {cells}  {min(names, key=lambda n: c.seconds[n][i])}")
+        if c.cold_rows and names:
+            lines.append(f"  * up to {c.cold_rows} rows: weights read from memory (passes through the model's layers)")
         lines += _same_bits_table("weights read cold, the same bits", c.few_timed, FEW_BUCKETS)
         lines += _same_bits_table("int8 activations, the same bits", c.amx8_timed, AMX8_BUCKETS)
     return "\n".join(lines)

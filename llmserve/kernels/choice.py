@@ -35,8 +35,8 @@ from llmserve.errors import InvalidRequestError
 
 # The rows of input a linear's candidates are timed at (each batch size counting alike in the choice).
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-FORMAT = 5  # of the cached files; a file of another format is measured again (1, 2: winners per row bucket; 3: no
-# few_rows; 4: no amx8_rows)
+FORMAT = 6  # of the cached files; a file of another format is measured again (1, 2: winners per row bucket; 3: no
+# few_rows; 4: no amx8_rows; 5: block-quantized ops timed with their weights in cache at every bucket)
 # The kernel that computes the amx paths' bits from a block-quantized weight's blocks (OpChoice.few_rows)
 FEW_ROWS_KERNEL = "blocks_dot"
 
@@ -67,6 +67,9 @@ class OpChoice:
     # bits; 0: never; None: not measured, the kernel's default), as timed (amx8_timed[name][i] at AMX8_BUCKETS[i] rows).
     amx8_rows: int | None = None
     amx8_timed: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    # seconds at the buckets up to this many rows were timed with the weights read from memory, in passes through the
+    # model's layers (calibrate.add_cold_times); 0: every bucket with the op's weight in cache
+    cold_rows: int = 0
 
     def describe(self) -> str:
         few = f" (<= {self.few_rows} rows: {FEW_ROWS_KERNEL})" if self.few_rows else ""
@@ -78,7 +81,7 @@ class OpChoice:
         return {"kernel": self.kernel, "rows": list(self.rows), "pinned": self.pinned,
                 "seconds": {k: list(v) for k, v in self.seconds.items()}, "few_rows": self.few_rows,
                 "few_timed": {k: list(v) for k, v in self.few_timed.items()}, "amx8_rows": self.amx8_rows,
-                "amx8_timed": {k: list(v) for k, v in self.amx8_timed.items()}}
+                "amx8_timed": {k: list(v) for k, v in self.amx8_timed.items()}, "cold_rows": self.cold_rows}
 
     @classmethod
     def from_json(cls, d: dict) -> OpChoice:
@@ -94,8 +97,11 @@ class OpChoice:
         if amx8_rows is not None and (not isinstance(amx8_rows, int) or amx8_rows < 0):
             raise ValueError("amx8_rows: None or an int >= 0")
         amx8_timed = {str(k): tuple(float(s) for s in v) for k, v in d.get("amx8_timed", {}).items()}
+        cold_rows = int(d.get("cold_rows", 0))
+        if cold_rows < 0:
+            raise ValueError("cold_rows >= 0")
         return cls(d["kernel"], rows, seconds, bool(d.get("pinned", False)), few_rows, few_timed, amx8_rows,
-                   amx8_timed)
+                   amx8_timed, cold_rows)
 
 
 def pinned(name: str) -> OpChoice:
@@ -154,10 +160,39 @@ def choose(candidates: Sequence[Candidate], timer: Timer, buckets: Sequence[int]
                 rounds = 2 if times[i] >= LONG_CALL else reps
                 again = [timer(c.name, rows, lambda c=c, rows=rows: c.run(rows)) for _ in range(rounds)]
                 times[i] = min(times[i], *again)
-    names = [c.name for c in candidates]
-    fastest = [max(min(seconds[n][i] for n in names), 1e-12) for i in range(len(buckets))]
-    best = min(names, key=lambda n: sum(t / f for t, f in zip(seconds[n], fastest)))
-    return OpChoice(best, tuple(buckets), {k: tuple(v) for k, v in seconds.items()})
+    return OpChoice(best_across(seconds), tuple(buckets), {k: tuple(v) for k, v in seconds.items()})
+
+
+def best_across(seconds: dict[str, Sequence[float]]) -> str:
+    """The candidate with the lowest sum over buckets of its time relative to the bucket's fastest (each batch size
+    counts alike; the earlier on a tie): choose's rule, over seconds[name][i] at bucket i."""
+    names = list(seconds)
+    fastest = [max(min(seconds[n][i] for n in names), 1e-12) for i in range(len(seconds[names[0]]))]
+    return min(names, key=lambda n: sum(t / f for t, f in zip(seconds[n], fastest)))
+
+
+def with_cold_times(c: OpChoice, cold: dict[str, dict[int, float]], family: Callable[[str], str]) -> OpChoice:
+    """c with its times at some buckets replaced by times taken with the weights read from memory (cold[name][i]: the
+    seconds of candidate `name` at bucket i), and chosen again by the same rule (best_across). A candidate not timed
+    cold at a bucket where others were (pruned, or one whose weight layout the cold passes did not build) gets its own
+    time there scaled by the cold/hot ratio of a timed candidate reading the same weights (family(name): which bytes it
+    reads), else of the bucket's fastest timed one: the same bytes come from memory at the same cost."""
+    cold_buckets = sorted({i for times in cold.values() for i in times})
+    if not cold_buckets:
+        return c
+    seconds = {n: list(v) for n, v in c.seconds.items()}
+    for i in cold_buckets:
+        timed = {n: cold[n][i] for n in seconds if i in cold.get(n, {})}
+        fastest = min(timed, key=timed.__getitem__)
+        for n in seconds:
+            if n in timed:
+                seconds[n][i] = timed[n]
+                continue
+            kin = [m for m in timed if family(m) == family(n)]
+            ref = min(kin, key=timed.__getitem__) if kin else fastest
+            seconds[n][i] = c.seconds[n][i] * timed[ref] / max(c.seconds[ref][i], 1e-12)
+    return replace(c, kernel=best_across(seconds), seconds={n: tuple(v) for n, v in seconds.items()},
+                   cold_rows=c.rows[cold_buckets[-1]])
 
 
 # The rows at which a kernel with another's bits is timed against it for OpChoice.few_rows (up to the first it loses)

@@ -3,6 +3,7 @@ the per-step prefill-attention choice reaching the kernel. No timing is asserted
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -201,6 +202,49 @@ def test_amx_block_ops_measure_up_to_how_many_rows_the_blocks_stand_in(q4_1_gguf
     model = load_model(q4_1_gguf, EngineConfig(dtype="bfloat16")).model
     again = calibrate.plan(model, 2, dtype=BF16, timer=lambda name, rows, fn: pytest.fail("measured again"))
     assert again.reused and {again.ops[op].few_rows for op in qops} == {2}
+
+
+@pytest.mark.skipif(not native.qblock_usable(), reason="the blocks need the native kernel")
+def test_block_ops_are_timed_again_with_their_weights_read_from_memory(q4_1_gguf: str) -> None:
+    """add_cold_times: after the hot timing (here the bf16 dot products over the dequantized weights win every
+    bucket), every block layer runs in passes in the model's order, LM head last, on the blocks and on the packed
+    kernels within PRUNE, at the buckets up to COLD_MAX_ROWS only; where the blocks win those, they are the choice.
+    The kernels really run (on the model's own blocks, and each layer's dequantized weight)."""
+    if not native.bf16_dot_usable():
+        pytest.skip("needs the dot kernel to be a candidate")
+    model = load_model(q4_1_gguf, EngineConfig(dtype="bfloat16")).model
+    layers = list(calibrate.qblock_layers(model))
+    hot = calibrate.plan(model, 2, dtype=BF16, timer=lambda name, rows, fn: 1.0 if name == "dot" else 2.5)
+    qops = {calibrate.qblock_op(m) for m in layers}
+    assert {hot.ops[op].kernel for op in qops} == {"dot"}
+    calls: list[tuple[str, int]] = []
+    ran: list[tuple[str, int]] = []  # (candidate, columns) in call order
+
+    def cold(name: str, rows: int, fn: Callable[[], object]) -> float:
+        calls.append((name, rows))
+        out = fn()
+        ran.append((name, out.shape[-1]))
+        return 1.0 if name == "blocks" else 3.0
+
+    table = calibrate.add_cold_times(model, hot, timer=cold)
+    for op in qops:
+        c = table.ops[op]
+        assert c.kernel == "blocks" and c.cold_rows == calibrate.COLD_MAX_ROWS
+        cold_i = [i for i, r in enumerate(c.rows) if r <= calibrate.COLD_MAX_ROWS]
+        assert all(c.seconds["blocks"][i] == 1.0 and c.seconds["dot"][i] == 3.0 for i in cold_i)
+        warm = [i for i, r in enumerate(c.rows) if r > calibrate.COLD_MAX_ROWS]
+        assert all(c.seconds[n][i] == hot.ops[op].seconds[n][i] for n in c.seconds for i in warm)
+    assert {r for _, r in calls} == {b for b in choice.ROW_BUCKETS if b <= calibrate.COLD_MAX_ROWS}
+    # within PRUNE of dot's 1.0: every candidate at 2.5 is out but the blocks, which always run
+    assert {n for n, _ in calls} == {"blocks", "dot"}
+    head_cols = model.logits_head().qblocks.n
+    first_pass = ran[:len(layers)]
+    assert [n for n, _ in first_pass] == ["blocks"] * len(layers) and first_pass[-1][1] == head_cols
+    assert "*" in calibrate.report(table) and "weights read from memory" in calibrate.report(table)
+    # pinned ops and other kinds are left as they were
+    pinned = dataclasses.replace(hot, ops={op: choice.pinned("dot") for op in hot.ops})
+    calls.clear()
+    assert calibrate.add_cold_times(model, pinned, timer=cold) == pinned and calls == []
 
 
 def _tiles_win_from_64(calls: list[tuple[str, int]], others: Callable[[str], float]) -> choice.Timer:

@@ -321,3 +321,26 @@ def test_a_bucket_slower_than_the_next_larger_is_timed_again() -> None:
     c = choose(candidates("blocks", "amx"), fake_timer(slow, calls), buckets=buckets, reps=3)
     assert c.kernel == "blocks" and c.seconds["amx"][2] == pytest.approx(32 * MS)
     assert calls.count(("amx", 4)) == 5 and all(calls.count(("amx", r)) == 3 for r in (1, 2, 8, 16))
+
+
+def test_times_taken_cold_replace_the_hot_ones_and_choose_again() -> None:
+    """with_cold_times: the buckets timed with the weights read from memory take those times and the op is chosen
+    again by the same rule; a candidate not timed cold there is scaled by the cold/hot ratio of one that reads the
+    same bytes (else of the bucket's fastest); the buckets above keep their hot times."""
+    hot = OpChoice("dot", (1, 8, 64, 512), {"blocks": (2.0, 2.0, 2.0, 1.0), "dot": (1.0, 1.0, 1.0, 1.1),
+                                             "onednn": (4.0, 4.0, 4.0, 1.2)})
+    family = {"blocks": "blocks", "dot": "bf16", "onednn": "bf16"}.__getitem__
+    cold = {"blocks": {0: 3.0, 1: 3.0, 2: 3.0}, "dot": {0: 6.0, 1: 6.0, 2: 6.0}}
+    c = choice.with_cold_times(hot, cold, family)
+    assert c.kernel == "blocks" and c.cold_rows == 64 and c.rows == hot.rows
+    assert c.seconds["blocks"] == (3.0, 3.0, 3.0, 1.0) and c.seconds["dot"] == (6.0, 6.0, 6.0, 1.1)
+    assert c.seconds["onednn"] == (24.0, 24.0, 24.0, 1.2)  # dot's ratio: it reads the same bf16 weight
+    # nothing of its family timed: the bucket's fastest timed candidate's ratio
+    only_blocks = choice.with_cold_times(hot, {"blocks": {0: 3.0}}, family)
+    assert only_blocks.seconds["dot"][0] == 1.5 and only_blocks.seconds["onednn"][0] == 6.0
+    assert only_blocks.cold_rows == 1 and only_blocks.kernel == "dot"  # one bucket of four: dot still wins
+    assert choice.with_cold_times(hot, {}, family) == hot
+    # the rows timed cold survive the cache file; a negative count is refused
+    assert OpChoice.from_json(json.loads(json.dumps(c.to_json()))) == c
+    with pytest.raises(ValueError):
+        OpChoice.from_json({**c.to_json(), "cold_rows": -1})
