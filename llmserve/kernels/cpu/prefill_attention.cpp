@@ -53,6 +53,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -363,6 +364,15 @@ void pair_keys(const Rows<c10::BFloat16>& keys, int64_t j0, int64_t n, int64_t n
   }
 }
 
+// A (span, KV head)'s keys and values as prefill_impl made them for every work item, from key 0 (null: the item makes
+// each block's itself): kp the dot path's keys as stored [rows, D] bf16, kf the fp32 path's widened keys, vf the values
+// widened [rows, D].
+struct Rowsets {
+  const uint16_t* kp;
+  const float* kf;
+  const float* vf;
+};
+
 // One work item: query tokens [i0, i0 + 16) of a span (context positions num_cached + i), the G heads of KV head
 // kvh, over keys [0, ctx) of the span's source. q/out rows: [T, H, D] with row strides q_row / out_row.
 // path 1: the dot path where q and the keys are bf16 (the caller checked the CPU); path 2: the amx path where vt (the
@@ -370,8 +380,8 @@ void pair_keys(const Rows<c10::BFloat16>& keys, int64_t j0, int64_t n, int64_t n
 template <typename TQ, typename TK>
 LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int64_t i0, int64_t kvh, int64_t G,
                                  int64_t D, const Rows<TK>& keys, const Rows<TK>& values, float scale,
-                                 int64_t window, int64_t path, const uint16_t* vt, Scratch& s, TQ* out,
-                                 int64_t out_row) {
+                                 int64_t window, int64_t path, const uint16_t* vt, const Rowsets& made, Scratch& s,
+                                 TQ* out, int64_t out_row) {
   constexpr bool kBf16 = std::is_same_v<TQ, c10::BFloat16> && std::is_same_v<TK, c10::BFloat16>;
   const bool dot = path == 1 && kBf16;
   const bool amx = path == 2 && kBf16 && vt != nullptr;
@@ -408,6 +418,7 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
   const __mmask16 live = tail_mask16(nt);
   for (int64_t j0 = lo; j0 < hi; j0 += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, hi - j0), n8 = (n + kRowsPerPass - 1) / kRowsPerPass * kRowsPerPass;
+    const float* vf = s.vf.data();  // the block's values in fp32 [n, D], for P @ V
     if constexpr (kBf16) {
       if (amx) {
         // the A tiles read the keys in place where the block's nk16 rows are evenly spaced context rows (a fresh
@@ -432,10 +443,16 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
         values_amx(vt + j0 * D, nk32, D, s.pp.data(), term, V, s.ot.data());
         continue;
       } else if (dot) {
-        pair_keys(keys, j0, n, n8, D, s);
-        widen_rows(values, j0, n, D, s.vf.data());
+        const uint32_t* kp = s.kp.data();
+        if (made.kp != nullptr) {  // made once for the span and KV head: its rows from j0 on (past n: scores unused)
+          kp = reinterpret_cast<const uint32_t*>(made.kp + j0 * D);
+          vf = made.vf + j0 * D;
+        } else {
+          pair_keys(keys, j0, n, n8, D, s);
+          widen_rows(values, j0, n, D, s.vf.data());
+        }
         by_row_vectors(V, [&](auto rv, int64_t v0) {
-          scores_dot<decltype(rv)::value>(s.kp.data(), n8, D / 2, s.qtp.data(), V, v0, s.st.data());
+          scores_dot<decltype(rv)::value>(kp, n8, D / 2, s.qtp.data(), V, v0, s.st.data());
         });
         const __m512 sv = _mm512_set1_ps(scale);
         for (int64_t e = 0; e < n8 * V; ++e) _mm512_storeu_ps(s.st.data() + e * 16,
@@ -443,11 +460,17 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
       }
     }
     if (!dot && !amx) {
-      widen_rows(keys, j0, n, D, s.kf.data());
-      for (int64_t t = n; t < n8; ++t) std::fill(s.kf.begin() + t * D, s.kf.begin() + (t + 1) * D, 0.f);
-      widen_rows(values, j0, n, D, s.vf.data());
+      const float* kf = s.kf.data();
+      if (made.kf != nullptr) {  // made once for the span and KV head (rows past n: scores unused)
+        kf = made.kf + j0 * D;
+        vf = made.vf + j0 * D;
+      } else {
+        widen_rows(keys, j0, n, D, s.kf.data());
+        for (int64_t t = n; t < n8; ++t) std::fill(s.kf.begin() + t * D, s.kf.begin() + (t + 1) * D, 0.f);
+        widen_rows(values, j0, n, D, s.vf.data());
+      }
       by_row_vectors(V, [&](auto rv, int64_t v0) {
-        tile_pass<decltype(rv)::value>(s.kf.data(), D, 1, n8, D, s.qt.data(), V, v0, false, s.st.data());
+        tile_pass<decltype(rv)::value>(kf, D, 1, n8, D, s.qt.data(), V, v0, false, s.st.data());
       });
     }
     // a key is visible to a lane where j <= p (causal) and j > p - window; the block needs masks only where some
@@ -487,7 +510,7 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
         }
     }
     by_row_vectors(V, [&](auto rv, int64_t v0) {
-      tile_pass<decltype(rv)::value>(s.vf.data(), 1, D, D, n, s.st.data(), V, v0, true, s.ot.data());
+      tile_pass<decltype(rv)::value>(vf, 1, D, D, n, s.st.data(), V, v0, true, s.ot.data());
     });
   }
   for (int64_t g = 0; g < G; ++g)
@@ -538,6 +561,68 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       }
     });
   }
+  // Each (span, KV head) that does not run the amx path gets its keys and values once here, contiguous, in the form
+  // its work items read them: the dot path's keys as stored (bf16 pairs) and its values widened to fp32; the fp32
+  // path's keys and values widened (and scaled, int8). Every work item of 16 query tokens used to copy or widen each
+  // block it read itself: a 2,000-token prompt's rows ~62 times each, from rows 1,920 bytes apart in the fused qkv
+  // output (their loads were the kernel's hottest spot after its two products; 2-core Zen 5: 15.3-22.7 against
+  // 11.9-13.0 ms a layer). Rows padded to a multiple of 8 (+ 8) with zeros: the score passes read whole groups of 8
+  // keys. The same values as before: the same bits.
+  const int64_t cache_row = KVH * D;  // elements per slot
+  auto key_rows = [&](const Span& sp, int64_t h) {  // (keys, values) of the span's KV head h, cache or this step's
+    return std::make_pair(
+        Rows<TC>{k_cache.data_ptr<TC>() + h * D, slots + sp.slot_offset, cache_row, k_scales ? k_scales + h : nullptr,
+                 KVH},
+        Rows<TC>{v_cache.data_ptr<TC>() + h * D, slots + sp.slot_offset, cache_row, v_scales ? v_scales + h : nullptr,
+                 KVH});
+  };
+  auto step_rows = [&](const Span& sp, int64_t h) {
+    return std::make_pair(Rows<TQ>{k.data_ptr<TQ>() + sp.q_start * k.stride(0) + h * D, nullptr, k.stride(0), nullptr, 0},
+                          Rows<TQ>{v.data_ptr<TQ>() + sp.q_start * v.stride(0) + h * D, nullptr, v.stride(0), nullptr, 0});
+  };
+  constexpr bool kBf16Q = std::is_same_v<TQ, c10::BFloat16>;
+  const int64_t units = static_cast<int64_t>(spans.size()) * KVH;
+  std::vector<int64_t> rows_at(units + 1, 0);  // each unit's first row in the buffers (none: amx, which has vt)
+  std::vector<bool> dot_rows(units, false);
+  for (int64_t u = 0; u < units; ++u) {
+    const Span& sp = spans[u / KVH];
+    const bool bf16_keys = kBf16Q && (!sp.from_cache || kBf16Cache);
+    dot_rows[u] = path == 1 && bf16_keys;
+    const bool own = amx && bf16_keys;
+    rows_at[u + 1] = rows_at[u] + (own ? 0 : ((sp.num_cached + sp.q_len) / 8 + 2) * 8);
+  }
+  std::unique_ptr<float[]> kfs(new float[rows_at.back() * D]), vfs(new float[rows_at.back() * D]);
+  std::unique_ptr<uint16_t[]> kps(new uint16_t[rows_at.back() * D]);
+  at::parallel_for(0, units, 1, [&](int64_t b, int64_t e) {
+    for (int64_t u = b; u < e; ++u) {
+      if (rows_at[u + 1] == rows_at[u]) continue;
+      const Span& sp = spans[u / KVH];
+      const int64_t h = u % KVH, ctx = sp.num_cached + sp.q_len, row0 = rows_at[u], pad = rows_at[u + 1] - row0;
+      float* vf = vfs.get() + row0 * D;
+      auto fill = [&](const auto& kr, const auto& vr) {
+        widen_rows(vr, 0, ctx, D, vf);
+        if (dot_rows[u]) {
+          uint16_t* kp = kps.get() + row0 * D;
+          for (int64_t j = 0; j < ctx; ++j) {
+            const auto* r = reinterpret_cast<const uint16_t*>(kr.row(j));
+            std::copy(r, r + D, kp + j * D);
+          }
+          std::fill(kp + ctx * D, kp + pad * D, uint16_t{0});
+        } else {
+          widen_rows(kr, 0, ctx, D, kfs.get() + row0 * D);
+          std::fill(kfs.get() + (row0 + ctx) * D, kfs.get() + (row0 + pad) * D, 0.f);
+        }
+        std::fill(vf + ctx * D, vf + pad * D, 0.f);
+      };
+      if (sp.from_cache) {
+        const auto [kr, vr] = key_rows(sp, h);
+        fill(kr, vr);
+      } else {
+        const auto [kr, vr] = step_rows(sp, h);
+        fill(kr, vr);
+      }
+    }
+  });
   struct Item {
     int64_t span, kvh, i0, cost;
   };
@@ -551,7 +636,6 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   const TQ* qp = q.data_ptr<TQ>();
   TQ* op = out.data_ptr<TQ>();
-  const int64_t cache_row = KVH * D;  // elements per slot
   std::atomic<int64_t> next{0};
   const int64_t n_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
@@ -564,16 +648,17 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const float sc = static_cast<float>(scale);
       const int64_t vu = it.span * KVH + it.kvh;
       const uint16_t* vt = amx && vt_at[vu + 1] > vt_at[vu] ? vts.data() + vt_at[vu] : nullptr;
+      const bool shared = rows_at[vu + 1] > rows_at[vu];
+      const Rowsets made{shared && dot_rows[vu] ? kps.get() + rows_at[vu] * D : nullptr,
+                         shared && !dot_rows[vu] ? kfs.get() + rows_at[vu] * D : nullptr,
+                         shared ? vfs.get() + rows_at[vu] * D : nullptr};
       if (sp.from_cache) {
-        const int64_t* sl = slots + sp.slot_offset;
-        const Rows<TC> kr{k_cache.data_ptr<TC>() + it.kvh * D, sl, cache_row, k_scales ? k_scales + it.kvh : nullptr, KVH};
-        const Rows<TC> vr{v_cache.data_ptr<TC>() + it.kvh * D, sl, cache_row, v_scales ? v_scales + it.kvh : nullptr, KVH};
-        attend_tile<TQ, TC>(qp, q.stride(0), sp, it.i0, it.kvh, G, D, kr, vr, sc, window, path, vt, s, op,
+        const auto [kr, vr] = key_rows(sp, it.kvh);
+        attend_tile<TQ, TC>(qp, q.stride(0), sp, it.i0, it.kvh, G, D, kr, vr, sc, window, path, vt, made, s, op,
                             out.stride(0));
       } else {  // this step's rows: token j of the span at row q_start + j
-        const Rows<TQ> kr{k.data_ptr<TQ>() + sp.q_start * k.stride(0) + it.kvh * D, nullptr, k.stride(0), nullptr, 0};
-        const Rows<TQ> vr{v.data_ptr<TQ>() + sp.q_start * v.stride(0) + it.kvh * D, nullptr, v.stride(0), nullptr, 0};
-        attend_tile<TQ, TQ>(qp, q.stride(0), sp, it.i0, it.kvh, G, D, kr, vr, sc, window, path, vt, s, op,
+        const auto [kr, vr] = step_rows(sp, it.kvh);
+        attend_tile<TQ, TQ>(qp, q.stride(0), sp, it.i0, it.kvh, G, D, kr, vr, sc, window, path, vt, made, s, op,
                             out.stride(0));
       }
     }
