@@ -55,6 +55,7 @@ read the cache.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import hashlib
@@ -449,7 +450,7 @@ def add_cold_times(model: nn.Module, table: ChoiceTable, timer: Timer = wall_clo
     layers.sort(key=lambda m: id(m) in heads)  # decoder layers in the model's order, then the head
     start = time.perf_counter()
     ops = {id(m): qblock_op(m) for m in layers}
-    count = {op: list(ops.values()).count(op) for op in set(ops.values())}
+    count = collections.Counter(ops.values())  # layers per op
     # per op and cold bucket (index into its rows): the candidates timed cold
     names: dict[str, dict[int, list[str]]] = {}
     for op in count:

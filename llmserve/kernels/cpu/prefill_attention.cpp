@@ -9,7 +9,8 @@
 // Layout of the work. A work item is (span, KV head, tile of 16 query tokens): its rows are the G query heads
 // sharing the KV head times the 16 tokens, head-major, so every 16-lane vector holds one head's 16 tokens and the
 // causal mask of a key is the same for each head. Per block of up to 64 keys:
-//   1. the block's K and V rows are widened (and scaled, int8) to fp32 once, K and V each [keys, D];
+//   1. the span's K and V rows are widened (and scaled, int8) to fp32 once a call, K and V each [keys, D], for all of
+//      its items (prefill_impl);
 //   2. scores transposed, S^T [keys, rows] = K Q^T with Q^T [D, rows] made once per item: one FMA per key and
 //      dimension gives 16 rows' scores, no horizontal sums (8 keys x up to 3 vectors of rows in registers);
 //   3. the softmax runs down the keys, lane by lane (each lane is a row): max, exp, sum are vertical;
@@ -342,11 +343,11 @@ struct Span {
 };
 
 struct Scratch {
-  std::vector<float> qt, ot, st, kf, vf, m, l;
+  std::vector<float> qt, ot, st, m, l;
   std::vector<uint32_t> qtp, kp;  // the dot path's pairs: Q^T [D/2, V, 16], K [keys, D/2]
   std::vector<uint32_t> pp;       // the amx path's P^T pairs, two terms of [keys / 2, V, 16]
-  Scratch(int64_t D, int64_t V) : qt(D * V * 16), ot(D * V * 16), st(kKeyBlock * V * 16), kf(kKeyBlock * D),
-                                  vf(kKeyBlock * D), m(V * 16), l(V * 16), qtp(D / 2 * V * 16), kp(kKeyBlock * D / 2),
+  Scratch(int64_t D, int64_t V) : qt(D * V * 16), ot(D * V * 16), st(kKeyBlock * V * 16), m(V * 16), l(V * 16),
+                                  qtp(D / 2 * V * 16), kp(kKeyBlock * D / 2),
                                   pp(2 * kKeyBlock / 2 * V * 16) {}
 };
 
@@ -364,9 +365,9 @@ void pair_keys(const Rows<c10::BFloat16>& keys, int64_t j0, int64_t n, int64_t n
   }
 }
 
-// A (span, KV head)'s keys and values as prefill_impl made them for every work item, from key 0 (null: the item makes
-// each block's itself): kp the dot path's keys as stored [rows, D] bf16, kf the fp32 path's widened keys, vf the values
-// widened [rows, D].
+// A (span, KV head)'s keys and values as prefill_impl made them for all its work items, from key 0: kp the dot path's
+// keys as stored [rows, D] bf16 (else null), kf the fp32 path's widened keys (else null), vf the values widened
+// [rows, D]; all null for the amx path, which reads vt and the keys in place.
 struct Rowsets {
   const uint16_t* kp;
   const float* kf;
@@ -376,10 +377,11 @@ struct Rowsets {
 // One work item: query tokens [i0, i0 + 16) of a span (context positions num_cached + i), the G heads of KV head
 // kvh, over keys [0, ctx) of the span's source. q/out rows: [T, H, D] with row strides q_row / out_row.
 // path 1: the dot path where q and the keys are bf16 (the caller checked the CPU); path 2: the amx path where vt (the
-// span's V^T for this KV head in blocks of 32 keys, values_amx's) is given; else fp32 FMAs.
+// span's V^T for this KV head in blocks of 32 keys, values_amx's) is given; else fp32 FMAs. The dot and fp32 paths read
+// the keys and values from `made` (prefill_impl makes them once for every item), the amx path from vt and keys.
 template <typename TQ, typename TK>
 LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int64_t i0, int64_t kvh, int64_t G,
-                                 int64_t D, const Rows<TK>& keys, const Rows<TK>& values, float scale,
+                                 int64_t D, const Rows<TK>& keys, float scale,
                                  int64_t window, int64_t path, const uint16_t* vt, const Rowsets& made, Scratch& s,
                                  TQ* out, int64_t out_row) {
   constexpr bool kBf16 = std::is_same_v<TQ, c10::BFloat16> && std::is_same_v<TK, c10::BFloat16>;
@@ -418,7 +420,6 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
   const __mmask16 live = tail_mask16(nt);
   for (int64_t j0 = lo; j0 < hi; j0 += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, hi - j0), n8 = (n + kRowsPerPass - 1) / kRowsPerPass * kRowsPerPass;
-    const float* vf = s.vf.data();  // the block's values in fp32 [n, D], for P @ V
     if constexpr (kBf16) {
       if (amx) {
         // the A tiles read the keys in place where the block's nk16 rows are evenly spaced context rows (a fresh
@@ -443,14 +444,8 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
         values_amx(vt + j0 * D, nk32, D, s.pp.data(), term, V, s.ot.data());
         continue;
       } else if (dot) {
-        const uint32_t* kp = s.kp.data();
-        if (made.kp != nullptr) {  // made once for the span and KV head: its rows from j0 on (past n: scores unused)
-          kp = reinterpret_cast<const uint32_t*>(made.kp + j0 * D);
-          vf = made.vf + j0 * D;
-        } else {
-          pair_keys(keys, j0, n, n8, D, s);
-          widen_rows(values, j0, n, D, s.vf.data());
-        }
+        // the span's keys from j0 on (rows past n: scores unused)
+        const auto* kp = reinterpret_cast<const uint32_t*>(made.kp + j0 * D);
         by_row_vectors(V, [&](auto rv, int64_t v0) {
           scores_dot<decltype(rv)::value>(kp, n8, D / 2, s.qtp.data(), V, v0, s.st.data());
         });
@@ -460,15 +455,7 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
       }
     }
     if (!dot && !amx) {
-      const float* kf = s.kf.data();
-      if (made.kf != nullptr) {  // made once for the span and KV head (rows past n: scores unused)
-        kf = made.kf + j0 * D;
-        vf = made.vf + j0 * D;
-      } else {
-        widen_rows(keys, j0, n, D, s.kf.data());
-        for (int64_t t = n; t < n8; ++t) std::fill(s.kf.begin() + t * D, s.kf.begin() + (t + 1) * D, 0.f);
-        widen_rows(values, j0, n, D, s.vf.data());
-      }
+      const float* kf = made.kf + j0 * D;  // (rows past n: scores unused)
       by_row_vectors(V, [&](auto rv, int64_t v0) {
         tile_pass<decltype(rv)::value>(kf, D, 1, n8, D, s.qt.data(), V, v0, false, s.st.data());
       });
@@ -509,6 +496,7 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
           _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), alpha));
         }
     }
+    const float* vf = made.vf + j0 * D;  // the block's values in fp32 [n, D]
     by_row_vectors(V, [&](auto rv, int64_t v0) {
       tile_pass<decltype(rv)::value>(vf, 1, D, D, n, s.st.data(), V, v0, true, s.ot.data());
     });
@@ -653,13 +641,11 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          shared && !dot_rows[vu] ? kfs.get() + rows_at[vu] * D : nullptr,
                          shared ? vfs.get() + rows_at[vu] * D : nullptr};
       if (sp.from_cache) {
-        const auto [kr, vr] = key_rows(sp, it.kvh);
-        attend_tile<TQ, TC>(qp, q.stride(0), sp, it.i0, it.kvh, G, D, kr, vr, sc, window, path, vt, made, s, op,
-                            out.stride(0));
+        attend_tile<TQ, TC>(qp, q.stride(0), sp, it.i0, it.kvh, G, D, key_rows(sp, it.kvh).first, sc, window, path,
+                            vt, made, s, op, out.stride(0));
       } else {  // this step's rows: token j of the span at row q_start + j
-        const auto [kr, vr] = step_rows(sp, it.kvh);
-        attend_tile<TQ, TQ>(qp, q.stride(0), sp, it.i0, it.kvh, G, D, kr, vr, sc, window, path, vt, made, s, op,
-                            out.stride(0));
+        attend_tile<TQ, TQ>(qp, q.stride(0), sp, it.i0, it.kvh, G, D, step_rows(sp, it.kvh).first, sc, window, path,
+                            vt, made, s, op, out.stride(0));
       }
     }
   });
