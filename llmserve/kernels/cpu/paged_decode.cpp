@@ -295,6 +295,31 @@ LLMSERVE_AVX512 inline void qk16(const float* q, const float* k, int64_t n16, in
   }
 }
 
+// Ask for token t's key (prefetch_key) or value (prefetch_value) of the next slice (into L2) while this block is
+// computed: blocks lie anywhere in the pool, so the hardware prefetchers cannot guess the next one, and the first rows
+// of every 4 KiB page would miss. Requests a burst would fill the line-fill buffers and stall the loads the current
+// block needs, so they go out spread over the block's work: the next keys one token per key during the scores, 16
+// before each 16 keys' products, the next values one per token during P @ V. (2-core Xeon, 30 layers of 64 requests x
+// 285 tokens, bf16: 29.8-30.3 ms per step against 35.2-36.5 without prefetching and 35.4-37.1 asking for the whole next
+// block at once.) They went out, one key and one value per key, during the copy of the block's keys, a short loop
+// that is itself a burst: there, on the 2-core Zen 5 (2026-12-02), over a third of attend_one_dot's samples waited on
+// the copy's loads, and decode attention in the 64-request workload took 2.34-2.35 s against 1.74-1.75 now,
+// alternated (BENCHMARKS.md).
+template <typename T>
+inline void prefetch_key(const NextSlice<T>& next, int64_t t) {
+  if (next.k == nullptr || t >= next.n) return;
+  const char* k = reinterpret_cast<const char*>(next.k + t * next.tok_stride);
+  for (int64_t c = 0; c < next.row_bytes; c += 64) _mm_prefetch(k + c, _MM_HINT_T1);
+  if constexpr (kInt8<T>) _mm_prefetch(reinterpret_cast<const char*>(next.ks + t * next.kv_heads), _MM_HINT_T1);
+}
+template <typename T>
+inline void prefetch_value(const NextSlice<T>& next, int64_t t) {
+  if (next.v == nullptr || t >= next.n) return;
+  const char* v = reinterpret_cast<const char*>(next.v + t * next.tok_stride);
+  for (int64_t c = 0; c < next.row_bytes; c += 64) _mm_prefetch(v + c, _MM_HINT_T1);
+  if constexpr (kInt8<T>) _mm_prefetch(reinterpret_cast<const char*>(next.vs + t * next.kv_heads), _MM_HINT_T1);
+}
+
 // qk16 with vdpbf16ps (the dot path): scores of one head against 16 keys [t, t + 16) of the block's bf16 scratch
 // (rows of D, zero past the block's keys, D % 32 == 0), s[t : t + 16], scaled here (the query is not: a scaled bf16
 // query would be rounded). The query's dimensions and each key's are pairs, so each instruction does 32 products.
@@ -320,12 +345,17 @@ LLMSERVE_AVX512BF16 inline void qk16_dot(const uint16_t* q, const uint16_t* k, i
 // end. A row past n is never read: an odd last token pairs with zeros (and p there is 0).
 template <int NG, int NC>
 LLMSERVE_AVX512BF16 inline void pv_dot_pass(const uint16_t* p, int64_t p_stride, int64_t term, const uint16_t* vb,
-                                            int64_t tok_stride, int64_t n, int64_t D, float* acc) {
+                                            int64_t tok_stride, int64_t n, int64_t D, float* acc,
+                                            const NextSlice<c10::BFloat16>* pf) {
   for (int64_t c = 0; c < D; c += 32 * NC) {
     __m512 a[NG][2 * NC];
     for (int g = 0; g < NG; ++g)
       for (int j = 0; j < 2 * NC; ++j) a[g][j] = _mm512_loadu_ps(acc + g * D + c + 16 * j);
     for (int64_t t = 0; t < n; t += 2) {  // tokens t and t + 1 (a loop, not a lambda: the target's intrinsics)
+      if (pf != nullptr && c == 0) {
+        prefetch_value(*pf, t);
+        prefetch_value(*pf, t + 1);
+      }
       const bool odd = t + 1 == n;
       __m512i lo[NC], hi[NC];
       for (int i = 0; i < NC; ++i) {
@@ -352,15 +382,17 @@ LLMSERVE_AVX512BF16 inline void pv_dot_pass(const uint16_t* p, int64_t p_stride,
 
 template <int NC>
 LLMSERVE_AVX512BF16 inline void pv_dot_heads(const uint16_t* p, int64_t p_stride, int64_t term, const uint16_t* vb,
-                                             int64_t tok_stride, int64_t n, int64_t D, int64_t G, float* acc) {
+                                             int64_t tok_stride, int64_t n, int64_t D, int64_t G, float* acc,
+                                             const NextSlice<c10::BFloat16>* pf = nullptr) {
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
     const uint16_t* pg = p + g0 * p_stride;
     float* a = acc + g0 * D;
+    const NextSlice<c10::BFloat16>* f = g0 == 0 ? pf : nullptr;  // the first pass asks for the next values
     switch (std::min<int64_t>(4, G - g0)) {
-      case 1: pv_dot_pass<1, NC>(pg, p_stride, term, vb, tok_stride, n, D, a); break;
-      case 2: pv_dot_pass<2, NC>(pg, p_stride, term, vb, tok_stride, n, D, a); break;
-      case 3: pv_dot_pass<3, NC>(pg, p_stride, term, vb, tok_stride, n, D, a); break;
-      default: pv_dot_pass<4, NC>(pg, p_stride, term, vb, tok_stride, n, D, a); break;
+      case 1: pv_dot_pass<1, NC>(pg, p_stride, term, vb, tok_stride, n, D, a, f); break;
+      case 2: pv_dot_pass<2, NC>(pg, p_stride, term, vb, tok_stride, n, D, a, f); break;
+      case 3: pv_dot_pass<3, NC>(pg, p_stride, term, vb, tok_stride, n, D, a, f); break;
+      default: pv_dot_pass<4, NC>(pg, p_stride, term, vb, tok_stride, n, D, a, f); break;
     }
   }
 }
@@ -371,14 +403,15 @@ inline int64_t dot_dim(int64_t j, int64_t k) { return 32 * (j / 2) + 8 * (k / 4)
 
 // acc[g, 0:D] += sum_t p[g, t] v[t, 0:D] for NG heads, t in [0, n), NC * 16 dims per pass. Both are
 // template parameters so the NG x NC accumulators stay in registers (run-time bounds spilled them).
-template <int NG, int NC, typename T>
+template <int NG, int NC, typename T, typename N>
 LLMSERVE_AVX512 inline void pv_pass(const float* p, int64_t p_stride, const T* vb, int64_t tok_stride,
-                                    int64_t n, int64_t D, float* acc) {
+                                    int64_t n, int64_t D, float* acc, const NextSlice<N>* pf) {
   for (int64_t c = 0; c < D; c += 16 * NC) {
     __m512 a[NG][NC];
     for (int g = 0; g < NG; ++g)
       for (int i = 0; i < NC; ++i) a[g][i] = _mm512_loadu_ps(acc + g * D + c + 16 * i);
     for (int64_t t = 0; t < n; ++t) {
+      if (pf != nullptr && c == 0) prefetch_value(*pf, t);
       const T* v = vb + t * tok_stride + c;
       __m512 vv[NC];
       for (int i = 0; i < NC; ++i) vv[i] = load16(v + 16 * i);
@@ -392,40 +425,20 @@ LLMSERVE_AVX512 inline void pv_pass(const float* p, int64_t p_stride, const T* v
   }
 }
 
-template <int NC, typename T>
+// pf: where the next slice's values are asked for during the first pass (null: nowhere)
+template <int NC, typename T, typename N = T>
 LLMSERVE_AVX512 inline void pv_heads(const float* p, int64_t p_stride, const T* vb, int64_t tok_stride, int64_t n,
-                                     int64_t D, int64_t G, float* acc) {
+                                     int64_t D, int64_t G, float* acc, const NextSlice<N>* pf = nullptr) {
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
     const float* pg = p + g0 * p_stride;
     float* a = acc + g0 * D;
+    const NextSlice<N>* f = g0 == 0 ? pf : nullptr;
     switch (std::min<int64_t>(4, G - g0)) {
-      case 1: pv_pass<1, NC>(pg, p_stride, vb, tok_stride, n, D, a); break;
-      case 2: pv_pass<2, NC>(pg, p_stride, vb, tok_stride, n, D, a); break;
-      case 3: pv_pass<3, NC>(pg, p_stride, vb, tok_stride, n, D, a); break;
-      default: pv_pass<4, NC>(pg, p_stride, vb, tok_stride, n, D, a); break;
+      case 1: pv_pass<1, NC>(pg, p_stride, vb, tok_stride, n, D, a, f); break;
+      case 2: pv_pass<2, NC>(pg, p_stride, vb, tok_stride, n, D, a, f); break;
+      case 3: pv_pass<3, NC>(pg, p_stride, vb, tok_stride, n, D, a, f); break;
+      default: pv_pass<4, NC>(pg, p_stride, vb, tok_stride, n, D, a, f); break;
     }
-  }
-}
-
-// Ask for token t of the next slice (into L2) while this block is computed: blocks lie anywhere in the pool, so the
-// hardware prefetchers cannot guess the next one, and the first rows of every 4 KiB page would miss. One token per
-// token of the current block, so the requests go out spread over the block's work instead of in a burst. Measured on
-// 30 layers of 64 requests x 285 tokens (bf16, 2-core Xeon): in-process alternated on a huge-page pool, 29.8-30.3 ms
-// per step against 35.2-36.5 without prefetching and 35.4-37.1 asking for the whole next block at once (the burst
-// fills the line-fill buffers and stalls the loads the current block needs). On the engine's 4 KiB-page pool, separate
-// processes: 32.3-35.7 ms against 35.6-36.0 with the burst (this VM's noise is of that size).
-template <typename T>
-inline void prefetch_token(const NextSlice<T>& next, int64_t t) {
-  if (next.k == nullptr || t >= next.n) return;
-  const char* k = reinterpret_cast<const char*>(next.k + t * next.tok_stride);
-  const char* v = reinterpret_cast<const char*>(next.v + t * next.tok_stride);
-  for (int64_t c = 0; c < next.row_bytes; c += 64) {
-    _mm_prefetch(k + c, _MM_HINT_T1);
-    _mm_prefetch(v + c, _MM_HINT_T1);
-  }
-  if constexpr (kInt8<T>) {
-    _mm_prefetch(reinterpret_cast<const char*>(next.ks + t * next.kv_heads), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(next.vs + t * next.kv_heads), _MM_HINT_T1);
   }
 }
 
@@ -475,8 +488,7 @@ LLMSERVE_AVX512 inline void softmax_block(float* scores, int64_t bs16, int64_t n
 
 // The dot path of attend_one_512 for a bf16 query over a bf16 cache (D % 32 == 0): both products by vdpbf16ps on the
 // cache as stored. Per block: its keys copied in order into a contiguous bf16 scratch kb16 [round16(BS), D] (zero
-// rows past n; streamed in order, with the next slice asked for one token per key: loading 16 scattered cold rows
-// straight into the products ran 1.3x slower), scores 16 keys at a time (qk16_dot), the softmax in fp32, the
+// rows past n; streamed in order: loading 16 scattered cold rows straight into the products ran 1.3x slower), scores 16 keys at a time (qk16_dot), the softmax in fp32, the
 // probabilities split into two bf16 terms (pb [2, G, bs16]: P rounded, then the exact rest rounded), then P @ V by
 // pairs of tokens (pv_dot_pass) into fp32 accumulators. q: the group's unscaled bf16 query [G, D]; the other arguments
 // as attend_one_512's.
@@ -495,16 +507,17 @@ LLMSERVE_AVX512BF16 void attend_one_dot(const uint16_t* q, const CacheView<c10::
     const auto* vb = reinterpret_cast<const uint16_t*>(kv.v + table[b] * blk_stride + kvh * D + t0 * tok_stride);
     const NextSlice<c10::BFloat16> next =
         (b + 1) * BS < len ? next_slice(kv, table[b + 1], kvh, std::min(len - (b + 1) * BS, BS), dm) : after;
-    for (int64_t t = 0; t < n; ++t) {
-      prefetch_token(next, t);
+    // the next slice's keys are asked for during these scores, its values during P @ V (prefetch_key)
+    for (int64_t t = 0; t < n; ++t)
       for (int64_t c = 0; c < D; c += 32)
         _mm512_storeu_si512(kb16 + t * D + c, _mm512_loadu_si512(kb + t * tok_stride + c));
-    }
-    for (int64_t t = n; t < next.n; ++t) prefetch_token(next, t);  // a short block: the rest now
     for (int64_t t = n; t < n16; ++t)
       for (int64_t c = 0; c < D; c += 32) _mm512_storeu_si512(kb16 + t * D + c, _mm512_setzero_si512());
-    for (int64_t t = 0; t < n16; t += 16)
+    for (int64_t t = 0; t < n16; t += 16) {
+      for (int64_t i = t; i < t + 16; ++i) prefetch_key(next, i);
       for (int64_t g = 0; g < G; ++g) qk16_dot(q + g * D, kb16, t, D, scale, scores + g * bs16);
+    }
+    for (int64_t i = n16; i < next.n; ++i) prefetch_key(next, i);  // a short block: the rest now
     softmax_block(scores, bs16, n, G, D, m, l, acc);
     const int64_t term = G * bs16;  // pb: P's high bf16 terms [G, bs16], then its low ones
     for (int64_t g = 0; g < G; ++g)
@@ -516,9 +529,10 @@ LLMSERVE_AVX512BF16 void attend_one_dot(const uint16_t* q, const CacheView<c10::
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + term + g * bs16 + t), (__m256i)_mm512_cvtneps_pbh(rest));
       }
     if (D % 64 == 0)
-      pv_dot_heads<2>(pb, bs16, term, vb, tok_stride, n, D, G, acc);
+      pv_dot_heads<2>(pb, bs16, term, vb, tok_stride, n, D, G, acc, &next);
     else
-      pv_dot_heads<1>(pb, bs16, term, vb, tok_stride, n, D, G, acc);
+      pv_dot_heads<1>(pb, bs16, term, vb, tok_stride, n, D, G, acc, &next);
+    for (int64_t i = (n + 1) / 2 * 2; i < next.n; ++i) prefetch_value(next, i);
   }
   for (int64_t g = 0; g < G; ++g)  // each chunk's 32 dims back in order
     for (int64_t c = 0; c < D; c += 32) {
@@ -549,7 +563,6 @@ LLMSERVE_AVX512 void attend_one_512(const float* qs, const CacheView<T>& kv, con
     const NextSlice<T> next =
         (b + 1) * BS < len ? next_slice(kv, table[b + 1], kvh, std::min(len - (b + 1) * BS, BS), dm) : after;
     for (int64_t t = 0; t < n; ++t) {
-      prefetch_token(next, t);
       if constexpr (kInt4<T>) {  // unpacked and dequantized once here, then read by every head of the group
         const at::Half* pr = kv.k_param + 2 * (scale0 + t * KVH);
         const __m512 sc = _mm512_set1_ps(static_cast<float>(pr[0])), z = _mm512_set1_ps(static_cast<float>(pr[1]));
@@ -563,10 +576,14 @@ LLMSERVE_AVX512 void attend_one_512(const float* qs, const CacheView<T>& kv, con
         for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(kf + t * D + c, load16(kb + t * tok_stride + c));
       }
     }
-    for (int64_t t = n; t < next.n; ++t) prefetch_token(next, t);  // a short block: the rest now
     for (int64_t t = n; t < n16; ++t)
       for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(kf + t * D + c, _mm512_setzero_ps());
-    for (int64_t g = 0; g < G; ++g) qk16(qs + g * D, kf, n16, D, scores + g * bs16);
+    // the next slice's keys are asked for during these scores, its values during P @ V (prefetch_key)
+    for (int64_t t = 0; t < n16; t += 16) {
+      for (int64_t i = t; i < t + 16; ++i) prefetch_key(next, i);
+      for (int64_t g = 0; g < G; ++g) qk16(qs + g * D, kf + t * D, 16, D, scores + g * bs16 + t);
+    }
+    for (int64_t i = n16; i < next.n; ++i) prefetch_key(next, i);  // a short block: the rest now
     softmax_block(scores, bs16, n, G, D, m, l, acc);
     if constexpr (kInt8<T>) {  // p * (v8 * scale) = (p * scale) * v8: fold V's scale into p
       for (int64_t t = 0; t < n; ++t) {
@@ -578,6 +595,7 @@ LLMSERVE_AVX512 void attend_one_512(const float* qs, const CacheView<T>& kv, con
       // the keys' scratch is free again: the block's values dequantized into it, then the fp32 rows go through
       // pv_heads as a float cache's would (the zero point keeps the scale from folding into p as int8's does)
       for (int64_t t = 0; t < n; ++t) {
+        prefetch_value(next, t);
         const at::Half* pr = kv.v_param + 2 * (scale0 + t * KVH);
         const __m512 sc = _mm512_set1_ps(static_cast<float>(pr[0])), z = _mm512_set1_ps(static_cast<float>(pr[1]));
         for (int64_t c = 0; c < D; c += 16)
@@ -588,10 +606,11 @@ LLMSERVE_AVX512 void attend_one_512(const float* qs, const CacheView<T>& kv, con
       else
         pv_heads<1>(scores, bs16, static_cast<const float*>(kf), D, n, D, G, acc);
     } else if (D % 64 == 0) {
-      pv_heads<4>(scores, bs16, vb, tok_stride, n, D, G, acc);
+      pv_heads<4>(scores, bs16, vb, tok_stride, n, D, G, acc, &next);
     } else {
-      pv_heads<1>(scores, bs16, vb, tok_stride, n, D, G, acc);
+      pv_heads<1>(scores, bs16, vb, tok_stride, n, D, G, acc, &next);
     }
+    for (int64_t i = n; i < next.n; ++i) prefetch_value(next, i);
   }
   normalize(acc, l, G, D);
 }
