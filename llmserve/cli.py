@@ -135,7 +135,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         return 0
     threads = configure_cpu(config.num_threads)
     with torch.inference_mode():
-        table = calibrate.plan(loaded.model, threads, config.kernel_choice, remeasure=True, dtype=loaded.dtype)
+        table = calibrate.plan(loaded.model, threads, config.kernel_choice, remeasure=True, dtype=loaded.dtype,
+                               rows=calibrate.row_limits(config))
     if table is None:
         print(f"nothing to tune: the model has no bf16 matmuls or native bf16 attention (dtype {loaded.dtype}; try "
               "--dtype bfloat16)")

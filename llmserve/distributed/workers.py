@@ -255,6 +255,7 @@ def _build(rank: int, model: str | None, config: EngineConfig, device: str, num_
            kv_cache_dtype: str) -> Any:
     import torch.distributed as dist
 
+    from llmserve.kernels import calibrate
     from llmserve.models.loader import load_model
     from llmserve.worker.model_runner import CpuOptions, ModelRunner
 
@@ -262,8 +263,8 @@ def _build(rank: int, model: str | None, config: EngineConfig, device: str, num_
     try:
         config = dataclasses.replace(config, device=rank_device(device, _local_rank(rank, config)))
         loaded = load_model(model, config)
-        runner = ModelRunner(loaded, num_blocks, block_size, CpuOptions(threads_per_rank(config), config.kernel_choice),
-                             kv_cache_dtype)
+        cpu = CpuOptions(threads_per_rank(config), config.kernel_choice, calibrate.row_limits(config))
+        runner = ModelRunner(loaded, num_blocks, block_size, cpu, kv_cache_dtype)
     except Exception as e:  # noqa: BLE001 - reported to rank 0, which names this rank
         error = f"{type(e).__name__}: {e}"
     statuses: list[Any] = [None] * dist.get_world_size()

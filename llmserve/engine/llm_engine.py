@@ -26,6 +26,7 @@ from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutp
 from llmserve.engine.sessions import SessionStore
 from llmserve.engine.speculative import DraftModelProposer, NgramProposer, Proposer, SpecStats
 from llmserve.errors import InvalidRequestError, PromptTooLongError
+from llmserve.kernels import calibrate
 from llmserve.lora import LoRAAdapter, LoRAManager
 from llmserve.models.loader import LoadedModel, load_model
 from llmserve.sampling.params import SamplingParams
@@ -75,7 +76,7 @@ class LLMEngine:
             from llmserve.distributed.workers import threads_per_rank
 
             threads = threads_per_rank(config)
-        cpu = CpuOptions(threads, config.kernel_choice)
+        cpu = CpuOptions(threads, config.kernel_choice, calibrate.row_limits(config))
         self.runner = ModelRunner(loaded, num_blocks, config.block_size, cpu, config.kv_cache_dtype, graphs)
         if loaded.tp_workers is not None:  # the other ranks load their shards and caches now (after rank 0's timings)
             loaded.tp_workers.build(num_blocks, config.block_size, config.kv_cache_dtype)

@@ -49,8 +49,10 @@ Ops with equivalent paths, and their candidates where each can run at all (the C
           fp32), P as two bf16 terms (~17 bits) for P @ V.
 
 Each op is timed on random weights of its shape (a qblock_linear on the first such layer's own blocks), so calibration
-runs before the weights are packed. The embedded SmolLM2-135M's five shapes take ~3 s on a 2-core Zen 5; later starts
-read the cache.
+runs before the weights are packed, at the batch sizes the engine will give it (RowLimits): a decoder linear at the
+powers of two up to the step's token budget (max_prefill_token_num: 1-2,048 rows by default), the LM head up to the
+rows it samples (max_batch_size, times 1 + the drafts with speculation: 1-128). The embedded SmolLM2-135M takes
+5.3-5.8 s on a 2-core Zen 5; later starts read the cache.
 """
 
 from __future__ import annotations
@@ -77,7 +79,6 @@ from llmserve.kernels.choice import (
     FEW_BUCKETS,
     FEW_ROWS_KERNEL,
     PRUNE,
-    ROW_BUCKETS,
     VNNI,
     Candidate,
     ChoiceTable,
@@ -115,6 +116,38 @@ KINDS: dict[str, tuple[str, ...]] = {BF16_LINEAR: BF16_KERNELS, QBLOCK_LINEAR: (
 DEQUANTIZE_SHARE = 0.25
 # prefill tokens in a step: a chunk's attention grows with its square, so its buckets are wider than a linear's
 ATTENTION_BUCKETS = (16, 64, 256, 1024, 4096)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLimits:
+    """The most rows the engine gives a matmul in one step, so that calibration times the batch sizes it will run and
+    none it will not: a decoder linear takes a step's tokens (max_prefill_token_num: prefill chunks plus decodes), the
+    LM head only the rows it samples (one a request, max_batch_size; with speculation, each request's drafts too)."""
+
+    linear: int = 2048
+    head: int = 128
+
+
+# the largest bucket a linear is timed at, whatever the limit (a 4,096-row call of a large model's gate/up is long
+# enough; more rows only repeat it)
+MAX_BUCKET_ROWS = 4096
+
+
+def row_buckets(limit: int) -> tuple[int, ...]:
+    """Powers of two from 1 up to the first at or above limit (at most MAX_BUCKET_ROWS): the row counts a matmul of
+    at most `limit` rows is timed at."""
+    top = min(max(1, limit), MAX_BUCKET_ROWS)
+    out = [1]
+    while out[-1] < top:
+        out.append(out[-1] * 2)
+    return tuple(out)
+
+
+def row_limits(config: object) -> RowLimits:
+    """An EngineConfig's RowLimits."""
+    spec = getattr(config, "speculative_method", None) is not None or getattr(config, "speculative_model", None)
+    per_request = 1 + (config.num_speculative_tokens if spec else 0)
+    return RowLimits(linear=config.max_prefill_token_num, head=config.max_batch_size * per_request)
 DECODE_BUCKETS = (1, 4, 16, 64, 256)  # decodes in a step
 DECODE_CONTEXT = 256  # tokens of context each timed decode reads (64-token blocks, in random block order)
 # Each timed decode call reads a new "layer" of the cache until this many bytes were read, as an engine's step reads
@@ -247,10 +280,11 @@ def runs_shape(name: str, k: int) -> bool:
 
 
 def bf16_linear_candidates(n: int, k: int, names: tuple[str, ...], w: torch.Tensor | None = None,
-                           invariant_only: bool = True) -> list[Candidate]:
+                           invariant_only: bool = True, invariant_rows: int = 512) -> list[Candidate]:
     """Each named path over a bf16 [n, k] weight (w, else random), as Bf16Matmul runs it, where it takes the shape
-    (runs_shape) and, for oneDNN's and fp32's, gives rows the same results in any batch (batch_invariant; unless not
-    invariant_only: what the machine can do, bench's peak); inputs made once per row count."""
+    (runs_shape) and, for oneDNN's and fp32's, gives rows the same results in any batch up to invariant_rows rows (the
+    largest timed; batch_invariant; unless not invariant_only: what the machine can do, bench's peak); inputs made once
+    per row count."""
     from llmserve.layers.linear import fp32_linear, onednn_linear, pack_weight
 
     gen = torch.Generator().manual_seed(0)
@@ -273,27 +307,31 @@ def bf16_linear_candidates(n: int, k: int, names: tuple[str, ...], w: torch.Tens
             run = functools.partial(lambda b, xs: onednn_linear(xs, b, None), blocked)
         else:
             run = functools.partial(fp32_linear, weight=w, bias=None)
-        if not invariant_only or batch_invariant(run, k, gen):
+        if not invariant_only or batch_invariant(run, k, gen, invariant_rows):
             out.append(Candidate(name, lambda r, f=run: f(x(r))))
         else:
             log.info("%s: %s's results for a row change with the batch here: not a candidate", op_name(w), name)
     return out
 
 
-# batch_invariant's pieces of a 512-row batch (the rows calibration times): each piece's results must equal the batch's
-INVARIANCE_PIECES = ((0, 1), (1, 17), (17, 81), (81, 337))
+# batch_invariant's pieces of a batch of the most rows calibration times (512 at least): each piece's results must
+# equal the batch's
+INVARIANCE_PIECES = ((0, 1), (1, 17), (17, 81), (81, 337), (337, 849))
 
 
-def batch_invariant(run: Callable[[torch.Tensor], torch.Tensor], k: int, gen: torch.Generator) -> bool:
-    """Whether run (x [M, k] bf16 -> [M, n]) gives each row the same result in batches of 1, 16, 64, 256 and 512 rows:
-    a sample, not a proof (our own kernels are invariant by construction; a library's blocking may follow M: oneDNN's
-    AMX matmul on a Xeon 6 207 changed rows' results between 64- and 512-row batches)."""
-    x = torch.randn(512, k, generator=gen).bfloat16()
+def batch_invariant(run: Callable[[torch.Tensor], torch.Tensor], k: int, gen: torch.Generator,
+                    rows: int = 512) -> bool:
+    """Whether run (x [M, k] bf16 -> [M, n]) gives each row the same result in batches of 1, 16, 64, 256 (and 512
+    where they fit) rows as in one batch of `rows` (at least 512): a sample, not a proof (our own kernels are invariant
+    by construction; a library's blocking may follow M: oneDNN's AMX matmul on a Xeon 6 207 changed rows' results
+    between 64- and 512-row batches)."""
+    rows = max(rows, 512)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
     whole = run(x)
-    return all(torch.equal(run(x[a:b]), whole[a:b]) for a, b in INVARIANCE_PIECES)
+    return all(torch.equal(run(x[a:b]), whole[a:b]) for a, b in INVARIANCE_PIECES if b <= rows)
 
 
-def qblock_linear_candidates(layer: nn.Module, names: tuple[str, ...]) -> list[Candidate]:
+def qblock_linear_candidates(layer: nn.Module, names: tuple[str, ...], invariant_rows: int = 512) -> list[Candidate]:
     """blocks: the layer's own blocks in the native kernel; the other names: the bf16_linear paths over its dequantized
     weight."""
     qb = layer.qblocks
@@ -308,7 +346,7 @@ def qblock_linear_candidates(layer: nn.Module, names: tuple[str, ...]) -> list[C
         out.append(Candidate("blocks_amx", lambda r: native.qblock_linear_amx(x(r), qb.native, None)))
     others = tuple(name for name in names if name not in ("blocks", "blocks_amx"))
     if others:
-        out += bf16_linear_candidates(qb.n, qb.k, others, dequantized_bf16(qb))
+        out += bf16_linear_candidates(qb.n, qb.k, others, dequantized_bf16(qb), invariant_rows=invariant_rows)
     return out
 
 
@@ -619,11 +657,12 @@ def kernels_hash() -> str:
     return h.hexdigest()[:16]
 
 
-def key(ops: list[str], threads: int, blocks_only: bool = False) -> dict[str, object]:
+def key(ops: list[str], threads: int, blocks_only: bool = False, rows: RowLimits = RowLimits()) -> dict[str, object]:
     """The cache key. blocks_only: block-quantized ops were timed without the dequantized candidates (they would not
-    fit), so a table measured with them must not be reused, nor the other way round."""
+    fit), so a table measured with them must not be reused, nor the other way round. rows: the batch sizes timed."""
     k: dict[str, object] = {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": threads, "torch": torch.__version__,
                             "kernels": kernels_hash(), "ops": sorted(ops),
+                            "rows": {"linear": list(row_buckets(rows.linear)), "head": list(row_buckets(rows.head))},
                             # what can run here: a table measured while the native kernels failed to build (only
                             # torch's paths) must not be reused once they run, nor the other way round
                             "candidates": {kind: list(available(kind)) for kind in KINDS}}
@@ -632,13 +671,37 @@ def key(ops: list[str], threads: int, blocks_only: bool = False) -> dict[str, ob
     return k
 
 
+def head_ops(model: nn.Module) -> set[str]:
+    """The bf16 and block-quantized ops only the LM head runs (whose rows are the sampled ones: RowLimits.head)."""
+    from llmserve.layers.linear import Linear
+
+    heads = [m.logits_head() for m in model.modules() if hasattr(m, "logits_head")]
+    head_weights = {id(getattr(h, "weight", None)) for h in heads}
+    linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, Linear) and m.weight is not None}
+    of_head, of_others = set(), set()
+    for w in bf16_weights(model):  # (an embedding table only looked up is neither: it is not a matmul)
+        if id(w) in head_weights:
+            of_head.add(op_name(w))
+        elif id(w) in linear_weights:
+            of_others.add(op_name(w))
+    for layer in qblock_layers(model):
+        (of_head if any(layer is h for h in heads) else of_others).add(qblock_op(layer))
+    return of_head - of_others
+
+
 def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dtype: torch.dtype,
-         timer: Timer = wall_clock, remeasure: bool = False) -> ChoiceTable | None:
+         timer: Timer = wall_clock, remeasure: bool = False, rows: RowLimits = RowLimits()) -> ChoiceTable | None:
     """The choice table for the model's bf16 matmuls, its w8a8 linears (where AMX-INT8 can run them) and, where its
     attention runs natively, its prefill and decode attention on this machine (None where there is nothing to choose):
     pinned by kernel_choice (else LLMSERVE_KERNEL_CHOICE, else "auto"), read from the cache, or measured now. dtype:
-    the model's compute dtype (attention_op)."""
+    the model's compute dtype (attention_op). rows: the most rows the engine gives a linear and the LM head in a step;
+    each matmul is timed at the powers of two up to its limit (row_buckets)."""
     shapes = {op_name(w): (w.shape[0], w.shape[1]) for w in bf16_weights(model)}
+    heads = head_ops(model)
+
+    def buckets(op: str) -> tuple[int, ...]:
+        return row_buckets(rows.head if op in heads else rows.linear)
+
     spec = kernel_choice if kernel_choice not in (None, "auto") else os.environ.get(ENV, kernel_choice)
     pins = parse_pins(spec, KINDS)
     for kind, name in pins.items():
@@ -651,7 +714,8 @@ def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dt
                                       "are not a multiple of 32): pin another kernel, or leave it auto",
                                       param="kernel_choice")
     names = available(BF16_LINEAR)
-    measure = {op: functools.partial(_measure, op, bf16_linear_candidates, (n, k, names), timer, ROW_BUCKETS)
+    measure = {op: functools.partial(_measure, op, bf16_linear_candidates, (n, k, names, None, True, buckets(op)[-1]),
+                                     timer, buckets(op))
                for op, (n, k) in shapes.items()}
     blocked = list(qblock_layers(model)) if dtype == torch.bfloat16 else []
     blocks_only = bool(blocked) and not dequantize_fits(blocked)
@@ -663,8 +727,8 @@ def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dt
             qnames = tuple(name for name in qnames if name.startswith("blocks"))
         for layer in blocked:  # the first layer of each op stands for it
             op = qblock_op(layer)
-            measure.setdefault(op, functools.partial(_measure, op, qblock_linear_candidates, (layer, qnames), timer,
-                                                     ROW_BUCKETS))
+            measure.setdefault(op, functools.partial(_measure, op, qblock_linear_candidates,
+                                                     (layer, qnames, buckets(op)[-1]), timer, buckets(op)))
     for kind, op_of, measure_op in ((W8A8_LINEAR, w8a8_op, measure_w8a8), (INT8W_LINEAR, int8w_op, measure_int8w)):
         if AMX8 in available(kind):  # (VNNI alone: nothing to choose)
             for layer in model.modules():
@@ -685,7 +749,7 @@ def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dt
     if not measure:
         return None
     pinned_ops = {op: pinned(pins[op.partition(":")[0]]) for op in measure if op.partition(":")[0] in pins}
-    table = load_or_measure(key(list(measure), threads, blocks_only), measure, pinned_ops, remeasure)
+    table = load_or_measure(key(list(measure), threads, blocks_only, rows), measure, pinned_ops, remeasure)
     if table.reused:
         return table
     return amend(add_amx8_rows(model, add_few_rows(model, add_cold_times(model, table, timer), timer), timer))

@@ -81,6 +81,7 @@ class CpuOptions:
 
     num_threads: int | None = None
     kernel_choice: str | None = None
+    rows: calibrate.RowLimits = calibrate.RowLimits()  # the batch sizes the kernels are timed at (the engine's limits)
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,8 @@ class ModelRunner:
             cpu = cpu or CpuOptions()
             threads = configure_cpu(cpu.num_threads)
             if use_onednn(loaded):
-                self.kernel_choices = calibrate.plan(loaded.model, threads, cpu.kernel_choice, dtype=loaded.dtype)
+                self.kernel_choices = calibrate.plan(loaded.model, threads, cpu.kernel_choice, dtype=loaded.dtype,
+                                                     rows=cpu.rows)
                 if self.kernel_choices is not None:
                     logger.info("kernel choice: %s", self.kernel_choices.describe())
                     if not self.kernel_choices.reused:

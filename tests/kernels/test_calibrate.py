@@ -372,6 +372,59 @@ def test_plan_times_real_kernels_when_asked(bf16_model) -> None:
     assert "rows" in calibrate.report(table)
 
 
+def test_row_buckets_follow_the_engines_limits() -> None:
+    assert calibrate.row_buckets(2048) == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+    assert calibrate.row_buckets(100)[-1] == 128 and calibrate.row_buckets(1) == (1,) == calibrate.row_buckets(0)
+    assert calibrate.row_buckets(10 ** 6)[-1] == calibrate.MAX_BUCKET_ROWS
+    assert calibrate.row_limits(EngineConfig()) == calibrate.RowLimits(linear=2048, head=128)
+    limits = calibrate.row_limits(EngineConfig(max_batch_size=16, max_prefill_token_num=512, speculative_method="ngram",
+                                               num_speculative_tokens=3))
+    assert limits == calibrate.RowLimits(linear=512, head=64)  # each request's 3 drafts and its own token
+
+
+def test_each_op_is_timed_at_the_rows_the_engine_gives_it(bf16_model) -> None:
+    """Decoder linears up to the step's token budget, the LM head up to the rows it samples; a table timed for other
+    limits is not reused."""
+    seen: dict[int, set[int]] = {}  # a linear candidate's output columns -> the rows it was timed at
+
+    def timer(name: str, rows: int, fn: Callable[[], object]) -> float:
+        out = fn()
+        if isinstance(out, torch.Tensor) and out.dim() == 2:  # a linear candidate (attention's give [T, H, D])
+            seen.setdefault(out.shape[-1], set()).add(rows)
+        return 1.0
+
+    limits = calibrate.RowLimits(linear=1024, head=32)
+    table = calibrate.plan(bf16_model, 2, dtype=BF16, timer=timer, rows=limits)
+    heads = calibrate.head_ops(bf16_model)
+    assert len(heads) == 1  # the tied embedding's table
+    vocab = bf16_model.logits_head().weight.shape[0]
+    assert seen.pop(vocab) == set(calibrate.row_buckets(32))
+    assert seen and all(r == set(calibrate.row_buckets(1024)) for r in seen.values())
+    for op, c in table.ops.items():
+        if op.startswith(calibrate.BF16_LINEAR):
+            assert c.rows == calibrate.row_buckets(32 if op in heads else 1024), op
+    calls = []
+    again = calibrate.plan(bf16_model, 2, dtype=BF16, timer=lambda n, r, fn: calls.append(r) or 1.0, rows=limits)
+    assert again.reused and not calls
+    other = calibrate.plan(bf16_model, 2, dtype=BF16, timer=lambda n, r, fn: 1.0,
+                           rows=calibrate.RowLimits(linear=256, head=32))
+    assert not other.reused
+    assert {c.rows[-1] for op, c in other.ops.items() if op.startswith(calibrate.BF16_LINEAR) and op not in heads} == {256}
+
+
+def test_batch_invariance_is_checked_up_to_the_largest_bucket() -> None:
+    """A library kernel whose rows change only in batches over 512 rows passes a 512-row check and fails one at the
+    2,048 rows it would be timed and run at."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 64, generator=gen)
+
+    def big_batches_differ(x: torch.Tensor) -> torch.Tensor:
+        return (x.float() @ w.T + (1e-3 if x.shape[0] > 512 else 0.0)).bfloat16()
+
+    assert calibrate.batch_invariant(big_batches_differ, 64, gen)
+    assert not calibrate.batch_invariant(big_batches_differ, 64, gen, rows=2048)
+
+
 def test_a_batch_dependent_library_kernel_is_not_a_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16_linear_candidates leaves out onednn where its rows' results change with the batch (as oneDNN's AMX matmul's
     did), keeps it where they do not, and bench's peak (invariant_only=False) times it either way."""
@@ -393,7 +446,7 @@ def test_an_op_nothing_may_run_keeps_its_default_path_and_the_model_still_serves
     batch-invariant rows (this Xeon's oneDNN and fp32 both failed the check): the start must go on with the default
     path, not fail with "choose needs at least one candidate" (it did, after a build lost its lock)."""
     monkeypatch.setattr(calibrate, "available", lambda kind: ("onednn", "fp32") if "linear" in kind else ())
-    monkeypatch.setattr(calibrate, "batch_invariant", lambda run, k, gen: False)
+    monkeypatch.setattr(calibrate, "batch_invariant", lambda run, k, gen, rows=512: False)
     warnings: list[str] = []
     monkeypatch.setattr(calibrate.log, "warning", lambda msg, *args: warnings.append(msg % args))
     path = tiny_model_dir("llama")
