@@ -435,6 +435,12 @@ def qblock_dequantize_bf16(weight: object) -> torch.Tensor:
     return _module.qblock_dequantize_bf16(weight)
 
 
+def qblock_rows(weight: object, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 rows ids [R] int64 of a QBlockWeight [n, K]: exactly the format's values, as BlockWeight.rows computes them
+    (an embedding lookup). Needs qblock_usable()."""
+    return _module.qblock_rows(weight, ids)
+
+
 def qblock_pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 codes [n, k] -> qblock_linear's layout (layers/quant_blocks.pack_codes, the same bytes). Needs load()."""
     return _module.qblock_pack(codes, bits)

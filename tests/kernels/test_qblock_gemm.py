@@ -55,6 +55,23 @@ def test_packing_round_trips(fmt: str, n: int, k: int) -> None:
     assert torch.equal(w.rows(ids), t.dequantize()[ids])
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_native_row_lookup_equals_the_torch_one(fmt: str) -> None:
+    """An embedding lookup on the blocks (qblock_rows): every row of a partial last tile, repeats, any order, bit for
+    bit the torch ops' values (BlockWeight.rows without the native weight); ids outside the table refused."""
+    n, k = 53, 192
+    w = qb.BlockWeight(_weight(fmt, n, k))
+    ids = torch.cat([torch.arange(n).flip(0), torch.tensor([0, 52, 52, 16, 15])])
+    got = w.rows(ids)
+    handle, w.native = w.native, None
+    want = w.rows(ids)
+    w.native = handle
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    for bad in (n, -1):
+        with pytest.raises(RuntimeError, match="outside"):
+            native.qblock_rows(w.native, torch.tensor([0, bad]))
+
+
 @pytest.mark.parametrize("bits", [4, 5, 6, 8])
 def test_native_packing_equals_torch(bits: int, monkeypatch) -> None:
     codes = torch.randint(0, 2 ** bits, (37, 96), dtype=torch.uint8)

@@ -57,6 +57,8 @@ static void bind_qblocks(py::module_& m) {
   m.def("qblock_amx_dot_supported", &qblock_amx_dot_supported, "whether qblock_linear_amx_dot runs here");
   m.def("qblock_dequantize_bf16", &qblock_dequantize_bf16, "a QBlockWeight dequantized to bf16 in bf16_pack's layout "
         "(AVX512-BF16)", py::arg("weight"));
+  m.def("qblock_rows", &qblock_rows, "fp32 rows [R, K] of a QBlockWeight, exactly the format's values (AVX-512)",
+        py::arg("weight"), py::arg("ids"));
   m.def("qblock_linear_supported", &qblock_linear_supported, "whether qblock_linear runs here (AVX-512)");
   m.def("qblock_vnni_supported", &qblock_vnni_supported, "whether qblock_linear's int8 path runs here (AVX512-VNNI)");
   m.def("qblock_amx8_supported", &amx_int8_supported, "whether qblock_linear's int8 path runs batches on AMX-INT8 "

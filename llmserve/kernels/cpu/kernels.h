@@ -102,5 +102,7 @@ at::Tensor qblock_linear_amx_dot(at::Tensor x, const QBlockWeight& weight, c10::
 at::Tensor qblock_pack(at::Tensor codes, int64_t bits);
 at::Tensor gguf_nibbles(at::Tensor raw, int64_t offset, int64_t size);
 at::Tensor qblock_dequantize_bf16(const QBlockWeight& qw);
+// fp32 rows ids [R] of the weight, exactly the format's values (an embedding lookup)
+at::Tensor qblock_rows(const QBlockWeight& qw, at::Tensor ids);
 bool qblock_vnni_supported();
 

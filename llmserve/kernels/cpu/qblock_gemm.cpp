@@ -504,6 +504,33 @@ LLMSERVE_AVX512BF16 void dequantize_tile(const Weight& w, int64_t t, uint16_t* o
   }
 }
 
+// Rows of the weight in fp32 (an embedding lookup): out [R, K] = d * q + m per column, in fp32 (two roundings, as
+// BlockTensor.rows computes them), for row ids[i] (lane r = id % 16 of tile id / 16). Each block's 16 lanes are
+// computed and lane r kept: the codes of one row are spread over the tile's vectors.
+template <int BITS, bool G16, typename S>
+LLMSERVE_AVX512 void dequantize_row(const Weight& w, int64_t id, float* out) {
+  const __m512i byte = _mm512_set1_epi32(0xFF);
+  const int64_t t = id / kTileRows, r = id % kTileRows;
+  alignas(64) float lanes[4][kTileRows];
+  for (int64_t b = 0; b < w.KB; ++b) {
+    const int64_t g = G16 ? 2 * b : b / w.blocks_per_group;
+    __m512i v[8];
+    unpack_codes<BITS>(w.codes + (t * w.KB + b) * w.bytes, v);
+    __m512 d, m, d1, m1;
+    group_scales<S>(w, t, g, d, m);
+    if constexpr (G16) group_scales<S>(w, t, g + 1, d1, m1);
+    float* o = out + b * kBlock;
+    _Pragma("GCC unroll 8") for (int k = 0; k < 8; ++k) {
+      const __m512 dk = G16 && k >= 4 ? d1 : d, mk = G16 && k >= 4 ? m1 : m;
+      _Pragma("GCC unroll 4") for (int c = 0; c < 4; ++c) {
+        const __m512 q = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v[k], 8 * c), byte));
+        _mm512_store_ps(lanes[c], _mm512_add_ps(_mm512_mul_ps(dk, q), mk));
+      }
+      for (int c = 0; c < 4; ++c) o[4 * k + c] = lanes[c][r];
+    }
+  }
+}
+
 // f(std::integral_constant<int, bits>, S{}, std::bool_constant<G16>) for qw's form: the scale type and group-16 layout
 // (group 16 has fp32 scales, the constructor checks) and the bit width, as the kernels' templates take them
 template <typename F>
@@ -735,6 +762,27 @@ at::Tensor qblock_dequantize_bf16(const QBlockWeight& qw) {
   const auto dequantize = tile_dequantizer(qw);
   at::parallel_for(0, NT, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) dequantize(w, t, op + t * qw.k * kTileRows);
+  });
+  return out;
+}
+
+at::Tensor qblock_rows(const QBlockWeight& qw, at::Tensor ids) {
+  TORCH_CHECK(cpu_has_avx512(), "qblock_rows needs AVX-512");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.device().is_cpu(), "qblock_rows: ids [R] int64");
+  const auto idc = ids.contiguous();
+  const int64_t R = idc.size(0), K = qw.k;
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < R; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < qw.n, "qblock_rows: id ", ip[i], " outside [0, ", qw.n, ")");
+  auto out = at::empty({R, K}, qw.codes.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  const Weight w = weight_of(qw);
+  with_form(qw, [&](auto bits, auto s, auto g16) {
+    constexpr int B = decltype(bits)::value;
+    constexpr bool G = decltype(g16)::value;
+    using S = decltype(s);
+    at::parallel_for(0, R, std::max<int64_t>(1, kSerialElems / K), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) dequantize_row<B, G, S>(w, ip[i], op + i * K);
+    });
   });
   return out;
 }
