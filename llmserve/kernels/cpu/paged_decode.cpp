@@ -306,19 +306,16 @@ LLMSERVE_AVX512 inline void qk16(const float* q, const float* k, int64_t n16, in
 // the copy's loads, and decode attention in the 64-request workload took 2.34-2.35 s against 1.74-1.75 now,
 // alternated (BENCHMARKS.md).
 template <typename T>
-inline void prefetch_key(const NextSlice<T>& next, int64_t t) {
-  if (next.k == nullptr || t >= next.n) return;
-  const char* k = reinterpret_cast<const char*>(next.k + t * next.tok_stride);
-  for (int64_t c = 0; c < next.row_bytes; c += 64) _mm_prefetch(k + c, _MM_HINT_T1);
-  if constexpr (kInt8<T>) _mm_prefetch(reinterpret_cast<const char*>(next.ks + t * next.kv_heads), _MM_HINT_T1);
+inline void prefetch_row(const NextSlice<T>& next, const T* rows, const float* scales, int64_t t) {
+  if (rows == nullptr || t >= next.n) return;
+  const char* r = reinterpret_cast<const char*>(rows + t * next.tok_stride);
+  for (int64_t c = 0; c < next.row_bytes; c += 64) _mm_prefetch(r + c, _MM_HINT_T1);
+  if constexpr (kInt8<T>) _mm_prefetch(reinterpret_cast<const char*>(scales + t * next.kv_heads), _MM_HINT_T1);
 }
 template <typename T>
-inline void prefetch_value(const NextSlice<T>& next, int64_t t) {
-  if (next.v == nullptr || t >= next.n) return;
-  const char* v = reinterpret_cast<const char*>(next.v + t * next.tok_stride);
-  for (int64_t c = 0; c < next.row_bytes; c += 64) _mm_prefetch(v + c, _MM_HINT_T1);
-  if constexpr (kInt8<T>) _mm_prefetch(reinterpret_cast<const char*>(next.vs + t * next.kv_heads), _MM_HINT_T1);
-}
+inline void prefetch_key(const NextSlice<T>& next, int64_t t) { prefetch_row(next, next.k, next.ks, t); }
+template <typename T>
+inline void prefetch_value(const NextSlice<T>& next, int64_t t) { prefetch_row(next, next.v, next.vs, t); }
 
 // qk16 with vdpbf16ps (the dot path): scores of one head against 16 keys [t, t + 16) of the block's bf16 scratch
 // (rows of D, zero past the block's keys, D % 32 == 0), s[t : t + 16], scaled here (the query is not: a scaled bf16

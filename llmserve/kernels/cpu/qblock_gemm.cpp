@@ -475,6 +475,15 @@ void run(const at::Tensor& x, const QBlockWeight& qw, const Weight& w, const flo
   else for_each_tile<kMaxRows, kMaxTiles>(M, NT, kChunkRows, tile);
 }
 
+// Tile t, block b's codes (unpack_codes) and its group's d and m (G16: the block's two groups, d1 and m1 the second's).
+template <int BITS, bool G16, typename S>
+LLMSERVE_AVX512 inline void block_codes(const Weight& w, int64_t t, int64_t b, __m512i* v, __m512& d, __m512& m,
+                                        __m512& d1, __m512& m1) {
+  unpack_codes<BITS>(w.codes + (t * w.KB + b) * w.bytes, v);
+  group_scales<S>(w, t, G16 ? 2 * b : b / w.blocks_per_group, d, m);
+  if constexpr (G16) group_scales<S>(w, t, 2 * b + 1, d1, m1);
+}
+
 // Tile t's weights dequantized to bf16 in bf16_pack's layout (out: [K / 2][16][2]) for the AMX tiles: per column,
 // d * q then + m in fp32 (two roundings, as BlockTensor.dequantize computes them) rounded to bf16 to nearest even, as
 // torch's .to(bfloat16): exactly the dequantized weight a bf16 kernel would read.
@@ -482,12 +491,9 @@ template <int BITS, bool G16, typename S>
 LLMSERVE_AVX512BF16 void dequantize_tile(const Weight& w, int64_t t, uint16_t* out) {
   const __m512i byte = _mm512_set1_epi32(0xFF);
   for (int64_t b = 0; b < w.KB; ++b) {
-    const int64_t g = G16 ? 2 * b : b / w.blocks_per_group;
     __m512i v[8];
-    unpack_codes<BITS>(w.codes + (t * w.KB + b) * w.bytes, v);
     __m512 d, m, d1, m1;
-    group_scales<S>(w, t, g, d, m);
-    if constexpr (G16) group_scales<S>(w, t, g + 1, d1, m1);
+    block_codes<BITS, G16, S>(w, t, b, v, d, m, d1, m1);
     uint16_t* o = out + b * kBlock * kTileRows;
     _Pragma("GCC unroll 8") for (int k = 0; k < 8; ++k) {
       const __m512 dk = G16 && k >= 4 ? d1 : d, mk = G16 && k >= 4 ? m1 : m;
@@ -513,12 +519,9 @@ LLMSERVE_AVX512 void dequantize_row(const Weight& w, int64_t id, float* out) {
   const int64_t t = id / kTileRows, r = id % kTileRows;
   alignas(64) float lanes[4][kTileRows];
   for (int64_t b = 0; b < w.KB; ++b) {
-    const int64_t g = G16 ? 2 * b : b / w.blocks_per_group;
     __m512i v[8];
-    unpack_codes<BITS>(w.codes + (t * w.KB + b) * w.bytes, v);
     __m512 d, m, d1, m1;
-    group_scales<S>(w, t, g, d, m);
-    if constexpr (G16) group_scales<S>(w, t, g + 1, d1, m1);
+    block_codes<BITS, G16, S>(w, t, b, v, d, m, d1, m1);
     float* o = out + b * kBlock;
     _Pragma("GCC unroll 8") for (int k = 0; k < 8; ++k) {
       const __m512 dk = G16 && k >= 4 ? d1 : d, mk = G16 && k >= 4 ? m1 : m;
