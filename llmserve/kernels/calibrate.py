@@ -98,6 +98,7 @@ from llmserve.kernels.choice import (
 if TYPE_CHECKING:
     from torch import nn
 
+    from llmserve.config import EngineConfig
     from llmserve.layers.quant_blocks import BlockWeight
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,14 @@ KINDS: dict[str, tuple[str, ...]] = {BF16_LINEAR: BF16_KERNELS, QBLOCK_LINEAR: (
 DEQUANTIZE_SHARE = 0.25
 # prefill tokens in a step: a chunk's attention grows with its square, so its buckets are wider than a linear's
 ATTENTION_BUCKETS = (16, 64, 256, 1024, 4096)
+
+DECODE_BUCKETS = (1, 4, 16, 64, 256)  # decodes in a step
+DECODE_CONTEXT = 256  # tokens of context each timed decode reads (64-token blocks, in random block order)
+# Each timed decode call reads a new "layer" of the cache until this many bytes were read, as an engine's step reads
+# every layer's: a single hot cache (12 MB at 64 decodes) fit the caches and ranked the paths otherwise than the
+# engine's DRAM-bound steps did (dot 1.25x faster timed hot, 2-5% slower in the 64-request workload).
+DECODE_COLD_BYTES = 96 << 20
+ENV = "LLMSERVE_KERNEL_CHOICE"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,18 +152,11 @@ def row_buckets(limit: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def row_limits(config: object) -> RowLimits:
+def row_limits(config: EngineConfig) -> RowLimits:
     """An EngineConfig's RowLimits."""
-    spec = getattr(config, "speculative_method", None) is not None or getattr(config, "speculative_model", None)
+    spec = config.speculative_method is not None or config.speculative_model is not None
     per_request = 1 + (config.num_speculative_tokens if spec else 0)
     return RowLimits(linear=config.max_prefill_token_num, head=config.max_batch_size * per_request)
-DECODE_BUCKETS = (1, 4, 16, 64, 256)  # decodes in a step
-DECODE_CONTEXT = 256  # tokens of context each timed decode reads (64-token blocks, in random block order)
-# Each timed decode call reads a new "layer" of the cache until this many bytes were read, as an engine's step reads
-# every layer's: a single hot cache (12 MB at 64 decodes) fit the caches and ranked the paths otherwise than the
-# engine's DRAM-bound steps did (dot 1.25x faster timed hot, 2-5% slower in the 64-request workload).
-DECODE_COLD_BYTES = 96 << 20
-ENV = "LLMSERVE_KERNEL_CHOICE"
 
 
 def op_name(weight: torch.Tensor) -> str:

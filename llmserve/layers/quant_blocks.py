@@ -216,7 +216,7 @@ class BlockWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 rows [R, k] of the weight (an embedding lookup): only those rows are unpacked (natively where the
-        blocks kernel runs: the same values, in one call where these torch ops took ~0.7 ms a 64-token decode step)."""
+        blocks kernel runs: the same values in one call, where these torch ops took 0.2 ms for 64 ids, 6.4 for 2,048)."""
         if self.native is not None and ids.device.type == "cpu":
             return native.qblock_rows(self.native, ids.reshape(-1).long())
         tiles, lanes = ids // TILE, ids % TILE

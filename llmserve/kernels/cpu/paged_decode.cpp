@@ -485,10 +485,10 @@ LLMSERVE_AVX512 inline void softmax_block(float* scores, int64_t bs16, int64_t n
 
 // The dot path of attend_one_512 for a bf16 query over a bf16 cache (D % 32 == 0): both products by vdpbf16ps on the
 // cache as stored. Per block: its keys copied in order into a contiguous bf16 scratch kb16 [round16(BS), D] (zero
-// rows past n; streamed in order: loading 16 scattered cold rows straight into the products ran 1.3x slower), scores 16 keys at a time (qk16_dot), the softmax in fp32, the
-// probabilities split into two bf16 terms (pb [2, G, bs16]: P rounded, then the exact rest rounded), then P @ V by
-// pairs of tokens (pv_dot_pass) into fp32 accumulators. q: the group's unscaled bf16 query [G, D]; the other arguments
-// as attend_one_512's.
+// rows past n; streamed in order: loading 16 scattered cold rows straight into the products ran 1.3x slower), scores
+// 16 keys at a time (qk16_dot), the softmax in fp32, the probabilities split into two bf16 terms (pb [2, G, bs16]: P
+// rounded, then the exact rest rounded), then P @ V by pairs of tokens (pv_dot_pass) into fp32 accumulators. q: the
+// group's unscaled bf16 query [G, D]; the other arguments as attend_one_512's.
 LLMSERVE_AVX512BF16 void attend_one_dot(const uint16_t* q, const CacheView<c10::BFloat16>& kv, const int64_t* table,
                                         int64_t start, int64_t len, int64_t kvh, const Dims& dm, float scale,
                                         float* acc, uint16_t* kb16, float* scores, uint16_t* pb, float* m, float* l,

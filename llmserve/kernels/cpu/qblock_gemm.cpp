@@ -775,7 +775,8 @@ at::Tensor qblock_rows(const QBlockWeight& qw, at::Tensor ids) {
   const auto idc = ids.contiguous();
   const int64_t R = idc.size(0), K = qw.k;
   const int64_t* ip = idc.data_ptr<int64_t>();
-  for (int64_t i = 0; i < R; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < qw.n, "qblock_rows: id ", ip[i], " outside [0, ", qw.n, ")");
+  for (int64_t i = 0; i < R; ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < qw.n, "qblock_rows: id ", ip[i], " outside [0, ", qw.n, ")");
   auto out = at::empty({R, K}, qw.codes.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
   const Weight w = weight_of(qw);
