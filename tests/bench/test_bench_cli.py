@@ -24,6 +24,8 @@ def test_latency_json_on_a_tiny_model(tiny_model_dir: Callable[[str], str], caps
         assert set(out[name]) == {"mean", "p50", "p90", "p99"} and out[name]["mean"] > 0
     assert out["ttft_ms"]["mean"] < out["e2e_ms"]["mean"]
     assert 0 < out["load_s"] < out["start_to_ready_s"]  # the process started before the pipeline
+    # the first token comes after the engine took the request, by that request's TTFT (which it also measured)
+    assert out["start_to_ready_s"] < out["start_to_first_token_s"] < out["start_to_ready_s"] + 60
 
 
 def test_latency_table_and_without_ignore_eos(tiny_model_dir: Callable[[str], str],
