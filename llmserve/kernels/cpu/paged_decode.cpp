@@ -305,17 +305,23 @@ LLMSERVE_AVX512 inline void qk16(const float* q, const float* k, int64_t n16, in
 // that is itself a burst: there, on the 2-core Zen 5 (2026-12-02), over a third of attend_one_dot's samples waited on
 // the copy's loads, and decode attention in the 64-request workload took 2.34-2.35 s against 1.74-1.75 now,
 // alternated (BENCHMARKS.md).
+// Two functions, not one helper taking the row and scale pointers: with that helper (81ae22f) GCC 12 -O3 emitted no
+// prefetch at all in paged_decode.o, and on the 2-core Zen 4 (2026-12-03) 30 layers of 64 requests x 285 tokens took
+// 36-53 ms a step against 21-27 with these. tests/kernels/test_native_object.py checks the object keeps them.
 template <typename T>
-inline void prefetch_row(const NextSlice<T>& next, const T* rows, const float* scales, int64_t t) {
-  if (rows == nullptr || t >= next.n) return;
-  const char* r = reinterpret_cast<const char*>(rows + t * next.tok_stride);
-  for (int64_t c = 0; c < next.row_bytes; c += 64) _mm_prefetch(r + c, _MM_HINT_T1);
-  if constexpr (kInt8<T>) _mm_prefetch(reinterpret_cast<const char*>(scales + t * next.kv_heads), _MM_HINT_T1);
+inline void prefetch_key(const NextSlice<T>& next, int64_t t) {
+  if (next.k == nullptr || t >= next.n) return;
+  const char* k = reinterpret_cast<const char*>(next.k + t * next.tok_stride);
+  for (int64_t c = 0; c < next.row_bytes; c += 64) _mm_prefetch(k + c, _MM_HINT_T1);
+  if constexpr (kInt8<T>) _mm_prefetch(reinterpret_cast<const char*>(next.ks + t * next.kv_heads), _MM_HINT_T1);
 }
 template <typename T>
-inline void prefetch_key(const NextSlice<T>& next, int64_t t) { prefetch_row(next, next.k, next.ks, t); }
-template <typename T>
-inline void prefetch_value(const NextSlice<T>& next, int64_t t) { prefetch_row(next, next.v, next.vs, t); }
+inline void prefetch_value(const NextSlice<T>& next, int64_t t) {
+  if (next.v == nullptr || t >= next.n) return;
+  const char* v = reinterpret_cast<const char*>(next.v + t * next.tok_stride);
+  for (int64_t c = 0; c < next.row_bytes; c += 64) _mm_prefetch(v + c, _MM_HINT_T1);
+  if constexpr (kInt8<T>) _mm_prefetch(reinterpret_cast<const char*>(next.vs + t * next.kv_heads), _MM_HINT_T1);
+}
 
 // qk16 with vdpbf16ps (the dot path): scores of one head against 16 keys [t, t + 16) of the block's bf16 scratch
 // (rows of D, zero past the block's keys, D % 32 == 0), s[t : t + 16], scaled here (the query is not: a scaled bf16
