@@ -307,7 +307,9 @@ LLMSERVE_AVX512 inline void qk16(const float* q, const float* k, int64_t n16, in
 // alternated (BENCHMARKS.md).
 // Two functions, not one helper taking the row and scale pointers: with that helper (81ae22f) GCC 12 -O3 emitted no
 // prefetch at all in paged_decode.o, and on the 2-core Zen 4 (2026-12-03) 30 layers of 64 requests x 285 tokens took
-// 36-53 ms a step against 21-27 with these. tests/kernels/test_native_object.py checks the object keeps them.
+// 36-53 ms a step against 20-29 with these. Even marked noinline the helper left no copy and no call: GCC models a
+// prefetch as having no side effect, so a function that only prefetches looks pure and its calls are deleted unless
+// it is inlined first, as these one-level functions are. tests/kernels/test_native_object.py checks the object.
 template <typename T>
 inline void prefetch_key(const NextSlice<T>& next, int64_t t) {
   if (next.k == nullptr || t >= next.n) return;
