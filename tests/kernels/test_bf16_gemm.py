@@ -29,11 +29,12 @@ def _ulps_apart(got: torch.Tensor, want_fp32: torch.Tensor) -> torch.Tensor:
 # every register tile shape (1-6 rows by 1-4 blocks of 16 outputs), K odd (a padded pair), N not a multiple of 16,
 # and more rows than one work chunk (240); amx (K a multiple of 32): one and two A tiles, full and partial, an odd
 # number of blocks, more rows than its chunk (256), more than two chunks (its work items then go chunk by chunk), and
-# groups of 8 block pairs with an odd block in the last (1,100 rows by 1,000 outputs)
+# groups of 8 block pairs with an odd block in the last (1,100 rows by 1,000 outputs), and those groups pair by pair
+# with a partial last row unit (100 rows)
 @pytest.mark.parametrize("rows,in_f,out_f", [(1, 576, 960), (2, 100, 33), (3, 1536, 576), (4, 37, 17), (5, 64, 16),
                                              (6, 7, 70), (13, 200, 100), (64, 576, 1030), (487, 70, 90),
-                                             (17, 96, 48), (33, 64, 40), (487, 96, 90), (777, 96, 90),
-                                             (1100, 64, 1000)])
+                                             (17, 96, 48), (33, 64, 40), (100, 64, 1000), (487, 96, 90),
+                                             (777, 96, 90), (1100, 64, 1000)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("kernel", PATHS)
 def test_kernel_is_the_fp32_sum_rounded_to_bf16(rows: int, in_f: int, out_f: int, bias: bool, kernel: str) -> None:
@@ -70,12 +71,13 @@ def test_pack_layout() -> None:
 @pytest.mark.parametrize("kernel", PATHS)
 def test_rows_do_not_depend_on_each_other(kernel: str) -> None:
     """Each output is summed over k in order whatever tile computes it (300 rows: chunks of 150 on the widened path;
-    one row: registers only; amx: a row in a full tile, a partial one, the first or second A tile; 800 rows: its work
-    items chunk by chunk), so a request's logits do not depend on its batch."""
+    one row: registers only; amx: a row in a full tile, a partial one, the first or second A tile; 64 and 100 rows:
+    its items pair by pair, each pair's row units together; 800 rows: its work items chunk by chunk), so a request's
+    logits do not depend on its batch."""
     g = torch.Generator().manual_seed(7)
     x, w = torch.randn(800, 320, generator=g).bfloat16(), torch.randn(50, 320, generator=g).bfloat16()
     packed = native.bf16_pack(w)
-    for rows in (300, 800):
+    for rows in (64, 100, 300, 800):
         together = native.bf16_gemm(x[:rows], packed, 50, None, kernel)
         alone = torch.cat([native.bf16_gemm(x[i:i + 1], packed, 50, None, kernel) for i in range(0, rows, 37)])
         assert torch.equal(together[::37], alone)
@@ -167,7 +169,7 @@ def test_dot_refuses_where_the_cpu_lacks_it() -> None:
 
 
 @pytest.mark.skipif(not native.amx_usable(), reason="the amx path needs AMX-BF16")
-@pytest.mark.parametrize("rows", [1, 17, 40, 300, 1100])
+@pytest.mark.parametrize("rows", [1, 17, 40, 100, 300, 1100])
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_gate_up_is_silu_mul_of_the_gemm(rows: int, bias: bool) -> None:
     """glu: silu(gate) * up in the amx GEMM's epilogue (the decoder stack's MLP), bit for bit silu_mul of the plain

@@ -43,6 +43,7 @@ constexpr int64_t kChunkRows = 256;  // rows of x per work item: a pair of block
                                      // while the chunk's units pass over it
 constexpr int64_t kPairMajorChunks = 2;  // chunks of rows up to which work items go pair by pair (amx_gemm_blocks)
 constexpr int64_t kGroupPairs = 8;  // block pairs per work item, at most (amx_gemm_blocks)
+constexpr int64_t kPairOuterUnits = 4;  // row units of an item up to which it runs pair by pair (amx_gemm_blocks)
 
 // Linux keeps AMX's 8 KB tile state off until a process asks (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
 constexpr int kArchGetXcompPerm = 0x1022;
@@ -98,6 +99,7 @@ struct Ahead {
   const char* b0 = nullptr;
   const char* b1 = nullptr;
   int64_t lines = 0;
+  int64_t step0 = 0, steps = 0;  // this unit's K steps are steps step0 .. step0 + kt - 1 of `steps` (0: kt)
 };
 
 // The epilogue of a finished unit (amx_store_pair over its C), run a slice of rows at a time while the next unit's tile
@@ -156,8 +158,9 @@ LLMSERVE_AMX void unit(const uint16_t* x, int64_t ldx, const uint16_t* w0, const
     if (TwoB) _tile_zero(3);
   }
   for (int64_t t = 0; t < kt; ++t) {
-    ask_ahead(ahead.b0, ahead.lines, t, kt);
-    ask_ahead(ahead.b1, ahead.lines, t, kt);
+    const int64_t steps = ahead.steps > 0 ? ahead.steps : kt;
+    ask_ahead(ahead.b0, ahead.lines, ahead.step0 + t, steps);
+    ask_ahead(ahead.b1, ahead.lines, ahead.step0 + t, steps);
     _tile_loadd(4, x + t * kTileK, ldx);
     _tile_loadd(6, w0 + t * kTileK * kBlockRows, 64);
     if (TwoB) _tile_loadd(7, w1 + t * kTileK * kBlockRows, 64);
@@ -296,40 +299,54 @@ at::Tensor amx_gemm_blocks(const at::Tensor& x, int64_t NB, int64_t N, const flo
         w[2 * (p - p0)] = block(first, at);
         w[2 * (p - p0) + 1] = second < NB ? block(second, at + K * kBlockRows) : nullptr;
       }
-      for (int64_t i = m0; i < m1; i += kUnitRows) {
+      // One unit: rows [i, i + 32) by pair p; `ahead` asks for the pair read next (a weight packed whole), spread over
+      // the units of this pair that run before the next one starts (`step0` of `steps` K steps).
+      auto run_unit = [&](int64_t i, int64_t p, int64_t unit_index, int64_t units) {
         const int64_t rows = std::min(kUnitRows, m1 - i);
         const int r0 = static_cast<int>(std::min<int64_t>(16, rows)), r1 = static_cast<int>(rows - r0);
         tiles.configure(r0, r1);
         const uint16_t* xi = xs + i * K;
-        for (int64_t p = p0; p < p1; ++p) {
-          const uint16_t *w0 = w[2 * (p - p0)], *w1 = w[2 * (p - p0) + 1];
-          const bool two_b = w1 != nullptr;
-          if (!two_b) w1 = w0;
-          // A weight packed whole: the first row unit asks for the pair read next (the group's next, or the first
-          // of this thread's next item), which the hardware prefetchers cannot guess: blocks of 16 outputs are
-          // contiguous, but a pair's two streams start anew in another page. Measured over SmolLM2-135M's 90 bf16
-          // decoder linears on the tiles, cold, in-process alternated (2-core Xeon with AMX, model 207, 2026-11-27),
-          // ms: 8 rows 14.5 / 15.8 without, 32 rows 17.0 / 20.6, 64 rows 26.7 / 30.0, 128 rows 48.4 / 50.8, 512 rows
-          // 162 / 164; two pairs ahead was no better, four worse.
-          Ahead ahead;
-          if (plain != nullptr && i == m0) {
-            int64_t np = p + 1;
-            if (np == p1 && next_u >= 0) np = (pair_major ? next_u / chunks : next_u % groups) * group;
-            if (np < pairs) {
-              const int64_t first = glu ? np : 2 * np, second = glu ? np + NB / 2 : 2 * np + 1;
-              ahead = {reinterpret_cast<const char*>(plain + first * K * kBlockRows),
-                       second < NB ? reinterpret_cast<const char*>(plain + second * K * kBlockRows) : nullptr,
-                       K * kBlockRows * 2 / 64};
-            }
+        const uint16_t *w0 = w[2 * (p - p0)], *w1 = w[2 * (p - p0) + 1];
+        const bool two_b = w1 != nullptr;
+        if (!two_b) w1 = w0;
+        // The hardware prefetchers cannot guess the pair read next: blocks of 16 outputs are contiguous, but a
+        // pair's two streams start anew in another page. Measured over SmolLM2-135M's 90 bf16 decoder linears on the
+        // tiles, cold, in-process alternated (2-core Xeon with AMX, model 207, 2026-11-27), ms: 8 rows 14.5 / 15.8
+        // without, 32 rows 17.0 / 20.6, 64 rows 26.7 / 30.0, 128 rows 48.4 / 50.8, 512 rows 162 / 164; two pairs
+        // ahead was no better, four worse.
+        Ahead ahead;
+        if (plain != nullptr && unit_index >= 0) {
+          int64_t np = p + 1;
+          if (np == p1 && next_u >= 0) np = (pair_major ? next_u / chunks : next_u % groups) * group;
+          if (np < pairs) {
+            const int64_t first = glu ? np : 2 * np, second = glu ? np + NB / 2 : 2 * np + 1;
+            ahead = {reinterpret_cast<const char*>(plain + first * K * kBlockRows),
+                     second < NB ? reinterpret_cast<const char*>(plain + second * K * kBlockRows) : nullptr,
+                     K * kBlockRows * 2 / 64, unit_index * kt, units * kt};
           }
-          float* ci = c[cur];
-          if (r1 > 0 && two_b) unit<true, true>(xi, ldx, w0, w1, kt, ci, ahead, pending);
-          else if (r1 > 0) unit<true, false>(xi, ldx, w0, w1, kt, ci, ahead, pending);
-          else if (two_b) unit<false, true>(xi, ldx, w0, w1, kt, ci, ahead, pending);
-          else unit<false, false>(xi, ldx, w0, w1, kt, ci, ahead, pending);
-          pending.set(ci, rows, p, yp, i);
-          cur ^= 1;
         }
+        float* ci = c[cur];
+        if (r1 > 0 && two_b) unit<true, true>(xi, ldx, w0, w1, kt, ci, ahead, pending);
+        else if (r1 > 0) unit<true, false>(xi, ldx, w0, w1, kt, ci, ahead, pending);
+        else if (two_b) unit<false, true>(xi, ldx, w0, w1, kt, ci, ahead, pending);
+        else unit<false, false>(xi, ldx, w0, w1, kt, ci, ahead, pending);
+        pending.set(ci, rows, p, yp, i);
+        cur ^= 1;
+      };
+      const int64_t units = (m1 - m0 + kUnitRows - 1) / kUnitRows;
+      if (units <= kPairOuterUnits) {
+        // few row units (decode batches): pair by pair, each pair's units together, so the next pair's prefetch
+        // spreads over all of them rather than over the first unit alone, where it waited on memory while the
+        // others' products ran on weights already in L2. SmolLM2-135M's 120 decoder linears (random bf16 weights,
+        // read from memory), medians of 7, alternated, 2-core Xeon with AMX (model 167, 2026-12-03): 64 rows 15.65 /
+        // 15.75 ms against 17.02 / 17.45 unit by unit, 128 rows 20.3 / 21.0 against 22.4 / 22.9; 16 and 32 rows (one
+        // unit) alike
+        for (int64_t p = p0; p < p1; ++p)
+          for (int64_t j = 0; j < units; ++j) run_unit(m0 + j * kUnitRows, p, j, units);
+      } else {
+        // unit by unit, every pair of the group: the unit's rows of x stay in L1 while the group's weights go past
+        for (int64_t i = m0; i < m1; i += kUnitRows)
+          for (int64_t p = p0; p < p1; ++p) run_unit(i, p, i == m0 ? 0 : -1, 1);
       }
     }
     pending.finish();
