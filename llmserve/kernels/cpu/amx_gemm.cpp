@@ -299,9 +299,9 @@ at::Tensor amx_gemm_blocks(const at::Tensor& x, int64_t NB, int64_t N, const flo
         w[2 * (p - p0)] = block(first, at);
         w[2 * (p - p0) + 1] = second < NB ? block(second, at + K * kBlockRows) : nullptr;
       }
-      // One unit: rows [i, i + 32) by pair p; `ahead` asks for the pair read next (a weight packed whole), spread over
-      // the units of this pair that run before the next one starts (`step0` of `steps` K steps).
-      auto run_unit = [&](int64_t i, int64_t p, int64_t unit_index, int64_t units) {
+      // One unit: rows [i, i + 32) by pair p, the pair's unit `order`-th of `units` (-1: it asks for nothing); `ahead`
+      // asks for the pair read next (a weight packed whole), spread over those units' K steps.
+      auto run_unit = [&](int64_t i, int64_t p, int64_t order, int64_t units) {
         const int64_t rows = std::min(kUnitRows, m1 - i);
         const int r0 = static_cast<int>(std::min<int64_t>(16, rows)), r1 = static_cast<int>(rows - r0);
         tiles.configure(r0, r1);
@@ -315,14 +315,14 @@ at::Tensor amx_gemm_blocks(const at::Tensor& x, int64_t NB, int64_t N, const flo
         // without, 32 rows 17.0 / 20.6, 64 rows 26.7 / 30.0, 128 rows 48.4 / 50.8, 512 rows 162 / 164; two pairs
         // ahead was no better, four worse.
         Ahead ahead;
-        if (plain != nullptr && unit_index >= 0) {
+        if (plain != nullptr && order >= 0) {
           int64_t np = p + 1;
           if (np == p1 && next_u >= 0) np = (pair_major ? next_u / chunks : next_u % groups) * group;
           if (np < pairs) {
             const int64_t first = glu ? np : 2 * np, second = glu ? np + NB / 2 : 2 * np + 1;
             ahead = {reinterpret_cast<const char*>(plain + first * K * kBlockRows),
                      second < NB ? reinterpret_cast<const char*>(plain + second * K * kBlockRows) : nullptr,
-                     K * kBlockRows * 2 / 64, unit_index * kt, units * kt};
+                     K * kBlockRows * 2 / 64, order * kt, units * kt};
           }
         }
         float* ci = c[cur];
@@ -341,8 +341,11 @@ at::Tensor amx_gemm_blocks(const at::Tensor& x, int64_t NB, int64_t N, const flo
         // read from memory), medians of 7, alternated, 2-core Xeon with AMX (model 167, 2026-12-03): 64 rows 15.65 /
         // 15.75 ms against 17.02 / 17.45 unit by unit, 128 rows 20.3 / 21.0 against 22.4 / 22.9; 16 and 32 rows (one
         // unit) alike
+        // (every other pair takes its units in reverse, so a partial last unit costs one tile reconfiguration a
+        // pair, not two)
         for (int64_t p = p0; p < p1; ++p)
-          for (int64_t j = 0; j < units; ++j) run_unit(m0 + j * kUnitRows, p, j, units);
+          for (int64_t s = 0; s < units; ++s)
+            run_unit(m0 + ((p - p0) % 2 ? units - 1 - s : s) * kUnitRows, p, s, units);
       } else {
         // unit by unit, every pair of the group: the unit's rows of x stay in L1 while the group's weights go past
         for (int64_t i = m0; i < m1; i += kUnitRows)
