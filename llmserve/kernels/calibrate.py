@@ -29,7 +29,9 @@ Ops with equivalent paths, and their candidates where each can run at all (the C
   Where the winner is amx or blocks_amx, qblock_linear_amx_dot (blocks_dot: the blocks' dot products in the tiles'
   order, their bits exactly) may run the batches of a few rows, reading the blocks rather than a bf16 weight: up to
   how many rows is measured after the choice, by passes through the model's block layers (add_few_rows), and kept
-  with the op (OpChoice.few_rows; where it is above 0 the blocks stay beside the dequantized weight).
+  with the op (OpChoice.few_rows; where it is above 0 the blocks stay beside the dequantized weight). Where the
+  blocks won, the same is measured for the amx path, and the blocks' AMX-INT8 threshold (add_amx8_rows) where amx
+  won; the op is then chosen again between the two as their plans run (choice.as_run).
 - `w8a8_linear:NxK` (a w8a8 layer: int8 weights and int8 activations, kernels/cpu/w8a8_linear.cpp), where the CPU has
   AMX-INT8: both give the same bits (exact int32 sums), so the choice is a threshold, not one kernel for every batch:
   vnni    VNNI register tiles at every row count;
@@ -76,6 +78,7 @@ from llmserve.kernels import native
 from llmserve.kernels.choice import (
     AMX8,
     AMX8_BUCKETS,
+    AMX_PATHS,
     FEW_BUCKETS,
     FEW_ROWS_KERNEL,
     PRUNE,
@@ -85,6 +88,7 @@ from llmserve.kernels.choice import (
     OpChoice,
     Timer,
     amend,
+    as_run,
     choose,
     few_rows,
     from_rows,
@@ -415,7 +419,8 @@ def _amx8_threshold(k: int, dtype: torch.dtype, timer: Timer, reps: int,
 
 def add_few_rows(model: nn.Module, table: ChoiceTable, timer: Timer = wall_clock) -> ChoiceTable:
     """The table with OpChoice.few_rows for each qblock op whose kernel is an amx path (amx over the dequantized
-    weight, blocks_amx over the blocks) and which qblock_linear_amx_dot can stand in for: measured over passes through
+    weight, blocks_amx over the blocks), or is blocks with an amx path among its candidates (for choice.as_run), and
+    which qblock_linear_amx_dot can stand in for: measured over passes through
     all the model's block layers in order, as a decode step reads them (each op's time its layers' sum), every layer on
     its op's kernel, then every layer on the blocks' dot products. Why the whole model: timed hot, the two were even at
     one row (SmolLM2's shapes, 7.6 ms against 7.7 for its 30 layers, 2-core Xeon with AMX); copies of one op's weight
@@ -428,9 +433,12 @@ def add_few_rows(model: nn.Module, table: ChoiceTable, timer: Timer = wall_clock
             op = qblock_op(layer)
             c = table.ops.get(op)
             qb = layer.qblocks
-            if c is None or c.pinned or c.kernel not in ("amx", "blocks_amx") or qb.perm is not None:
+            if c is None or c.pinned or qb.perm is not None:
                 continue
-            if c.kernel == "amx":  # the dequantized weight, as unblock will make it (freed after the timing)
+            amx = c.kernel if c.kernel in AMX_PATHS else next((n for n in AMX_PATHS if n in c.seconds), None)
+            if amx is None or c.kernel not in (amx, "blocks"):  # (blocks: amx as it would run, for as_run)
+                continue
+            if amx == "amx":  # the dequantized weight, as unblock will make it (freed after the timing)
                 w = native.qblock_dequantize_bf16(qb.native)
                 reference = functools.partial(lambda x, w, n: native.bf16_gemm(x, w, n, None, "amx"), w=w, n=qb.n)
             else:
@@ -547,7 +555,8 @@ AMX8_NEVER = 2 ** 62  # QBlockWeight.amx8_rows where the tiles never ran faster
 
 
 def add_amx8_rows(model: nn.Module, table: ChoiceTable, timer: Timer = wall_clock, reps: int = 3) -> ChoiceTable:
-    """The table with OpChoice.amx8_rows for each qblock op whose kernel is blocks (not pinned), where AMX-INT8 runs: its
+    """The table with OpChoice.amx8_rows for each qblock op whose kernel is blocks (not pinned), or an amx path with
+    the blocks among its candidates (for choice.as_run), where AMX-INT8 runs: its
     first layer timed at AMX8_BUCKETS rows with VNNI alone and with the tiles from every row count (a warm-up and
     `reps` interleaved calls each, the fastest kept); the tiles run from the smallest bucket from which they were at
     least as fast at every larger one (choice.from_rows). Both give the same bits, so this only chooses speed. Measured
@@ -562,7 +571,9 @@ def add_amx8_rows(model: nn.Module, table: ChoiceTable, timer: Timer = wall_cloc
             c = ops.get(op)
             qb = layer.qblocks
             # (group 16 formats, two scales a block, stay on VNNI: no AMX-INT8 path)
-            if c is None or c.pinned or c.kernel != "blocks" or c.amx8_rows is not None or qb.group == 16:
+            contends = c is not None and c.kernel in AMX_PATHS and "blocks" in c.seconds  # (for as_run)
+            if c is None or c.pinned or not (c.kernel == "blocks" or contends) or c.amx8_rows is not None \
+                    or qb.group == 16:
                 continue
             kept = qb.native.amx8_rows
             qb.native.amx8_rows = 1  # vnni=1: the tiles at every row count; vnni=2: VNNI alone
@@ -754,7 +765,8 @@ def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dt
     table = load_or_measure(key(list(measure), threads, blocks_only, rows), measure, pinned_ops, remeasure)
     if table.reused:
         return table
-    return amend(add_amx8_rows(model, add_few_rows(model, add_cold_times(model, table, timer), timer), timer))
+    table = add_amx8_rows(model, add_few_rows(model, add_cold_times(model, table, timer), timer), timer)
+    return amend(dataclasses.replace(table, ops={op: as_run(c) for op, c in table.ops.items()}))
 
 
 def _measure(op: str, make: Callable[..., list[Candidate]], args: tuple, timer: Timer,

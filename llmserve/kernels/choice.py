@@ -35,8 +35,9 @@ from llmserve.errors import InvalidRequestError
 
 # The rows of input a linear's candidates are timed at (each batch size counting alike in the choice).
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-FORMAT = 6  # of the cached files; a file of another format is measured again (1, 2: winners per row bucket; 3: no
-# few_rows; 4: no amx8_rows; 5: block-quantized ops timed with their weights in cache at every bucket)
+FORMAT = 7  # of the cached files; a file of another format is measured again (1, 2: winners per row bucket; 3: no
+# few_rows; 4: no amx8_rows; 5: block-quantized ops timed with their weights in cache at every bucket; 6: the blocks
+# against amx without their same-bits refinements, as_run)
 # The kernel that computes the amx paths' bits from a block-quantized weight's blocks (OpChoice.few_rows)
 FEW_ROWS_KERNEL = "blocks_dot"
 
@@ -247,6 +248,38 @@ def from_rows(buckets: Sequence[int], slow: Sequence[float], fast: Sequence[floa
             break
         rows = b
     return rows
+
+
+AMX_PATHS = ("amx", "blocks_amx")  # a qblock op's kernels that FEW_ROWS_KERNEL stands in for at a few rows
+
+
+def as_run(c: OpChoice) -> OpChoice:
+    """c chosen again (best_across) on its candidates' times as their plans run them, where both same-bits refinements
+    were timed: an amx path's buckets up to few_rows at FEW_ROWS_KERNEL's time there relative to its own (few_timed),
+    and the blocks' buckets from amx8_rows on at the AMX-INT8 tiles' time relative to VNNI alone (amx8_timed; above
+    AMX8_BUCKETS' largest, its ratio there). The refinement of the kernel not chosen is dropped (few_rows 0, amx8_rows
+    None), its times kept for the report. c.seconds stay as timed.
+    Why: each refinement used to be measured only for the winner of the plain times, which compared the amx path
+    without its few rows against the blocks without their tiles. On a 2-core Xeon with AMX (model 167), SmolLM2's
+    gate/up was a near tie so judged (the blocks 1.4-3.6x faster at 1-32 rows read cold, amx 1.2-2.8x from 64): six
+    tunes split three and three, and the blocks' choice cost the 64-request workload 13-16% and a 2,000-token first
+    token 25-36%, for 22% more single-request decode (BENCHMARKS.md, 2026-12-04)."""
+    amx = next((n for n in AMX_PATHS if n in c.seconds), None)
+    if c.pinned or amx is None or "blocks" not in c.seconds or not c.few_timed or not c.amx8_timed:
+        return c
+    seconds = {n: list(v) for n, v in c.seconds.items()}
+    ref, few = c.few_timed[REFERENCE], c.few_timed[FEW_ROWS_KERNEL]
+    vnni, tiles = c.amx8_timed[VNNI], c.amx8_timed[AMX8]
+    for i, rows in enumerate(c.rows):
+        if rows <= c.few_rows and rows in FEW_BUCKETS[:len(few)]:
+            j = FEW_BUCKETS.index(rows)
+            seconds[amx][i] *= few[j] / max(ref[j], 1e-12)
+        if c.amx8_rows and rows >= c.amx8_rows:
+            j = max(j for j, b in enumerate(AMX8_BUCKETS[:len(tiles)]) if b <= rows)
+            seconds["blocks"][i] *= tiles[j] / max(vnni[j], 1e-12)
+    kernel = best_across(seconds)
+    return replace(c, kernel=kernel, few_rows=c.few_rows if kernel in AMX_PATHS else 0,
+                   amx8_rows=c.amx8_rows if kernel == "blocks" else None)
 
 
 def wall_clock(name: str, rows: int, fn: Callable[[], object]) -> float:

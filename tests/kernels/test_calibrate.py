@@ -204,6 +204,53 @@ def test_amx_block_ops_measure_up_to_how_many_rows_the_blocks_stand_in(q4_1_gguf
     assert again.reused and {again.ops[op].few_rows for op in qops} == {2}
 
 
+@pytest.mark.skipif(not (native.qblock_amx_dot_usable() and native.qblock_amx8_usable()),
+                    reason="needs AMX-BF16, AMX-INT8, AVX512-BF16 and VBMI")
+def test_blocks_and_amx_are_chosen_between_as_their_plans_run(q4_1_gguf: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Timed plainly the blocks and amx tie on the decoder's ops (the blocks faster up to 32 rows, amx above), and the
+    tie goes to the blocks; both refinements are then measured whatever won (the blocks' dot products standing in for
+    amx at a few rows, on the real kernels; the tiles for the blocks' int8 activations), and with amx's 1-4 rows on
+    the stand-in amx wins. The tied head (1-128 rows: two buckets above 32) stays on the blocks. The packed model
+    runs what the table says, and the cached table brings it back."""
+    monkeypatch.setattr(choice, "others_busy", lambda before, after: None)  # cached, whatever else runs (CI's workers)
+    model = load_model(q4_1_gguf, EngineConfig(dtype="bfloat16")).model
+    passes: set[str] = set()
+
+    def timer(name: str, rows: int, fn: Callable[[], object]) -> float:
+        if name in (choice.FEW_ROWS_KERNEL, choice.REFERENCE):
+            passes.add(name)
+            fn()  # the real kernels, on the model's own weights
+            if name == choice.REFERENCE:
+                return 2.0
+            return 1.0 if rows <= 4 else 3.0  # (even counts as the stand-in's: it must lose at 8)
+        if name in (choice.VNNI, choice.AMX8):
+            passes.add(name)
+            return 1.0  # even: the tiles from one row, at the same time
+        if name in ("blocks", "amx"):
+            return 1.0 if (name == "blocks") == (rows <= 32) else 2.0
+        return 3.0
+
+    table = calibrate.plan(model, 2, dtype=BF16, timer=timer)
+    head = calibrate.qblock_op(model.logits_head())
+    decoder = {calibrate.qblock_op(m) for m in calibrate.qblock_layers(model)} - {head}
+    assert passes == {choice.FEW_ROWS_KERNEL, choice.REFERENCE, choice.VNNI, choice.AMX8}
+    for op in decoder:
+        c = table.ops[op]
+        assert choice.best_across(c.seconds) == "blocks" and (c.kernel, c.few_rows, c.amx8_rows) == ("amx", 4, None)
+        assert c.few_timed and c.amx8_timed  # both measured, the blocks' kept for the report
+    assert (table.ops[head].kernel, table.ops[head].few_rows, table.ops[head].amx8_rows) == ("blocks", 0, 1)
+    model.pack_for_cpu(table)
+    for m in calibrate.qblock_layers(model):
+        if m is model.logits_head():
+            assert m.qblocks is not None and m.qblocks.native.amx8_rows == 1
+        else:
+            assert m.qblocks is None and m.bf16.kernel == "amx" and m.bf16.few[1] == 4
+    choice._measured.clear()  # a new process, the same model
+    model = load_model(q4_1_gguf, EngineConfig(dtype="bfloat16")).model
+    again = calibrate.plan(model, 2, dtype=BF16, timer=lambda name, rows, fn: pytest.fail("measured again"))
+    assert again.reused and {again.ops[op].kernel for op in decoder} == {"amx"}
+
+
 @pytest.mark.skipif(not native.qblock_usable(), reason="the blocks need the native kernel")
 def test_block_ops_are_timed_again_with_their_weights_read_from_memory(q4_1_gguf: str) -> None:
     """add_cold_times: after the hot timing (here the bf16 dot products over the dequantized weights win every

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace as dataclass_replace
 
 import pytest
 
@@ -344,3 +345,38 @@ def test_times_taken_cold_replace_the_hot_ones_and_choose_again() -> None:
     assert OpChoice.from_json(json.loads(json.dumps(c.to_json()))) == c
     with pytest.raises(ValueError):
         OpChoice.from_json({**c.to_json(), "cold_rows": -1})
+
+
+def test_blocks_and_amx_are_judged_as_their_plans_run() -> None:
+    """as_run: where both same-bits refinements were timed, the amx path's buckets up to few_rows take the stand-in's
+    time relative to its own, the blocks' buckets from amx8_rows the tiles' relative to VNNI alone (above the tiles'
+    largest bucket, the ratio there), and the op is chosen again; the loser's refinement is dropped, the timed seconds
+    stay. Pinned ops, and ops missing either refinement, are left as they were."""
+    rows = tuple(2 ** i for i in range(12))  # 1 .. 2,048: six buckets up to 32, six above
+    small = [r <= 32 for r in rows]
+    few = {choice.REFERENCE: (2.0, 2.0, 2.0, 2.0), choice.FEW_ROWS_KERNEL: (1.0, 1.0, 1.0, 3.0)}  # lost at 8: <= 4
+    tiles_even = {choice.VNNI: (1.0,) * 10, choice.AMX8: (1.0,) * 10}
+    tie = OpChoice("blocks", rows, {"blocks": tuple(1.0 if s else 2.0 for s in small),
+                                    "amx": tuple(2.0 if s else 1.0 for s in small)},
+                   few_rows=4, few_timed=few, amx8_rows=1, amx8_timed=tiles_even)
+    assert choice.best_across(tie.seconds) == "blocks"  # an exact tie as timed: the first listed
+    c = choice.as_run(tie)  # amx runs its 1-4 rows at half its time: 15 against the blocks' 18
+    assert (c.kernel, c.few_rows, c.amx8_rows) == ("amx", 4, None)
+    assert c.seconds == tie.seconds and c.few_timed == few and c.amx8_timed == tiles_even
+
+    # amx ahead as timed (15 against 18); the tiles from 512 rows at 0.4 of VNNI's time give the blocks 0.8 at 512,
+    # 1,024 and 2,048 (the last two by the ratio at 512): 15 against 15.75, the blocks
+    ahead = OpChoice("amx", rows, {"blocks": tuple(1.0 if s else 2.0 for s in small),
+                                   "amx": tuple(1.5 if s else 1.0 for s in small)},
+                     few_rows=0, few_timed={choice.REFERENCE: (1.0,), choice.FEW_ROWS_KERNEL: (2.0,)}, amx8_rows=512,
+                     amx8_timed={choice.VNNI: (1.0,) * 10, choice.AMX8: (2.0,) * 9 + (0.4,)})
+    c = choice.as_run(ahead)
+    assert (c.kernel, c.few_rows, c.amx8_rows) == ("blocks", 0, 512)
+    # the tiles never faster (amx8_rows 0): as timed, amx
+    assert choice.as_run(dataclass_replace(ahead, amx8_rows=0)).kernel == "amx"
+
+    assert choice.as_run(dataclass_replace(tie, pinned=True)) == dataclass_replace(tie, pinned=True)
+    for missing in ({"few_timed": {}}, {"amx8_timed": {}, "amx8_rows": None}):
+        assert choice.as_run(dataclass_replace(tie, **missing)) == dataclass_replace(tie, **missing)
+    bf16 = OpChoice("dot", rows, {"fma": (1.0,) * 12, "dot": (0.5,) * 12})
+    assert choice.as_run(bf16) == bf16
