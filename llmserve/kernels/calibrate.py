@@ -81,8 +81,10 @@ from llmserve.kernels.choice import (
     AMX_PATHS,
     FEW_BUCKETS,
     FEW_ROWS_KERNEL,
+    NARROW,
     PRUNE,
     VNNI,
+    WIDE,
     Candidate,
     ChoiceTable,
     OpChoice,
@@ -587,6 +589,58 @@ def add_amx8_rows(model: nn.Module, table: ChoiceTable, timer: Timer = wall_cloc
     return dataclasses.replace(table, ops=ops)
 
 
+WIDE_NEVER = 2 ** 62  # QBlockWeight.wide_rows where the widened codes never ran faster (the kernel's default)
+
+
+def add_wide_rows(model: nn.Module, table: ChoiceTable, timer: Timer = wall_clock, reps: int = 3) -> ChoiceTable:
+    """The table with OpChoice.wide_rows for each qblock op whose kernel is blocks (not pinned, codes under 8 bits)
+    where the VNNI kernel runs: its first layer timed at the op's buckets below its amx8_rows (from there the AMX-INT8
+    tiles run instead) with each register tile unpacking its codes, and with each work unit's codes widened once (a
+    warm-up and `reps` interleaved calls each, the fastest kept); the widened codes run from the smallest bucket from
+    which they were at least as fast at every larger one (choice.from_rows). The same bits either way.
+    Why measured: on a 2-core Xeon without AMX (model 207) they ran 0.66x the unpacking kernel's speed at one row,
+    0.86x at 16, 1.05x at 64, 1.16x at 2,048; where they start to win differs by rows and shape."""
+    if not native.qblock_vnni_usable():
+        return table
+    ops = dict(table.ops)
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for layer in qblock_layers(model):
+            op = qblock_op(layer)
+            c = ops.get(op)
+            qb = layer.qblocks
+            if c is None or c.pinned or c.kernel != "blocks" or c.wide_rows is not None or qb.bits >= 8:
+                continue
+            tiles_from = tiles_from_rows(c.amx8_rows) if native.qblock_amx8_usable() and qb.group != 16 else WIDE_NEVER
+            buckets = tuple(r for r in c.rows if r < tiles_from)
+            if not buckets:
+                continue
+            kept = qb.native.wide_rows
+            best = {name: [float("inf")] * len(buckets) for name in (NARROW, WIDE)}
+            try:
+                for i, rows in enumerate(buckets):
+                    x = torch.randn(rows, qb.k, generator=gen).bfloat16()
+                    for rep in range(reps + 1):
+                        for name in (NARROW, WIDE):
+                            qb.native.wide_rows = 1 if name == WIDE else WIDE_NEVER
+                            seconds = timer(name, rows, functools.partial(native.qblock_linear, x, qb.native, None))
+                            if rep:  # the first call warms up
+                                best[name][i] = min(best[name][i], seconds)
+            finally:
+                qb.native.wide_rows = kept
+            ops[op] = dataclasses.replace(c, wide_rows=from_rows(buckets, best[NARROW], best[WIDE]),
+                                          wide_timed={name: tuple(v) for name, v in best.items()})
+    return dataclasses.replace(table, ops=ops)
+
+
+def tiles_from_rows(amx8_rows: int | None) -> int:
+    """From how many rows the blocks' AMX-INT8 tiles run (group-32 formats, where AMX-INT8 is), as
+    QBlockWeight.amx8_rows will say: OpChoice.amx8_rows (0: never), or the kernel's default where not measured."""
+    if amx8_rows is None:
+        return 16
+    return amx8_rows or AMX8_NEVER
+
+
 def _time_int8_paths(k: int, dtype: torch.dtype, timer: Timer, reps: int,
                      call: Callable[[torch.Tensor, str], Callable[[], object]]) -> dict[str, tuple[float, ...]]:
     """VNNI alone against the AMX-INT8 tiles, two paths with the same bits, at AMX8_BUCKETS rows of random x [rows, k]
@@ -766,7 +820,8 @@ def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dt
     if table.reused:
         return table
     table = add_amx8_rows(model, add_few_rows(model, add_cold_times(model, table, timer), timer), timer)
-    return amend(dataclasses.replace(table, ops={op: as_run(c) for op, c in table.ops.items()}))
+    table = dataclasses.replace(table, ops={op: as_run(c) for op, c in table.ops.items()})
+    return amend(add_wide_rows(model, table, timer))
 
 
 def _measure(op: str, make: Callable[..., list[Candidate]], args: tuple, timer: Timer,
@@ -801,6 +856,7 @@ def report(table: ChoiceTable) -> str:
             lines.append(f"  * up to {c.cold_rows} rows: weights read from memory (passes through the model's layers)")
         lines += _same_bits_table("weights read cold, the same bits", c.few_timed, FEW_BUCKETS)
         lines += _same_bits_table("int8 activations, the same bits", c.amx8_timed, AMX8_BUCKETS)
+        lines += _same_bits_table("codes widened once, the same bits", c.wide_timed, c.rows)
     return "\n".join(lines)
 
 

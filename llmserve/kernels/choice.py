@@ -35,9 +35,9 @@ from llmserve.errors import InvalidRequestError
 
 # The rows of input a linear's candidates are timed at (each batch size counting alike in the choice).
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-FORMAT = 7  # of the cached files; a file of another format is measured again (1, 2: winners per row bucket; 3: no
+FORMAT = 8  # of the cached files; a file of another format is measured again (1, 2: winners per row bucket; 3: no
 # few_rows; 4: no amx8_rows; 5: block-quantized ops timed with their weights in cache at every bucket; 6: the blocks
-# against amx without their same-bits refinements, as_run)
+# against amx without their same-bits refinements, as_run; 7: no wide_rows)
 # The kernel that computes the amx paths' bits from a block-quantized weight's blocks (OpChoice.few_rows)
 FEW_ROWS_KERNEL = "blocks_dot"
 
@@ -71,18 +71,26 @@ class OpChoice:
     # seconds at the buckets up to this many rows were timed with the weights read from memory, in passes through the
     # model's layers (calibrate.add_cold_times); 0: every bucket with the op's weight in cache
     cold_rows: int = 0
+    # The blocks kernel's VNNI path: from how many rows a work unit's codes are widened once rather than in every
+    # register tile (the same bits; 0: never; None: not measured), as timed (wide_timed[name][i] at rows[i] rows, the
+    # buckets below the tiles' amx8_rows).
+    wide_rows: int | None = None
+    wide_timed: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
     def describe(self) -> str:
         few = f" (<= {self.few_rows} rows: {FEW_ROWS_KERNEL})" if self.few_rows else ""
         if self.amx8_rows is not None:
             few += f" (from {self.amx8_rows} rows: {AMX8})" if self.amx8_rows else f" (no {AMX8})"
+        if self.wide_rows is not None:
+            few += f" (from {self.wide_rows} rows: {WIDE})" if self.wide_rows else f" (no {WIDE})"
         return self.kernel + few + (" (pinned)" if self.pinned else "")
 
     def to_json(self) -> dict:
         return {"kernel": self.kernel, "rows": list(self.rows), "pinned": self.pinned,
                 "seconds": {k: list(v) for k, v in self.seconds.items()}, "few_rows": self.few_rows,
                 "few_timed": {k: list(v) for k, v in self.few_timed.items()}, "amx8_rows": self.amx8_rows,
-                "amx8_timed": {k: list(v) for k, v in self.amx8_timed.items()}, "cold_rows": self.cold_rows}
+                "amx8_timed": {k: list(v) for k, v in self.amx8_timed.items()}, "cold_rows": self.cold_rows,
+                "wide_rows": self.wide_rows, "wide_timed": {k: list(v) for k, v in self.wide_timed.items()}}
 
     @classmethod
     def from_json(cls, d: dict) -> OpChoice:
@@ -94,15 +102,19 @@ class OpChoice:
         few_rows = int(d.get("few_rows", 0))
         if few_rows < 0:
             raise ValueError("few_rows >= 0")
-        amx8_rows = d.get("amx8_rows")
-        if amx8_rows is not None and (not isinstance(amx8_rows, int) or amx8_rows < 0):
-            raise ValueError("amx8_rows: None or an int >= 0")
+        amx8_rows, wide_rows = d.get("amx8_rows"), d.get("wide_rows")
+        for name, value in (("amx8_rows", amx8_rows), ("wide_rows", wide_rows)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"{name}: None or an int >= 0")
+        wide_timed = {str(k): tuple(float(s) for s in v) for k, v in d.get("wide_timed", {}).items()}
+        if any(len(v) > len(rows) for v in wide_timed.values()):
+            raise ValueError("wide_timed: at most one time per timed row count")
         amx8_timed = {str(k): tuple(float(s) for s in v) for k, v in d.get("amx8_timed", {}).items()}
         cold_rows = int(d.get("cold_rows", 0))
         if cold_rows < 0:
             raise ValueError("cold_rows >= 0")
         return cls(d["kernel"], rows, seconds, bool(d.get("pinned", False)), few_rows, few_timed, amx8_rows,
-                   amx8_timed, cold_rows)
+                   amx8_timed, cold_rows, wide_rows, wide_timed)
 
 
 def pinned(name: str) -> OpChoice:
@@ -235,6 +247,9 @@ def few_rows(ops: Sequence[str], timed_pass: Callable[[str, int], dict[str, floa
 # The blocks kernel's two ways with int8 activations (the same bits): VNNI alone, and AMX-INT8 tiles from every row count;
 # timed at AMX8_BUCKETS rows for OpChoice.amx8_rows.
 VNNI, AMX8 = "vnni", "amx8"
+# The blocks kernel's VNNI path, its codes unpacked in every register tile, or widened once per work unit (the same
+# bits); timed at the op's buckets below its amx8_rows, for OpChoice.wide_rows.
+NARROW, WIDE = "narrow", "wide"
 AMX8_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
@@ -314,10 +329,12 @@ class ChoiceTable:
     def as_dict(self) -> dict:
         """For `bench throughput --json`: each op's kernel, the ops whose batches of a few rows run FEW_ROWS_KERNEL
         (and up to how many), from how many rows the blocks' int8 activations run on AMX-INT8 tiles where that was
-        measured (0: never), and where the table came from."""
+        measured (0: never), from how many rows their codes are widened once per work unit (likewise), and where the
+        table came from."""
         return {"ops": {op: c.kernel for op, c in sorted(self.ops.items())},
                 "few_rows": {op: c.few_rows for op, c in sorted(self.ops.items()) if c.few_rows},
                 "amx8_rows": {op: c.amx8_rows for op, c in sorted(self.ops.items()) if c.amx8_rows is not None},
+                "wide_rows": {op: c.wide_rows for op, c in sorted(self.ops.items()) if c.wide_rows is not None},
                 "source": "cache" if self.reused else "measured", "measure_seconds": round(self.seconds, 2)}
 
     def to_json(self) -> dict:

@@ -325,6 +325,8 @@ class LlamaForCausalLM(nn.Module):
                     module.qblocks.few_rows = c.few_rows if module.qblocks.amx else 0
                     if c is not None and c.amx8_rows is not None:  # measured: from how many rows AMX-INT8 runs
                         module.qblocks.native.amx8_rows = c.amx8_rows or calibrate.AMX8_NEVER
+                    if c is not None and c.wide_rows is not None:  # measured: from how many rows codes widen once
+                        module.qblocks.native.wide_rows = c.wide_rows or calibrate.WIDE_NEVER
                     return None
                 if c.kernel == "amx" and c.few_rows:  # the blocks stay beside the bf16 weight, for a few rows
                     few[id(module)] = (module.qblocks.native, c.few_rows)

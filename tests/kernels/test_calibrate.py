@@ -346,6 +346,61 @@ def test_blocks_ops_measure_from_how_many_rows_their_int8_activations_run_on_the
     assert {m.qblocks.native.amx8_rows for m in calibrate.qblock_layers(model) if m.qblocks.group != 16} == {64}
 
 
+@pytest.mark.skipif(not native.qblock_vnni_usable(), reason="needs AVX512-VNNI")
+def test_blocks_ops_measure_from_how_many_rows_their_codes_are_widened_once(
+        q4_1_gguf: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a block op's choice is blocks, its first layer is timed with each register tile unpacking its codes and
+    with each work unit's widened once, at its buckets (here the AMX-INT8 tiles, where they run, never win: every
+    bucket); the widened codes run from the smallest bucket from which they never lost (a lone win at 8 rows does not
+    count), the packed model's weights take that threshold with the same outputs, the cached table brings it back, and
+    a pin leaves the kernel's default (never)."""
+    monkeypatch.setattr(choice, "others_busy", lambda before, after: None)  # cached, whatever else runs (CI's workers)
+    model = load_model(q4_1_gguf, EngineConfig(dtype="bfloat16")).model
+    layers = list(calibrate.qblock_layers(model))
+    calls: list[tuple[str, int]] = []
+
+    def timer(name: str, rows: int, fn: Callable[[], object]) -> float:
+        if name in (choice.NARROW, choice.WIDE):
+            calls.append((name, rows))
+            fn()  # the real kernel on the path being timed
+            return 1.0 if (name == choice.WIDE) == (rows >= 64 or rows == 8) else 2.0
+        if name in (choice.VNNI, choice.AMX8):
+            return 1.0 if name == choice.VNNI else 2.0
+        return 1.0 if name == "blocks" else 2.0
+
+    table = calibrate.plan(model, 2, dtype=BF16, timer=timer)
+    qops = {calibrate.qblock_op(m) for m in layers}
+    assert {(table.ops[op].kernel, table.ops[op].wide_rows) for op in qops} == {("blocks", 64)}
+    for op in qops:
+        c = table.ops[op]
+        assert {name: len(v) for name, v in c.wide_timed.items()} == dict.fromkeys((choice.NARROW, choice.WIDE),
+                                                                                 len(c.rows))
+    assert len(calls) == sum(len(table.ops[op].rows) for op in qops) * 2 * 4  # a warm-up and 3 calls each, per op
+    assert "from 64 rows: wide" in table.describe() and "codes widened once" in calibrate.report(table)
+    assert table.as_dict()["wide_rows"] == dict.fromkeys(sorted(qops), 64)  # bench throughput --json reports them
+    model.pack_for_cpu(table)
+    gen = torch.Generator().manual_seed(1)
+    for m in layers:
+        assert m.qblocks.native.wide_rows == 64
+        for rows in (8, 63, 64, 300):
+            x = torch.randn(rows, m.qblocks.k, generator=gen).bfloat16()
+            got = native.qblock_linear(x, m.qblocks.native, None)
+            m.qblocks.native.wide_rows = calibrate.WIDE_NEVER
+            assert torch.equal(got, native.qblock_linear(x, m.qblocks.native, None))
+            m.qblocks.native.wide_rows = 64
+    choice._measured.clear()  # a new process, the same model: the cache has the threshold
+    model = load_model(q4_1_gguf, EngineConfig(dtype="bfloat16")).model
+    again = calibrate.plan(model, 2, dtype=BF16, timer=lambda name, rows, fn: pytest.fail("measured again"))
+    assert again.reused and {again.ops[op].wide_rows for op in qops} == {64}
+    model.pack_for_cpu(again)
+    assert {m.qblocks.native.wide_rows for m in calibrate.qblock_layers(model)} == {64}
+    model = load_model(q4_1_gguf, EngineConfig(dtype="bfloat16")).model
+    pinned = calibrate.plan(model, 2, "qblock_linear=blocks", dtype=BF16, timer=timer)
+    assert {pinned.ops[op].wide_rows for op in qops} == {None}
+    model.pack_for_cpu(pinned)
+    assert {m.qblocks.native.wide_rows for m in calibrate.qblock_layers(model)} == {calibrate.WIDE_NEVER}
+
+
 @pytest.mark.skipif(not native.qblock_usable(), reason="the blocks need the native kernel")
 def test_blocks_stay_where_their_dequantized_weights_would_not_fit(q4_1_gguf: str,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:

@@ -291,6 +291,19 @@ def test_amx8_rows_survive_the_cache_and_bad_values_are_refused() -> None:
             OpChoice.from_json({"kernel": "blocks", "rows": [], "amx8_rows": bad})
 
 
+def test_wide_rows_survive_the_cache_and_bad_values_are_refused() -> None:
+    for rows in (None, 0, 64):
+        c = OpChoice("blocks", (1, 2), {"blocks": (1.0, 2.0)}, wide_rows=rows,
+                     wide_timed={} if rows is None else {choice.NARROW: (1.0,), choice.WIDE: (2.0,)})
+        assert OpChoice.from_json(json.loads(json.dumps(c.to_json()))) == c
+    assert OpChoice("blocks", amx8_rows=32, wide_rows=64).describe() == "blocks (from 32 rows: amx8) (from 64 rows: wide)"
+    assert "no wide" in OpChoice("blocks", wide_rows=0).describe()
+    for bad in ({"wide_rows": -1}, {"wide_rows": True}, {"wide_rows": "16"},
+                {"wide_timed": {choice.WIDE: [1.0, 2.0]}}):  # more times than timed row counts
+        with pytest.raises(ValueError, match="wide"):
+            OpChoice.from_json({"kernel": "blocks", "rows": [1], **bad})
+
+
 def test_a_bucket_slower_than_the_next_larger_is_timed_again() -> None:
     """A disturbance that lasts through a candidate's rounds at one bucket (or prunes it after two) cannot decide the
     choice: a time above RECHECK times the same candidate's at the next larger bucket is timed again once every bucket

@@ -147,6 +147,32 @@ def test_amx_int8_tiles_give_the_vnni_kernels_bits(fmt: str, dtype: torch.dtype)
                                native.qblock_linear(x, w.native, bias, vnni=2))
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_codes_widened_once_per_work_unit_give_the_same_bits(fmt: str, dtype: torch.dtype) -> None:
+    """From the weight's wide_rows rows, the VNNI kernel widens each work unit's codes once and its register tiles load
+    them (8-bit codes have nothing to widen): every output equals the unpacking kernel's bit for bit. Shapes: partial
+    row tiles (1, 3, 17), more than one 240-row chunk (500), 53 and 600 outputs (a partial last tile; groups of three
+    tiles and a partial one); with a bias, and on VNNI alone (vnni=2) where AMX-INT8 would take the larger batches."""
+    if not native.qblock_vnni_usable():
+        pytest.skip("no AVX512-VNNI")
+    for n, k, rows in [(53, 192, (1, 3, 17)), (600, 256, (40, 500))]:
+        t = _weight(fmt, n, k, seed=n)
+        w = qb.BlockWeight(t)
+        assert w.native.wide_rows == 2 ** 62  # never, until calibration measures it
+        bias = torch.randn(n)
+        for m in rows:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+            for vnni in (1, 2):
+                w.native.wide_rows = 2 ** 62
+                unpacked = native.qblock_linear(x, w.native, bias, vnni=vnni)
+                w.native.wide_rows = 1
+                assert torch.equal(native.qblock_linear(x, w.native, bias, vnni=vnni), unpacked), (n, m, vnni)
+    # (and those are the int8 arithmetic's: the last shape, 500 rows, against float64)
+    torch.testing.assert_close(unpacked.double(), _int8_reference(x, t.dequantize()) + bias.double(),
+                               atol=8e-3 * unpacked.abs().max().item(), rtol=0)
+
+
 def test_concat_unifies_zero_points_exactly() -> None:
     a, b = _weight("q4_0", 16, 64), _weight("q4_1", 20, 64, seed=1)
     both = qb.concat([a, b])

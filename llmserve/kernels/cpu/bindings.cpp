@@ -45,7 +45,9 @@ static void bind_qblocks(py::module_& m) {
            py::arg("codes"), py::arg("scales"), py::arg("mins"), py::arg("n"), py::arg("k"), py::arg("bits"),
            py::arg("group"), py::arg("zero"))
       .def_readwrite("amx8_rows", &QBlockWeight::amx8_rows,
-                     "from this many rows qblock_linear's int8 activations run on AMX-INT8 tiles (the same bits)");
+                     "from this many rows qblock_linear's int8 activations run on AMX-INT8 tiles (the same bits)")
+      .def_readwrite("wide_rows", &QBlockWeight::wide_rows,
+                     "from this many rows qblock_linear's VNNI kernel widens a work unit's codes once (the same bits)");
   m.def("qblock_linear", &qblock_linear, "x @ W^T (+ bias) over a QBlockWeight (CPU, AVX-512; VNNI: int8 activations "
         "per block of 32)", py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("vnni") = -1);
   m.def("qblock_linear_amx", &qblock_linear_amx, "x @ W^T (+ bias) over a QBlockWeight on AMX tiles, its tiles "

@@ -88,6 +88,10 @@ struct QBlockWeight {
   // pure speed choice): measured per op at calibration (llmserve/kernels/calibrate.py, add_amx8_rows); 16 where
   // nothing measured it.
   int64_t amx8_rows = 16;
+  // From this many rows of x, qblock_linear's VNNI kernel widens each work unit's codes to bytes once, before its rows
+  // go past them, rather than in every register tile (4-, 5- and 6-bit codes; the same bits): measured per op at
+  // calibration (add_wide_rows); never (2^62) where nothing measured it.
+  int64_t wide_rows = int64_t{1} << 62;
 };
 bool qblock_linear_supported();
 at::Tensor qblock_linear(at::Tensor x, const QBlockWeight& weight, c10::optional<at::Tensor> bias,

@@ -30,6 +30,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "aligned.h"       // AlignedVector
 #include "amx_tiles.h"     // TileConfig, load_tile_config
 #include "avx512_math.h"  // LLMSERVE_AVX512, masked loads and stores, for_each_tile
 #include "kernels.h"
@@ -149,20 +150,28 @@ LLMSERVE_VNNI inline void dpbusd_bcast(__m512i& s, __m512i v, const int32_t* x) 
 // (2-core Zen 5, quiet, best of 9 interleaved): 13.7 vs 17.4 ms at 64 rows, 91 vs 114 ms at 512; before, with the
 // intrinsic's spills and one chain, 15.1-17.4 and 105-124 ms, as slow as bf16 or slower. G16 (group 16): the chains
 // are the block's two halves (vectors 0-3: columns 0-15, 4-7: 16-31), each with its own d and m.
-template <int MR, int NR, int BITS, bool G16, typename S, typename T>
+// WIDE: the codes come widened from `wide` ([NR][KB][8] vectors, widen_codes), shared by every register tile of a
+// work unit's rows: per block one load a vector instead of unpacking (4-bit: 4 loads and 12 operations for 8
+// vectors, on the ports the products use), the same vectors, so the same bits.
+template <int MR, int NR, int BITS, bool G16, typename S, typename T, bool WIDE = false>
 LLMSERVE_VNNI __attribute__((optimize("no-tree-pre"))) void tile_vnni(const Act& a, const Weight& w, int64_t i0,
-                                                                      int64_t t0, int64_t N, const float* bias, T* y) {
+                                                                      int64_t t0, int64_t N, const float* bias, T* y,
+                                                                      const __m512i* wide = nullptr) {
   __m512 acc[MR][NR];
   _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i)
     _Pragma("GCC unroll 4") for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.KB; ++b) {
     const int64_t g = G16 ? 2 * b : b / w.blocks_per_group;
     _Pragma("GCC unroll 4") for (int j = 0; j < NR; ++j) {
-      const uint8_t* c = w.codes + ((t0 + j) * a.KB + b) * w.bytes;
-      if (MR <= 2)
-        for (int64_t off = 0; off < w.bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(c + off + kPrefetchBytes), _MM_HINT_T0);
       __m512i v[8];
-      unpack_codes<BITS>(c, v);
+      if constexpr (WIDE) {
+        _Pragma("GCC unroll 8") for (int h = 0; h < 8; ++h) v[h] = _mm512_load_si512(wide + (j * a.KB + b) * 8 + h);
+      } else {
+        const uint8_t* c = w.codes + ((t0 + j) * a.KB + b) * w.bytes;
+        if (MR <= 2)
+          for (int64_t off = 0; off < w.bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(c + off + kPrefetchBytes), _MM_HINT_T0);
+        unpack_codes<BITS>(c, v);
+      }
       __m512 d, m, d1, m1;
       group_scales<S>(w, t0 + j, g, d, m);
       if constexpr (G16) group_scales<S>(w, t0 + j, g + 1, d1, m1);
@@ -192,6 +201,18 @@ LLMSERVE_VNNI __attribute__((optimize("no-tree-pre"))) void tile_vnni(const Act&
   _Pragma("GCC unroll 4") for (int j = 0; j < NR; ++j)
     _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i)
       store_rows(y, N, i0 + i, (t0 + j) * kTileRows, acc[i][j], bias);
+}
+
+// Tiles t0 .. t0 + nr's codes as bytes, for tile_vnni<..., WIDE>: out[(j * KB + b) * 8 + h] is unpack_codes' vector h
+// of tile t0 + j, block b.
+template <int BITS>
+LLMSERVE_AVX512 void widen_codes(const Weight& w, int64_t t0, int nr, __m512i* out) {
+  for (int j = 0; j < nr; ++j)
+    for (int64_t b = 0; b < w.KB; ++b) {
+      __m512i v[8];
+      unpack_codes<BITS>(w.codes + ((t0 + j) * w.KB + b) * w.bytes, v);
+      _Pragma("GCC unroll 8") for (int h = 0; h < 8; ++h) _mm512_store_si512(out + (j * w.KB + b) * 8 + h, v[h]);
+    }
 }
 
 // The same product with x in fp32 and fp32 FMAs on the widened codes (AVX-512 without VNNI). xf: [M, K] fp32; a.sx:
@@ -462,6 +483,23 @@ void run(const at::Tensor& x, const QBlockWeight& qw, const Weight& w, const flo
   if constexpr (!G16) {
     if (vnni && tiles && M >= qw.amx8_rows && amx_int8_supported())
       return run_amx8<T, S, BITS>(a, w, M, NT, N, bias, yp);
+  }
+  if constexpr (BITS < 8) {
+    if (vnni && M >= qw.wide_rows) {  // each work unit's codes widened once, then its rows go past them
+      for_each_tile_group(M, NT, kChunkRows, kMaxRows, kMaxTiles, [&](int64_t) {
+        return [&, wide = AlignedVector<__m512i>(kMaxTiles * KB * 8)](int64_t m0, int64_t m1, int64_t t,
+                                                                      int nr) mutable {
+          widen_codes<BITS>(w, t, nr, wide.data());
+          for (int64_t i = m0; i < m1; i += kMaxRows)
+            dispatch_tile<kMaxRows, kMaxTiles>(static_cast<int>(std::min<int64_t>(kMaxRows, m1 - i)), nr,
+                                               [&](auto mr, auto nt) {
+              tile_vnni<decltype(mr)::value, decltype(nt)::value, BITS, G16, S, T, true>(a, w, i, t, N, bias, yp,
+                                                                                         wide.data());
+            });
+        };
+      });
+      return;
+    }
   }
   const float* xf = vnni ? nullptr : xq.data_ptr<float>();
   auto tile = [&](auto mr, auto nt, int64_t i, int64_t t) {
