@@ -309,6 +309,20 @@ def _tiles_win_from_64(calls: list[tuple[str, int]], others: Callable[[str], flo
     return timer
 
 
+def _same_bits_past_the_threshold(layers: list, field: str, rows: int, never: int, batches: tuple[int, ...]) -> None:
+    """Each packed layer's blocks took the measured threshold (QBlockWeight.<field> == rows), and its outputs at each
+    batch size equal those with the threshold at `never` bit for bit."""
+    gen = torch.Generator().manual_seed(1)
+    for m in layers:
+        assert getattr(m.qblocks.native, field) == rows
+        for batch in batches:
+            x = torch.randn(batch, m.qblocks.k, generator=gen).bfloat16()
+            got = native.qblock_linear(x, m.qblocks.native, None)
+            setattr(m.qblocks.native, field, never)
+            assert torch.equal(got, native.qblock_linear(x, m.qblocks.native, None)), (field, batch)
+            setattr(m.qblocks.native, field, rows)
+
+
 @pytest.mark.skipif(not native.qblock_amx8_usable(), reason="needs AVX512-VNNI and AMX-INT8")
 def test_blocks_ops_measure_from_how_many_rows_their_int8_activations_run_on_the_tiles(
         q4_1_gguf: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -329,15 +343,7 @@ def test_blocks_ops_measure_from_how_many_rows_their_int8_activations_run_on_the
     assert "from 64 rows: amx8" in table.describe() and "int8 activations" in calibrate.report(table)
     assert table.as_dict()["amx8_rows"] == dict.fromkeys(sorted(qops), 64)  # bench throughput --json reports them
     model.pack_for_cpu(table)
-    gen = torch.Generator().manual_seed(1)
-    for m in layers:
-        assert m.qblocks.native.amx8_rows == 64
-        for rows in (16, 63, 64, 80):
-            x = torch.randn(rows, m.qblocks.k, generator=gen).bfloat16()
-            got = native.qblock_linear(x, m.qblocks.native, None)
-            m.qblocks.native.amx8_rows = calibrate.AMX8_NEVER
-            assert torch.equal(got, native.qblock_linear(x, m.qblocks.native, None))  # the same bits on VNNI alone
-            m.qblocks.native.amx8_rows = 64
+    _same_bits_past_the_threshold(layers, "amx8_rows", 64, calibrate.AMX8_NEVER, (16, 63, 64, 80))  # VNNI alone
     choice._measured.clear()  # a new process, the same model: the cache has the threshold
     model = load_model(q4_1_gguf, EngineConfig(dtype="bfloat16")).model
     again = calibrate.plan(model, 2, dtype=BF16, timer=lambda name, rows, fn: pytest.fail("measured again"))
@@ -379,15 +385,7 @@ def test_blocks_ops_measure_from_how_many_rows_their_codes_are_widened_once(
     assert "from 64 rows: wide" in table.describe() and "codes widened once" in calibrate.report(table)
     assert table.as_dict()["wide_rows"] == dict.fromkeys(sorted(qops), 64)  # bench throughput --json reports them
     model.pack_for_cpu(table)
-    gen = torch.Generator().manual_seed(1)
-    for m in layers:
-        assert m.qblocks.native.wide_rows == 64
-        for rows in (8, 63, 64, 300):
-            x = torch.randn(rows, m.qblocks.k, generator=gen).bfloat16()
-            got = native.qblock_linear(x, m.qblocks.native, None)
-            m.qblocks.native.wide_rows = calibrate.WIDE_NEVER
-            assert torch.equal(got, native.qblock_linear(x, m.qblocks.native, None))
-            m.qblocks.native.wide_rows = 64
+    _same_bits_past_the_threshold(layers, "wide_rows", 64, calibrate.WIDE_NEVER, (8, 63, 64, 300))
     choice._measured.clear()  # a new process, the same model: the cache has the threshold
     model = load_model(q4_1_gguf, EngineConfig(dtype="bfloat16")).model
     again = calibrate.plan(model, 2, dtype=BF16, timer=lambda name, rows, fn: pytest.fail("measured again"))
