@@ -413,9 +413,9 @@ def measure_w8a8(layer: nn.Module, dtype: torch.dtype, timer: Timer = wall_clock
 def _amx8_threshold(k: int, dtype: torch.dtype, timer: Timer, reps: int,
                     call: Callable[[torch.Tensor, str], Callable[[], object]]) -> OpChoice:
     """An int8 op's choice: VNNI, with the AMX-INT8 tiles from the smallest bucket from which they never lost
-    (_time_int8_paths on x of the model's dtype, bf16 for others)."""
+    (_time_same_bits on x of the model's dtype, bf16 for others)."""
     x_dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.bfloat16
-    timed = _time_int8_paths(k, x_dtype, timer, reps, call)
+    timed = _time_same_bits(k, x_dtype, timer, reps, call)
     return OpChoice(VNNI, amx8_rows=from_rows(AMX8_BUCKETS, timed[VNNI], timed[AMX8]), amx8_timed=timed)
 
 
@@ -580,7 +580,7 @@ def add_amx8_rows(model: nn.Module, table: ChoiceTable, timer: Timer = wall_cloc
             kept = qb.native.amx8_rows
             qb.native.amx8_rows = 1  # vnni=1: the tiles at every row count; vnni=2: VNNI alone
             try:
-                timed = _time_int8_paths(qb.k, torch.bfloat16, timer, reps, lambda x, name, b=qb.native: functools.partial(
+                timed = _time_same_bits(qb.k, torch.bfloat16, timer, reps, lambda x, name, b=qb.native: functools.partial(
                     native.qblock_linear, x, b, None, 2 if name == VNNI else 1))
             finally:
                 qb.native.amx8_rows = kept
@@ -603,7 +603,6 @@ def add_wide_rows(model: nn.Module, table: ChoiceTable, timer: Timer = wall_cloc
     if not native.qblock_vnni_usable():
         return table
     ops = dict(table.ops)
-    gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for layer in qblock_layers(model):
             op = qblock_op(layer)
@@ -611,48 +610,41 @@ def add_wide_rows(model: nn.Module, table: ChoiceTable, timer: Timer = wall_cloc
             qb = layer.qblocks
             if c is None or c.pinned or c.kernel != "blocks" or c.wide_rows is not None or qb.bits >= 8:
                 continue
-            tiles_from = tiles_from_rows(c.amx8_rows) if native.qblock_amx8_usable() and qb.group != 16 else WIDE_NEVER
+            # from here the AMX-INT8 tiles take the batch: as measured (0: never), else the kernel's default
+            tiles_from = (qb.native.amx8_rows if c.amx8_rows is None else c.amx8_rows or AMX8_NEVER) \
+                if native.qblock_amx8_usable() and qb.group != 16 else WIDE_NEVER
             buckets = tuple(r for r in c.rows if r < tiles_from)
             if not buckets:
                 continue
+
+            def call(x: torch.Tensor, name: str, b: object = qb.native) -> Callable[[], object]:
+                def run() -> object:
+                    b.wide_rows = 1 if name == WIDE else WIDE_NEVER
+                    return native.qblock_linear(x, b, None)
+                return run
+
             kept = qb.native.wide_rows
-            best = {name: [float("inf")] * len(buckets) for name in (NARROW, WIDE)}
             try:
-                for i, rows in enumerate(buckets):
-                    x = torch.randn(rows, qb.k, generator=gen).bfloat16()
-                    for rep in range(reps + 1):
-                        for name in (NARROW, WIDE):
-                            qb.native.wide_rows = 1 if name == WIDE else WIDE_NEVER
-                            seconds = timer(name, rows, functools.partial(native.qblock_linear, x, qb.native, None))
-                            if rep:  # the first call warms up
-                                best[name][i] = min(best[name][i], seconds)
+                timed = _time_same_bits(qb.k, torch.bfloat16, timer, reps, call, (NARROW, WIDE), buckets)
             finally:
                 qb.native.wide_rows = kept
-            ops[op] = dataclasses.replace(c, wide_rows=from_rows(buckets, best[NARROW], best[WIDE]),
-                                          wide_timed={name: tuple(v) for name, v in best.items()})
+            ops[op] = dataclasses.replace(c, wide_rows=from_rows(buckets, timed[NARROW], timed[WIDE]), wide_timed=timed)
     return dataclasses.replace(table, ops=ops)
 
 
-def tiles_from_rows(amx8_rows: int | None) -> int:
-    """From how many rows the blocks' AMX-INT8 tiles run (group-32 formats, where AMX-INT8 is), as
-    QBlockWeight.amx8_rows will say: OpChoice.amx8_rows (0: never), or the kernel's default where not measured."""
-    if amx8_rows is None:
-        return 16
-    return amx8_rows or AMX8_NEVER
-
-
-def _time_int8_paths(k: int, dtype: torch.dtype, timer: Timer, reps: int,
-                     call: Callable[[torch.Tensor, str], Callable[[], object]]) -> dict[str, tuple[float, ...]]:
-    """VNNI alone against the AMX-INT8 tiles, two paths with the same bits, at AMX8_BUCKETS rows of random x [rows, k]
-    in dtype: call(x, name) is the op on one path; a warm-up and `reps` interleaved calls each, the fastest kept.
-    {VNNI: times, AMX8: times}, times[i] at AMX8_BUCKETS[i] rows."""
+def _time_same_bits(k: int, dtype: torch.dtype, timer: Timer, reps: int,
+                     call: Callable[[torch.Tensor, str], Callable[[], object]], names: tuple[str, str] = (VNNI, AMX8),
+                     buckets: tuple[int, ...] = AMX8_BUCKETS) -> dict[str, tuple[float, ...]]:
+    """Two paths with the same bits (VNNI alone against the AMX-INT8 tiles by default) at `buckets` rows of random x
+    [rows, k] in dtype: call(x, name) is the op on path `name`; a warm-up and `reps` interleaved calls each, the fastest
+    kept. {name: times}, times[i] at buckets[i] rows."""
     gen = torch.Generator().manual_seed(0)
-    best = {name: [float("inf")] * len(AMX8_BUCKETS) for name in (VNNI, AMX8)}
+    best = {name: [float("inf")] * len(buckets) for name in names}
     with torch.inference_mode():
-        for i, rows in enumerate(AMX8_BUCKETS):
+        for i, rows in enumerate(buckets):
             x = torch.randn(rows, k, generator=gen).to(dtype)
             for rep in range(reps + 1):
-                for name in (VNNI, AMX8):
+                for name in names:
                     seconds = timer(name, rows, call(x, name))
                     if rep:  # the first call warms up
                         best[name][i] = min(best[name][i], seconds)
