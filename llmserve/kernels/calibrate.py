@@ -95,6 +95,7 @@ from llmserve.kernels.choice import (
     few_rows,
     from_rows,
     load_or_measure,
+    lone_loss,
     parse_pins,
     pinned,
     wall_clock,
@@ -635,19 +636,30 @@ def add_wide_rows(model: nn.Module, table: ChoiceTable, timer: Timer = wall_cloc
 def _time_same_bits(k: int, dtype: torch.dtype, timer: Timer, reps: int,
                      call: Callable[[torch.Tensor, str], Callable[[], object]], names: tuple[str, str] = (VNNI, AMX8),
                      buckets: tuple[int, ...] = AMX8_BUCKETS) -> dict[str, tuple[float, ...]]:
-    """Two paths with the same bits (VNNI alone against the AMX-INT8 tiles by default) at `buckets` rows of random x
-    [rows, k] in dtype: call(x, name) is the op on path `name`; a warm-up and `reps` interleaved calls each, the fastest
-    kept. {name: times}, times[i] at buckets[i] rows."""
+    """Two paths with the same bits (VNNI alone against the AMX-INT8 tiles by default; names: the path kept below the
+    threshold, then the one from it) at `buckets` rows of random x [rows, k] in dtype: call(x, name) is the op on path
+    `name`; a warm-up and `reps` interleaved calls each, the fastest kept. Then the bucket that alone would set the
+    threshold (choice.lone_loss: the second path slower there, faster at the bucket below) is timed again in the same
+    way, both paths, each keeping its fastest; and the next such bucket, if that one turned. A slow bucket that is
+    real stays slow. {name: times}, times[i] at buckets[i] rows."""
     gen = torch.Generator().manual_seed(0)
     best = {name: [float("inf")] * len(buckets) for name in names}
+
+    def time_bucket(i: int) -> None:
+        x = torch.randn(buckets[i], k, generator=gen).to(dtype)
+        for rep in range(reps + 1):
+            for name in names:
+                seconds = timer(name, buckets[i], call(x, name))
+                if rep:  # the first call warms up
+                    best[name][i] = min(best[name][i], seconds)
+
     with torch.inference_mode():
-        for i, rows in enumerate(buckets):
-            x = torch.randn(rows, k, generator=gen).to(dtype)
-            for rep in range(reps + 1):
-                for name in names:
-                    seconds = timer(name, rows, call(x, name))
-                    if rep:  # the first call warms up
-                        best[name][i] = min(best[name][i], seconds)
+        for i in range(len(buckets)):
+            time_bucket(i)
+        looked: set[int] = set()
+        while (i := lone_loss(best[names[0]], best[names[1]])) is not None and i not in looked:
+            looked.add(i)
+            time_bucket(i)
     return {name: tuple(v) for name, v in best.items()}
 
 

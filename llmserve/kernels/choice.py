@@ -35,9 +35,10 @@ from llmserve.errors import InvalidRequestError
 
 # The rows of input a linear's candidates are timed at (each batch size counting alike in the choice).
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-FORMAT = 8  # of the cached files; a file of another format is measured again (1, 2: winners per row bucket; 3: no
+FORMAT = 9  # of the cached files; a file of another format is measured again (1, 2: winners per row bucket; 3: no
 # few_rows; 4: no amx8_rows; 5: block-quantized ops timed with their weights in cache at every bucket; 6: the blocks
-# against amx without their same-bits refinements, as_run; 7: no wide_rows)
+# against amx without their same-bits refinements, as_run; 7: no wide_rows; 8: same-bits thresholds without
+# lone_loss's second look)
 # The kernel that computes the amx paths' bits from a block-quantized weight's blocks (OpChoice.few_rows)
 FEW_ROWS_KERNEL = "blocks_dot"
 
@@ -263,6 +264,20 @@ def from_rows(buckets: Sequence[int], slow: Sequence[float], fast: Sequence[floa
             break
         rows = b
     return rows
+
+
+def lone_loss(slow: Sequence[float], fast: Sequence[float]) -> int | None:
+    """The bucket (an index into ascending buckets) at which from_rows stops, where `fast` won at the bucket below it:
+    a single slower bucket between wins (or at the largest), which alone puts the threshold above every bucket it won
+    at (never, at the largest). None where from_rows stops nowhere or at a run of losses. Such a bucket is timed again
+    (calibrate._time_same_bits), as choose's RECHECK does a slow bucket: on a 2-core Xeon without AMX (model 207) the
+    widened codes' threshold came out 32 or 64 in most tunes, and 512 and 256 in one, each from one bucket 10-11%
+    slower between wins at 64-128 and from 512 (BENCHMARKS.md, 2026-12-04)."""
+    losses = [i for i, (s, f) in enumerate(zip(slow, fast)) if f > s]
+    if not losses:
+        return None
+    i = losses[-1]
+    return i if i > 0 and fast[i - 1] <= slow[i - 1] else None
 
 
 AMX_PATHS = ("amx", "blocks_amx")  # a qblock op's kernels that FEW_ROWS_KERNEL stands in for at a few rows

@@ -309,6 +309,43 @@ def _tiles_win_from_64(calls: list[tuple[str, int]], others: Callable[[str], flo
     return timer
 
 
+def test_a_lone_slower_bucket_of_two_same_bits_paths_is_timed_again() -> None:
+    """_time_same_bits: the bucket that alone would set the threshold is timed again (both paths, a warm-up and the
+    rounds); one disturbed first time turns, and the next lone one below is looked at in turn, while a slow bucket
+    that is real stays, timed twice. Runs of losses below the threshold are not timed again."""
+    buckets = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+    def timing(slower: dict[int, int]) -> tuple[list[tuple[str, int]], choice.Timer]:
+        """A timer where WIDE wins from 16 rows but at `slower`'s buckets for their given number of looks."""
+        calls: list[tuple[str, int]] = []
+
+        def timer(name: str, rows: int, fn: Callable[[], object]) -> float:
+            calls.append((name, rows))
+            looks = sum(1 for n, r in calls if (n, r) == (name, rows)) - 1  # this path's calls here before this one
+            if name == choice.NARROW:
+                return 1.0
+            return 2.0 if rows < 16 or looks < 4 * slower.get(rows, 0) else 0.5
+
+        return calls, timer
+
+    def run(slower: dict[int, int]) -> tuple[int, list[tuple[str, int]]]:
+        calls, timer = timing(slower)
+        timed = calibrate._time_same_bits(8, torch.float32, timer, 3, lambda x, name: lambda: None,
+                                          (choice.NARROW, choice.WIDE), buckets)
+        return choice.from_rows(buckets, timed[choice.NARROW], timed[choice.WIDE]), calls
+
+    rows, calls = run({})
+    assert rows == 16 and len(calls) == len(buckets) * 2 * 4  # nothing lone: every bucket once
+    rows, calls = run({256: 1})  # disturbed through 256's rounds once: turns on the second look
+    assert rows == 16 and calls.count((choice.WIDE, 256)) == 8 and len(calls) == (len(buckets) + 1) * 2 * 4
+    rows, calls = run({512: 1, 128: 1})  # the largest first, then 128 once it is the lone one
+    assert rows == 16 and calls.count((choice.WIDE, 512)) == calls.count((choice.WIDE, 128)) == 8
+    rows, calls = run({256: 9})  # slower however often it is timed: real, kept, looked at once
+    assert rows == 512 and calls.count((choice.WIDE, 256)) == 8 and len(calls) == (len(buckets) + 1) * 2 * 4
+    rows, calls = run({64: 9, 32: 9})  # a run of two: a threshold, not a disturbance
+    assert rows == 128 and calls.count((choice.WIDE, 64)) == 4 and calls.count((choice.WIDE, 32)) == 4
+
+
 def _same_bits_past_the_threshold(layers: list, field: str, rows: int, never: int, batches: tuple[int, ...]) -> None:
     """Each packed layer's blocks took the measured threshold (QBlockWeight.<field> == rows), and its outputs at each
     batch size equal those with the threshold at `never` bit for bit."""

@@ -278,6 +278,17 @@ def test_the_int8_tiles_run_from_the_smallest_bucket_they_win_at_and_beyond() ->
     assert choice.from_rows(buckets, slow, (0.5,) * 6 + (2,)) == 0
 
 
+def test_a_lone_slower_bucket_that_sets_the_threshold_is_found_for_a_second_look() -> None:
+    """lone_loss: the bucket where from_rows stops, where the faster path won at the bucket below it; not a run of
+    losses (a real threshold), not the smallest bucket, nothing where it never lost."""
+    slow = (1.0,) * 6
+    assert choice.lone_loss(slow, (2, 2, 1, 1, 2, 1)) == 4  # wins at 4-8 and 32, alone slower at 16
+    assert choice.lone_loss(slow, (2, 1, 1, 1, 1, 2)) == 5  # at the largest: from_rows alone would say never
+    assert choice.lone_loss(slow, (2, 2, 2, 1, 1, 1)) is None  # slower up to 4: the threshold is 8
+    assert choice.lone_loss(slow, (2, 1, 1, 1, 1, 1)) is None  # only the smallest
+    assert choice.lone_loss(slow, (1,) * 6) is None  # a tie is a win (from_rows: at most slow's time)
+
+
 def test_amx8_rows_survive_the_cache_and_bad_values_are_refused() -> None:
     for rows in (None, 0, 64):
         c = OpChoice("blocks", (1,), {"blocks": (1.0,)}, amx8_rows=rows,
