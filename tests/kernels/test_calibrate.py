@@ -204,22 +204,16 @@ def test_amx_block_ops_measure_up_to_how_many_rows_the_blocks_stand_in(q4_1_gguf
     assert again.reused and {again.ops[op].few_rows for op in qops} == {2}
 
 
-@pytest.mark.skipif(not (native.qblock_amx_dot_usable() and native.qblock_amx8_usable()),
-                    reason="needs AMX-BF16, AMX-INT8, AVX512-BF16 and VBMI")
-def test_blocks_and_amx_are_chosen_between_as_their_plans_run(q4_1_gguf: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Timed plainly the blocks and amx tie on the decoder's ops (the blocks faster up to 32 rows, amx above), and the
-    tie goes to the blocks; both refinements are then measured whatever won (the blocks' dot products standing in for
-    amx at a few rows, on the real kernels; the tiles for the blocks' int8 activations), and with amx's 1-4 rows on
-    the stand-in amx wins. The tied head (1-128 rows: two buckets above 32) stays on the blocks. The packed model
-    runs what the table says, and the cached table brings it back."""
-    monkeypatch.setattr(choice, "others_busy", lambda before, after: None)  # cached, whatever else runs (CI's workers)
-    model = load_model(q4_1_gguf, EngineConfig(dtype="bfloat16")).model
-    passes: set[str] = set()
-
+def _blocks_tie_amx(passes: set[str], real: bool) -> choice.Timer:
+    """A timer where the blocks and amx tie under choose's rule (the blocks faster up to 32 rows, amx above), the
+    blocks' dot products standing in for amx win at 1-4 rows only (against the reference, slower), and the int8 tiles
+    tie VNNI (so: from one row); any other candidate is far behind. The same-bits passes are recorded in passes and,
+    where real, run (the real kernels, on the model's own weights)."""
     def timer(name: str, rows: int, fn: Callable[[], object]) -> float:
         if name in (choice.FEW_ROWS_KERNEL, choice.REFERENCE):
             passes.add(name)
-            fn()  # the real kernels, on the model's own weights
+            if real:
+                fn()
             if name == choice.REFERENCE:
                 return 2.0
             return 1.0 if rows <= 4 else 3.0  # (even counts as the stand-in's: it must lose at 8)
@@ -230,15 +224,35 @@ def test_blocks_and_amx_are_chosen_between_as_their_plans_run(q4_1_gguf: str, mo
             return 1.0 if (name == "blocks") == (rows <= 32) else 2.0
         return 3.0
 
-    table = calibrate.plan(model, 2, dtype=BF16, timer=timer)
+    return timer
+
+
+def _chosen_as_run(table: choice.ChoiceTable, model: torch.nn.Module, passes: set[str]) -> set[str]:
+    """Checks the table _blocks_tie_amx leads to: the decoder's ops on amx with 4 few rows on the stand-in, both
+    refinements measured (the blocks' kept for the report), the tied head (1-128 rows: two buckets above 32) on the
+    blocks with the tiles from one row. The decoder's ops."""
     head = calibrate.qblock_op(model.logits_head())
     decoder = {calibrate.qblock_op(m) for m in calibrate.qblock_layers(model)} - {head}
     assert passes == {choice.FEW_ROWS_KERNEL, choice.REFERENCE, choice.VNNI, choice.AMX8}
     for op in decoder:
         c = table.ops[op]
         assert choice.best_across(c.seconds) == "blocks" and (c.kernel, c.few_rows, c.amx8_rows) == ("amx", 4, None)
-        assert c.few_timed and c.amx8_timed  # both measured, the blocks' kept for the report
+        assert c.few_timed and c.amx8_timed and c.wide_rows is None
     assert (table.ops[head].kernel, table.ops[head].few_rows, table.ops[head].amx8_rows) == ("blocks", 0, 1)
+    return decoder
+
+
+@pytest.mark.skipif(not (native.qblock_amx_dot_usable() and native.qblock_amx8_usable()),
+                    reason="needs AMX-BF16, AMX-INT8, AVX512-BF16 and VBMI")
+def test_blocks_and_amx_are_chosen_between_as_their_plans_run(q4_1_gguf: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Timed plainly the blocks and amx tie on the decoder's ops, and the tie goes to the blocks; both refinements are
+    then measured whatever won (on the real kernels), and with amx's 1-4 rows on the stand-in amx wins
+    (_chosen_as_run). The packed model runs what the table says, and the cached table brings it back."""
+    monkeypatch.setattr(choice, "others_busy", lambda before, after: None)  # cached, whatever else runs (CI's workers)
+    model = load_model(q4_1_gguf, EngineConfig(dtype="bfloat16")).model
+    passes: set[str] = set()
+    table = calibrate.plan(model, 2, dtype=BF16, timer=_blocks_tie_amx(passes, real=True))
+    decoder = _chosen_as_run(table, model, passes)
     model.pack_for_cpu(table)
     for m in calibrate.qblock_layers(model):
         if m is model.logits_head():
@@ -249,6 +263,28 @@ def test_blocks_and_amx_are_chosen_between_as_their_plans_run(q4_1_gguf: str, mo
     model = load_model(q4_1_gguf, EngineConfig(dtype="bfloat16")).model
     again = calibrate.plan(model, 2, dtype=BF16, timer=lambda name, rows, fn: pytest.fail("measured again"))
     assert again.reused and {again.ops[op].kernel for op in decoder} == {"amx"}
+
+
+@pytest.mark.skipif(not native.qblock_usable(), reason="the blocks need the native kernel")
+def test_the_choice_between_blocks_and_amx_as_run_on_any_cpu(q4_1_gguf: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same plan as above on a CPU of any kind: the AMX paths reported usable and no candidate run (their
+    warm-ups and the fake timer call nothing), so CI's machines without AMX check the logic that only AMX machines
+    run; the cached table brings the choice back."""
+    monkeypatch.setattr(choice, "others_busy", lambda before, after: None)
+    for flag in ("amx_usable", "qblock_amx_usable", "qblock_amx_dot_usable", "qblock_amx8_usable", "qblock_vnni_usable",
+                 "prefill_amx_usable", "w8a8_amx_usable"):
+        monkeypatch.setattr(native, flag, lambda: True)
+    for make in ("bf16_linear_candidates", "qblock_linear_candidates", "prefill_attention_candidates",
+                 "decode_attention_candidates"):
+        monkeypatch.setattr(calibrate, make, lambda *a, real=getattr(calibrate, make), **kw: [
+            choice.Candidate(c.name, lambda rows: None) for c in real(*a, **kw)])
+    model = load_model(q4_1_gguf, EngineConfig(dtype="bfloat16")).model
+    passes: set[str] = set()
+    table = calibrate.plan(model, 2, dtype=BF16, timer=_blocks_tie_amx(passes, real=False))
+    decoder = _chosen_as_run(table, model, passes)
+    choice._measured.clear()  # a new process, the same model
+    again = calibrate.plan(model, 2, dtype=BF16, timer=lambda name, rows, fn: pytest.fail("measured again"))
+    assert again.reused and {(again.ops[op].kernel, again.ops[op].few_rows) for op in decoder} == {("amx", 4)}
 
 
 @pytest.mark.skipif(not native.qblock_usable(), reason="the blocks need the native kernel")
