@@ -64,6 +64,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import math
 import os
 import platform
 import time
@@ -131,6 +132,10 @@ DECODE_CONTEXT = 256  # tokens of context each timed decode reads (64-token bloc
 # every layer's: a single hot cache (12 MB at 64 decodes) fit the caches and ranked the paths otherwise than the
 # engine's DRAM-bound steps did (dot 1.25x faster timed hot, 2-5% slower in the 64-request workload).
 DECODE_COLD_BYTES = 96 << 20
+# Values a timed cache is filled with: a run of this many normal values in bf16, repeated (an odd length, so no two
+# blocks of a cache hold the same values). Drawing every value took 0.8-1.1 s of a 2-core Xeon's calibration (the
+# buckets' caches are 12-100 MB): the kernels' time does not depend on which values they read, only on where.
+RANDOM_RUN = 1_000_003
 ENV = "LLMSERVE_KERNEL_CHOICE"
 
 
@@ -683,6 +688,13 @@ def prefill_attention_candidates(heads: int, kv_heads: int, head_dim: int, names
     return [Candidate(name, functools.partial(run, kernel=name)) for name in names if runs_shape(name, head_dim)]
 
 
+def random_bf16(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """A bf16 tensor of `shape` holding RANDOM_RUN standard normal values over and over (fewer if it is smaller)."""
+    n = math.prod(shape)
+    run = torch.randn(min(n, RANDOM_RUN), generator=gen).bfloat16()
+    return run.repeat(-(-n // run.numel()))[:n].view(shape)
+
+
 def decode_attention_candidates(heads: int, kv_heads: int, head_dim: int, names: tuple[str, ...]) -> list[Candidate]:
     """Each path over `rows` decodes of DECODE_CONTEXT tokens each, in a bf16 cache of 64-token blocks in random order."""
     gen = torch.Generator().manual_seed(0)
@@ -692,7 +704,7 @@ def decode_attention_candidates(heads: int, kv_heads: int, head_dim: int, names:
     def inputs(rows: int) -> tuple[torch.Tensor, ...]:
         layer_bytes = 2 * rows * DECODE_CONTEXT * kv_heads * head_dim * 2
         layers = max(1, min(64, -(-DECODE_COLD_BYTES // layer_bytes)))
-        caches = torch.randn(layers, 2, rows * per, 64, kv_heads, head_dim, generator=gen).bfloat16()
+        caches = random_bf16((layers, 2, rows * per, 64, kv_heads, head_dim), gen)
         tables = torch.randperm(rows * per, generator=gen).view(rows, per)
         lens = torch.full((rows,), DECODE_CONTEXT, dtype=torch.int64)
         return torch.randn(rows, heads, head_dim, generator=gen).bfloat16(), caches, tables, lens

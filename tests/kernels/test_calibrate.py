@@ -345,6 +345,21 @@ def _tiles_win_from_64(calls: list[tuple[str, int]], others: Callable[[str], flo
     return timer
 
 
+def test_timed_caches_are_filled_with_a_repeated_random_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """random_bf16: the shape and dtype asked for, normal values, one run repeated (drawing them all was most of decode
+    attention's calibration), whose odd length keeps any two 64-token blocks of a timed cache apart."""
+    monkeypatch.setattr(calibrate, "RANDOM_RUN", 10_007)
+    shape = (3, 2, 8, 64, 3, 64)  # layers, K/V, blocks, block size, KV heads, head_dim: 3 runs and more
+    x = calibrate.random_bf16(shape, torch.Generator().manual_seed(0))
+    assert x.shape == shape and x.dtype == torch.bfloat16 and x.is_contiguous()
+    flat = x.flatten().float()
+    assert torch.equal(flat[:10_007], flat[10_007:20_014]) and 0.9 < flat.std() < 1.1 and abs(flat.mean()) < 0.05
+    blocks = x.flatten(0, 2).flatten(1)
+    assert len({tuple(b[:8].tolist()) for b in blocks}) == len(blocks)
+    small = calibrate.random_bf16((5, 7), torch.Generator().manual_seed(0))
+    assert small.shape == (5, 7) and len(set(small.flatten().tolist())) > 30
+
+
 def test_a_lone_slower_bucket_of_two_same_bits_paths_is_timed_again() -> None:
     """_time_same_bits: the bucket that alone would set the threshold is timed again (both paths, a warm-up and the
     rounds); one disturbed first time turns, and the next lone one below is looked at in turn, while a slow bucket
