@@ -79,11 +79,14 @@ class OpChoice:
     wide_timed: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
     def describe(self) -> str:
-        few = f" (<= {self.few_rows} rows: {FEW_ROWS_KERNEL})" if self.few_rows else ""
+        def rows(n: int) -> str:
+            return "1 row" if n == 1 else f"{n} rows"
+
+        few = f" (<= {rows(self.few_rows)}: {FEW_ROWS_KERNEL})" if self.few_rows else ""
         if self.amx8_rows is not None:
-            few += f" (from {self.amx8_rows} rows: {AMX8})" if self.amx8_rows else f" (no {AMX8})"
+            few += f" (from {rows(self.amx8_rows)}: {AMX8})" if self.amx8_rows else f" (no {AMX8})"
         if self.wide_rows is not None:
-            few += f" (from {self.wide_rows} rows: {WIDE})" if self.wide_rows else f" (no {WIDE})"
+            few += f" (from {rows(self.wide_rows)}: {WIDE})" if self.wide_rows else f" (no {WIDE})"
         return self.kernel + few + (" (pinned)" if self.pinned else "")
 
     def to_json(self) -> dict:

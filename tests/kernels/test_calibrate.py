@@ -282,6 +282,7 @@ def test_the_choice_between_blocks_and_amx_as_run_on_any_cpu(q4_1_gguf: str, mon
     passes: set[str] = set()
     table = calibrate.plan(model, 2, dtype=BF16, timer=_blocks_tie_amx(passes, real=False))
     decoder = _chosen_as_run(table, model, passes)
+    assert "amx (<= 4 rows: blocks_dot)" in table.describe() and "blocks (from 1 row: amx8)" in table.describe()
     choice._measured.clear()  # a new process, the same model
     again = calibrate.plan(model, 2, dtype=BF16, timer=lambda name, rows, fn: pytest.fail("measured again"))
     assert again.reused and {(again.ops[op].kernel, again.ops[op].few_rows) for op in decoder} == {("amx", 4)}
