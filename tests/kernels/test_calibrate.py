@@ -603,15 +603,19 @@ def test_each_op_is_timed_at_the_rows_the_engine_gives_it(bf16_model) -> None:
 
 def test_batch_invariance_is_checked_up_to_the_largest_bucket() -> None:
     """A library kernel whose rows change only in batches over 512 rows passes a 512-row check and fails one at the
-    2,048 rows it would be timed and run at."""
+    2,048 rows it would be timed and run at; one whose rows change over 100 rows fails at the LM head's 128 rows, and
+    one whose rows change over 128 passes there (the head never runs such a batch)."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(24, 64, generator=gen)
 
-    def big_batches_differ(x: torch.Tensor) -> torch.Tensor:
-        return (x.float() @ w.T + (1e-3 if x.shape[0] > 512 else 0.0)).bfloat16()
+    def differ_over(m: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda x: (x.float() @ w.T + (1e-3 if x.shape[0] > m else 0.0)).bfloat16()
 
-    assert calibrate.batch_invariant(big_batches_differ, 64, gen)
-    assert not calibrate.batch_invariant(big_batches_differ, 64, gen, rows=2048)
+    assert calibrate.batch_invariant(differ_over(512), 64, gen)
+    assert not calibrate.batch_invariant(differ_over(512), 64, gen, rows=2048)
+    assert not calibrate.batch_invariant(differ_over(100), 64, gen, rows=128)
+    assert calibrate.batch_invariant(differ_over(128), 64, gen, rows=128)
+    assert calibrate.batch_invariant(differ_over(0), 64, gen, rows=1)  # one row: nothing to compare it with
 
 
 def test_a_batch_dependent_library_kernel_is_not_a_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
