@@ -6,9 +6,11 @@ set -euo pipefail
 
 usage() {
     cat <<'EOF'
-Usage: scripts/peers/compare.sh [--quick] [--no-guidellm] [--no-vllm] [--seeds S1,S2] OUT_DIR
+Usage: scripts/peers/compare.sh [--quick] [--no-guidellm] [--no-vllm] [--seeds S1,S2] [--tunes N] OUT_DIR
 
 Runs, in order, nothing at the same time (a quiet machine: nothing else on the cores):
+  0. `llmserve tune` N times (3 by default): whether the measured kernel choices come out the same each time (the
+     benches below run on the last one's table, as after a first start);
   1. vLLM-CPU offline (vllm_cpu.sh --json --single-input-len 36,500,2000 --num-iters 3): the 64-request workload,
      TTFT and decode at 36 / 500 / 2,000-token prompts;
   2. llmserve's defaults on the same workloads: `bench throughput --ignore-eos --json` twice, once more with
@@ -24,6 +26,7 @@ project's .venv (scripts/setup.sh).
   --no-guidellm    skip step 3
   --no-vllm        skip vLLM (step 1 and its server): llmserve's figures alone
   --seeds S1,S2    guidellm seeds for llmserve's runs (42,302)
+  --tunes N        calibrations in step 0 (3; 0 skips it)
   -h, --help       this message
 
 Environment: PEERS_DIR (as the peers' scripts), VLLM_PORT (18124), LLMSERVE_PORT (18123), READY_TIMEOUT (900 s: a
@@ -31,13 +34,14 @@ compiled vLLM server starts in ~2.5 minutes on 2 cores).
 EOF
 }
 
-quick=0 guidellm=1 vllm=1 seeds=42,302 out=
+quick=0 guidellm=1 vllm=1 seeds=42,302 tunes=3 out=
 while [ $# -gt 0 ]; do
     case $1 in
         --quick) quick=1 ;;
         --no-guidellm) guidellm=0 ;;
         --no-vllm) vllm=0 ;;
         --seeds) seeds=$2; shift ;;
+        --tunes) tunes=$2; shift ;;
         -h|--help) usage; exit 0 ;;
         -*) echo "compare.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
         *) [ -z "$out" ] || { echo "compare.sh: one OUT_DIR" >&2; exit 2; }; out=$1 ;;
@@ -74,6 +78,10 @@ lscpu > "$out/lscpu.txt"
 date -u +"%Y-%m-%d %H:%M UTC" > "$out/date.txt"
 git -C "$repo" rev-parse --short HEAD > "$out/commit.txt" 2>/dev/null || echo unknown > "$out/commit.txt"
 
+for ((i = 1; i <= tunes; i++)); do
+    step "llmserve tune ($i)"
+    "$ls" tune > "$out/tune_$i.txt" 2>&1
+done
 if [ $vllm = 1 ]; then
     step "vLLM-CPU offline"
     bash "$here/vllm_cpu.sh" --json --single-input-len 36,500,2000 --num-iters 3 "${vllm_flags[@]}" \

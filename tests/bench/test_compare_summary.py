@@ -39,6 +39,10 @@ def _run(out: Path, seeds: tuple[int, ...] = (42, 302)) -> None:
     for n, t in ((36, 30.0), (500, 300.0), (2000, 4400.0)):  # 2,000 tokens: slower than vLLM
         _write(out, f"llmserve_latency_{n}.json", {"ttft_ms": {"mean": t}, "decode_tokens_per_s": {"mean": 90.0},
                                                     "start_to_ready_s": 3.0})
+    for i, wide in ((1, 32), (2, 64)):
+        _write(out, f"tune_{i}.txt", "a table\nkernel choice: decode_attention:9/3x64, prefill_attention:9/3x64: fp32; "
+                                     f"qblock_linear:576x576:4-bit/32: blocks (from {wide} rows: wide); "
+                                     "qblock_linear:3072x576:4-bit/32: amx (<= 4 rows: blocks_dot) (measured in 7.0 s)\n")
     gl = {"output_tokens_per_s": 100.0, "ttft_ms_median": 2000.0, "ttft_ms_mean": 3000.0, "itl_ms_median": 80.0,
           "requests_successful": 64, "requests_errored": 0}
     _write(out, "guidellm_vllm_42.json", gl)
@@ -60,6 +64,9 @@ def test_the_tables_give_ratios_and_say_which_targets_are_met(summary, tmp_path:
     assert "| start (vLLM: LLM(); llmserve: start to ready), s | 80.0 | 3.00, 3.00, 3.00 | | <= 5 s: met |" in text
     assert "| vLLM-CPU | 42 | 100.0 | 2.00 / 3.00 s | 80.0 ms | 64 ok, 0 errored |" in text
     assert text.index("| llmserve | 42 |") < text.index("| llmserve | 302 |")
+    assert "| qblock_linear:576x576:4-bit/32 | blocks (from 32 rows: wide) | blocks (from 64 rows: wide) |" in text
+    assert "| qblock_linear:3072x576:4-bit/32 | amx (<= 4 rows: blocks_dot) | amx (<= 4 rows: blocks_dot) |" in text
+    assert "| prefill_attention:9/3x64 | fp32 | fp32 |" in text and "3 of 4 ops chose the same in every tune." in text
     assert "Output tok/s 1.50x vLLM's (target >= 1.4x: met), median TTFT 0.75x (target <= 1x: met)." in text
 
 
@@ -69,4 +76,4 @@ def test_missing_runs_leave_dashes(summary, tmp_path: Path, capsys) -> None:
     assert summary.main([str(tmp_path)]) == 0  # --no-vllm --no-guidellm, and a run that stopped early
     text = capsys.readouterr().out
     assert "unknown machine" in text and "| 4 requests, output tok/s | - | 90.0 | - | >= 1.4x: - |" in text
-    assert "§3b" not in text
+    assert "§3b" not in text and "Kernel choices" not in text
