@@ -618,8 +618,10 @@ def add_wide_rows(model: nn.Module, table: ChoiceTable, timer: Timer = wall_cloc
             if c is None or c.pinned or c.kernel != "blocks" or c.wide_rows is not None or qb.bits >= 8:
                 continue
             # from here the AMX-INT8 tiles take the batch: as measured (0: never), else the kernel's default
-            tiles_from = (qb.native.amx8_rows if c.amx8_rows is None else c.amx8_rows or AMX8_NEVER) \
-                if native.qblock_amx8_usable() and qb.group != 16 else WIDE_NEVER
+            if native.qblock_amx8_usable() and qb.group != 16:
+                tiles_from = qb.native.amx8_rows if c.amx8_rows is None else (c.amx8_rows or AMX8_NEVER)
+            else:
+                tiles_from = WIDE_NEVER
             buckets = tuple(r for r in c.rows if r < tiles_from)
             if not buckets:
                 continue

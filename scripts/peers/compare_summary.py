@@ -68,8 +68,9 @@ def mean(d: dict[str, Any] | None, key: str) -> float | None:
 
 def section3(out: Path) -> list[str]:
     vllm = load(out / "vllm.json")
-    runs = [r for r in (throughput(load(out / f"llmserve_throughput_{i}.json")) for i in (1, 2)) if r]
-    peak = [d.get("matmul_peak_gflops") for d in (load(out / f"llmserve_throughput_{i}.json") for i in (1, 2)) if d]
+    docs = [d for d in (load(out / f"llmserve_throughput_{i}.json") for i in (1, 2)) if throughput(d)]
+    runs = [throughput(d) for d in docs]
+    peak = [d.get("matmul_peak_gflops") for d in docs]
     w8a8 = throughput(load(out / "llmserve_w8a8.json"))
     v_tp = (vllm or {}).get("batch", {}).get("output_tokens_per_s")
     ours = [r["output_tokens_per_s"] for r in runs]
@@ -110,32 +111,27 @@ def section3(out: Path) -> list[str]:
 
 
 def section3b(out: Path) -> list[str]:
-    rows, theirs, ours = [], None, []
-    def order(path: Path) -> tuple[bool, int]:  # vLLM first, then by seed
-        seed = re.search(r"_(\d+)\.json$", path.name)
-        return "_vllm_" not in path.name, int(seed.group(1)) if seed else 0
-
-    count = None
-    for path in sorted(out.glob("guidellm_*.json"), key=order):
-        d = load(path)
+    found = []  # (is llmserve, seed, figures), vLLM first, then by seed
+    for path in out.glob("guidellm_*.json"):
         match = re.fullmatch(r"guidellm_(vllm|llmserve)_(\d+)\.json", path.name)
-        if not d or not match:
-            continue
-        server, seed = match.groups()
-        count = count or (d.get("requests_successful") or 0) + (d.get("requests_errored") or 0)
-        rows.append(f"| {'vLLM-CPU' if server == 'vllm' else 'llmserve'} | {seed} | {fmt(d.get('output_tokens_per_s'))}"
-                    f" | {fmt((d.get('ttft_ms_median') or 0) / 1000, '.2f')} / "
-                    f"{fmt((d.get('ttft_ms_mean') or 0) / 1000, '.2f')} s | {fmt(d.get('itl_ms_median'))} ms | "
-                    f"{d.get('requests_successful')} ok, {d.get('requests_errored')} errored |")
-        if server == "vllm":
-            theirs = d
-        else:
-            ours.append(d)
-    if not rows:
+        d = load(path) if match else None
+        if d:
+            found.append((match.group(1) == "llmserve", int(match.group(2)), d))
+    if not found:
         return []
-    rows.insert(0, f"{count} requests a run.")
-    lines = [rows[0], "", "| server | seed | output tok/s | TTFT median / mean | ITL median | requests |",
-             "| --- | --- | --- | --- | --- | --- |", *rows[1:]]
+    found.sort(key=lambda f: f[:2])
+    first = found[0][2]
+    lines = [f"{(first.get('requests_successful') or 0) + (first.get('requests_errored') or 0)} requests a run.", "",
+             "| server | seed | output tok/s | TTFT median / mean | ITL median | requests |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    seconds = lambda ms: None if ms is None else ms / 1000  # noqa: E731
+    for mine, seed, d in found:
+        lines.append(f"| {'llmserve' if mine else 'vLLM-CPU'} | {seed} | {fmt(d.get('output_tokens_per_s'))} | "
+                     f"{fmt(seconds(d.get('ttft_ms_median')), '.2f')} / {fmt(seconds(d.get('ttft_ms_mean')), '.2f')} s"
+                     f" | {fmt(d.get('itl_ms_median'))} ms | {d.get('requests_successful')} ok, "
+                     f"{d.get('requests_errored')} errored |")
+    theirs = next((d for mine, _, d in found if not mine), None)
+    ours = [d for mine, _, d in found if mine]
     if theirs and ours:
         tp = [d["output_tokens_per_s"] for d in ours if d.get("output_tokens_per_s")]
         ttft = [d["ttft_ms_median"] for d in ours if d.get("ttft_ms_median")]
