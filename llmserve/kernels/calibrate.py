@@ -563,6 +563,16 @@ def add_cold_times(model: nn.Module, table: ChoiceTable, timer: Timer = wall_clo
 AMX8_NEVER = 2 ** 62  # QBlockWeight.amx8_rows where the tiles never ran faster
 
 
+def timed_tiles_from(model: nn.Module) -> int:
+    """From how many rows the blocks' candidate ran on AMX-INT8 tiles while choose and add_cold_times timed it (0:
+    never): the weights' threshold as the kernel left it (QBlockWeight::amx8_rows' default; the measured one is
+    applied only after calibration). choice.as_run scales the blocks' times only where the plan differs from that."""
+    if not native.qblock_amx8_usable():
+        return 0
+    first = next(iter(qblock_layers(model)), None)
+    return 0 if first is None else int(first.qblocks.native.amx8_rows)
+
+
 def add_amx8_rows(model: nn.Module, table: ChoiceTable, timer: Timer = wall_clock, reps: int = 3) -> ChoiceTable:
     """The table with OpChoice.amx8_rows for each qblock op whose kernel is blocks (not pinned), or an amx path with
     the blocks among its candidates (for choice.as_run), where AMX-INT8 runs: its
@@ -838,8 +848,9 @@ def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dt
     table = load_or_measure(key(list(measure), threads, blocks_only, rows), measure, pinned_ops, remeasure)
     if table.reused:
         return table
+    tiles_from = timed_tiles_from(model)  # (read before add_amx8_rows: it leaves the weights as it found them)
     table = add_amx8_rows(model, add_few_rows(model, add_cold_times(model, table, timer), timer), timer)
-    table = dataclasses.replace(table, ops={op: as_run(c) for op, c in table.ops.items()})
+    table = dataclasses.replace(table, ops={op: as_run(c, tiles_from) for op, c in table.ops.items()})
     return amend(add_wide_rows(model, table, timer))
 
 

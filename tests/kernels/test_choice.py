@@ -374,8 +374,9 @@ def test_times_taken_cold_replace_the_hot_ones_and_choose_again() -> None:
 def test_blocks_and_amx_are_judged_as_their_plans_run() -> None:
     """as_run: where both same-bits refinements were timed, the amx path's buckets up to few_rows take the stand-in's
     time relative to its own, the blocks' buckets from amx8_rows the tiles' relative to VNNI alone (above the tiles'
-    largest bucket, the ratio there), and the op is chosen again; the loser's refinement is dropped, the timed seconds
-    stay. Pinned ops, and ops missing either refinement, are left as they were."""
+    largest bucket, the ratio there) where the blocks were timed on VNNI alone there, and the op is chosen again; the
+    loser's refinement is dropped, the timed seconds stay. Pinned ops, and ops missing either refinement, are left as
+    they were."""
     rows = tuple(2 ** i for i in range(12))  # 1 .. 2,048: six buckets up to 32, six above
     small = [r <= 32 for r in rows]
     few = {choice.REFERENCE: (2.0, 2.0, 2.0, 2.0), choice.FEW_ROWS_KERNEL: (1.0, 1.0, 1.0, 3.0)}  # lost at 8: <= 4
@@ -384,7 +385,7 @@ def test_blocks_and_amx_are_judged_as_their_plans_run() -> None:
                                     "amx": tuple(2.0 if s else 1.0 for s in small)},
                    few_rows=4, few_timed=few, amx8_rows=1, amx8_timed=tiles_even)
     assert choice.best_across(tie.seconds) == "blocks"  # an exact tie as timed: the first listed
-    c = choice.as_run(tie)  # amx runs its 1-4 rows at half its time: 15 against the blocks' 18
+    c = choice.as_run(tie, 0)  # amx runs its 1-4 rows at half its time: 15 against the blocks' 18
     assert (c.kernel, c.few_rows, c.amx8_rows) == ("amx", 4, None)
     assert c.seconds == tie.seconds and c.few_timed == few and c.amx8_timed == tiles_even
 
@@ -394,13 +395,38 @@ def test_blocks_and_amx_are_judged_as_their_plans_run() -> None:
                                    "amx": tuple(1.5 if s else 1.0 for s in small)},
                      few_rows=0, few_timed={choice.REFERENCE: (1.0,), choice.FEW_ROWS_KERNEL: (2.0,)}, amx8_rows=512,
                      amx8_timed={choice.VNNI: (1.0,) * 10, choice.AMX8: (2.0,) * 9 + (0.4,)})
-    c = choice.as_run(ahead)
+    c = choice.as_run(ahead, 0)
     assert (c.kernel, c.few_rows, c.amx8_rows) == ("blocks", 0, 512)
     # the tiles never faster (amx8_rows 0): as timed, amx
-    assert choice.as_run(dataclass_replace(ahead, amx8_rows=0)).kernel == "amx"
+    assert choice.as_run(dataclass_replace(ahead, amx8_rows=0), 0).kernel == "amx"
 
-    assert choice.as_run(dataclass_replace(tie, pinned=True)) == dataclass_replace(tie, pinned=True)
+    assert choice.as_run(dataclass_replace(tie, pinned=True), 0) == dataclass_replace(tie, pinned=True)
     for missing in ({"few_timed": {}}, {"amx8_timed": {}, "amx8_rows": None}):
-        assert choice.as_run(dataclass_replace(tie, **missing)) == dataclass_replace(tie, **missing)
+        assert choice.as_run(dataclass_replace(tie, **missing), 0) == dataclass_replace(tie, **missing)
     bf16 = OpChoice("dot", rows, {"fma": (1.0,) * 12, "dot": (0.5,) * 12})
-    assert choice.as_run(bf16) == bf16
+    assert choice.as_run(bf16, 0) == bf16
+
+
+def test_as_run_scales_only_the_blocks_buckets_whose_tiles_differ_from_their_timing() -> None:
+    """The blocks' own times were taken with the kernel's AMX-INT8 threshold in force (timed_tiles_from): where the
+    plan runs the same path there, nothing is scaled (before, the tiles' gain was applied a second time to buckets
+    already timed on them); a bucket timed on the tiles that the plan runs on VNNI takes VNNI's time relative to the
+    tiles', and one timed on VNNI that the plan puts on the tiles the inverse."""
+    rows = (1, 16, 256, 2048)
+    few = {choice.REFERENCE: (1.0,), choice.FEW_ROWS_KERNEL: (2.0,)}  # the stand-in lost at one row: few_rows 0
+    half = {choice.VNNI: (1.0,) * 10, choice.AMX8: (0.5,) * 10}  # the tiles at half VNNI's time everywhere
+    # relative to each bucket's fastest: blocks 1 + 1 + 1.625 + 1.625 = 5.25 against amx's 1.5 + 1.5 + 1 + 1 = 5
+    timed = {"blocks": (1.0, 1.0, 1.3, 1.3), "amx": (1.5, 1.5, 0.8, 0.8)}
+    c = OpChoice("amx", rows, timed, few_rows=0, few_timed=few, amx8_rows=16, amx8_timed=half)
+    assert choice.best_across(timed) == "amx"
+    assert choice.as_run(c, 16).kernel == "amx"  # timed with the tiles from 16 rows and planned so: as timed
+    # the same times taken on VNNI alone: the plan's tiles halve 16 to 2,048 rows (blocks 4 against amx's 6.96)
+    assert choice.as_run(c, 0).kernel == "blocks"
+    assert choice.as_run(dataclass_replace(c, amx8_rows=1), 0).kernel == "blocks"
+    # blocks ahead as timed (4 against 5.5); the plan keeps VNNI below 2,048 rows, so 16 and 256 rows, timed on the
+    # tiles, double: 1 + 1.33 + 1.6 + 1 = 4.93 against amx's 1.5 + 1 + 1 + 1.25 = 4.75
+    ahead = OpChoice("blocks", rows, {"blocks": (1.0, 1.0, 0.8, 0.8), "amx": (1.5, 1.5, 1.0, 1.0)}, few_rows=0,
+                     few_timed=few, amx8_rows=16, amx8_timed=half)
+    assert choice.as_run(ahead, 16).kernel == "blocks"
+    assert choice.as_run(dataclass_replace(ahead, amx8_rows=2048), 16).kernel == "amx"
+    assert choice.as_run(dataclass_replace(ahead, amx8_rows=0), 16).kernel == "amx"  # the tiles never: the same
