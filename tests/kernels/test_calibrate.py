@@ -279,8 +279,14 @@ def test_the_choice_between_blocks_and_amx_as_run_on_any_cpu(q4_1_gguf: str, mon
         monkeypatch.setattr(calibrate, make, lambda *a, real=getattr(calibrate, make), **kw: [
             choice.Candidate(c.name, lambda rows: None) for c in real(*a, **kw)])
     model = load_model(q4_1_gguf, EngineConfig(dtype="bfloat16")).model
+    # as_run is told from how many rows the blocks' own times ran on the tiles: the weights' threshold as calibration
+    # found it (the kernel's default), not the one it measures
+    timed_from: set[int] = set()
+    monkeypatch.setattr(calibrate, "as_run", lambda c, t, real=calibrate.as_run: timed_from.add(t) or real(c, t))
+    default = next(calibrate.qblock_layers(model)).qblocks.native.amx8_rows
     passes: set[str] = set()
     table = calibrate.plan(model, 2, dtype=BF16, timer=_blocks_tie_amx(passes, real=False))
+    assert timed_from == {default} and default > 1
     decoder = _chosen_as_run(table, model, passes)
     assert "amx (<= 4 rows: blocks_dot)" in table.describe() and "blocks (from 1 row: amx8)" in table.describe()
     choice._measured.clear()  # a new process, the same model
