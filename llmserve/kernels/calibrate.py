@@ -848,7 +848,7 @@ def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dt
     table = load_or_measure(key(list(measure), threads, blocks_only, rows), measure, pinned_ops, remeasure)
     if table.reused:
         return table
-    tiles_from = timed_tiles_from(model)  # (read before add_amx8_rows: it leaves the weights as it found them)
+    tiles_from = timed_tiles_from(model)  # the threshold choose and add_cold_times ran the blocks with
     table = add_amx8_rows(model, add_few_rows(model, add_cold_times(model, table, timer), timer), timer)
     table = dataclasses.replace(table, ops={op: as_run(c, tiles_from) for op, c in table.ops.items()})
     return amend(add_wide_rows(model, table, timer))
