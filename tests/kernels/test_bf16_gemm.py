@@ -185,6 +185,27 @@ def test_fused_gate_up_is_silu_mul_of_the_gemm(rows: int, bias: bool) -> None:
         assert torch.equal(got, native.silu_mul(native.bf16_gemm(x, packed, 2 * i, b, "amx")))
 
 
+@pytest.mark.skipif(not native.amx_usable(), reason="the amx path needs AMX-BF16")
+@pytest.mark.parametrize("rows", [1, 40, 600])
+def test_amx_rounds_denormals_and_nans_as_the_other_paths(rows: int) -> None:
+    """The amx epilogue rounds a row's 32 outputs with one vcvtne2ps2bf16 where the CPU has AVX512-BF16, an instruction
+    that reads denormals as zero and keeps a NaN's sign: rows holding either are rounded as before, so every output's
+    bits are the fma path's (x zero: each output is its bias exactly, rounded once), torch's for the denormals."""
+    special = torch.tensor([1e-39, -3e-39, 2e-45, float("nan"), -float("nan"), float("inf"), -float("inf"), 0.0,
+                            -0.0, 1.0, 3.4e38, -1.17e-38])
+    g = torch.Generator().manual_seed(rows)
+    bias = torch.randn(96, generator=g)
+    bias[5:5 + special.numel()] = special  # the first pair of blocks: special; the other two: plain values
+    x = torch.zeros(rows, 64).bfloat16()
+    packed = native.bf16_pack(torch.randn(96, 64, generator=g).bfloat16())
+    got, want = (native.bf16_gemm(x, packed, 96, bias, kernel).view(torch.int16) for kernel in ("amx", "fma"))
+    assert torch.equal(got, want)
+    finite = ~bias.isnan()
+    exact = (torch.zeros(96) + bias)[finite]  # the sum's value: 0 + -0 is +0
+    assert torch.equal(got[:, finite], exact.bfloat16().view(torch.int16).expand(rows, -1))
+    assert (got[:, bias.isnan()] == 0x7FC0).all()  # every NaN as 0x7FC0, whatever its sign
+
+
 def test_fused_gate_up_is_refused_off_the_amx_path() -> None:
     packed = native.bf16_pack(torch.randn(64, 32).bfloat16())
     with pytest.raises(RuntimeError, match="amx path only"):

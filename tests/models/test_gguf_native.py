@@ -195,8 +195,10 @@ def test_fallbacks_dequantize(config: EngineConfig, tmp_path) -> None:
 @pytest.mark.parametrize("form", ["Q4_1", "Q4_0", "Q5_K", "Q6_K", "Q8_0", "4-bit/128"])
 def test_amx_over_the_blocks_is_amx_over_their_dequantized_weights(form: str) -> None:
     """qblock_linear_amx dequantizes each tile as it reads it, to exactly the values the dequantized bf16 weight holds:
-    its products are bf16_gemm's amx path over that weight, bit for bit (every tile shape: 1, 17, 40 and 300 rows; and
-    1,100 rows by 600 outputs, whose work items take groups of 8 block pairs, each tile dequantized once an item)."""
+    its products are bf16_gemm's amx path over that weight, bit for bit (every tile shape: 1, 17, 40 and 300 rows, 300
+    in two chunks of rows that keep one dequantizing; 600 rows, three chunks, whose items share each group's tiles
+    dequantized once a call, an odd count of blocks among them; and 1,100 rows by 600 outputs, groups of 8 block
+    pairs)."""
     from llmserve.layers.quant_blocks import BlockTensor, BlockWeight
 
     bits, group, sd, mins, zero = {"Q4_1": (4, 32, torch.float16, True, 0), "Q4_0": (4, 32, torch.float16, False, 8),
@@ -204,7 +206,7 @@ def test_amx_over_the_blocks_is_amx_over_their_dequantized_weights(form: str) ->
                                    "Q8_0": (8, 32, torch.float16, False, 128),
                                    "4-bit/128": (4, 128, torch.float16, True, 0)}[form]
     g = torch.Generator().manual_seed(bits * group)
-    for n, k, rows in [(50, 256, (1, 17, 40, 300)), (33, 512, (1, 17, 40, 300)), (600, 256, (1100,))]:
+    for n, k, rows in [(50, 256, (1, 17, 40, 300)), (33, 512, (1, 17, 40, 300, 600)), (600, 256, (1100,))]:
         codes = torch.randint(0, 2 ** bits, (n, k), generator=g, dtype=torch.uint8)
         scales = (torch.rand(n, k // group, generator=g) * 0.01).to(sd)
         mn = (torch.randn(n, k // group, generator=g) * 0.01).to(sd) if mins else None
@@ -219,9 +221,10 @@ def test_amx_over_the_blocks_is_amx_over_their_dequantized_weights(form: str) ->
                                 (torch.rand(n, k // group, generator=g) * 0.01).to(sd),
                                 (torch.randn(n, k // group, generator=g) * 0.01).to(sd) if mins else None,
                                 bits, group, zero))
-    x = torch.randn(40, k, generator=g).bfloat16()
-    assert torch.equal(native.qblock_linear_amx(x, w.native, None, glu=True),
-                       native.silu_mul(native.qblock_linear_amx(x, w.native, None)))
+    for m in (40, 300, 600):  # one chunk of rows; two; three (the gate and up blocks made once a call)
+        x = torch.randn(m, k, generator=g).bfloat16()
+        assert torch.equal(native.qblock_linear_amx(x, w.native, None, glu=True),
+                           native.silu_mul(native.qblock_linear_amx(x, w.native, None)))
 
 
 FORMS = {"Q4_1": (4, 32, torch.float16, True, 0), "Q4_0": (4, 32, torch.float16, False, 8),

@@ -28,7 +28,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <functional>
 #include <vector>
 
@@ -182,9 +184,42 @@ LLMSERVE_AMX void unit(const uint16_t* x, int64_t ldx, const uint16_t* w0, const
   }
 }
 
+// Both blocks of a unit inside N, on a CPU with AVX512-BF16: each row's 32 outputs rounded at once by
+// vcvtne2ps2bf16 (nearest even, as bf16_bits) and stored as one 64-byte line, where bf16_bits takes seven operations
+// for 16 and a narrowing store. That instruction reads a denormal as zero and keeps a NaN's sign and payload, where
+// bf16_bits rounds the denormal as torch does and gives every NaN as 0x7FC0: a row holding either takes bf16_bits, so
+// the bits do not change (tests/kernels/test_bf16_gemm.py).
+// Why: the tiles do not run beside the vector units here as hoped: SmolLM2's gate/up shape without the SiLU (3,072 x
+// 576, 2,048 rows, 2 threads; 2-core Xeon with AMX, model 167, 2026-12-06) took 3.8-4.0 ms, 3.3-3.4 with its rows
+// written to a few lines of scratch, 2.6 with no epilogue. In-process alternated, medians of 7: 960 x 576 at 2,048
+// rows 1.22 -> 1.09 ms, 576 x 576 0.69 -> 0.64, 576 x 1,536 1.68 -> 1.54; at 64 rows 0.049 -> 0.042, 0.033 -> 0.028,
+// 0.065 -> 0.056. The fused gate/up's epilogue rounded the same way (three roundings a row around the SiLU) was no
+// faster (2,048 rows 3.70 -> 3.77 ms, 512 rows 0.88 -> 0.93): the SiLU's own operations dominate it, and it stays.
+LLMSERVE_AVX512BF16 void store_unit_lines(const float* c, int64_t rows, int64_t n0, int64_t N, const float* bias,
+                                          at::BFloat16* y) {
+  constexpr int kNanOrDenormal = 0x01 | 0x20 | 0x80;  // vfpclassps: quiet NaN, denormal, signalling NaN
+  const __m512 b0 = bias != nullptr ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+  const __m512 b1 = bias != nullptr ? _mm512_loadu_ps(bias + n0 + kBlockRows) : _mm512_setzero_ps();
+  for (int64_t i = 0; i < rows; ++i) {
+    __m512 v0 = _mm512_loadu_ps(c + i * 2 * kBlockRows), v1 = _mm512_loadu_ps(c + i * 2 * kBlockRows + kBlockRows);
+    if (bias != nullptr) {
+      v0 = _mm512_add_ps(v0, b0);
+      v1 = _mm512_add_ps(v1, b1);
+    }
+    at::BFloat16* yi = y + i * N + n0;
+    if ((_mm512_fpclass_ps_mask(v0, kNanOrDenormal) | _mm512_fpclass_ps_mask(v1, kNanOrDenormal)) != 0) {
+      storeu16(yi, v0, __mmask16(0xFFFF));
+      storeu16(yi + kBlockRows, v1, __mmask16(0xFFFF));
+    } else {
+      _mm512_storeu_si512(yi, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
+    }
+  }
+}
+
 // y[i0 : i0 + rows, n0 : n0 + 32] (columns below N) = C (+ bias), rounded to bf16.
 LLMSERVE_AVX512 void store_unit(const float* c, int64_t rows, int64_t n0, int64_t N, const float* bias,
                                 at::BFloat16* y) {
+  if (n0 + 2 * kBlockRows <= N && cpu_has_avx512_bf16()) return store_unit_lines(c, rows, n0, N, bias, y);
   for (int j = 0; j < 2; ++j) {
     const int64_t n = n0 + j * kBlockRows;
     if (n >= N) break;
@@ -280,24 +315,64 @@ at::Tensor amx_gemm_blocks(const at::Tensor& x, int64_t NB, int64_t N, const flo
   // chunks as runs (their rows of x shared) were coarser than the queue needs: SmolLM2's 30 decoders' four linears
   // over 2,000 rows on the blocks, in-process alternated (Xeon with AMX), medians 554-528 ms item by item against
   // 614-618 a chunk a run and 735-827 in equal shares; 64-1,000 rows alike.
+  // Weights that block() makes (plain null: a block-quantized weight's tiles dequantized as they are read, the
+  // blocks_amx kernel), with more chunks than pair-major runs: each group's blocks are made once a call, by the first
+  // item that needs them, into a buffer every later chunk reads, rather than once per item (chunk-major, every chunk
+  // made every group's again: at 2,048 rows eight times). A thread that needs a group another is making waits for it
+  // (made_state: 0 not yet, 1 being made, 2 ready); the same values either way, so the same bits.
+  // Pair-major, a thread's run is one group's chunks, so it keeps the group's blocks from one item to the next
+  // (w_group). SmolLM2's four decoder linears on blocks_amx (Q4_1, hot), 2-core Xeon with AMX (model 167, 2026-12-06),
+  // processes alternated, medians of 7, before / after (with store_unit_lines, worth ~4% of it): 2,048 rows 8.6-9.2 /
+  // 7.3-7.6 ms, 1,024 rows 4.4-4.9 / 3.8-4.3, 512 rows 2.2 / 1.8, 300 rows 1.5-1.6 / 1.2.
+  const bool made_once = plain == nullptr && !pair_major;
+  std::vector<uint16_t> made;
+  std::unique_ptr<std::atomic<int>[]> made_state;
+  std::vector<const uint16_t*> made_at;
+  if (made_once) {
+    made.resize(NB * K * kBlockRows);
+    made_state.reset(new std::atomic<int>[groups]);
+    for (int64_t g = 0; g < groups; ++g) made_state[g].store(0, std::memory_order_relaxed);
+    made_at.assign(NB, nullptr);
+  }
   parallel_units(groups * chunks, pair_major ? chunks : 1, [&](WorkCursor& cursor) {
     Tiles tiles;
     alignas(64) float c[2][kUnitRows * 2 * kBlockRows];  // the unit's C and the previous one's, still being stored
     int cur = 0;
     Epilogue pending(N, bias, glu);
-    std::vector<uint16_t> scratch(group * 2 * K * kBlockRows);
+    std::vector<uint16_t> scratch(made_once ? 0 : group * 2 * K * kBlockRows);
     const uint16_t* w[2 * kGroupPairs];
+    int64_t w_group = -1;  // the group whose blocks w holds
     for (; cursor.valid(); cursor.advance()) {
       const int64_t u = cursor.unit(), next_u = cursor.upcoming();
       const int64_t g = pair_major ? u / chunks : u % groups, chunk = pair_major ? u % chunks : u / groups;
       const int64_t m0 = chunk * kChunkRows, m1 = std::min(M, m0 + kChunkRows);
       // the group's pairs p0 .. p1: w[2 (p - p0)], w[2 (p - p0) + 1] their blocks (the second null past NB)
       const int64_t p0 = g * group, p1 = std::min(pairs, p0 + group);
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t first = glu ? p : 2 * p, second = glu ? p + NB / 2 : 2 * p + 1;
-        uint16_t* at = scratch.data() + 2 * (p - p0) * K * kBlockRows;
-        w[2 * (p - p0)] = block(first, at);
-        w[2 * (p - p0) + 1] = second < NB ? block(second, at + K * kBlockRows) : nullptr;
+      if (made_once) {
+        if (made_state[g].load(std::memory_order_acquire) != 2) {
+          int expected = 0;
+          if (made_state[g].compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
+            for (int64_t p = p0; p < p1; ++p)
+              for (const int64_t b : {glu ? p : 2 * p, glu ? p + NB / 2 : 2 * p + 1})
+                if (b < NB) made_at[b] = block(b, made.data() + b * K * kBlockRows);
+            made_state[g].store(2, std::memory_order_release);
+          } else {
+            while (made_state[g].load(std::memory_order_acquire) != 2) _mm_pause();
+          }
+        }
+        for (int64_t p = p0; p < p1; ++p) {
+          const int64_t first = glu ? p : 2 * p, second = glu ? p + NB / 2 : 2 * p + 1;
+          w[2 * (p - p0)] = made_at[first];
+          w[2 * (p - p0) + 1] = second < NB ? made_at[second] : nullptr;
+        }
+      } else if (g != w_group) {  // (pair-major: a group's chunks come one after the other, the blocks made once)
+        w_group = g;
+        for (int64_t p = p0; p < p1; ++p) {
+          const int64_t first = glu ? p : 2 * p, second = glu ? p + NB / 2 : 2 * p + 1;
+          uint16_t* at = scratch.data() + 2 * (p - p0) * K * kBlockRows;
+          w[2 * (p - p0)] = block(first, at);
+          w[2 * (p - p0) + 1] = second < NB ? block(second, at + K * kBlockRows) : nullptr;
+        }
       }
       // One unit: rows [i, i + 32) by pair p, the pair's unit `order`-th of `units` (-1: it asks for nothing); `ahead`
       // asks for the pair read next (a weight packed whole), spread over those units' K steps.
