@@ -184,6 +184,21 @@ LLMSERVE_AMX void unit(const uint16_t* x, int64_t ldx, const uint16_t* w0, const
   }
 }
 
+// Row i of a unit's C (fp32, 32 a row: two blocks of 16 outputs) as v0, v1, plus the blocks' biases b0, b1 where the
+// GEMM has a bias; bias_at(bias, n) is the bias of outputs n .. n + 15 (zero without one).
+LLMSERVE_AVX512 inline __m512 bias_at(const float* bias, int64_t n) {
+  return bias != nullptr ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
+}
+LLMSERVE_AVX512 inline void row_of(const float* c, int64_t i, const float* bias, __m512 b0, __m512 b1, __m512& v0,
+                                   __m512& v1) {
+  v0 = _mm512_loadu_ps(c + i * 2 * kBlockRows);
+  v1 = _mm512_loadu_ps(c + i * 2 * kBlockRows + kBlockRows);
+  if (bias != nullptr) {
+    v0 = _mm512_add_ps(v0, b0);
+    v1 = _mm512_add_ps(v1, b1);
+  }
+}
+
 // Both blocks of a unit inside N, on a CPU with AVX512-BF16: each row's 32 outputs rounded at once by
 // vcvtne2ps2bf16 (nearest even, as bf16_bits) and stored as one 64-byte line, where bf16_bits takes seven operations
 // for 16 and a narrowing store. That instruction reads a denormal as zero and keeps a NaN's sign and payload, where
@@ -198,14 +213,10 @@ LLMSERVE_AMX void unit(const uint16_t* x, int64_t ldx, const uint16_t* w0, const
 LLMSERVE_AVX512BF16 void store_unit_lines(const float* c, int64_t rows, int64_t n0, int64_t N, const float* bias,
                                           at::BFloat16* y) {
   constexpr int kNanOrDenormal = 0x01 | 0x20 | 0x80;  // vfpclassps: quiet NaN, denormal, signalling NaN
-  const __m512 b0 = bias != nullptr ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
-  const __m512 b1 = bias != nullptr ? _mm512_loadu_ps(bias + n0 + kBlockRows) : _mm512_setzero_ps();
+  const __m512 b0 = bias_at(bias, n0), b1 = bias_at(bias, n0 + kBlockRows);
   for (int64_t i = 0; i < rows; ++i) {
-    __m512 v0 = _mm512_loadu_ps(c + i * 2 * kBlockRows), v1 = _mm512_loadu_ps(c + i * 2 * kBlockRows + kBlockRows);
-    if (bias != nullptr) {
-      v0 = _mm512_add_ps(v0, b0);
-      v1 = _mm512_add_ps(v1, b1);
-    }
+    __m512 v0, v1;
+    row_of(c, i, bias, b0, b1, v0, v1);
     at::BFloat16* yi = y + i * N + n0;
     if ((_mm512_fpclass_ps_mask(v0, kNanOrDenormal) | _mm512_fpclass_ps_mask(v1, kNanOrDenormal)) != 0) {
       storeu16(yi, v0, __mmask16(0xFFFF));
@@ -238,14 +249,10 @@ LLMSERVE_AVX512 void store_unit(const float* c, int64_t rows, int64_t n0, int64_
 // y [M, I].
 LLMSERVE_AVX512 void store_glu(const float* c, int64_t rows, int64_t n0, int64_t I, const float* bias,
                                at::BFloat16* y) {
-  const __m512 bg = bias != nullptr ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
-  const __m512 bu = bias != nullptr ? _mm512_loadu_ps(bias + I + n0) : _mm512_setzero_ps();
+  const __m512 bg = bias_at(bias, n0), bu = bias_at(bias, I + n0);
   for (int64_t i = 0; i < rows; ++i) {
-    __m512 g = _mm512_loadu_ps(c + i * 2 * kBlockRows), u = _mm512_loadu_ps(c + i * 2 * kBlockRows + kBlockRows);
-    if (bias != nullptr) {
-      g = _mm512_add_ps(g, bg);
-      u = _mm512_add_ps(u, bu);
-    }
+    __m512 g, u;
+    row_of(c, i, bias, bg, bu, g, u);
     const __m512 s = round_bf16(silu16(round_bf16(g)));
     storeu16(y + i * I + n0, _mm512_mul_ps(s, round_bf16(u)), __mmask16(0xFFFF));
   }
