@@ -326,7 +326,8 @@ at::Tensor amx_gemm_blocks(const at::Tensor& x, int64_t NB, int64_t N, const flo
   // blocks_amx kernel), with more chunks than pair-major runs: each group's blocks are made once a call, by the first
   // item that needs them, into a buffer every later chunk reads, rather than once per item (chunk-major, every chunk
   // made every group's again: at 2,048 rows eight times). A thread that needs a group another is making waits for it
-  // (made_state: 0 not yet, 1 being made, 2 ready); the same values either way, so the same bits.
+  // (made_state: 0 not yet, 1 being made, 2 ready); the same values either way, so the same bits. The buffer is the
+  // whole weight in bf16 for the call (an LM head of 49,152 x 576: 57 MB, freed on return; only past 512 rows).
   // Pair-major, a thread's run is one group's chunks, so it keeps the group's blocks from one item to the next
   // (w_group). SmolLM2's four decoder linears on blocks_amx (Q4_1, hot), 2-core Xeon with AMX (model 167, 2026-12-06),
   // processes alternated, medians of 7, before / after (with store_unit_lines, worth ~4% of it): 2,048 rows 8.6-9.2 /
