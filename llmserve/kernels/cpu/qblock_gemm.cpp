@@ -528,6 +528,10 @@ LLMSERVE_AVX512 inline void block_codes(const Weight& w, int64_t t, int64_t b, _
 template <int BITS, bool G16, typename S>
 LLMSERVE_AVX512BF16 void dequantize_tile(const Weight& w, int64_t t, uint16_t* out) {
   const __m512i byte = _mm512_set1_epi32(0xFF);
+  // word 2r of a pair row: output r's lower column (lo, words 0-15 of vcvtne2ps2bf16's result), word 2r + 1 its upper
+  // (hi, words 16-31)
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (int64_t b = 0; b < w.KB; ++b) {
     __m512i v[8];
     __m512 d, m, d1, m1;
@@ -540,9 +544,13 @@ LLMSERVE_AVX512BF16 void dequantize_tile(const Weight& w, int64_t t, uint16_t* o
         __m512 hi = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v[k], 8 * (c + 1)), byte));
         lo = _mm512_add_ps(_mm512_mul_ps(dk, lo), mk);
         hi = _mm512_add_ps(_mm512_mul_ps(dk, hi), mk);
-        const __m512i l = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
-        const __m512i h = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(hi)), 16);
-        _mm512_storeu_si512(o + (2 * k + c / 2) * 2 * kTileRows, _mm512_or_si512(l, h));
+        // both rounded by one vcvtne2ps2bf16 (the same rounding, element by element, as vcvtneps2bf16 each), then
+        // interleaved into the pair row by one vpermw: three instructions where widening each half took eight. SmolLM2's
+        // 120 decoder linears on blocks_amx against amx over the dequantized weight, one process each, alternated
+        // (2-core Xeon with AMX, model 167, 2026-12-06), weights read from memory: 16 rows 1.01-1.05x amx's time
+        // before, 0.94-0.96x after; 64 rows 1.06-1.12x, 1.02x; in cache, 1 row 1.63-1.80x, 1.49-1.60x.
+        _mm512_storeu_si512(o + (2 * k + c / 2) * 2 * kTileRows,
+                            _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo)));
       }
     }
   }
