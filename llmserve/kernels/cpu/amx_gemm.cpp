@@ -333,11 +333,11 @@ at::Tensor amx_gemm_blocks(const at::Tensor& x, int64_t NB, int64_t N, const flo
   // processes alternated, medians of 7, before / after (with store_unit_lines, worth ~4% of it): 2,048 rows 8.6-9.2 /
   // 7.3-7.6 ms, 1,024 rows 4.4-4.9 / 3.8-4.3, 512 rows 2.2 / 1.8, 300 rows 1.5-1.6 / 1.2.
   const bool made_once = plain == nullptr && !pair_major;
-  std::vector<uint16_t> made;
+  std::unique_ptr<uint16_t[]> made;  // (not zeroed: block() writes every block an item reads)
   std::unique_ptr<std::atomic<int>[]> made_state;
   std::vector<const uint16_t*> made_at;
   if (made_once) {
-    made.resize(NB * K * kBlockRows);
+    made.reset(new uint16_t[NB * K * kBlockRows]);
     made_state.reset(new std::atomic<int>[groups]);
     for (int64_t g = 0; g < groups; ++g) made_state[g].store(0, std::memory_order_relaxed);
     made_at.assign(NB, nullptr);
@@ -362,7 +362,7 @@ at::Tensor amx_gemm_blocks(const at::Tensor& x, int64_t NB, int64_t N, const flo
           if (made_state[g].compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
             for (int64_t p = p0; p < p1; ++p)
               for (const int64_t b : {glu ? p : 2 * p, glu ? p + NB / 2 : 2 * p + 1})
-                if (b < NB) made_at[b] = block(b, made.data() + b * K * kBlockRows);
+                if (b < NB) made_at[b] = block(b, made.get() + b * K * kBlockRows);
             made_state[g].store(2, std::memory_order_release);
           } else {
             while (made_state[g].load(std::memory_order_acquire) != 2) _mm_pause();
