@@ -28,6 +28,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -332,6 +333,10 @@ at::Tensor amx_gemm_blocks(const at::Tensor& x, int64_t NB, int64_t N, const flo
   // (w_group). SmolLM2's four decoder linears on blocks_amx (Q4_1, hot), 2-core Xeon with AMX (model 167, 2026-12-06),
   // processes alternated, medians of 7, before / after (with store_unit_lines, worth ~4% of it): 2,048 rows 8.6-9.2 /
   // 7.3-7.6 ms, 1,024 rows 4.4-4.9 / 3.8-4.3, 512 rows 2.2 / 1.8, 300 rows 1.5-1.6 / 1.2.
+  // pair p's two blocks (glu: gate block p and up block p + NB / 2); the second is past NB where NB is odd
+  auto pair_blocks = [&](int64_t p) {
+    return std::array<int64_t, 2>{glu ? p : 2 * p, glu ? p + NB / 2 : 2 * p + 1};
+  };
   const bool made_once = plain == nullptr && !pair_major;
   std::unique_ptr<uint16_t[]> made;  // (not zeroed: block() writes every block an item reads)
   std::unique_ptr<std::atomic<int>[]> made_state;
@@ -361,7 +366,7 @@ at::Tensor amx_gemm_blocks(const at::Tensor& x, int64_t NB, int64_t N, const flo
           int expected = 0;
           if (made_state[g].compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
             for (int64_t p = p0; p < p1; ++p)
-              for (const int64_t b : {glu ? p : 2 * p, glu ? p + NB / 2 : 2 * p + 1})
+              for (const int64_t b : pair_blocks(p))
                 if (b < NB) made_at[b] = block(b, made.get() + b * K * kBlockRows);
             made_state[g].store(2, std::memory_order_release);
           } else {
@@ -369,14 +374,14 @@ at::Tensor amx_gemm_blocks(const at::Tensor& x, int64_t NB, int64_t N, const flo
           }
         }
         for (int64_t p = p0; p < p1; ++p) {
-          const int64_t first = glu ? p : 2 * p, second = glu ? p + NB / 2 : 2 * p + 1;
+          const auto [first, second] = pair_blocks(p);
           w[2 * (p - p0)] = made_at[first];
           w[2 * (p - p0) + 1] = second < NB ? made_at[second] : nullptr;
         }
       } else if (g != w_group) {  // (pair-major: a group's chunks come one after the other, the blocks made once)
         w_group = g;
         for (int64_t p = p0; p < p1; ++p) {
-          const int64_t first = glu ? p : 2 * p, second = glu ? p + NB / 2 : 2 * p + 1;
+          const auto [first, second] = pair_blocks(p);
           uint16_t* at = scratch.data() + 2 * (p - p0) * K * kBlockRows;
           w[2 * (p - p0)] = block(first, at);
           w[2 * (p - p0) + 1] = second < NB ? block(second, at + K * kBlockRows) : nullptr;
@@ -402,7 +407,7 @@ at::Tensor amx_gemm_blocks(const at::Tensor& x, int64_t NB, int64_t N, const flo
           int64_t np = p + 1;
           if (np == p1 && next_u >= 0) np = (pair_major ? next_u / chunks : next_u % groups) * group;
           if (np < pairs) {
-            const int64_t first = glu ? np : 2 * np, second = glu ? np + NB / 2 : 2 * np + 1;
+            const auto [first, second] = pair_blocks(np);
             ahead = {reinterpret_cast<const char*>(plain + first * K * kBlockRows),
                      second < NB ? reinterpret_cast<const char*>(plain + second * K * kBlockRows) : nullptr,
                      K * kBlockRows * 2 / 64, order * kt, units * kt};
