@@ -13,6 +13,7 @@ from typing import Any
 
 from llmserve.chat_template import Messages, model_chat_template
 from llmserve.config import ChatTemplateConfig, EngineConfig, GenerationConfig, max_new_tokens_within
+from llmserve.engine import gc_heap
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.output import SequenceOutput
 from llmserve.errors import InvalidRequestError
@@ -103,6 +104,7 @@ class Pipeline:
                                       "pipeline runs one engine", param="dp")
         self.engine: LLMEngine | None = LLMEngine(loaded, config)
         self._ids = itertools.count()
+        gc_heap.freeze()  # the startup heap, for the pipeline's life (close() thaws it)
 
     # --- calls ---------------------------------------------------------------------------
 
@@ -201,6 +203,7 @@ class Pipeline:
         if self.engine is not None:
             self.engine.close()
         self.engine = None
+        gc_heap.thaw()
         gc.collect()
 
     def __enter__(self) -> Pipeline:

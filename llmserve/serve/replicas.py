@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from llmserve.config import EngineConfig, GenerationConfig
+from llmserve.engine import gc_heap
 from llmserve.engine.async_engine import AsyncEngine, EngineStats
 from llmserve.engine.output import SequenceOutput
 from llmserve.errors import EngineDeadError
@@ -292,6 +293,7 @@ def _replica_main(conn: Any, model: str | None, config: EngineConfig) -> None:
     except BaseException as e:  # noqa: BLE001 - reported to the server
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
+    gc_heap.freeze()  # the replica's startup heap, for its process's life
     loop = asyncio.new_event_loop()
     send_lock = threading.Lock()
     tasks: dict[str, asyncio.Task] = {}

@@ -22,6 +22,7 @@ from types import FrameType
 import uvicorn
 
 from llmserve.config import ChatTemplateConfig, EngineConfig
+from llmserve.engine import gc_heap
 from llmserve.errors import LLMServeError
 from llmserve.serve.app import create_app
 from llmserve.serve.config import ServerConfig
@@ -102,6 +103,7 @@ class _Loader(threading.Thread):
             logger.info("%d data-parallel replicas", self.engine_config.dp)
         self.state.attach(async_engine, served)
         async_engine.warm_up_grammars()  # structured output's vocabulary, read in the background
+        gc_heap.freeze()  # the startup heap, for the server's life
         c = self.config
         logger.info("serving %s (%s, %s on %s) at %s://%s:%d  [OpenAI: /v1, TGI: /generate, metrics: /metrics, "
                     "chat page: /]", served.name, loaded.model_dir, served.dtype, served.device, self.scheme,
