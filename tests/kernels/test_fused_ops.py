@@ -57,6 +57,40 @@ def test_add_rms_norm_in_place_equals_the_torch_layer(dtype: torch.dtype, e: int
     torch.testing.assert_close(got_x, want_x, rtol=tol[0], atol=tol[1])
 
 
+def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal bit for bit but for NaNs, which need only sit in the same places (torch's own ops do not agree on a NaN's
+    sign: a -NaN element stays one through its bf16 multiplications, where its conversions give +NaN)."""
+    nan = want.isnan()
+    return torch.equal(got.isnan(), nan) and torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+def test_bf16_roundings_keep_torchs_bits_on_denormals_nans_and_infs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On AVX512-BF16 CPUs the bf16 ops round two vectors at a time with vcvtne2ps2bf16, which reads denormals as zero
+    and keeps a NaN's sign and payload; rows holding those take the integer rounding, so the bits stay torch's."""
+    g = torch.Generator().manual_seed(3)
+    t, h, d, e = 6, 4, 64, 576
+    tiny, neg_nan = 2.0 ** -130, -float("nan")  # a denormal fp32 sum or product; a NaN with its sign bit set
+    qkv = torch.randn(t, (h + 2) * d, generator=g).bfloat16()
+    qkv[1, :d] = tiny  # its products with cos/sin are denormal
+    qkv[2, 5], qkv[3, 7], qkv[4, 40] = neg_nan, float("inf"), -float("inf")
+    cos, sin = _cos_sin(t, d, torch.bfloat16)
+    qk = qkv[:, :(h + 1) * d].view(t, h + 1, d)
+    want = apply_rotary(qk.clone(), cos, sin)
+    assert _same_bits(rotate_(qk, cos, sin), want)
+    norm = RMSNorm(e, 1e-5)
+    norm.weight.data = torch.randn(e, generator=g).bfloat16()
+    x, residual = (torch.randn(t, e, generator=g).bfloat16() for _ in range(2))
+    x[0], residual[0] = tiny, tiny  # a denormal sum for every element of the row
+    x[1, 100], x[2, 200], residual[3, 300] = neg_nan, float("inf"), 2.0 ** -140
+    monkeypatch.setenv("LLMSERVE_FUSED_OPS", "0")
+    want_x, want_res = norm(x.clone(), residual.clone())
+    monkeypatch.setenv("LLMSERVE_FUSED_OPS", "1")
+    got_x, got_res = norm(x, residual)
+    assert _same_bits(got_res, want_res)
+    assert _same_bits(got_x[:3], want_x[:3])  # a row of denormal sums, of a NaN, of an inf: exact
+    torch.testing.assert_close(got_x, want_x, rtol=8e-3, atol=1e-2, equal_nan=True)
+
+
 def test_fused_ops_refuse_other_dtypes() -> None:
     x = torch.randn(2, 3, 8, dtype=torch.float64)
     with pytest.raises(RuntimeError, match="float32, bfloat16 and float16"):

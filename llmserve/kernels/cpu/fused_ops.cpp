@@ -78,6 +78,49 @@ LLMSERVE_AVX512 void add_rms_norm_row16(T* xr, T* rr, const T* weight, int64_t E
   }
 }
 
+// The bf16 forms of rotary_token16 and add_rms_norm_row16 where the CPU has AVX512-BF16 and the rows come in whole
+// vectors: each rounding of two vectors by bf16_pair's one vcvtne2ps2bf16 (the same bits), where bf16_bits' integer
+// rounding and narrowing took ~9 instructions a vector and made these ops bound by them. Measured on the Xeon with
+// AMX (model 167, 2026-12-06; SmolLM2's shapes, 2 threads, one process, alternated, medians of 7, a call): add+RMSNorm
+// over 2,000 x 576 0.308 -> 0.188 ms, 64 rows 11.1 -> 7.1 us; rotary of 12 heads x 64 over 2,000 tokens 0.271 ->
+// 0.182 ms, 64 tokens 13.0 -> 10.1 us (30 layers: ~10 ms of a 2,000-token prompt's ~550). Rotary: the token's
+// cos/sin widened once for all its heads.
+LLMSERVE_AVX512BF16 void rotary_token_pairs(c10::BFloat16* x, int64_t heads, int64_t half, int64_t head_stride,
+                                            const c10::BFloat16* c, const c10::BFloat16* s) {
+  for (int64_t i = 0; i < half; i += 16) {
+    const __m512 ci = load16(c + i), si = load16(s + i);
+    for (int64_t h = 0; h < heads; ++h) {
+      c10::BFloat16* x1 = x + h * head_stride + i;
+      c10::BFloat16* x2 = x1 + half;
+      const __m512 a = load16(x1), b = load16(x2);
+      const __m512i p = bf16_pair(_mm512_mul_ps(a, ci), _mm512_mul_ps(b, si));
+      const __m512i q = bf16_pair(_mm512_mul_ps(b, ci), _mm512_mul_ps(a, si));
+      const __m512i o = bf16_pair(_mm512_sub_ps(bf16_first(p), bf16_last(p)), _mm512_add_ps(bf16_first(q), bf16_last(q)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(x1), _mm512_castsi512_si256(o));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(x2), _mm512_extracti64x4_epi64(o, 1));
+    }
+  }
+}
+
+LLMSERVE_AVX512BF16 void add_rms_norm_row_pairs(c10::BFloat16* xr, c10::BFloat16* rr, const c10::BFloat16* weight,
+                                                int64_t E, float eps) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t i = 0; i < E; i += 32) {
+    const __m512i p = bf16_pair(_mm512_add_ps(load16(xr + i), load16(rr + i)),
+                                _mm512_add_ps(load16(xr + i + 16), load16(rr + i + 16)));
+    _mm512_storeu_si512(rr + i, p);
+    const __m512 v0 = bf16_first(p), v1 = bf16_last(p);
+    ss = _mm512_add_ps(ss, _mm512_mul_ps(v0, v0));
+    ss = _mm512_add_ps(ss, _mm512_mul_ps(v1, v1));
+  }
+  const __m512 vinv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(E) + eps));
+  for (int64_t i = 0; i < E; i += 32) {
+    const __m512i n = bf16_pair(_mm512_mul_ps(load16(rr + i), vinv), _mm512_mul_ps(load16(rr + i + 16), vinv));
+    _mm512_storeu_si512(xr + i, bf16_pair(_mm512_mul_ps(load16(weight + i), bf16_first(n)),
+                                          _mm512_mul_ps(load16(weight + i + 16), bf16_last(n))));
+  }
+}
+
 // One row of silu(gate) * up, as silu_mul_impl's scalar loop (silu16: avx512_math.h).
 template <typename T>
 LLMSERVE_AVX512 void silu_mul_row16(const T* gate, const T* up, T* out, int64_t I) {
@@ -127,6 +170,13 @@ void rotary_impl(T* x, int64_t n_tok, int64_t heads, int64_t D, int64_t tok_stri
                  const T* cos, const T* sin) {
   const int64_t half = D / 2;
   at::parallel_for(0, n_tok, 16, [&](int64_t begin, int64_t end) {
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (half % 16 == 0 && cpu_has_avx512_bf16()) {
+        for (int64_t t = begin; t < end; ++t)
+          rotary_token_pairs(x + t * tok_stride, heads, half, head_stride, cos + t * half, sin + t * half);
+        return;
+      }
+    }
     if constexpr (kVectorised<T>) {
       if (cpu_has_avx512()) {
         for (int64_t t = begin; t < end; ++t)
@@ -156,6 +206,13 @@ void rotary_impl(T* x, int64_t n_tok, int64_t heads, int64_t D, int64_t tok_stri
 template <typename T>
 void add_rms_norm_impl(T* x, T* residual, const T* weight, int64_t n_tok, int64_t E, double eps) {
   at::parallel_for(0, n_tok, 16, [&](int64_t begin, int64_t end) {
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (E % 32 == 0 && cpu_has_avx512_bf16()) {
+        for (int64_t t = begin; t < end; ++t)
+          add_rms_norm_row_pairs(x + t * E, residual + t * E, weight, E, static_cast<float>(eps));
+        return;
+      }
+    }
     if constexpr (kVectorised<T>) {
       if (cpu_has_avx512()) {
         for (int64_t t = begin; t < end; ++t)
