@@ -33,8 +33,7 @@
 //     (span, KV head) (the only operand that needs a transpose), and P split into two bf16 terms, P = hi + lo, ~17 of
 //     its 24 bits (one bf16 P moved outputs by 2^-9, as the dot path found); products exact, sums fp32, in another
 //     order than the FMAs'.
-//   - keys are copied once a call per (span, KV head), contiguous, as the dot path's (prefill_impl); softmax blocks
-//     of 128 keys (kAmxKeyBlock).
+//   - keys are read in place where a block's rows are evenly spaced, else copied.
 // Which path runs is measured (calibrate.py); the three agree but for a rare bf16 unit of the output.
 //
 // Why: torch's SDPA (flash attention for CPU) ran SmolLM2's prompts of 36-390 tokens at ~73 GFLOP/s in fp32 on
@@ -63,18 +62,6 @@ namespace {
 
 constexpr int64_t kTileTokens = 16;  // query tokens per work item: one vector of lanes per head
 constexpr int64_t kKeyBlock = 64;    // keys per softmax block
-// The amx path's softmax block: twice the others', so values_amx loads and stores each O^T tile once per 8 tile
-// products rather than 4 and the softmax's per-block work (the max, the reference's update) runs half as often.
-// Measured on the Xeon with AMX (model 167, 2026-12-06; one process, block sizes alternated, medians of 9): a
-// 2,000-token prompt's layer 8.10 ms at 64 keys, 7.97 at 96, 7.58 at 128, 7.79 at 160, 8.15 at 192 (256: slower
-// again, its 48 KB of scores and as much of P^T past L1); seven 286-token prompts 2.21 / 2.16 / 2.13 / 2.16 / 2.17.
-// With the keys copied once a call (prefill_impl), the engine's calls for four 2,000-token prompts (the first step's
-// 30 layers, replayed; one process, alternated, 1.5 s each, medians of 5): 257.1 ms with 64-key blocks and the keys
-// read in place, 239.3 with 128 in place, 248.0 with 64 copied, 235.9 with 128 copied; a 1,000-token chunk after
-// 1,000 cached 6.10 / 6.73 / 5.78 / 5.83 (in place, a 128-key block spans two of the cache's 64-token blocks and was
-// copied by every item). The fp32 and dot paths were no faster at 128 (21.9 / 21.9 and 27.6 / 28.0 ms) and keep 64.
-constexpr int64_t kAmxKeyBlock = 128;
-constexpr int64_t kMaxKeyBlock = std::max(kKeyBlock, kAmxKeyBlock);
 constexpr int kRowsPerPass = 8;      // rows of S^T (keys) or O^T (dimensions) in registers at once
 constexpr int kMaxRowVecs = 3;       // 16-row vectors in registers at once (8 x 3 = 24 accumulators)
 
@@ -88,6 +75,13 @@ struct Rows {
   int64_t scale_stride;
 
   const T* row(int64_t j) const { return base + (slots != nullptr ? slots[j] : j) * stride; }
+  // whether rows j0 .. j0 + n - 1 are stride apart in memory (every row of a tensor; consecutive slots of a cache)
+  bool even(int64_t j0, int64_t n) const {
+    if (slots == nullptr) return true;
+    for (int64_t t = 1; t < n; ++t)
+      if (slots[j0 + t] != slots[j0] + t) return false;
+    return true;
+  }
   float scale(int64_t j) const { return scales[(slots != nullptr ? slots[j] : j) * scale_stride]; }
 };
 
@@ -350,15 +344,30 @@ struct Span {
 
 struct Scratch {
   std::vector<float> qt, ot, st, m, l;
-  std::vector<uint32_t> qtp;  // the dot and amx paths' Q^T pairs [D/2, V, 16]
-  std::vector<uint32_t> pp;   // the amx path's P^T pairs, two terms of [keys / 2, V, 16]
-  Scratch(int64_t D, int64_t V) : qt(D * V * 16), ot(D * V * 16), st(kMaxKeyBlock * V * 16), m(V * 16), l(V * 16),
-                                  qtp(D / 2 * V * 16), pp(2 * kMaxKeyBlock / 2 * V * 16) {}
+  std::vector<uint32_t> qtp, kp;  // the dot path's pairs: Q^T [D/2, V, 16], K [keys, D/2]
+  std::vector<uint32_t> pp;       // the amx path's P^T pairs, two terms of [keys / 2, V, 16]
+  Scratch(int64_t D, int64_t V) : qt(D * V * 16), ot(D * V * 16), st(kKeyBlock * V * 16), m(V * 16), l(V * 16),
+                                  qtp(D / 2 * V * 16), kp(kKeyBlock * D / 2),
+                                  pp(2 * kKeyBlock / 2 * V * 16) {}
 };
 
-// A (span, KV head)'s keys and values as prefill_impl made them for all its work items, from key 0: kp the dot and amx
-// paths' keys as stored [rows, D] bf16 (else null), kf the fp32 path's widened keys (else null), vf the values widened
-// [rows, D] (null for the amx path, which reads vt).
+// The dot path's keys of one block of n keys (padded to n8 with 0): the rows copied as they are stored, pairs of
+// dimensions.
+void pair_keys(const Rows<c10::BFloat16>& keys, int64_t j0, int64_t n, int64_t n8, int64_t D, Scratch& s) {
+  for (int64_t t = 0; t < n8; ++t) {
+    auto* o = reinterpret_cast<uint16_t*>(s.kp.data() + t * D / 2);
+    if (t < n) {
+      const auto* r = reinterpret_cast<const uint16_t*>(keys.row(j0 + t));
+      std::copy(r, r + D, o);
+    } else {
+      std::fill(o, o + D, uint16_t{0});
+    }
+  }
+}
+
+// A (span, KV head)'s keys and values as prefill_impl made them for all its work items, from key 0: kp the dot path's
+// keys as stored [rows, D] bf16 (else null), kf the fp32 path's widened keys (else null), vf the values widened
+// [rows, D]; all null for the amx path, which reads vt and the keys in place.
 struct Rowsets {
   const uint16_t* kp;
   const float* kf;
@@ -369,8 +378,7 @@ struct Rowsets {
 // kvh, over keys [0, ctx) of the span's source. q/out rows: [T, H, D] with row strides q_row / out_row.
 // path 1: the dot path where q and the keys are bf16 (the caller checked the CPU); path 2: the amx path where vt (the
 // span's V^T for this KV head in blocks of 32 keys, values_amx's) is given; else fp32 FMAs. The dot and fp32 paths read
-// the keys and values from `made` (prefill_impl makes them once for every item), the amx path its keys from `made`
-// and its values from vt.
+// the keys and values from `made` (prefill_impl makes them once for every item), the amx path from vt and keys.
 template <typename TQ, typename TK>
 LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int64_t i0, int64_t kvh, int64_t G,
                                  int64_t D, const Rows<TK>& keys, float scale,
@@ -410,19 +418,27 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
   const __m512i pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(p0)),
                                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   const __mmask16 live = tail_mask16(nt);
-  const int64_t blk = amx ? kAmxKeyBlock : kKeyBlock;
-  for (int64_t j0 = lo; j0 < hi; j0 += blk) {
-    const int64_t n = std::min(blk, hi - j0), n8 = (n + kRowsPerPass - 1) / kRowsPerPass * kRowsPerPass;
+  for (int64_t j0 = lo; j0 < hi; j0 += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, hi - j0), n8 = (n + kRowsPerPass - 1) / kRowsPerPass * kRowsPerPass;
     if constexpr (kBf16) {
       if (amx) {
-        // the span's keys from j0 on, as stored (rows past the context 0; past n: scores unused)
+        // the A tiles read the keys in place where the block's nk16 rows are evenly spaced context rows (a fresh
+        // prompt's; a cache's within its blocks), else from a copy (rows past n zero)
         const int64_t nk16 = (n + 15) / 16 * 16;
-        scores_amx(reinterpret_cast<const uint16_t*>(made.kp) + j0 * D, D, nk16, D, s.qtp.data(), V, s.st.data());
+        const uint16_t* kp = reinterpret_cast<const uint16_t*>(s.kp.data());
+        int64_t ldk = D;
+        if (j0 + nk16 <= sp.num_cached + sp.q_len && keys.even(j0, nk16)) {
+          kp = reinterpret_cast<const uint16_t*>(keys.row(j0));
+          ldk = keys.stride;
+        } else {
+          pair_keys(keys, j0, n, nk16, D, s);
+        }
+        scores_amx(kp, ldk, nk16, D, s.qtp.data(), V, s.st.data());
         // the same for every head
-        __mmask16 vis[kMaxKeyBlock];
+        __mmask16 vis[kKeyBlock];
         const bool masked = j0 + n - 1 > p0 || (window > 0 && j0 <= p_last - window);
         for (int64_t j = 0; j < n; ++j) vis[j] = visible(j0 + j, live, masked, pos, window);
-        const int64_t nk32 = (n + 31) / 32 * 32, term = kMaxKeyBlock / 2 * V * 16;
+        const int64_t nk32 = (n + 31) / 32 * 32, term = kKeyBlock / 2 * V * 16;
         softmax_pairs_amx(s.st.data(), n, nk32, V, vis, scale, s.m.data(), s.l.data(), D, s.ot.data(), s.pp.data(),
                           term);
         values_amx(vt + j0 * D, nk32, D, s.pp.data(), term, V, s.ot.data());
@@ -452,7 +468,7 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
       float* l = s.l.data() + v * 16;
       __m512 mx = _mm512_loadu_ps(m);
       const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      __mmask16 vis[kMaxKeyBlock];
+      __mmask16 vis[kKeyBlock];
       for (int64_t j = 0; j < n; ++j) {
         vis[j] = visible(j0 + j, live, masked, pos, window);
         mx = _mm512_mask_max_ps(mx, vis[j], mx, _mm512_loadu_ps(s.st.data() + (j * V + v) * 16));
@@ -533,14 +549,13 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       }
     });
   }
-  // Each (span, KV head) gets its keys and values once here, contiguous, in the form its work items read them: the
-  // dot and amx paths' keys as stored (bf16 pairs), the dot path's values widened to fp32 (amx: vt above); the fp32
+  // Each (span, KV head) that does not run the amx path gets its keys and values once here, contiguous, in the form
+  // its work items read them: the dot path's keys as stored (bf16 pairs) and its values widened to fp32; the fp32
   // path's keys and values widened (and scaled, int8). Every work item of 16 query tokens used to copy or widen each
   // block it read itself: a 2,000-token prompt's rows ~62 times each, from rows 1,920 bytes apart in the fused qkv
   // output (their loads were the kernel's hottest spot after its two products; 2-core Zen 5: 15.3-22.7 against
-  // 11.9-13.0 ms a layer). The amx path's tiles read the rows in place until 2026-12-06, which needed a block's keys
-  // evenly spaced (see kAmxKeyBlock for what copying measured). Rows padded to a multiple of 16 (+ 16) with zeros: the
-  // score passes read whole groups of 8 keys, the tiles 16. The same values as before: the same bits.
+  // 11.9-13.0 ms a layer). Rows padded to a multiple of 8 (+ 8) with zeros: the score passes read whole groups of 8
+  // keys. The same values as before: the same bits.
   const int64_t cache_row = KVH * D;  // elements per slot
   auto key_rows = [&](const Span& sp, int64_t h) {  // (keys, values) of the span's KV head h, cache or this step's
     return std::make_pair(
@@ -555,41 +570,37 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   };
   constexpr bool kBf16Q = std::is_same_v<TQ, c10::BFloat16>;
   const int64_t units = static_cast<int64_t>(spans.size()) * KVH;
-  // each unit's first row in the buffers: rows_at the fp32 ones (none for amx, which has vt), kp_at the bf16 keys
-  std::vector<int64_t> rows_at(units + 1, 0), kp_at(units + 1, 0);
+  std::vector<int64_t> rows_at(units + 1, 0);  // each unit's first row in the buffers (none: amx, which has vt)
   std::vector<bool> dot_rows(units, false);
   for (int64_t u = 0; u < units; ++u) {
     const Span& sp = spans[u / KVH];
-    const int64_t ctx = sp.num_cached + sp.q_len;
     const bool bf16_keys = kBf16Q && (!sp.from_cache || kBf16Cache);
     dot_rows[u] = path == 1 && bf16_keys;
     const bool own = amx && bf16_keys;
-    rows_at[u + 1] = rows_at[u] + (own ? 0 : (ctx / 8 + 2) * 8);
-    kp_at[u + 1] = kp_at[u] + (own || dot_rows[u] ? (ctx / 16 + 2) * 16 : 0);
+    rows_at[u + 1] = rows_at[u] + (own ? 0 : ((sp.num_cached + sp.q_len) / 8 + 2) * 8);
   }
   std::unique_ptr<float[]> kfs(new float[rows_at.back() * D]), vfs(new float[rows_at.back() * D]);
-  std::unique_ptr<uint16_t[]> kps(new uint16_t[kp_at.back() * D]);
+  std::unique_ptr<uint16_t[]> kps(new uint16_t[rows_at.back() * D]);
   at::parallel_for(0, units, 1, [&](int64_t b, int64_t e) {
     for (int64_t u = b; u < e; ++u) {
+      if (rows_at[u + 1] == rows_at[u]) continue;
       const Span& sp = spans[u / KVH];
       const int64_t h = u % KVH, ctx = sp.num_cached + sp.q_len, row0 = rows_at[u], pad = rows_at[u + 1] - row0;
+      float* vf = vfs.get() + row0 * D;
       auto fill = [&](const auto& kr, const auto& vr) {
-        if (kp_at[u + 1] > kp_at[u]) {
-          uint16_t* kp = kps.get() + kp_at[u] * D;
+        widen_rows(vr, 0, ctx, D, vf);
+        if (dot_rows[u]) {
+          uint16_t* kp = kps.get() + row0 * D;
           for (int64_t j = 0; j < ctx; ++j) {
             const auto* r = reinterpret_cast<const uint16_t*>(kr.row(j));
             std::copy(r, r + D, kp + j * D);
           }
-          std::fill(kp + ctx * D, kps.get() + kp_at[u + 1] * D, uint16_t{0});
-        }
-        if (pad == 0) return;
-        float* vf = vfs.get() + row0 * D;
-        widen_rows(vr, 0, ctx, D, vf);
-        std::fill(vf + ctx * D, vf + pad * D, 0.f);
-        if (!dot_rows[u]) {
+          std::fill(kp + ctx * D, kp + pad * D, uint16_t{0});
+        } else {
           widen_rows(kr, 0, ctx, D, kfs.get() + row0 * D);
           std::fill(kfs.get() + (row0 + ctx) * D, kfs.get() + (row0 + pad) * D, 0.f);
         }
+        std::fill(vf + ctx * D, vf + pad * D, 0.f);
       };
       if (sp.from_cache) {
         const auto [kr, vr] = key_rows(sp, h);
@@ -626,7 +637,7 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const int64_t vu = it.span * KVH + it.kvh;
       const uint16_t* vt = amx && vt_at[vu + 1] > vt_at[vu] ? vts.data() + vt_at[vu] : nullptr;
       const bool shared = rows_at[vu + 1] > rows_at[vu];
-      const Rowsets made{kp_at[vu + 1] > kp_at[vu] ? kps.get() + kp_at[vu] * D : nullptr,
+      const Rowsets made{shared && dot_rows[vu] ? kps.get() + rows_at[vu] * D : nullptr,
                          shared && !dot_rows[vu] ? kfs.get() + rows_at[vu] * D : nullptr,
                          shared ? vfs.get() + rows_at[vu] * D : nullptr};
       if (sp.from_cache) {
