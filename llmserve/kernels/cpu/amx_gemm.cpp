@@ -20,7 +20,7 @@
 #include <ATen/Parallel.h>
 
 #include "amx_tiles.h"     // TileConfig, load_tile_config
-#include "avx512_math.h"  // LLMSERVE_AVX512, storeu16, tail_mask16
+#include "avx512_math.h"  // LLMSERVE_AVX512, storeu16, tail_mask16, bf16_pair
 #include "kernels.h"
 #include "work_queue.h"   // parallel_units
 
@@ -202,9 +202,8 @@ LLMSERVE_AVX512 inline void row_of(const float* c, int64_t i, const float* bias,
 
 // Both blocks of a unit inside N, on a CPU with AVX512-BF16: each row's 32 outputs rounded at once by
 // vcvtne2ps2bf16 (nearest even, as bf16_bits) and stored as one 64-byte line, where bf16_bits takes seven operations
-// for 16 and a narrowing store. That instruction reads a denormal as zero and keeps a NaN's sign and payload, where
-// bf16_bits rounds the denormal as torch does and gives every NaN as 0x7FC0: a row holding either takes bf16_bits, so
-// the bits do not change (tests/kernels/test_bf16_gemm.py).
+// for 16 and a narrowing store. A row holding a denormal or NaN takes bf16_bits (bf16_pair, avx512_math.h), so the
+// bits do not change (tests/kernels/test_bf16_gemm.py).
 // Why: the tiles do not run beside the vector units here as hoped: SmolLM2's gate/up shape without the SiLU (3,072 x
 // 576, 2,048 rows, 2 threads; 2-core Xeon with AMX, model 167, 2026-12-06) took 3.8-4.0 ms, 3.3-3.4 with its rows
 // written to a few lines of scratch, 2.6 with no epilogue. In-process alternated, medians of 7: 960 x 576 at 2,048
@@ -213,18 +212,11 @@ LLMSERVE_AVX512 inline void row_of(const float* c, int64_t i, const float* bias,
 // faster (2,048 rows 3.70 -> 3.77 ms, 512 rows 0.88 -> 0.93): the SiLU's own operations dominate it, and it stays.
 LLMSERVE_AVX512BF16 void store_unit_lines(const float* c, int64_t rows, int64_t n0, int64_t N, const float* bias,
                                           at::BFloat16* y) {
-  constexpr int kNanOrDenormal = 0x01 | 0x20 | 0x80;  // vfpclassps: quiet NaN, denormal, signalling NaN
   const __m512 b0 = bias_at(bias, n0), b1 = bias_at(bias, n0 + kBlockRows);
   for (int64_t i = 0; i < rows; ++i) {
     __m512 v0, v1;
     row_of(c, i, bias, b0, b1, v0, v1);
-    at::BFloat16* yi = y + i * N + n0;
-    if ((_mm512_fpclass_ps_mask(v0, kNanOrDenormal) | _mm512_fpclass_ps_mask(v1, kNanOrDenormal)) != 0) {
-      storeu16(yi, v0, __mmask16(0xFFFF));
-      storeu16(yi + kBlockRows, v1, __mmask16(0xFFFF));
-    } else {
-      _mm512_storeu_si512(yi, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
-    }
+    _mm512_storeu_si512(y + i * N + n0, bf16_pair(v0, v1));
   }
 }
 
