@@ -161,7 +161,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
                       kv_scales: torch.Tensor | None, spans: torch.Tensor, slots: torch.Tensor, scale: float,
                       sliding_window: int | None, out: torch.Tensor, kernel: str = "fp32") -> None:
     """Causal attention of every prefill span into out's rows: q [T, heads, D], k/v [T, kv_heads, D] (this step's
-    rows), kv_cache [2, NB, BS, kv_heads, D] (+ kv_scales for int8); spans [S, 4] int64 (q_start, q_len,
+    rows), kv_cache [2, NB, BS, kv_heads, D] (+ kv_scales for int8; int4: uint8 [.., D / 2] with kv_scales [2, NB, BS,
+    kv_heads, 2] fp16, write_kv_int4's); spans [S, 4] int64 (q_start, q_len,
     num_cached, offset into slots), slots: the spans' context slots concatenated. A fresh prompt reads this step's
     K/V, any other span its whole context from the cache (as torch_backend.paged_attention). Needs
     prefill_attention_usable(). kernel (ATTENTION_PATHS), where q and the keys are bf16: "dot", the scores by

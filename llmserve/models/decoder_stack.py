@@ -93,9 +93,9 @@ def build(model: LlamaModel) -> Any | None:
         linears = [_linear_args(m) for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         if any(lin is None for lin in linears) or cache is None or not cache.is_contiguous():
             return None
-        if cache.dtype == torch.int8 and not (a.head_dim % 16 == 0 and native.int8_kv_decode_usable()):
-            return None
-        if cache.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.int8):
+        if cache.dtype in (torch.int8, torch.uint8) and not (a.head_dim % 16 == 0 and native.int8_kv_decode_usable()):
+            return None  # (uint8: int4, two codes a byte)
+        if cache.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8):
             return None
         norms = (layer.input_layernorm, layer.post_attention_layernorm) + ((a.q_norm, a.k_norm) if a.q_norm else ())
         if any(n.eps != first.input_layernorm.eps for n in norms) or a.attn.scale != attn.attn.scale:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from llmserve.attention.metadata import AttentionMetadata, SeqSpec, build_attention_metadata
-from llmserve.attention.torch_backend import prefill_attention, quantize_int8, write_kv
+from llmserve.attention.torch_backend import prefill_attention, quantize_int4, quantize_int8, write_kv
 from llmserve.kernels import native
 
 pytestmark = pytest.mark.skipif(not native.prefill_attention_usable(),
@@ -37,6 +37,8 @@ def _case(spans: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int
     shape = (2, num_blocks, block_size, kv_heads, head_dim)
     if cache_dtype == "int8":
         kv_cache, kv_scales = quantize_int8(torch.randn(shape, generator=g))
+    elif cache_dtype == "int4":  # packed, two codes a byte, with a (scale, zero) pair a row
+        kv_cache, kv_scales = quantize_int4(torch.randn(shape, generator=g) * 2 + 0.5)
     else:
         kv_cache, kv_scales = (torch.randn(shape, generator=g) * 2).to(cache_dtype), None
     write_kv(kv_cache, k, v, meta.slot_mapping, kv_scales)
@@ -68,7 +70,7 @@ def test_matches_reference_fp32(heads: int, kv_heads: int, head_dim: int, window
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.float32, "int8"])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.float32, "int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [8, 64])
 def test_matches_reference_across_dtypes(dtype: torch.dtype, cache_dtype, block_size: int) -> None:
@@ -81,6 +83,17 @@ def test_matches_reference_across_dtypes(dtype: torch.dtype, cache_dtype, block_
     else:
         torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
         assert (got != want).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (4, 4)])
+@pytest.mark.parametrize("head_dim", [32, 80, 128])
+@pytest.mark.parametrize("window", [None, 17])
+def test_int4_cache_matches_the_reference(heads: int, kv_heads: int, head_dim: int, window: int | None) -> None:
+    """An int4 cache's rows (two codes a byte, at head h's D / 2 bytes of a slot) dequantized as the reference does:
+    code * scale, rounded, + zero; every head dim's offsets, GQA, windows, chunks and prefix hits over the cache."""
+    case = _case(SPANS, heads, kv_heads, head_dim, 16, torch.float32, "int4", seed=heads + head_dim, decodes=2)
+    got, want = _both(*case, scale=head_dim ** -0.5, window=window)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
 needs_dot = pytest.mark.skipif(not native.bf16_dot_usable(), reason="the dot path needs a CPU with AVX512-BF16")
@@ -101,9 +114,9 @@ def test_dot_path_matches_the_reference(heads: int, kv_heads: int, head_dim: int
 
 
 @needs_dot
-@pytest.mark.parametrize("cache_dtype", [torch.float32, "int8"])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, "int8", "int4"])
 def test_dot_path_takes_only_bf16_keys(cache_dtype) -> None:
-    """Spans read from an fp32 or int8 cache keep fp32 FMAs under dot=1 (bit for bit the dot=0 result); a fresh
+    """Spans read from an fp32, int8 or int4 cache keep fp32 FMAs under dot=1 (bit for bit the dot=0 result); a fresh
     prompt (this step's bf16 rows) takes the dot path."""
     case = _case([(0, 40), (37, 20)], 9, 3, 64, 16, torch.bfloat16, cache_dtype)
     meta = case[-1]
@@ -191,9 +204,9 @@ def test_amx_path_where_the_max_keeps_rising(growth: float) -> None:
 
 
 @needs_amx
-@pytest.mark.parametrize("cache_dtype", [torch.float32, "int8"])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, "int8", "int4"])
 def test_amx_path_takes_only_bf16_keys(cache_dtype) -> None:
-    """Spans read from an fp32 or int8 cache keep fp32 FMAs under the amx path (bit for bit); a fresh prompt (this
+    """Spans read from an fp32, int8 or int4 cache keep fp32 FMAs under the amx path (bit for bit); a fresh prompt (this
     step's bf16 rows) takes the tiles."""
     case = _case([(0, 40), (37, 20)], 9, 3, 64, 16, torch.bfloat16, cache_dtype, seed=3)
     amx, want = _both(*case, scale=0.125, window=None, kernel="amx")

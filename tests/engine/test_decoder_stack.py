@@ -1,6 +1,6 @@
 """The native decoder stack (kernels/cpu/decoder_stack.cpp) through the whole engine: the steps it runs (decodes, chunked
 prefills, both at once) give the same bits as the Python layers (LLMSERVE_DECODER_STACK=0), batched, windowed,
-preempted, prefix-cached, over 16-bit and int8 caches, bf16, int8 and GGUF block weights; models and settings it does
+preempted, prefix-cached, over 16-bit, int8 and int4 caches, bf16, int8 and GGUF block weights; models and settings it does
 not cover keep the Python layers."""
 
 from __future__ import annotations
@@ -64,14 +64,14 @@ def test_stack_takes_either_bf16_kernel(tiny_model_dir, monkeypatch, kernel: str
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen2", "mistral", "qwen3"])  # biases, windows, q/k norm
-@pytest.mark.parametrize("kv", ["auto", "float32", "int8"])
+@pytest.mark.parametrize("kv", ["auto", "float32", "int8", "int4"])
 def test_bf16_stack_gives_the_python_layers_bits(tiny_model_dir, monkeypatch, arch: str, kv: str) -> None:
     _check_same_bits(tiny_model_dir(arch), monkeypatch, BF16_PACKED, kv_cache_dtype=kv)
 
 
 @pytest.mark.parametrize("quantization", [pytest.param("w8a8", marks=needs_w8a8), "int8"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])  # int8 weights cover fp32 models too
-@pytest.mark.parametrize("kv", ["auto", "int8"])
+@pytest.mark.parametrize("kv", ["auto", "int8", "int4"])
 def test_int8_weight_stacks_give_the_python_layers_bits(tiny_model_dir, monkeypatch, quantization: str, dtype: str,
                                                         kv: str) -> None:
     _check_same_bits(tiny_model_dir("qwen2"), monkeypatch, True, dtype=dtype, quantization=quantization,

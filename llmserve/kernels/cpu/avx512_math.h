@@ -65,6 +65,14 @@ LLMSERVE_AVX512 inline __m512 load16(const c10::Half* p) {
 LLMSERVE_AVX512 inline __m512 load16(const int8_t* p) {  // int8 KV caches: the caller applies the scale
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+// 16 int4 codes from 8 bytes (pack_int4's layout: element 2i in byte i's low nibble, 2i + 1 in its high one) -> fp32
+// in [0, 15]: the nibbles split by a mask and a shift, interleaved back into order, widened.
+LLMSERVE_AVX512 inline __m512 load16_int4(const uint8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
+}
 LLMSERVE_AVX512 inline __m512 loadu16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 LLMSERVE_AVX512 inline __m512 loadu16(const c10::BFloat16* p, __mmask16 m) {
   return widen_bf16(_mm256_maskz_loadu_epi16(m, p));

@@ -70,7 +70,7 @@ struct StackLayer {
   StackLinear qkv, o, gate_up, down;
   c10::optional<torch::Tensor> q_norm, k_norm;   // Qwen3: RMSNorm over head_dim on q and k, before rotary
   torch::Tensor k_cache, v_cache;                // [num_blocks, block_size, kv_heads, head_dim]
-  c10::optional<torch::Tensor> k_scales, v_scales;  // int8 caches
+  c10::optional<torch::Tensor> k_scales, v_scales;  // int8 caches; int4's (scale, zero) pairs
   int64_t window = -1;                           // <= 0: none
 };
 
@@ -98,9 +98,11 @@ class DecoderStack {
     StackLayer layer{input_norm, post_norm, linear(qkv, qkv_n, "qkv"), linear(o, -1, "o"),
                      linear(gate_up, 2 * intermediate_, "gate_up"), linear(down, -1, "down"), q_norm, k_norm,
                      k_cache, v_cache, k_scales, v_scales, window};
-    TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == kv_heads_ && k_cache.size(3) == head_dim_,
-                "DecoderStack: cache [num_blocks, block_size, kv_heads, head_dim]");
-    TORCH_CHECK(k_scales.has_value() == (k_cache.scalar_type() == at::kChar), "DecoderStack: scales with int8 caches");
+    const bool int4 = k_cache.scalar_type() == at::kByte;  // packed: head_dim / 2 bytes a row
+    TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == kv_heads_ && k_cache.size(3) == (int4 ? head_dim_ / 2 : head_dim_),
+                "DecoderStack: cache [num_blocks, block_size, kv_heads, head_dim] (int4: head_dim / 2 bytes)");
+    TORCH_CHECK(k_scales.has_value() == (k_cache.scalar_type() == at::kChar || int4),
+                "DecoderStack: scales with int8 and int4 caches");
     layers_.push_back(std::move(layer));
   }
 
@@ -147,7 +149,9 @@ class DecoderStack {
           }
         });
         timed(kAttention, [&] {
-          if (l.k_scales.has_value())
+          if (l.k_cache.scalar_type() == at::kByte)
+            write_kv_int4(k, v, l.k_cache, l.v_cache, *l.k_scales, *l.v_scales, slots);
+          else if (l.k_scales.has_value())
             write_kv_int8(k, v, l.k_cache, l.v_cache, *l.k_scales, *l.v_scales, slots);
           else
             write_kv(k, v, l.k_cache, l.v_cache, slots);

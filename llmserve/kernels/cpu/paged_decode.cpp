@@ -272,15 +272,6 @@ LLMSERVE_AVX512 inline __m512 hsum16x16(__m512* a) {
 // score in lane p.
 constexpr int kHsumOrder[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
 
-// 16 int4 codes from 8 bytes (pack_int4's layout: element 2i in byte i's low nibble, 2i + 1 in its high one) -> fp32
-// in [0, 15]: the nibbles split by a mask and a shift, interleaved back into order, widened.
-LLMSERVE_AVX512 inline __m512 load16_int4(const uint8_t* p) {
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
-}
-
 // Scores of one head against the n16 keys of the scratch (rows of D floats): s[0:n16].
 LLMSERVE_AVX512 inline void qk16(const float* q, const float* k, int64_t n16, int64_t D, float* s) {
   for (int64_t t = 0; t < n16; t += 16) {

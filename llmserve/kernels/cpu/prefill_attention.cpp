@@ -4,12 +4,12 @@
 // Where a span's keys come from, as in the torch reference (torch_backend.paged_attention):
 // - a fresh prompt (nothing cached, and no sliding window shorter than it): this step's K/V rows, unrounded;
 // - otherwise (a later chunk, a prefix-cache hit, a window shorter than the prompt): the paged cache at the span's
-//   slots, every key of its context (this step's included, already written), dequantized for an int8 cache.
+//   slots, every key of its context (this step's included, already written), dequantized for an int8 or int4 cache.
 //
 // Layout of the work. A work item is (span, KV head, tile of 16 query tokens): its rows are the G query heads
 // sharing the KV head times the 16 tokens, head-major, so every 16-lane vector holds one head's 16 tokens and the
 // causal mask of a key is the same for each head. Per block of up to 64 keys:
-//   1. the span's K and V rows are widened (and scaled, int8) to fp32 once a call, K and V each [keys, D], for all of
+//   1. the span's K and V rows are widened (and dequantized: int8, int4) to fp32 once a call, K and V each [keys, D], for all of
 //      its items (prefill_impl);
 //   2. scores transposed, S^T [keys, rows] = K Q^T with Q^T [D, rows] made once per item: one FMA per key and
 //      dimension gives 16 rows' scores, no horizontal sums (8 keys x up to 3 vectors of rows in registers);
@@ -65,7 +65,8 @@ constexpr int64_t kKeyBlock = 64;    // keys per softmax block
 constexpr int kRowsPerPass = 8;      // rows of S^T (keys) or O^T (dimensions) in registers at once
 constexpr int kMaxRowVecs = 3;       // 16-row vectors in registers at once (8 x 3 = 24 accumulators)
 
-// A source of K or V rows: element (key j, dimension d) at rows[j] + d, times scale[j] for an int8 cache.
+// A source of K or V rows: element (key j, dimension d) at rows[j] + d, times scale[j] for an int8 cache; an int4
+// cache's (uint8, two codes a byte: d / 2 bytes on) is code * params[j][0] + params[j][1].
 template <typename T>
 struct Rows {
   const T* base;
@@ -73,6 +74,7 @@ struct Rows {
   int64_t stride;        // elements between rows (slots or consecutive tokens)
   const float* scales;   // int8 cache: [slots, kv_heads] flattened with scale_stride; else null
   int64_t scale_stride;
+  const at::Half* params = nullptr;  // int4 cache: (scale, zero) [slots, kv_heads, 2], scale_stride pairs a slot
 
   const T* row(int64_t j) const { return base + (slots != nullptr ? slots[j] : j) * stride; }
   // whether rows j0 .. j0 + n - 1 are stride apart in memory (every row of a tensor; consecutive slots of a cache)
@@ -83,9 +85,11 @@ struct Rows {
     return true;
   }
   float scale(int64_t j) const { return scales[(slots != nullptr ? slots[j] : j) * scale_stride]; }
+  const at::Half* param(int64_t j) const { return params + 2 * (slots != nullptr ? slots[j] : j) * scale_stride; }
 };
 
-// dst[t, 0:D] = fp32 rows j0 .. j0 + n of src (scaled for int8).
+// dst[t, 0:D] = fp32 rows j0 .. j0 + n of src (dequantized for int8 and int4, as torch_backend.dequantize: int4's
+// code * scale, rounded, + zero).
 template <typename T>
 LLMSERVE_AVX512 void widen_rows(const Rows<T>& src, int64_t j0, int64_t n, int64_t D, float* dst) {
   for (int64_t t = 0; t < n; ++t) {
@@ -94,6 +98,11 @@ LLMSERVE_AVX512 void widen_rows(const Rows<T>& src, int64_t j0, int64_t n, int64
     if constexpr (std::is_same_v<T, int8_t>) {
       const __m512 sc = _mm512_set1_ps(src.scale(j0 + t));
       for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(o + c, _mm512_mul_ps(sc, load16(r + c)));
+    } else if constexpr (std::is_same_v<T, uint8_t>) {
+      const at::Half* pr = src.param(j0 + t);
+      const __m512 sc = _mm512_set1_ps(static_cast<float>(pr[0])), z = _mm512_set1_ps(static_cast<float>(pr[1]));
+      for (int64_t c = 0; c < D; c += 16)
+        _mm512_storeu_ps(o + c, _mm512_add_ps(_mm512_mul_ps(sc, load16_int4(r + c / 2)), z));
     } else {
       for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(o + c, load16(r + c));
     }
@@ -512,7 +521,7 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
 
 template <typename TQ, typename TC>
 void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
-                  const at::Tensor& v_cache, const float* k_scales, const float* v_scales,
+                  const at::Tensor& v_cache, const void* k_scales, const void* v_scales,
                   const std::vector<Span>& spans, const int64_t* slots, double scale, int64_t window, int64_t path,
                   at::Tensor& out) {
   const int64_t H = q.size(1), D = q.size(2), KVH = k.size(1), G = H / KVH;
@@ -551,18 +560,23 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   }
   // Each (span, KV head) that does not run the amx path gets its keys and values once here, contiguous, in the form
   // its work items read them: the dot path's keys as stored (bf16 pairs) and its values widened to fp32; the fp32
-  // path's keys and values widened (and scaled, int8). Every work item of 16 query tokens used to copy or widen each
+  // path's keys and values widened (and dequantized: int8, int4). Every work item of 16 query tokens used to copy or widen each
   // block it read itself: a 2,000-token prompt's rows ~62 times each, from rows 1,920 bytes apart in the fused qkv
   // output (their loads were the kernel's hottest spot after its two products; 2-core Zen 5: 15.3-22.7 against
   // 11.9-13.0 ms a layer). Rows padded to a multiple of 8 (+ 8) with zeros: the score passes read whole groups of 8
   // keys. The same values as before: the same bits.
-  const int64_t cache_row = KVH * D;  // elements per slot
+  constexpr bool kInt4 = std::is_same_v<TC, uint8_t>;  // packed: D / 2 bytes a row, (scale, zero) fp16 pairs
+  const int64_t R = kInt4 ? D / 2 : D, cache_row = KVH * R;  // elements per row, per slot
   auto key_rows = [&](const Span& sp, int64_t h) {  // (keys, values) of the span's KV head h, cache or this step's
-    return std::make_pair(
-        Rows<TC>{k_cache.data_ptr<TC>() + h * D, slots + sp.slot_offset, cache_row, k_scales ? k_scales + h : nullptr,
-                 KVH},
-        Rows<TC>{v_cache.data_ptr<TC>() + h * D, slots + sp.slot_offset, cache_row, v_scales ? v_scales + h : nullptr,
-                 KVH});
+    auto rows = [&](const at::Tensor& cache, const void* scales) {
+      Rows<TC> r{cache.data_ptr<TC>() + h * R, slots + sp.slot_offset, cache_row, nullptr, KVH};
+      if constexpr (kInt4)
+        r.params = static_cast<const at::Half*>(scales) + 2 * h;
+      else if (scales != nullptr)
+        r.scales = static_cast<const float*>(scales) + h;
+      return r;
+    };
+    return std::make_pair(rows(k_cache, k_scales), rows(v_cache, v_scales));
   };
   auto step_rows = [&](const Span& sp, int64_t h) {
     return std::make_pair(Rows<TQ>{k.data_ptr<TQ>() + sp.q_start * k.stride(0) + h * D, nullptr, k.stride(0), nullptr, 0},
@@ -657,7 +671,8 @@ bool prefill_attention_supported() { return cpu_has_avx512(); }
 
 // q [T, H, D]; k, v [T, KVH, D] (this step's rows; each may have a row stride, e.g. views of a fused QKV output,
 // but heads and dimensions contiguous); k_cache, v_cache [NB, BS, KVH, D] contiguous, fp32/bf16/fp16 or int8 with
-// k_scales, v_scales [NB, BS, KVH] fp32; spans [S, 4] int64 (q_start, q_len, num_cached, slot offset into slots);
+// k_scales, v_scales [NB, BS, KVH] fp32, or int4 (uint8 [NB, BS, KVH, D / 2], two codes a byte, as write_kv_int4 stores
+// them) with k_scales, v_scales [NB, BS, KVH, 2] fp16 (scale, zero); spans [S, 4] int64 (q_start, q_len, num_cached, slot offset into slots);
 // slots: the spans' context slots concatenated. Writes the spans' rows of out [T, H, D] (q's dtype, contiguous).
 // window <= 0: none. path: 1 runs the scores with vdpbf16ps where q and the keys are bf16 (needs AVX512-BF16); 2 both
 // products on AMX tiles where q and the cache are bf16 and head_dim a multiple of 32 (needs AMX-BF16); other dtypes
@@ -676,21 +691,25 @@ void prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_ca
               "prefill_attention: q/out [T, H, D], k/v [T, KVH, D], caches [NB, BS, KVH, D]");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "prefill_attention is CPU only");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
-  TORCH_CHECK(D % 16 == 0 && k.size(2) == D && k_cache.size(3) == D && k_cache.size(2) == KVH && H % KVH == 0 &&
-                  k.size(0) == T, "prefill_attention: head_dim a multiple of 16, heads a multiple of kv_heads");
+  const bool int4 = k_cache.scalar_type() == at::kByte;
+  TORCH_CHECK(D % 16 == 0 && k.size(2) == D && k_cache.size(3) == (int4 ? D / 2 : D) && k_cache.size(2) == KVH &&
+                  H % KVH == 0 && k.size(0) == T,
+              "prefill_attention: head_dim a multiple of 16 (int4 caches: head_dim / 2 bytes a row), heads a multiple "
+              "of kv_heads");
   for (const auto* t : {&q, &k, &v, &out})
     TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == D && t->scalar_type() == q.scalar_type(),
                 "prefill_attention: q, k, v, out of one dtype, heads and dimensions contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
               "prefill_attention: contiguous caches of one dtype");
-  const bool quantized = k_cache.scalar_type() == at::kChar;
+  const bool quantized = k_cache.scalar_type() == at::kChar || int4;
   TORCH_CHECK(quantized == (k_scales.has_value() && v_scales.has_value()),
-              "k_scales and v_scales are given exactly when the cache is int8");
+              "k_scales and v_scales are given exactly when the cache is int8 or int4");
   if (quantized)
     for (const auto& sc : {*k_scales, *v_scales})
-      TORCH_CHECK(sc.scalar_type() == at::kFloat && sc.is_contiguous() &&
-                      sc.numel() == k_cache.size(0) * k_cache.size(1) * KVH,
-                  "scales must be contiguous float32 [num_blocks, block_size, kv_heads]");
+      TORCH_CHECK(sc.scalar_type() == (int4 ? at::kHalf : at::kFloat) && sc.is_contiguous() &&
+                      sc.numel() == k_cache.size(0) * k_cache.size(1) * KVH * (int4 ? 2 : 1),
+                  int4 ? "scales must be contiguous float16 [num_blocks, block_size, kv_heads, 2]"
+                       : "scales must be contiguous float32 [num_blocks, block_size, kv_heads]");
   TORCH_CHECK(spans.scalar_type() == at::kLong && spans.dim() == 2 && spans.size(1) == 4 && spans.is_contiguous() &&
                   slots.scalar_type() == at::kLong && slots.is_contiguous(),
               "prefill_attention: spans int64 [S, 4], slots int64");
@@ -708,13 +727,15 @@ void prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_ca
         TORCH_CHECK(sl[offset + j] >= 0 && sl[offset + j] < n_slots, "prefill_attention: slot out of range");
     list.push_back({q_start, q_len, cached, offset, !fresh});
   }
-  const float* ks = quantized ? k_scales->data_ptr<float>() : nullptr;
-  const float* vs = quantized ? v_scales->data_ptr<float>() : nullptr;
+  const void* ks = quantized ? k_scales->data_ptr() : nullptr;
+  const void* vs = quantized ? v_scales->data_ptr() : nullptr;
   dispatch_float(q.scalar_type(), "prefill_attention (q)", [&](auto q_tag) {
     using q_t = decltype(q_tag);
+    if (int4)
+      return prefill_impl<q_t, uint8_t>(q, k, v, k_cache, v_cache, ks, vs, list, sl, scale, window, path, out);
     if (quantized)
       return prefill_impl<q_t, int8_t>(q, k, v, k_cache, v_cache, ks, vs, list, sl, scale, window, path, out);
-    dispatch_float(k_cache.scalar_type(), "prefill_attention (the cache; or int8)", [&](auto c_tag) {
+    dispatch_float(k_cache.scalar_type(), "prefill_attention (the cache; int8 or int4 above)", [&](auto c_tag) {
       prefill_impl<q_t, decltype(c_tag)>(q, k, v, k_cache, v_cache, ks, vs, list, sl, scale, window,
                                          path == 2 && D % 32 != 0 ? 1 : path, out);
     });
