@@ -71,8 +71,8 @@ def triton_decode_covers(device: torch.device, head_dim: int, dtype: torch.dtype
     """Whether the Triton paged decode kernel runs decode attention on this device for these dtypes and heads (CUDA
     only: kernels/cpu's are the CPU's); it must, for CUDA graphs to capture the decode steps."""
     return (device.type == "cuda" and os.environ.get("LLMSERVE_ATTENTION") != "torch" and head_dim <= 256
-            and dtype in _NATIVE_DTYPES and (cache_dtype in _NATIVE_DTYPES or cache_dtype == torch.int8)
-            and _triton_decode_fn() is not None)
+            and dtype in _NATIVE_DTYPES and (cache_dtype in _NATIVE_DTYPES or cache_dtype in (torch.int8, torch.uint8))
+            and _triton_decode_fn() is not None)  # (uint8: int4, head_dim even as the cache's spec requires)
 
 
 @functools.cache

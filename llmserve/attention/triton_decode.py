@@ -7,7 +7,9 @@ in fp32, exp2. Long contexts at small batches are split over the context (flash-
 programs; a second kernel merges the splits by their log-sum-exp. Shapes depend only on the batch, never on the
 context lengths (read on the device), so CUDA graphs can capture it.
 
-Rounding follows the reference: int8 K/V are dequantized in fp32 and rounded to the query dtype, K and V are read in
+Rounding follows the reference: int8 K/V (times their scale) and int4 K/V (a uint8 cache of two codes a byte, times
+their scale plus their zero point: torch_backend.quantize_int4) are dequantized in fp32 and rounded to the query
+dtype, K and V are read in
 the query dtype, P is rounded to it for the PV product, accumulation is fp32 (IEEE for fp32 models, no TF32).
 On a CPU the kernel runs only under TRITON_INTERPRET=1 (tests).
 """
@@ -29,7 +31,7 @@ def _decode_kernel(Q, K, V, KS, VS, Tables, Lens, MidO, MidL, Out,
                    stride_tab, stride_ot, stride_oh, sm_scale, window, softcap,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
-                   QUANT: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+                   QUANT: tl.constexpr, INT4: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
                    WIDEN_DOTS: tl.constexpr, SOFTCAP: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -63,10 +65,25 @@ def _decode_kernel(Q, K, V, KS, VS, Tables, Lens, MidO, MidL, Out,
         nmask = n < hi
         block = tl.load(Tables + seq * stride_tab + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
         row = block * stride_kb + (n % BLOCK_SIZE) * stride_ks + kvh * stride_kh
-        kv_mask = nmask[:, None] & dmask[None, :]
-        k = tl.load(K + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if QUANT:
+        if INT4:
+            # a row's D / 2 bytes: dim 2i in byte i's low nibble, 2i + 1 in its high one (pack_int4), joined back into
+            # [BLOCK_N, D_PAD] in order (tl.join, tl.reshape: builtins, unlike the jit'd tl.interleave; see tl.full)
+            half = tl.arange(0, D_PAD // 2)
+            byte_mask = nmask[:, None] & (half < HEAD_DIM // 2)[None, :]
+            srow = block * stride_sb + (n % BLOCK_SIZE) * stride_ss + kvh * stride_sh  # (scale, zero) pairs
+            kb = tl.load(K + row[:, None] + half[None, :], mask=byte_mask, other=0)
+            vb = tl.load(V + row[:, None] + half[None, :], mask=byte_mask, other=0)
+            k = tl.reshape(tl.join(kb & 15, kb >> 4), (BLOCK_N, D_PAD)).to(tl.float32)
+            v = tl.reshape(tl.join(vb & 15, vb >> 4), (BLOCK_N, D_PAD)).to(tl.float32)
+            k = k * tl.load(KS + srow, mask=nmask, other=0.0).to(tl.float32)[:, None] + \
+                tl.load(KS + srow + 1, mask=nmask, other=0.0).to(tl.float32)[:, None]
+            v = v * tl.load(VS + srow, mask=nmask, other=0.0).to(tl.float32)[:, None] + \
+                tl.load(VS + srow + 1, mask=nmask, other=0.0).to(tl.float32)[:, None]
+        else:
+            kv_mask = nmask[:, None] & dmask[None, :]
+            k = tl.load(K + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(V + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if QUANT and not INT4:
             srow = block * stride_sb + (n % BLOCK_SIZE) * stride_ss + kvh * stride_sh
             k = k.to(tl.float32) * tl.load(KS + srow, mask=nmask, other=0.0)[:, None]
             v = v.to(tl.float32) * tl.load(VS + srow, mask=nmask, other=0.0)[:, None]
@@ -135,11 +152,15 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, 
                  sliding_window: int | None = None, kv_scales: torch.Tensor | None = None,
                  splits: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """q [nd, H, D]; kv_cache [2, num_blocks, block_size, KVH, D] (float or int8 with kv_scales
-    [2, num_blocks, block_size, KVH] fp32); tables [nd, W] block ids; lens [nd] context lengths (the new token
-    included, >= 1) -> [nd, H, D] in q's dtype."""
+    [2, num_blocks, block_size, KVH] fp32, or int4: uint8 [.., D / 2] with kv_scales [2, num_blocks, block_size, KVH,
+    2] fp16, quantize_int4's); tables [nd, W] block ids; lens [nd] context lengths (the new token included, >= 1) ->
+    [nd, H, D] in q's dtype."""
     nd, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, cache_dim = kv_cache.shape
-    assert cache_dim == head_dim and num_heads % num_kv_heads == 0 and kv_cache.stride(-1) == 1
+    int4 = kv_cache.dtype == torch.uint8
+    assert cache_dim == (head_dim // 2 if int4 else head_dim) and num_heads % num_kv_heads == 0
+    assert kv_cache.stride(-1) == 1 and (not int4 or (head_dim % 2 == 0 and kv_scales is not None
+                                                      and kv_scales.stride(-1) == 1))
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty((nd, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if nd == 0:
@@ -160,7 +181,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, 
         scales.stride(1), scales.stride(2), scales.stride(3), tables.stride(0), out.stride(0), out.stride(1),
         scale, sliding_window or 0, softcap or 1.0,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLITS=splits, NUM_HEADS=num_heads, QUANT=quant,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLITS=splits, NUM_HEADS=num_heads, QUANT=quant, INT4=int4,
         HAS_WINDOW=sliding_window is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         WIDEN_DOTS=q.device.type != "cuda" and q.dtype != torch.float32, SOFTCAP=softcap is not None, num_warps=4)
     if splits > 1:

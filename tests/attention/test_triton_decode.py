@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 
 from llmserve.attention import triton_decode  # noqa: E402
 from llmserve.attention.metadata import SeqSpec, build_attention_metadata  # noqa: E402
-from llmserve.attention.torch_backend import decode_attention, quantize_int8  # noqa: E402
+from llmserve.attention.torch_backend import decode_attention, quantize_int4, quantize_int8  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -40,6 +40,8 @@ def _case(lens: list[int], heads: int, kv_heads: int, block_size: int, head_dim:
     scales = None
     if cache_dtype == torch.int8:
         kv, scales = quantize_int8(kv)
+    elif cache_dtype == torch.uint8:  # int4: two codes a byte, a (scale, zero) pair a row
+        kv, scales = quantize_int4(kv * 2 + 0.5)
     else:
         kv = kv.to(cache_dtype)
     poisoned = (scales if scales is not None else kv).clone()
@@ -97,7 +99,8 @@ def test_softcap(window: int | None, splits: int) -> None:
 
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
                                                (torch.float16, torch.float16), (torch.float32, torch.int8),
-                                               (torch.bfloat16, torch.int8)])
+                                               (torch.bfloat16, torch.int8), (torch.float32, torch.uint8),
+                                               (torch.bfloat16, torch.uint8), (torch.float16, torch.uint8)])
 @pytest.mark.parametrize("splits", [1, 5])
 def test_cache_dtypes(dtype: torch.dtype, cache_dtype: torch.dtype, splits: int) -> None:
     case = _case(LENS, 8, 2, 32, 64, dtype, cache_dtype, seed=2)
@@ -105,10 +108,18 @@ def test_cache_dtypes(dtype: torch.dtype, cache_dtype: torch.dtype, splits: int)
 
 
 @pytest.mark.parametrize("head_dim", [16, 48, 128])
-def test_head_dims(head_dim: int) -> None:
-    """16 (tl.dot's smallest), 48 (not a power of two: padded lanes) and 128."""
-    case = _case([3, 70, 129], 4, 2, 8, head_dim, torch.float32, torch.float32, seed=3)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.uint8])
+def test_head_dims(head_dim: int, cache_dtype: torch.dtype) -> None:
+    """16 (tl.dot's smallest), 48 (not a power of two: padded lanes; an int4 cache's padded bytes dequantize to its
+    zero point, which the zero query lanes and the masked stores keep out) and 128."""
+    case = _case([3, 70, 129], 4, 2, 8, head_dim, torch.float32, cache_dtype, seed=3)
     _check(case, None, 2, torch.float32)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_int4_window_and_groups(window: int | None) -> None:
+    case = _case(LENS, 32, 8, 16, 64, torch.float32, torch.uint8, seed=5)
+    _check(case, window, 4, torch.float32)
 
 
 def test_default_splits_and_int32_tables() -> None:
