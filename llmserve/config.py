@@ -14,6 +14,11 @@ from typing import Any
 from llmserve.errors import InvalidRequestError
 from llmserve.structured.spec import StructuredOutput, parse_response_format
 
+# EngineConfig.quantization: the ways of quantizing a checkpoint at load, and the checkpoint formats it may name instead
+# (vLLM's --quantization awq, LMDeploy's model_format="awq"), which load as they are
+QUANTIZE_AT_LOAD = ("int8", "w8a8")
+CHECKPOINT_QUANTIZATION = ("awq", "gptq")
+
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
     if isinstance(default, (list, dict, set)):
@@ -278,7 +283,10 @@ class EngineConfig:
                                         "of fp32's weight bytes, half of bf16's. w8a8 (CPU with AVX512-VNNI): int8 "
                                         "weights for the decoder's linear layers, whose inputs are also quantized "
                                         "to int8 per token for int8 matmuls (3-4x faster than bf16 on CPUs "
-                                        "without AMX, at some cost in accuracy); embedding and LM head unchanged.")
+                                        "without AMX, at some cost in accuracy); embedding and LM head unchanged. "
+                                        "awq, gptq (vLLM's names): the checkpoint's own AWQ or GPTQ weights, "
+                                        "which load as they are; the load fails where the checkpoint is not of "
+                                        "that method (unset reads its quantization_config either way).")
     device: str = _f("auto", "cpu, cuda, cuda:N, or auto (cuda when available).")
     load_format: str = _f("auto", "auto: the checkpoint's safetensors. dummy (vLLM's name): no weight files are "
                                   "read; every weight is random (normal with the config's initializer_range, "
@@ -387,8 +395,8 @@ class EngineConfig:
                    f"{self.quant_policy} means an {kind} KV cache, which contradicts "
                    f"kv_cache_dtype={self.kv_cache_dtype!r}")
             self.kv_cache_dtype = kind
-        _check(self.quantization in (None, "int8", "w8a8"), "quantization",
-               f"must be int8, w8a8 or unset, got {self.quantization!r}")
+        _check(self.quantization is None or self.quantization in QUANTIZE_AT_LOAD + CHECKPOINT_QUANTIZATION,
+               "quantization", f"must be int8, w8a8, awq, gptq or unset, got {self.quantization!r}")
         for name in ("tp", "max_batch_size", "max_prefill_token_num", "block_size", "num_speculative_tokens",
                      "prompt_lookup_max", "prompt_lookup_min", "max_image_pixels", "vision_max_batch_size"):
             value = getattr(self, name)

@@ -64,6 +64,18 @@ def _device(value: Any) -> Any:
     raise ValueError("llmserve runs on cuda or cpu (LMDeploy's ascend, maca and camb back ends are not supported)")
 
 
+def _model_format(value: Any) -> Any:
+    """TurboMind's model_format: None / "hf" a checkpoint as it is (whatever its quantization_config says), "awq" /
+    "gptq" a checkpoint that must be of that method (EngineConfig.quantization's names for them)."""
+    if value in (None, "hf"):
+        return _OMIT
+    if value in ("awq", "gptq"):
+        return value
+    raise ValueError("llmserve loads Hugging Face checkpoints (safetensors: unquantized, AWQ or GPTQ) and GGUF files: "
+                     "model_format is None, 'hf', 'awq' or 'gptq' (Meta's llama layout and fp8 weights are not "
+                     "supported)")
+
+
 _TP_REASON = "expert parallelism is not implemented (tensor parallelism is: tp; data-parallel replicas are a server " \
              "option: llmserve serve --dp N)"
 _SCHEDULING = ("llmserve has no prefill and decode phases: every step mixes decode tokens and prefill chunks under "
@@ -152,9 +164,7 @@ class TurbomindEngineConfig(_LMDeployConfig):
     """LMDeploy's TurboMind engine config (its fields as of LMDeploy 0.7 and the seeds' older ones)."""
 
     dtype: str = _maps("auto")
-    model_format: str | None = _refused(None, "llmserve loads Hugging Face checkpoints (safetensors) and GGUF files; "
-                                              "AWQ and GPTQ 4-bit weights and Meta's llama layout are not supported "
-                                              "(EngineConfig.quantization offers int8 and w8a8)", (None, "hf"))
+    model_format: str | None = _maps(None, to="quantization", convert=_model_format)
     tp: int = _maps(1)
     session_len: int | None = _maps(None)
     max_batch_size: int | None = _maps(None, convert=_batch_size)

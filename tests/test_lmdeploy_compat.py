@@ -70,6 +70,11 @@ def test_every_mapped_pytorch_field() -> None:
     assert PytorchEngineConfig(num_gpu_blocks=0).to_engine_config().num_blocks is None  # 0: sized by the engine
 
 
+@pytest.mark.parametrize("fmt, quantization", [(None, None), ("hf", None), ("awq", "awq"), ("gptq", "gptq")])
+def test_model_format_names_the_checkpoints_quantization(fmt: str | None, quantization: str | None) -> None:
+    assert TurbomindEngineConfig(model_format=fmt).to_engine_config().quantization == quantization
+
+
 def test_adapters_map_to_lora() -> None:
     config = PytorchEngineConfig(adapters={"a": "/lora/a"}).to_engine_config()
     assert config.adapters == {"a": "/lora/a"} and config.enable_lora
@@ -88,8 +93,8 @@ def test_values_that_ask_for_nothing_are_accepted() -> None:
 
 REFUSED: list[tuple[type, dict[str, Any], str, str]] = [
     (TurbomindEngineConfig, {"tp": 0}, "tp", "TurbomindEngineConfig.tp: must be >= 1, got 0"),
-    (TurbomindEngineConfig, {"model_format": "awq"}, "model_format",
-     "TurbomindEngineConfig.model_format='awq': llmserve loads Hugging Face checkpoints"),
+    (TurbomindEngineConfig, {"model_format": "fp8"}, "model_format",
+     "TurbomindEngineConfig.model_format='fp8': llmserve loads Hugging Face checkpoints"),
     (TurbomindEngineConfig, {"rope_scaling_factor": 2.5}, "rope_scaling_factor",
      "TurbomindEngineConfig.rope_scaling_factor=2.5: dynamic NTK scaling is read from the model's config.json"),
     (TurbomindEngineConfig, {"use_logn_attn": True}, "use_logn_attn",
@@ -342,10 +347,9 @@ def test_seed_001_refusals() -> None:
             cache_max_entry_count=0.9,
             tp=2)
     assert e.value.param == "rope_scaling_factor"
-    with pytest.raises(InvalidRequestError) as e:  # the AWQ example
-        TurbomindEngineConfig(
-            model_format='awq')
-    assert e.value.param == "model_format"
+    # the AWQ example: the checkpoint must be AWQ (tests/models/test_awq_gptq.py loads one so)
+    assert TurbomindEngineConfig(
+        model_format='awq').to_engine_config().quantization == "awq"
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmserve.config import EngineConfig
+from llmserve.config import CHECKPOINT_QUANTIZATION, QUANTIZE_AT_LOAD, EngineConfig
 from llmserve.distributed.state import tp_state
 from llmserve.errors import InvalidRequestError, ModelLoadError
 from llmserve.kernels import native
@@ -33,7 +33,7 @@ from llmserve.layers.linear import int8_packed_ok, int8_triton_runs
 from llmserve.layers.rotary import model_max_positions
 from llmserve.models import model_config
 from llmserve.models.gguf_loader import gguf_to_hf_dir
-from llmserve.models.quantized_weights import checkpoint_names, load_checkpoint
+from llmserve.models.quantized_weights import check_checkpoint_method, checkpoint_names, load_checkpoint
 from llmserve.models.registry import MODEL_TYPES, get_model_class, is_vision_language
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,8 @@ def load_model(model: str | None, config: EngineConfig) -> LoadedModel:
     dtype = resolve_dtype(config.dtype, getattr(hf_config, "dtype", None), device)
     if config.quantization == "w8a8":
         check_w8a8(device, dtype)
+    if config.quantization in CHECKPOINT_QUANTIZATION:
+        check_checkpoint_method(loc.model_dir, config)
     tp_workers = None
     if config.tp > 1 and tp_state().size == 1:  # rank 0: start the other ranks, then load this rank's shard
         from llmserve.distributed.workers import TPWorkers, check_tp_supported, rank_device
@@ -106,7 +108,7 @@ def load_model(model: str | None, config: EngineConfig) -> LoadedModel:
         if tp_workers is not None:
             tp_workers.close()
         raise
-    if config.quantization is not None:
+    if config.quantization in QUANTIZE_AT_LOAD:
         net.quantize(config.quantization)
     if (config.quantization == "int8" and not int8_packed_ok(torch.empty(0, dtype=dtype, device=device))
             and not (device.type == "cuda" and int8_triton_runs())):

@@ -4,7 +4,8 @@ models/gguf_loader.py), AWQ and GPTQ (config.json's quantization_config, see mod
 Which layers run on their blocks (layers/quant_blocks.py) and which are dequantized at load:
 - AWQ / GPTQ: every quantized linear runs on its blocks, on any device (the native kernel on AVX-512 CPUs, the Triton
   kernel kernels/triton/qblock.py on CUDA, the torch reference elsewhere). There is nothing else to run:
-  --quantization int8 / w8a8 are refused.
+  --quantization int8 / w8a8 are refused; --quantization awq / gptq (vLLM's flag, LMDeploy's model_format) only
+  check that the checkpoint is of that method (check_checkpoint_method).
 - GGUF: its Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K linears, and the embedding / LM head, run on their blocks by
   default where the native kernel runs (a CPU with AVX-512): faster and smaller than dequantized weights. The
   dequantized weights (the cache's fp32 copy, exactly gguf.quants' values, in the model dtype: as before) instead
@@ -29,8 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmserve.config import EngineConfig
-from llmserve.errors import ModelLoadError
+from llmserve.config import QUANTIZE_AT_LOAD, EngineConfig
+from llmserve.errors import InvalidRequestError, ModelLoadError
 from llmserve.kernels import native
 from llmserve.layers.embedding import VocabEmbedding
 from llmserve.layers.linear import Linear
@@ -52,7 +53,7 @@ def load_checkpoint(net: nn.Module, model_dir: str, weights: Iterable[tuple[str,
     manifest_path = os.path.join(model_dir, GGUF_MANIFEST)
     qc = awq_gptq.read_quant_config(_read_json(os.path.join(model_dir, "config.json")), model_dir)
     if qc is not None:
-        if config.quantization is not None:
+        if config.quantization in QUANTIZE_AT_LOAD:
             raise ModelLoadError(f"{model_dir}: the checkpoint is already quantized ({qc.method}, {qc.bits}-bit); "
                                  f"drop quantization={config.quantization!r}")
         if config.tp > 1:  # (their blocks are not sliced by rank)
@@ -87,9 +88,29 @@ def load_checkpoint(net: nn.Module, model_dir: str, weights: Iterable[tuple[str,
         log.info("%d layers run on their quantized blocks (%.1f MB)", len(layers), nbytes / 2**20)
 
 
+def check_checkpoint_method(model_dir: str, config: EngineConfig) -> None:
+    """quantization="awq" / "gptq" names the checkpoint's own format (vLLM's --quantization awq, LMDeploy's
+    model_format="awq"): refused where the checkpoint is not of that method, rather than loaded as whatever it is."""
+    want = config.quantization
+    if config.load_format == "dummy":
+        raise InvalidRequestError(f"quantization={want!r} names the checkpoint's own weights, and load_format='dummy' "
+                                  "reads none (its random weights are unquantized): drop one of them",
+                                  param="quantization")
+    qc = awq_gptq.read_quant_config(_read_json(os.path.join(model_dir, "config.json")), model_dir)
+    if qc is None:
+        has = ("a GGUF file's blocks" if os.path.isfile(os.path.join(model_dir, GGUF_MANIFEST))
+               else "no quantization_config (unquantized weights)")
+        raise ModelLoadError(f"{model_dir}: quantization={want!r} names the checkpoint's format, but the checkpoint has "
+                             f"{has}; drop quantization")
+    if qc.method != want:
+        raise ModelLoadError(f"{model_dir}: quantization={want!r}, but the checkpoint is {qc.method} ({qc.bits}-bit); "
+                             f"use quantization={qc.method!r} or drop it")
+
+
 def gguf_native(config: EngineConfig, device: torch.device) -> bool:
     """Whether a GGUF's quantized tensors run on their blocks (see the module docstring) rather than dequantized."""
-    return (config.quantization is None and config.dtype != "float32" and device.type == "cpu" and config.tp == 1
+    return (config.quantization not in QUANTIZE_AT_LOAD and config.dtype != "float32" and device.type == "cpu"
+            and config.tp == 1
             and os.environ.get("LLMSERVE_GGUF_NATIVE", "1") != "0" and native.qblock_usable())
 
 

@@ -85,7 +85,7 @@ def test_quantized_smollm2_still_answers_paris(quantization: str) -> None:
 
 
 def test_unknown_quantization_is_refused() -> None:
-    with pytest.raises(InvalidRequestError, match="quantization: must be int8, w8a8 or unset, got 'int4'"):
+    with pytest.raises(InvalidRequestError, match="quantization: must be int8, w8a8, awq, gptq or unset, got 'int4'"):
         EngineConfig(quantization="int4")
 
 

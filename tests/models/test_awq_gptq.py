@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from llmserve.config import EngineConfig
-from llmserve.errors import ModelLoadError
+from llmserve.errors import InvalidRequestError, ModelLoadError
 from llmserve.kernels import native
 from llmserve.layers.quant_blocks import BlockWeight, concat
 from llmserve.models import awq_gptq, load_model
@@ -299,6 +299,28 @@ def test_quantized_checkpoint_runs_on_cuda(method: str, act_order: bool, tmp_pat
     scale = theirs.abs().max().item()
     assert (runs["1"] - theirs).abs().max().item() <= 0.06 * scale
     assert (runs["1"] - runs["0"]).abs().max().item() <= 0.01 * scale
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_quantization_naming_the_checkpoints_method_loads_it(method: str, tmp_path) -> None:
+    """vLLM's --quantization awq / LMDeploy's model_format="awq": the same model as with the flag unset."""
+    directory, _ = write_checkpoint(tmp_path, method)
+    named = load_model(directory, EngineConfig(dtype="float32", device="cpu", quantization=method))
+    plain = load_model(directory, EngineConfig(dtype="float32", device="cpu"))
+    assert named.model.model.layers[0].self_attn.qkv_proj.qblocks.bits == 4
+    assert torch.equal(PagedRunner(named.model).step([(0, IDS)])[0], PagedRunner(plain.model).step([(0, IDS)])[0])
+
+
+def test_quantization_naming_another_method_is_refused(tiny_model_dir, tmp_path) -> None:
+    directory, _ = write_checkpoint(tmp_path, "awq")
+    with pytest.raises(ModelLoadError, match="quantization='gptq', but the checkpoint is awq .4-bit.; use "
+                                             "quantization='awq' or drop it"):
+        load_model(directory, EngineConfig(dtype="float32", device="cpu", quantization="gptq"))
+    with pytest.raises(ModelLoadError, match="names the checkpoint's format, but the checkpoint has no "
+                                             "quantization_config .unquantized weights.; drop quantization"):
+        load_model(tiny_model_dir("llama"), EngineConfig(dtype="float32", device="cpu", quantization="awq"))
+    with pytest.raises(InvalidRequestError, match="load_format='dummy' reads none"):
+        load_model(directory, EngineConfig(dtype="float32", device="cpu", quantization="awq", load_format="dummy"))
 
 
 def test_quantization_on_a_quantized_checkpoint_is_refused(tmp_path) -> None:
