@@ -100,8 +100,8 @@ def check_checkpoint_method(model_dir: str, config: EngineConfig) -> None:
     if qc is None:
         has = ("a GGUF file's blocks" if os.path.isfile(os.path.join(model_dir, GGUF_MANIFEST))
                else "no quantization_config (unquantized weights)")
-        raise ModelLoadError(f"{model_dir}: quantization={want!r} names the checkpoint's format, but the checkpoint has "
-                             f"{has}; drop quantization")
+        raise ModelLoadError(f"{model_dir}: quantization={want!r} names the checkpoint's format, but the checkpoint "
+                             f"has {has}; drop quantization")
     if qc.method != want:
         raise ModelLoadError(f"{model_dir}: quantization={want!r}, but the checkpoint is {qc.method} ({qc.bits}-bit); "
                              f"use quantization={qc.method!r} or drop it")

@@ -99,7 +99,8 @@ class DecoderStack {
                      linear(gate_up, 2 * intermediate_, "gate_up"), linear(down, -1, "down"), q_norm, k_norm,
                      k_cache, v_cache, k_scales, v_scales, window};
     const bool int4 = k_cache.scalar_type() == at::kByte;  // packed: head_dim / 2 bytes a row
-    TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == kv_heads_ && k_cache.size(3) == (int4 ? head_dim_ / 2 : head_dim_),
+    TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == kv_heads_ &&
+                    k_cache.size(3) == (int4 ? head_dim_ / 2 : head_dim_),
                 "DecoderStack: cache [num_blocks, block_size, kv_heads, head_dim] (int4: head_dim / 2 bytes)");
     TORCH_CHECK(k_scales.has_value() == (k_cache.scalar_type() == at::kChar || int4),
                 "DecoderStack: scales with int8 and int4 caches");

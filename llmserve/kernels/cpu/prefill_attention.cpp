@@ -9,8 +9,8 @@
 // Layout of the work. A work item is (span, KV head, tile of 16 query tokens): its rows are the G query heads
 // sharing the KV head times the 16 tokens, head-major, so every 16-lane vector holds one head's 16 tokens and the
 // causal mask of a key is the same for each head. Per block of up to 64 keys:
-//   1. the span's K and V rows are widened (and dequantized: int8, int4) to fp32 once a call, K and V each [keys, D], for all of
-//      its items (prefill_impl);
+//   1. the span's K and V rows are widened (and dequantized: int8, int4) to fp32 once a call, K and V each [keys, D],
+//      for all of its items (prefill_impl);
 //   2. scores transposed, S^T [keys, rows] = K Q^T with Q^T [D, rows] made once per item: one FMA per key and
 //      dimension gives 16 rows' scores, no horizontal sums (8 keys x up to 3 vectors of rows in registers);
 //   3. the softmax runs down the keys, lane by lane (each lane is a row): max, exp, sum are vertical;
@@ -560,8 +560,8 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   }
   // Each (span, KV head) that does not run the amx path gets its keys and values once here, contiguous, in the form
   // its work items read them: the dot path's keys as stored (bf16 pairs) and its values widened to fp32; the fp32
-  // path's keys and values widened (and dequantized: int8, int4). Every work item of 16 query tokens used to copy or widen each
-  // block it read itself: a 2,000-token prompt's rows ~62 times each, from rows 1,920 bytes apart in the fused qkv
+  // path's keys and values widened (and dequantized: int8, int4). Every work item of 16 query tokens used to copy or
+  // widen each block it read itself: a 2,000-token prompt's rows ~62 times each, from rows 1,920 bytes apart in the fused qkv
   // output (their loads were the kernel's hottest spot after its two products; 2-core Zen 5: 15.3-22.7 against
   // 11.9-13.0 ms a layer). Rows padded to a multiple of 8 (+ 8) with zeros: the score passes read whole groups of 8
   // keys. The same values as before: the same bits.
@@ -672,7 +672,8 @@ bool prefill_attention_supported() { return cpu_has_avx512(); }
 // q [T, H, D]; k, v [T, KVH, D] (this step's rows; each may have a row stride, e.g. views of a fused QKV output,
 // but heads and dimensions contiguous); k_cache, v_cache [NB, BS, KVH, D] contiguous, fp32/bf16/fp16 or int8 with
 // k_scales, v_scales [NB, BS, KVH] fp32, or int4 (uint8 [NB, BS, KVH, D / 2], two codes a byte, as write_kv_int4 stores
-// them) with k_scales, v_scales [NB, BS, KVH, 2] fp16 (scale, zero); spans [S, 4] int64 (q_start, q_len, num_cached, slot offset into slots);
+// them) with k_scales, v_scales [NB, BS, KVH, 2] fp16 (scale, zero); spans [S, 4] int64 (q_start, q_len, num_cached,
+// slot offset into slots);
 // slots: the spans' context slots concatenated. Writes the spans' rows of out [T, H, D] (q's dtype, contiguous).
 // window <= 0: none. path: 1 runs the scores with vdpbf16ps where q and the keys are bf16 (needs AVX512-BF16); 2 both
 // products on AMX tiles where q and the cache are bf16 and head_dim a multiple of 32 (needs AMX-BF16); other dtypes
