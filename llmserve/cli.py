@@ -16,8 +16,9 @@ from llmserve.config import ChatTemplateConfig, EngineConfig, GenerationConfig
 from llmserve.errors import InvalidRequestError
 
 # Generation flags offered on the command line (the rest are API-only).
-_GEN_FLAGS = ("max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-              "random_seed", "stop_words", "ignore_eos", "use_beam_search", "beam_width", "length_penalty")
+_GEN_FLAGS = ("max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p", "min_p", "typical_p",
+              "repetition_penalty", "random_seed", "stop_words", "ignore_eos", "use_beam_search", "beam_width",
+              "length_penalty")
 
 
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, names: tuple[str, ...] | None = None,

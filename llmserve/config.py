@@ -114,6 +114,9 @@ class GenerationConfig:
     top_k: int = _f(50, "Keep the k most likely tokens; 0 disables, 1 is greedy.")
     top_p: float = _f(1.0, "Nucleus sampling: keep the smallest set of tokens whose probability sums to top_p.")
     min_p: float = _f(0.0, "Drop tokens whose probability is below min_p times the most likely one's.")
+    typical_p: float = _f(1.0, "Locally typical sampling (transformers' and TGI's typical_p): keep the tokens whose "
+                               "surprisal is closest to the distribution's entropy, as many as make up typical_p "
+                               "of the probability; 1.0 disables. After temperature, top_k, top_p and min_p.")
     repetition_penalty: float = _f(1.0, "Divide positive logits (multiply negative ones) of tokens already seen "
                                         "in the prompt or output; 1.0 disables.")
     presence_penalty: float = _f(0.0, "Subtract from the logit of each token already generated.")
@@ -165,6 +168,8 @@ class GenerationConfig:
         _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check_type(self.min_p, (int, float), "min_p")
         _check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _check_type(self.typical_p, (int, float), "typical_p")
+        _check(0 < self.typical_p <= 1, "typical_p", f"must be in (0, 1], got {self.typical_p}")
         _check_type(self.repetition_penalty, (int, float), "repetition_penalty")
         _check(self.repetition_penalty > 0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):

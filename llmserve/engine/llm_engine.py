@@ -173,7 +173,7 @@ class LLMEngine:
                          lora: LoRAAdapter | None = None) -> None:
         # Beams are greedy rows to the sampler (no temperature, truncation or seed): it hands back
         # their log-probabilities and the engine chooses.
-        params = dataclasses.replace(params, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None,
+        params = dataclasses.replace(params, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, seed=None,
                                      logprobs=None, beam_width=gen.num_beams)
         root = Request(request_id=f"{request_id}#b0", token_ids=list(prompt), num_prompt_tokens=len(prompt),
                        sampling=params, max_new_tokens=gen.max_new_tokens, max_total_tokens=self.session_len,
@@ -635,6 +635,7 @@ class LLMEngine:
             stop_ids.update(self.loaded.eos_token_ids)
         return SamplingParams(
             temperature=float(gen.temperature), top_k=gen.top_k, top_p=float(gen.top_p), min_p=float(gen.min_p),
+            typical_p=float(gen.typical_p),
             repetition_penalty=float(gen.repetition_penalty), presence_penalty=float(gen.presence_penalty),
             frequency_penalty=float(gen.frequency_penalty), logit_bias=gen.logit_bias,
             bad_words_ids=self._bad_words_ids(gen.bad_words or []), min_tokens=gen.min_new_tokens,

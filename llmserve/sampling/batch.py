@@ -6,7 +6,7 @@ small constants, except that rows using penalties pay O(their prompt + output le
 their (row, token) pairs, and rows with bad words pay O(total bad-word length).
 
 Row conventions: every per-row tensor has one entry per sequence, in `seqs` order. Rows that do
-not use a filter hold its neutral value (temperature 1, top_k = V, top_p = inf, min_p 0), so
+not use a filter hold its neutral value (temperature 1, top_k = V, top_p = inf, min_p 0, typical_p inf), so
 the sampler applies each filter to the whole batch without indexing.
 """
 
@@ -73,6 +73,7 @@ class SamplingFilters:
     max_top_k: int  # largest enabled top_k (0 when top_k is None): bounds a topk() instead of a sort
     top_p: Tensor | None  # [B] float32; inf means disabled
     min_p: Tensor | None  # [B] float32
+    typical_p: Tensor | None = None  # [B] float32; inf means disabled
 
 
 @dataclass
@@ -230,6 +231,7 @@ def _filters(
     top_p = [p.top_p if p.top_p < 1.0 else float("inf") for p in rows]
     temperature = [p.temperature for p in rows]
     min_p = [p.min_p for p in rows]
+    typical_p = [p.typical_p if p.typical_p < 1.0 else float("inf") for p in rows]
 
     def column(values: list[float], used: bool) -> Tensor | None:
         return torch.tensor(values, dtype=torch.float32, device=device) if used else None
@@ -242,6 +244,7 @@ def _filters(
         max_top_k=max(enabled_ks, default=0),
         top_p=column(top_p, any(p < 1.0 for p in top_p)),
         min_p=column(min_p, any(p > 0.0 for p in min_p)),
+        typical_p=column(typical_p, any(p < 1.0 for p in typical_p)),
     )
 
 

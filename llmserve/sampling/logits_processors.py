@@ -53,6 +53,8 @@ def apply_sampling_filters(logits: Tensor, filters: SamplingFilters) -> Tensor:
         apply_top_k(logits, filters.top_k, filters.max_top_k)
     if filters.min_p is not None:
         apply_min_p(logits, filters.min_p)
+    if filters.typical_p is not None:
+        apply_typical_p(logits, filters.typical_p)
     return logits
 
 
@@ -90,6 +92,22 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
     return logits.masked_fill_(probs < threshold, _NEG_INF)
 
 
+def apply_typical_p(logits: Tensor, typical_p: Tensor) -> Tensor:
+    # Locally typical sampling (Meister et al. 2022; transformers' TypicalLogitsWarper, TGI's): rank the tokens by how
+    # far their surprisal -log p is from the distribution's entropy, and keep the closest ones until their probability
+    # reaches typical_p (the token that reaches it included, and every token as close as it: ties kept); at least
+    # one. inf keeps all. Tokens already at -inf stay there (p log p taken as 0).
+    logp = logits.log_softmax(dim=-1)
+    entropy = -(logp * logp.exp()).nansum(dim=-1, keepdim=True)
+    distance = (-logp - entropy).abs()
+    sorted_distance, order = distance.sort(dim=-1, stable=True)
+    mass = logits.gather(1, order).softmax(dim=-1).cumsum(dim=-1)
+    last = (mass < typical_p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(max=logits.shape[-1] - 1)
+    remove = sorted_distance > sorted_distance.gather(1, last)
+    remove[:, 0] = False
+    return logits.masked_fill_(remove.scatter(1, order, remove), _NEG_INF)
+
+
 # Most candidates the truncated path takes per row without a top-k of its own (rows with one: their largest k).
 MAX_CANDIDATES = 1024
 
@@ -99,7 +117,8 @@ def select_filters(filters: SamplingFilters, rows: Tensor) -> SamplingFilters:
     def pick(t: Tensor | None) -> Tensor | None:
         return None if t is None else t.index_select(0, rows)
     return SamplingFilters(temperature=pick(filters.temperature), top_k=pick(filters.top_k),
-                           max_top_k=filters.max_top_k, top_p=pick(filters.top_p), min_p=pick(filters.min_p))
+                           max_top_k=filters.max_top_k, top_p=pick(filters.top_p), min_p=pick(filters.min_p),
+                           typical_p=pick(filters.typical_p))
 
 
 def truncated_candidates(logits: Tensor, filters: SamplingFilters) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -153,6 +172,8 @@ def truncated_candidates(logits: Tensor, filters: SamplingFilters) -> tuple[Tens
     last_kept = values.gather(1, (keep.sum(dim=-1, keepdim=True) - 1).clamp_(min=0))
     covered = ((last_kept > values[:, -1:]).squeeze(1) if c < vocab
                else torch.ones(batch, dtype=torch.bool, device=logits.device))
+    if filters.typical_p is not None:  # a typical set is no prefix of the likeliest tokens: the full path
+        covered &= torch.isinf(filters.typical_p)
     if not bool(covered.any()):
         return None
     probs = masked.softmax(dim=-1)

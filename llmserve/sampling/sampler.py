@@ -3,7 +3,7 @@
 Steps, all vectorised over the batch with per-row parameters:
   raw logprobs (rows that ask) -> logits processors (bias, bans, penalties) -> grammar masks (structured
   output rows: forbidden tokens to -inf, sampling/grammar.py) -> greedy rows: argmax
-  -> sampled rows: temperature, top-k, top-p, min-p -> inverse CDF.
+  -> sampled rows: temperature, top-k, top-p, min-p, typical-p -> inverse CDF.
 An all-greedy batch without processors is one argmax (the benchmark hot path).
 
 Sampling draws by inverse CDF: one uniform u per row, then the first token, in token-id order, whose
@@ -23,7 +23,9 @@ picks the reference's token except where float rounding of a sum decides. At 64 
 cores, with the batch's build: top_p 0.9 32 -> 3.1 ms per step, top_k 50 6.2 -> 1.8, greedy 2.4 -> 0.7
 (BENCHMARKS.md). Speculative verification too: the kernel accepts a draft d when u < p(d) and replaces a
 rejected one by an inverse-CDF draw (a second u) over p without d, the same distribution as the race.
-LLMSERVE_SAMPLER=torch keeps the torch path (the reference; A/B runs).
+LLMSERVE_SAMPLER=torch keeps the torch path (the reference; A/B runs). A batch with a typical_p row takes the torch
+path too (the kernel has no typical filter; its set is not a prefix of the likeliest tokens either, so such a row
+draws over the whole vocabulary).
 
 `logits` is overwritten in place.
 """
@@ -112,7 +114,7 @@ class Sampler:
         draft = torch.tensor(drafts, dtype=torch.long, device=logits.device)
         has_draft = draft >= 0
         _process(logits, batch)
-        if not batch.all_greedy and native.sampling_enabled(logits):
+        if not batch.all_greedy and native.sampling_enabled(logits) and batch.filters.typical_p is None:
             u, u2 = self._uniform(batch, logits.device), self._uniform(batch, logits.device)
             token_ids, accepted = native.verify_rows(logits, *_native_filters(logits, batch), u, draft, u2)
             if not bool((token_ids < 0).any()):  # else: the torch path below for the batch
@@ -160,7 +162,7 @@ class Sampler:
         if batch.all_greedy:
             return self._argmax(logits)
         u = self._uniform(batch, logits.device)  # one draw per row, whichever path takes it
-        if native.sampling_enabled(logits):
+        if native.sampling_enabled(logits) and batch.filters.typical_p is None:  # (the kernel has no typical_p)
             ids = _native_choice(logits, batch, u)
             if ids is not None:
                 return ids

@@ -4,7 +4,7 @@ non-streamed answer wrapped in a list, as TGI's compat route does), GET /info.
 TGI's semantics, not ours, where they differ:
 - raw text in `inputs`, tokenized with the tokenizer's special tokens (no chat template);
 - `max_new_tokens` left out is 100, sent as null is "as many as fit";
-- greedy unless `do_sample` or a sampling knob (temperature != 1, top_k, top_p < 1) is set, and
+- greedy unless `do_sample` or a sampling knob (temperature != 1, top_k, top_p < 1, typical_p < 1) is set, and
   unset knobs are neutral (the model's generation_config is not applied);
 - a sampled request without `seed` gets a random one, reported in `details.seed`;
 - stop sequences stay in the generated text; finish reasons are `length`, `eos_token`,
@@ -17,8 +17,8 @@ TGI's semantics, not ours, where they differ:
   the same prefill (the prompt is then computed in full: no prefix-cache reuse);
 - `adapter_id` names a LoRA adapter the server loaded (--adapters NAME=PATH, or /v1/load_lora_adapter), or the
   base model;
-- `typical_p` (other than 1), `watermark`, `best_of` > 1 and any parameter TGI does not document are refused with
-  400;
+- `typical_p` in (0, 1) is locally typical sampling, after temperature, top_k and top_p, as TGI's warpers run;
+- `watermark`, `best_of` > 1 and any parameter TGI does not document are refused with 400;
 - a vision-language model takes images as markdown in `inputs`, `![](https://...)` or `![](data:image/...)`,
   each where it stands (TGI's router reads them so); for a text-only model such markdown is plain text, as in TGI.
   The images are counted before any is fetched and loaded on a worker thread (vl/prompt.py).
@@ -156,12 +156,13 @@ def _job(model: ServedModel, body: TgiRequest, prompt: ImagePrompt) -> _Job:
         raise ApiError(400, f"`inputs` tokens + `max_new_tokens` must be <= {model.session_len}. Given: "
                             f"{len(ids)} `inputs` tokens and {max_new} `max_new_tokens`", param="max_new_tokens")
     sampling = (p.do_sample or (p.temperature is not None and p.temperature != 1.0) or bool(p.top_k)
-                or (p.top_p is not None and p.top_p < 1.0))
+                or (p.top_p is not None and p.top_p < 1.0) or (p.typical_p is not None and p.typical_p < 1.0))
     seed = p.seed if p.seed is not None else (secrets.randbits(63) if sampling else None)
     try:
         gen = GenerationConfig(
             max_new_tokens=max_new, temperature=(1.0 if p.temperature is None else p.temperature) if sampling else 0.0,
             top_k=p.top_k or 0, top_p=1.0 if p.top_p is None else p.top_p,
+            typical_p=1.0 if p.typical_p is None else p.typical_p,
             repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
             frequency_penalty=p.frequency_penalty or 0.0, stop_words=p.stop or None, include_stop_str_in_output=True,
             random_seed=seed, logprobs=p.top_n_tokens or 0, response_format=tgi_structured_output(p.grammar),
@@ -193,7 +194,6 @@ def _refuse_unsupported(body: TgiRequest, stream: bool) -> None:
         raise ApiError(400, f"`{unknown[0]}`: unknown parameter; refused rather than ignored", param=unknown[0])
     p = body.parameters
     refusals = [
-        (p.typical_p is not None and p.typical_p != 1.0, "typical_p", "typical sampling is not supported"),
         (p.watermark, "watermark", "watermarking is not supported"),
         (p.best_of is not None and p.best_of != 1, "best_of", "only best_of = 1 is supported"),
         (stream and p.decoder_input_details, "decoder_input_details",

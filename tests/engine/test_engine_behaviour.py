@@ -47,6 +47,18 @@ def test_same_seed_same_output_whatever_the_batch(pipe):
     assert pipe(ids(6, 0), gen_config=SAMPLED.replace(random_seed=8)).token_ids != alone
 
 
+def test_typical_p_row_keeps_its_seed_whatever_the_batch(pipe):
+    """A typical_p row takes the sampler's torch path with every row of its batch (the kernel has no typical filter):
+    its tokens still depend on its seed only, and the others' on theirs; typical_p changes what it draws."""
+    typical = SAMPLED.replace(random_seed=3, typical_p=0.3)
+    alone = pipe(ids(6, 0), gen_config=typical).token_ids
+    plain_alone = pipe(ids(9, 1), gen_config=SAMPLED.replace(random_seed=4)).token_ids
+    mixed = run_engine(pipe.engine, {"t": (ids(6, 0), typical), "p": (ids(9, 1), SAMPLED.replace(random_seed=4)),
+                                     "g": (ids(4, 2), SAMPLED.replace(temperature=0.0))})
+    assert mixed["t"] == alone and mixed["p"] == plain_alone
+    assert pipe(ids(6, 0), gen_config=SAMPLED.replace(random_seed=3)).token_ids != alone
+
+
 def test_n_returns_distinct_samples_in_order(pipe):
     out = pipe(ids(5, 0), gen_config=SAMPLED.replace(n=3, random_seed=1))
     assert len(out) == 3 and all(r.index == 0 for r in out)

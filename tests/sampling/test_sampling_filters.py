@@ -152,3 +152,60 @@ def test_unused_filters_are_not_built() -> None:
     filters = make_batch([SamplingParams(), SamplingParams(temperature=0.0, top_p=0.5, top_k=3)], 8).filters
     # The greedy row's top_p/top_k do not matter; the sampled row uses nothing.
     assert (filters.temperature, filters.top_k, filters.top_p, filters.min_p) == (None, None, None, None)
+
+
+# Locally typical sampling: what transformers' TypicalLogitsWarper keeps, on both paths and in batches mixed with
+# other filters (it runs after temperature, top-k, top-p and min-p, as in transformers' generate and TGI).
+TYPICAL = [
+    SamplingParams(typical_p=0.5),
+    SamplingParams(typical_p=0.9, temperature=0.7),
+    SamplingParams(typical_p=0.3, top_k=8, top_p=0.95),
+    SamplingParams(top_p=0.7),  # no typical_p, in a batch that has one
+]
+
+
+def transformers_typical(logits: list[float], p: SamplingParams) -> list[float]:
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+        TypicalLogitsWarper,
+    )
+
+    scores = torch.tensor([logits], dtype=torch.float32)
+    warpers = [TemperatureLogitsWarper(p.temperature)] if p.temperature != 1.0 else []
+    warpers += [TopKLogitsWarper(p.top_k)] if p.top_k else []
+    warpers += [TopPLogitsWarper(p.top_p)] if p.top_p < 1.0 else []
+    warpers += [MinPLogitsWarper(p.min_p)] if p.min_p > 0.0 else []
+    warpers += [TypicalLogitsWarper(p.typical_p)] if p.typical_p < 1.0 else []
+    for w in warpers:
+        scores = w(None, scores)
+    return scores.softmax(dim=-1)[0].tolist()
+
+
+def test_typical_p_keeps_what_transformers_keeps() -> None:
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 300, generator=g) * 3
+    logits[2, :40] = NEG_INF  # tokens a grammar or a ban removed before the filters
+    params = [SamplingParams(typical_p=m) for m in (0.2, 0.5, 0.8, 0.95, 0.6, 0.999)]
+    ours = apply_sampling_filters(logits.clone(), make_batch(params, 300).filters)
+    for row, p in enumerate(params):
+        want = torch.tensor(transformers_typical(logits[row].tolist(), p)) > 0
+        assert torch.equal(torch.isfinite(ours[row]), want), row
+        assert 1 <= int(want.sum()) < 300 - (40 if row == 2 else 0)  # each keeps some and drops some
+
+
+def test_typical_p_is_not_a_prefix_of_the_likeliest_tokens() -> None:
+    # A peaked distribution's likeliest token can be less typical than the next ones (its surprisal is far below the
+    # entropy): typical sampling may drop it, which no top-k / top-p path can express.
+    logits = [4.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 0.0, 0.0]
+    kept = [i for i, q in enumerate(filtered(logits, SamplingParams(typical_p=0.5))) if q != NEG_INF]
+    assert kept == [i for i, q in enumerate(transformers_typical(logits, SamplingParams(typical_p=0.5))) if q > 0]
+    assert 0 not in kept
+
+
+def test_frequencies_typical_p() -> None:
+    for params, freqs in zip(TYPICAL, sampled_frequencies(TYPICAL, seed=3), strict=True):
+        assert_matches(freqs, transformers_typical(LOGITS, params))
+    assert all(sum(q > 0 for q in transformers_typical(LOGITS, p)) < len(LOGITS) for p in TYPICAL)

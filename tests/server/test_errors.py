@@ -133,7 +133,7 @@ def test_unknown_route_is_404_in_the_routes_format(server: RunningServer) -> Non
 
 
 TGI_400 = [
-    ({"inputs": "Hi", "parameters": {"typical_p": 0.5}}, "`typical_p`: typical sampling is not supported"),
+    ({"inputs": "Hi", "parameters": {"typical_p": 1.5}}, "typical_p: must be in (0, 1], got 1.5"),
     ({"inputs": "Hi", "parameters": {"max_new_tokens": "x"}}, "parameters.max_new_tokens: Input should be a valid "
                                                               "integer (got 'x')"),
     ({"inputs": "", "parameters": {}}, "`inputs` cannot be empty"),

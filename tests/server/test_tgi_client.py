@@ -75,10 +75,20 @@ def test_top_n_tokens(client: Client) -> None:
         assert len(top) == 2 and top[0].id == token.id and top[0].logprob == token.logprob
 
 
-def test_typical_p_is_refused_as_a_validation_error(client: Client) -> None:
-    with pytest.raises(ValidationError, match="typical_p"):
-        client.generate(PROMPT, max_new_tokens=3, typical_p=0.5)
-    assert client.generate(PROMPT, max_new_tokens=2).details.generated_tokens == 2
+def test_typical_p_samples(client: Client, server: RunningServer) -> None:
+    """typical_p alone turns sampling on (as TGI's warpers do), with a seed reported and kept; the LangChain example of
+    TGI's docs (top_k 10, top_p 0.95, typical_p 0.95, temperature 0.01, repetition_penalty 1.03) runs."""
+    first = client.generate(PROMPT, max_new_tokens=6, typical_p=0.5, seed=5)
+    assert first.details.generated_tokens == 6 and first.details.seed == 5
+    assert client.generate(PROMPT, max_new_tokens=6, typical_p=0.5, seed=5).generated_text == first.generated_text
+    unseeded = httpx.post(server.url + "/generate", json={"inputs": PROMPT, "parameters": {
+        "max_new_tokens": 2, "typical_p": 0.5, "details": True}}).json()
+    assert isinstance(unseeded["details"]["seed"], int)  # sampled: a seed was drawn and reported
+    r = client.generate(PROMPT, max_new_tokens=4, top_k=10, top_p=0.95, typical_p=0.95, temperature=0.01,
+                        repetition_penalty=1.03)
+    assert r.details.generated_tokens == 4
+    with pytest.raises(ValidationError, match="typical_p"):  # the client's own check
+        client.generate(PROMPT, max_new_tokens=3, typical_p=0.0)
 
 
 def test_a_seed_past_64_bits_is_a_validation_error(client: Client, server: RunningServer) -> None:
