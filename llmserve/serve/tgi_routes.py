@@ -18,7 +18,10 @@ TGI's semantics, not ours, where they differ:
 - `adapter_id` names a LoRA adapter the server loaded (--adapters NAME=PATH, or /v1/load_lora_adapter), or the
   base model;
 - `typical_p` in (0, 1) is locally typical sampling, after temperature, top_k and top_p, as TGI's warpers run;
-- `watermark`, `best_of` > 1 and any parameter TGI does not document are refused with 400;
+- `best_of` > 1 (up to MAX_BEST_OF; sampling, no `seed`, no streaming, as TGI checks) samples that many sequences of
+  the prompt, computed once, and returns the one with the highest total log-probability of its generated tokens;
+  with `details`, the others in `details.best_of_sequences`, each with its own seed;
+- `watermark` and any parameter TGI does not document are refused with 400;
 - a vision-language model takes images as markdown in `inputs`, `![](https://...)` or `![](data:image/...)`,
   each where it stands (TGI's router reads them so); for a text-only model such markdown is plain text, as in TGI.
   The images are counted before any is fetched and loaded on a worker thread (vl/prompt.py).
@@ -51,6 +54,8 @@ from llmserve.vl.messages import markdown_images
 from llmserve.vl.prompt import ImagePrompt, raw_with_images
 
 router = APIRouter(responses=error_responses(TgiError))
+# best_of's bound (TGI's --max-best-of, whose default is 2): each is a sequence in the engine, the prompt shared
+MAX_BEST_OF = 16
 PARAM_NAMES = {"max_new_tokens": "max_new_tokens", "random_seed": "seed", "stop_words": "stop",
                "logprobs": "top_n_tokens"}
 
@@ -79,7 +84,7 @@ async def info(request: Request) -> JSONResponse:
         "model_id": model.name, "model_sha": None, "model_dtype": model.dtype, "model_device_type": model.device,
         "model_pipeline_tag": "image-text-to-text" if model.takes_images else "text-generation",
         "input_modalities": model.input_modalities, "max_concurrent_requests": state.config.max_concurrent_requests,
-        "max_best_of": 1, "max_stop_sequences": None, "max_input_tokens": model.session_len - 1,
+        "max_best_of": MAX_BEST_OF, "max_stop_sequences": None, "max_input_tokens": model.session_len - 1,
         "max_input_length": model.session_len - 1, "max_total_tokens": model.session_len,
         "max_batch_total_tokens": model.kv_tokens, "max_batch_size": model.max_batch_size,
         "max_client_batch_size": 1, "validation_workers": 0, "router": "llmserve",
@@ -155,9 +160,10 @@ def _job(model: ServedModel, body: TgiRequest, prompt: ImagePrompt) -> _Job:
     if max_new >= 1 and len(ids) + max_new > model.session_len:
         raise ApiError(400, f"`inputs` tokens + `max_new_tokens` must be <= {model.session_len}. Given: "
                             f"{len(ids)} `inputs` tokens and {max_new} `max_new_tokens`", param="max_new_tokens")
-    sampling = (p.do_sample or (p.temperature is not None and p.temperature != 1.0) or bool(p.top_k)
-                or (p.top_p is not None and p.top_p < 1.0) or (p.typical_p is not None and p.typical_p < 1.0))
-    seed = p.seed if p.seed is not None else (secrets.randbits(63) if sampling else None)
+    sampling = _sampling(p)
+    best_of = p.best_of or 1
+    # a seed for each of best_of sequences: seed, seed + 1, ... (the engine's n), within 63 bits
+    seed = p.seed if p.seed is not None else (secrets.randbits(62) if sampling else None)
     try:
         gen = GenerationConfig(
             max_new_tokens=max_new, temperature=(1.0 if p.temperature is None else p.temperature) if sampling else 0.0,
@@ -165,7 +171,7 @@ def _job(model: ServedModel, body: TgiRequest, prompt: ImagePrompt) -> _Job:
             typical_p=1.0 if p.typical_p is None else p.typical_p,
             repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
             frequency_penalty=p.frequency_penalty or 0.0, stop_words=p.stop or None, include_stop_str_in_output=True,
-            random_seed=seed, logprobs=p.top_n_tokens or 0, response_format=tgi_structured_output(p.grammar),
+            n=best_of, random_seed=seed, logprobs=p.top_n_tokens or 0, response_format=tgi_structured_output(p.grammar),
             prompt_logprobs=0 if p.decoder_input_details and p.details else None)
     except InvalidRequestError as e:
         raise ApiError.from_invalid(e, PARAM_NAMES) from None
@@ -186,6 +192,12 @@ def _max_new_tokens(model: ServedModel, p: TgiParameters, num_inputs: int) -> in
     return p.max_new_tokens
 
 
+def _sampling(p: TgiParameters) -> bool:
+    """Whether TGI samples: do_sample, or any knob that changes the distribution."""
+    return (p.do_sample or (p.temperature is not None and p.temperature != 1.0) or bool(p.top_k)
+            or (p.top_p is not None and p.top_p < 1.0) or (p.typical_p is not None and p.typical_p < 1.0))
+
+
 def _refuse_unsupported(body: TgiRequest, stream: bool) -> None:
     if not body.inputs:
         raise ApiError(400, "`inputs` cannot be empty", param="inputs")
@@ -193,9 +205,13 @@ def _refuse_unsupported(body: TgiRequest, stream: bool) -> None:
     if unknown:
         raise ApiError(400, f"`{unknown[0]}`: unknown parameter; refused rather than ignored", param=unknown[0])
     p = body.parameters
+    best_of = 1 if p.best_of is None else p.best_of
     refusals = [
         (p.watermark, "watermark", "watermarking is not supported"),
-        (p.best_of is not None and p.best_of != 1, "best_of", "only best_of = 1 is supported"),
+        (not 0 < best_of <= MAX_BEST_OF, "best_of", f"must be > 0 and <= {MAX_BEST_OF}. Given: {best_of}"),
+        (best_of > 1 and p.seed is not None, "seed", "must not be set when `best_of` > 1"),
+        (best_of > 1 and not _sampling(p), "best_of", "you must use sampling when `best_of` is > 1"),
+        (best_of > 1 and stream, "best_of", "!= 1 is not supported when streaming tokens"),
         (stream and p.decoder_input_details, "decoder_input_details",
          "`decoder_input_details` == true is not supported when streaming tokens"),
     ]
@@ -204,26 +220,27 @@ def _refuse_unsupported(body: TgiRequest, stream: bool) -> None:
             raise ApiError(400, f"`{param}`: {message}", param=param)
 
 
-class _TgiReply:
-    def __init__(self, model: ServedModel, job: _Job, prefix: str) -> None:
-        self.model, self.job, self.prefix = model, job, prefix
-        self.tt = model.token_text
+class _Sequence:
+    """One generated sequence of a reply as TGI reports it: its tokens (with the made-up EOS one) and top tokens."""
+
+    def __init__(self, tt: Any) -> None:
+        self.tt = tt
         self.tokens: list[dict[str, Any]] = []
         self.top_tokens: list[list[dict[str, Any]]] = []
         self.text = ""
         self.last: SequenceOutput | None = None
-        self.prompt_logprobs: list | None = None  # with the first output, when decoder_input_details asked
+        self.logprob = 0.0  # of its generated tokens, best_of's ranking
 
-    def _add(self, out: SequenceOutput) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+    def add(self, out: SequenceOutput) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
         """Record one output; its tokens as (token, top tokens) pairs (the EOS one made up)."""
         self.text += out.new_text
         self.last = out
-        self.prompt_logprobs = self.prompt_logprobs or out.prompt_logprobs
         new = []
         for i, (tid, lp) in enumerate(zip(out.new_token_ids, out.new_logprobs or [None] * len(out.new_token_ids))):
             text = out.new_text if i == len(out.new_token_ids) - 1 else ""
             top = [self._token(t, v, self.tt.text(t)) for t, v in lp.top] if lp is not None else []
             new.append((self._token(tid, lp.logprob if lp else None, text), top))
+            self.logprob += lp.logprob if lp is not None else 0.0
         if out.finished and out.finish_reason == "stop" and isinstance(out.stop_reason, int):
             new.append((self._token(out.stop_reason, None, self.tt.text(out.stop_reason)), []))
         for token, top in new:
@@ -234,7 +251,7 @@ class _TgiReply:
     def _token(self, token_id: int, logprob: float | None, text: str) -> dict[str, Any]:
         return {"id": token_id, "text": text, "logprob": logprob, "special": self.tt.is_special(token_id)}
 
-    def _finish_reason(self) -> str:
+    def finish_reason(self) -> str:
         out = self.last
         if out is None or out.finish_reason == "abort":
             raise ApiError(503, "the request was aborted before it finished (the server is shutting down)")
@@ -242,23 +259,59 @@ class _TgiReply:
             return "length"
         return "stop_sequence" if isinstance(out.stop_reason, str) else "eos_token"
 
-    def _details(self) -> dict[str, Any]:
-        return {"finish_reason": self._finish_reason(), "generated_tokens": len(self.tokens), "seed": self.job.seed}
+
+class _TgiReply:
+    def __init__(self, model: ServedModel, job: _Job, prefix: str) -> None:
+        self.model, self.job, self.prefix = model, job, prefix
+        self.tt = model.token_text
+        self.seqs: dict[int, _Sequence] = {}  # by the engine's index: best_of's samples, else one
+        self.best = 0  # the index collect() returns
+        self.prompt_logprobs: list | None = None  # with the first output, when decoder_input_details asked
+
+    def _seq(self, index: int) -> _Sequence:
+        if index not in self.seqs:
+            self.seqs[index] = _Sequence(self.tt)
+        return self.seqs[index]
+
+    @property
+    def first(self) -> _Sequence:
+        return self._seq(0)
+
+    def _add(self, out: SequenceOutput) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+        self.prompt_logprobs = self.prompt_logprobs or out.prompt_logprobs
+        return self._seq(out.index).add(out)
+
+    def _seed(self, index: int) -> int | None:
+        return None if self.job.seed is None else self.job.seed + index  # the engine's seed of sample `index`
+
+    def _details(self, index: int = 0) -> dict[str, Any]:
+        seq = self._seq(index)
+        return {"finish_reason": seq.finish_reason(), "generated_tokens": len(seq.tokens), "seed": self._seed(index)}
 
     async def collect(self, outputs: AsyncIterator[SequenceOutput]) -> dict[str, Any]:
         async with aclosing(outputs):
             async for out in outputs:
                 self._add(out)
         p = self.job.params
-        answer: dict[str, Any] = {"generated_text": self.prefix + self.text}
-        details = self._details()  # raises for an aborted request
+        # best_of: the sample with the highest total logprob of its generated tokens (the lower index on a tie; an EOS
+        # that ended one is not counted, as OpenAI's best_of ranks: the engine keeps no logprob for it)
+        best = self.best = min(range(max(1, len(self.seqs))), key=lambda i: (-self._seq(i).logprob, i))
+        answer: dict[str, Any] = {"generated_text": self.prefix + self._seq(best).text}
+        details = self._details(best)  # raises for an aborted request
         if p.details:
             lps = self.prompt_logprobs or [None] * len(self.job.req.prompt_token_ids)
             prefill = [{"id": t, "text": self.tt.text(t), "logprob": lp.logprob if lp is not None else None}
                        for t, lp in zip(self.job.req.prompt_token_ids, lps)]
-            answer["details"] = {**details, "prefill": prefill if p.decoder_input_details else [],
-                                 "tokens": self.tokens, "top_tokens": self.top_tokens if p.top_n_tokens else None,
-                                 "best_of_sequences": None}
+            prefill = prefill if p.decoder_input_details else []
+
+            def sequence(i: int) -> dict[str, Any]:
+                seq = self._seq(i)
+                return {**self._details(i), "prefill": prefill, "tokens": seq.tokens,
+                        "top_tokens": seq.top_tokens if p.top_n_tokens else None}
+
+            others = [{"generated_text": self.prefix + self._seq(i).text, **sequence(i)}
+                      for i in sorted(self.seqs) if i != best]
+            answer["details"] = {**details, **sequence(best), "best_of_sequences": others if others else None}
         return answer
 
     async def stream(self, outputs: AsyncIterator[SequenceOutput]) -> AsyncIterator[str]:
@@ -267,15 +320,16 @@ class _TgiReply:
             async with aclosing(outputs):
                 async for out in outputs:
                     new = self._add(out)
+                    seq = self.first
                     if out.finish_reason == "abort":
                         raise ApiError(503, "the request was aborted before it finished (the server is shutting "
                                             "down)")
                     for k, (token, top) in enumerate(new):
                         last = out.finished and k == len(new) - 1
                         yield sse_event({
-                            "index": len(self.tokens) - len(new) + k + 1, "token": token,
+                            "index": len(seq.tokens) - len(new) + k + 1, "token": token,
                             "top_tokens": top if self.job.params.top_n_tokens else None,
-                            "generated_text": self.prefix + self.text if last else None,
+                            "generated_text": self.prefix + seq.text if last else None,
                             "details": {**self._details(), "input_length": len(self.job.req.prompt_token_ids)}
                             if last else None}, sep="")
         except ApiError as e:
@@ -283,9 +337,10 @@ class _TgiReply:
                              else "generation"}, sep="")
 
     def headers(self) -> dict[str, str]:
-        t = self.last.times if self.last is not None else None
+        seq = self._seq(self.best)
+        t = seq.last.times if seq.last is not None else None
         h = {REQUEST_ID_HEADER: self.job.req.request_id, "x-prompt-tokens": str(len(self.job.req.prompt_token_ids)),
-             "x-generated-tokens": str(len(self.tokens)), "x-compute-type": self.model.device}
+             "x-generated-tokens": str(len(seq.tokens)), "x-compute-type": self.model.device}
         if t is not None:
             h["x-total-time"] = str(round((t.finished - t.arrival) * 1000))
             if t.first_scheduled is not None:

@@ -139,7 +139,11 @@ TGI_400 = [
     ({"inputs": "", "parameters": {}}, "`inputs` cannot be empty"),
     ({"parameters": {}}, "inputs: Field required"),
     ({"inputs": "Hi", "parameters": {"temperature": -1.0}}, "temperature: must be >= 0"),
-    ({"inputs": "Hi", "parameters": {"best_of": 2, "do_sample": True}}, "only best_of = 1 is supported"),
+    ({"inputs": "Hi", "parameters": {"best_of": 2}}, "`best_of`: you must use sampling when `best_of` is > 1"),
+    ({"inputs": "Hi", "parameters": {"best_of": 2, "do_sample": True, "seed": 3}},
+     "`seed`: must not be set when `best_of` > 1"),
+    ({"inputs": "Hi", "parameters": {"best_of": 17, "do_sample": True}}, "`best_of`: must be > 0 and <= 16. Given: 17"),
+    ({"inputs": "Hi", "parameters": {"best_of": 0}}, "`best_of`: must be > 0 and <= 16. Given: 0"),
     ({"inputs": "Hi", "parameters": {"watermark": True}}, "watermarking is not supported"),
     ({"inputs": "Hi", "parameters": {"max_new_tokens": 300}}, "`inputs` tokens + `max_new_tokens` must be <= 256. "
                                                               "Given: 2 `inputs` tokens and 300 `max_new_tokens`"),
@@ -158,9 +162,9 @@ def test_tgi_400(server: RunningServer, tiny: EngineHandle, body: dict[str, Any]
     _assert_serving(server)
 
 
-def test_tgi_decoder_input_details_cannot_stream(server: RunningServer) -> None:
-    body = {"inputs": "Hi", "parameters": {"decoder_input_details": True}}
-    r = httpx.post(server.url + "/generate_stream", json=body)
+@pytest.mark.parametrize("parameters", [{"decoder_input_details": True}, {"best_of": 2, "do_sample": True}])
+def test_tgi_streams_refuse_what_tgi_refuses(server: RunningServer, parameters: dict[str, Any]) -> None:
+    r = httpx.post(server.url + "/generate_stream", json={"inputs": "Hi", "parameters": parameters})
     assert r.status_code == 400 and "not supported when streaming" in r.json()["error"]
     _assert_serving(server)
 

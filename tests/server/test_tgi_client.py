@@ -124,7 +124,7 @@ def test_info(server: RunningServer, tiny: EngineHandle) -> None:
     assert info["model_id"] == "tiny-llama"
     assert info["max_total_tokens"] == tiny.model.session_len == 256
     assert info["max_input_tokens"] == 255
-    assert info["max_concurrent_requests"] == 128
+    assert info["max_concurrent_requests"] == 128 and info["max_best_of"] == 16
     assert info["max_batch_total_tokens"] == 512 * 16
     assert info["model_pipeline_tag"] == "text-generation" and info["router"] == "llmserve"
 
@@ -220,3 +220,24 @@ def test_seed_002_curl_streams(server: RunningServer, tiny: EngineHandle, name: 
     assert events[-1]["generated_text"] == (SEED_PROMPT if name == "root_stream" else "") + expected
     assert events[-1]["details"] == {"finish_reason": "length", "generated_tokens": 17, "seed": None,
                                      "input_length": len(tiny.tokenizer.encode(SEED_PROMPT))}
+
+
+def test_best_of_returns_the_likeliest_sample_and_the_others(client: Client, server: RunningServer) -> None:
+    """TGI's best_of: n samples of the prompt, each with its own seed; the one with the highest total logprob of its
+    tokens answers, the others come in details.best_of_sequences, each as the same request with its seed would."""
+    r = client.generate(PROMPT, max_new_tokens=5, do_sample=True, best_of=3, decoder_input_details=True)
+    others = r.details.best_of_sequences
+    assert others is not None and len(others) == 2
+    seqs = [(r.generated_text, r.details.seed, r.details.tokens)] + [(o.generated_text, o.seed, o.tokens)
+                                                                     for o in others]
+    seeds = sorted(seed for _, seed, _ in seqs)
+    assert seeds == [seeds[0], seeds[0] + 1, seeds[0] + 2]
+    totals = [sum(t.logprob for t in tokens if t.logprob is not None) for _, _, tokens in seqs]
+    assert totals[0] == max(totals)
+    assert all(len(o.prefill) == len(r.details.prefill) > 0 for o in others)
+    for text, seed, _ in seqs:  # each sample is what a plain request with its seed gives
+        assert client.generate(PROMPT, max_new_tokens=5, do_sample=True, seed=seed).generated_text == text
+    plain = httpx.post(server.url + "/generate", json={"inputs": PROMPT, "parameters": {
+        "max_new_tokens": 3, "do_sample": True, "best_of": 2}}).json()
+    assert set(plain) == {"generated_text"}  # no details unless asked
+    assert client.generate(PROMPT, max_new_tokens=3, do_sample=True).details.best_of_sequences is None
