@@ -157,6 +157,8 @@ def test_tgi_field(server: RunningServer, field: str) -> None:
     else:
         parameters[field] = TGI[field]
         path = "/generate"
+    if field == "best_of":  # (TGI's rule: only with sampling)
+        parameters["do_sample"] = True
     _check(_post(server, path, body), field, table("TGI")[field], _tgi_param)
 
 
