@@ -117,6 +117,9 @@ class GenerationConfig:
     typical_p: float = _f(1.0, "Locally typical sampling (transformers' and TGI's typical_p): keep the tokens whose "
                                "surprisal is closest to the distribution's entropy, as many as make up typical_p "
                                "of the probability; 1.0 disables. After temperature, top_k, top_p and min_p.")
+    watermark: bool = _f(False, "TGI's watermark (Kirchenbauer et al.): each step adds WATERMARK_DELTA (2.0) to the "
+                                "logits of a green list of WATERMARK_GAMMA (half) of the vocabulary, drawn from the "
+                                "previous token, as text-generation-inference does, so a detector can tell the text.")
     repetition_penalty: float = _f(1.0, "Divide positive logits (multiply negative ones) of tokens already seen "
                                         "in the prompt or output; 1.0 disables.")
     presence_penalty: float = _f(0.0, "Subtract from the logit of each token already generated.")
@@ -169,6 +172,7 @@ class GenerationConfig:
         _check_type(self.min_p, (int, float), "min_p")
         _check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
         _check_type(self.typical_p, (int, float), "typical_p")
+        _check_type(self.watermark, (bool,), "watermark")
         _check(0 < self.typical_p <= 1, "typical_p", f"must be in (0, 1], got {self.typical_p}")
         _check_type(self.repetition_penalty, (int, float), "repetition_penalty")
         _check(self.repetition_penalty > 0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")

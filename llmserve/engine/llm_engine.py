@@ -313,7 +313,7 @@ class LLMEngine:
         processes it while the next one runs)."""
         p = r.sampling
         return (p.needs_penalties or bool(p.bad_words_ids) or r.num_output_tokens < p.min_tokens
-                or r.grammar is not None)
+                or r.grammar is not None or p.watermark)
 
     def _may_overlap(self, scheduled: list[ScheduledRequest]) -> bool:
         """A step of every running request, none a beam's, each sampling: decodes, and prompts computed whole (the
@@ -635,7 +635,7 @@ class LLMEngine:
             stop_ids.update(self.loaded.eos_token_ids)
         return SamplingParams(
             temperature=float(gen.temperature), top_k=gen.top_k, top_p=float(gen.top_p), min_p=float(gen.min_p),
-            typical_p=float(gen.typical_p),
+            typical_p=float(gen.typical_p), watermark=gen.watermark,
             repetition_penalty=float(gen.repetition_penalty), presence_penalty=float(gen.presence_penalty),
             frequency_penalty=float(gen.frequency_penalty), logit_bias=gen.logit_bias,
             bad_words_ids=self._bad_words_ids(gen.bad_words or []), min_tokens=gen.min_new_tokens,

@@ -13,6 +13,7 @@ the sampler applies each filter to the whole batch without indexing.
 from __future__ import annotations
 
 import array
+import os
 from dataclasses import dataclass
 
 import torch
@@ -99,10 +100,12 @@ class SamplingBatch:
     logprob_rows: Tensor | None  # [R] int64: rows whose num_logprobs is not None
     beam_rows: list[int] | None = None  # rows of beam-search beams: the sampler returns their log-probabilities
     grammar: GrammarMasks | None = None  # structured-output rows and their allowed tokens
+    watermark: SparseEntries | None = None  # watermarked rows' green lists, values WATERMARK_DELTA
 
     @property
     def has_processors(self) -> bool:
-        return self.logit_bias is not None or self.banned is not None or self.penalties is not None
+        return (self.logit_bias is not None or self.banned is not None or self.penalties is not None
+                or self.watermark is not None)
 
     @classmethod
     def build(cls, seqs: list[SequenceState], vocab_size: int, device: torch.device) -> SamplingBatch:
@@ -124,7 +127,39 @@ class SamplingBatch:
             logprob_rows=torch.tensor(logprob_rows, device=device) if logprob_rows else None,
             beam_rows=[i for i, p in enumerate(params) if p.beam_width] or None,
             grammar=_grammar_masks(seqs),
+            watermark=_watermark(seqs, vocab_size, device),
         )
+
+
+# TGI's watermark (Kirchenbauer et al. 2023, "A Watermark for Large Language Models", its simple_1 scheme, as
+# text-generation-inference applies it): at each step a pseudo-random green list of WATERMARK_GAMMA of the vocabulary,
+# drawn by torch.randperm from a CPU generator seeded with WATERMARK_HASH_KEY times the sequence's previous token, gets
+# WATERMARK_DELTA added to its logits, before every other processor and the sampling filters, greedy rows too. A
+# detector that knows the key counts the green tokens of a text. TGI's environment variables set gamma and delta.
+WATERMARK_GAMMA = float(os.environ.get("WATERMARK_GAMMA", 0.5))
+WATERMARK_DELTA = float(os.environ.get("WATERMARK_DELTA", 2.0))
+WATERMARK_HASH_KEY = 15485863
+
+
+def watermark_greenlist(prev_token: int, vocab_size: int, gamma: float = WATERMARK_GAMMA) -> Tensor:
+    """The green list of the step after `prev_token` (int64 token ids)."""
+    generator = torch.Generator().manual_seed(WATERMARK_HASH_KEY * prev_token)
+    return torch.randperm(vocab_size, generator=generator)[:int(vocab_size * gamma)]
+
+
+def _watermark(seqs: list[SequenceState], vocab_size: int, device: torch.device) -> SparseEntries | None:
+    rows = [i for i, s in enumerate(seqs) if s.params.watermark]
+    if not rows:
+        return None
+    lists = []
+    for i in rows:
+        s = seqs[i]
+        prev = s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1]
+        lists.append(watermark_greenlist(prev, vocab_size))
+    cols = torch.cat(lists)
+    row_ids = torch.tensor(rows).repeat_interleave(torch.tensor([len(g) for g in lists]))
+    return SparseEntries(rows=row_ids.to(device), cols=cols.to(device),
+                         values=torch.full((len(cols),), WATERMARK_DELTA, device=device))
 
 
 def _logit_bias(params: list[SamplingParams], vocab_size: int, device: torch.device) -> SparseEntries | None:

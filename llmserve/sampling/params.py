@@ -15,6 +15,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     typical_p: float = 1.0  # 1.0 => disabled
+    watermark: bool = False  # TGI's watermark (sampling/batch.py's _watermark): a bias on a green list per step
     repetition_penalty: float = 1.0  # over prompt + output tokens (HF semantics)
     presence_penalty: float = 0.0  # over output tokens (OpenAI semantics)
     frequency_penalty: float = 0.0  # over output tokens, times the count

@@ -21,7 +21,9 @@ TGI's semantics, not ours, where they differ:
 - `best_of` > 1 (up to MAX_BEST_OF; sampling, no `seed`, no streaming, as TGI checks) samples that many sequences of
   the prompt, computed once, and returns the one with the highest total log-probability of its generated tokens;
   with `details`, the others in `details.best_of_sequences`, each with its own seed;
-- `watermark` and any parameter TGI does not document are refused with 400;
+- `watermark` biases each step's green list as TGI does (sampling/batch.py: WATERMARK_GAMMA, WATERMARK_DELTA from the
+  environment, TGI's names), greedy requests too;
+- any parameter TGI does not document is refused with 400;
 - a vision-language model takes images as markdown in `inputs`, `![](https://...)` or `![](data:image/...)`,
   each where it stands (TGI's router reads them so); for a text-only model such markdown is plain text, as in TGI.
   The images are counted before any is fetched and loaded on a worker thread (vl/prompt.py).
@@ -168,7 +170,7 @@ def _job(model: ServedModel, body: TgiRequest, prompt: ImagePrompt) -> _Job:
         gen = GenerationConfig(
             max_new_tokens=max_new, temperature=(1.0 if p.temperature is None else p.temperature) if sampling else 0.0,
             top_k=p.top_k or 0, top_p=1.0 if p.top_p is None else p.top_p,
-            typical_p=1.0 if p.typical_p is None else p.typical_p,
+            typical_p=1.0 if p.typical_p is None else p.typical_p, watermark=p.watermark,
             repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
             frequency_penalty=p.frequency_penalty or 0.0, stop_words=p.stop or None, include_stop_str_in_output=True,
             n=best_of, random_seed=seed, logprobs=p.top_n_tokens or 0, response_format=tgi_structured_output(p.grammar),
@@ -207,7 +209,6 @@ def _refuse_unsupported(body: TgiRequest, stream: bool) -> None:
     p = body.parameters
     best_of = 1 if p.best_of is None else p.best_of
     refusals = [
-        (p.watermark, "watermark", "watermarking is not supported"),
         (not 0 < best_of <= MAX_BEST_OF, "best_of", f"must be > 0 and <= {MAX_BEST_OF}. Given: {best_of}"),
         (best_of > 1 and p.seed is not None, "seed", "must not be set when `best_of` > 1"),
         (best_of > 1 and not _sampling(p), "best_of", "you must use sampling when `best_of` is > 1"),

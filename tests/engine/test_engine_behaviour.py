@@ -155,3 +155,33 @@ def test_tensor_parallel_degree_is_checked():
         EngineConfig(tp=0)
     with pytest.raises(InvalidRequestError, match="do not split evenly over 2 nodes"):
         EngineConfig(tp=3, nnodes=2, master_port=29500)
+
+
+def _green_z(prompt: list[int], out: list[int], vocab: int) -> float:
+    """Kirchenbauer et al.'s detector: z of the count of tokens in the green list of the token before them."""
+    from llmserve.sampling.batch import WATERMARK_GAMMA, watermark_greenlist
+
+    seq = prompt + out
+    green = sum(int(seq[i] in set(watermark_greenlist(seq[i - 1], vocab).tolist())) for i in range(len(prompt), len(seq)))
+    t, g = len(out), WATERMARK_GAMMA
+    return (green - g * t) / (t * g * (1 - g)) ** 0.5
+
+
+def test_watermark_is_detectable_and_keeps_the_seed(pipe):
+    """TGI's watermark: a detector counting green tokens finds it in sampled text (z > 4 over 64 tokens) and not in
+    the same request without it; greedy requests are biased too (the tiny model's greedy text repeats one token, too
+    little to detect on); a seeded watermarked request gives the same tokens alone and batched."""
+    vocab = pipe.engine.runner.vocab_size
+    prompt = ids(6, 0)
+    for seed in (5, 6):
+        gen = SAMPLED.replace(random_seed=seed, max_new_tokens=64)
+        marked = pipe(prompt, gen_config=gen.replace(watermark=True)).token_ids
+        plain = pipe(prompt, gen_config=gen).token_ids
+        assert _green_z(prompt["input_ids"], marked, vocab) > 4
+        assert abs(_green_z(prompt["input_ids"], plain, vocab)) < 4
+    greedy = SAMPLED.replace(temperature=0.0, max_new_tokens=16)
+    assert pipe(prompt, gen_config=greedy.replace(watermark=True)).token_ids != pipe(prompt, gen_config=greedy).token_ids
+    seeded = SAMPLED.replace(random_seed=9, watermark=True)
+    alone = pipe(ids(6, 0), gen_config=seeded).token_ids
+    batched = run_engine(pipe.engine, {"w": (ids(6, 0), seeded), "o": (ids(5, 4), SAMPLED)})
+    assert batched["w"] == alone

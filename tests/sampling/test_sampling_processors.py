@@ -131,3 +131,23 @@ def test_unused_processors_are_not_built() -> None:
     assert only_presence.seen is None and only_presence.repetition is None
     counts = only_presence.output_counts
     assert (counts.rows.tolist(), counts.cols.tolist(), counts.values.tolist()) == ([0], [2], [1.0])
+
+
+def test_watermark_adds_delta_on_the_green_list_of_the_previous_token() -> None:
+    """TGI's watermark, written out here: torch.randperm of the vocabulary from a CPU generator seeded with
+    15485863 times the previous token (the prompt's last before any output), its first gamma * V ids + delta."""
+    from llmserve.sampling.batch import WATERMARK_DELTA, WATERMARK_GAMMA
+
+    vocab = 64
+    seqs = [SequenceState(SamplingParams(watermark=True), [5, 7], []), SequenceState(SamplingParams(), [5, 7], []),
+            SequenceState(SamplingParams(watermark=True), [5, 7], [11, 3])]
+    logits = torch.zeros(3, vocab)
+    batch = SamplingBatch.build(seqs, vocab, torch.device("cpu"))
+    apply_logits_processors(logits, batch)
+    for row, prev in ((0, 7), (2, 3)):
+        green = torch.randperm(vocab, generator=torch.Generator().manual_seed(15485863 * prev))[:int(vocab * WATERMARK_GAMMA)]
+        want = torch.zeros(vocab)
+        want[green] = WATERMARK_DELTA
+        assert torch.equal(logits[row], want)
+    assert not logits[1].any()
+    assert WATERMARK_GAMMA == 0.5 and WATERMARK_DELTA == 2.0  # TGI's defaults

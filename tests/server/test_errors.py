@@ -144,7 +144,7 @@ TGI_400 = [
      "`seed`: must not be set when `best_of` > 1"),
     ({"inputs": "Hi", "parameters": {"best_of": 17, "do_sample": True}}, "`best_of`: must be > 0 and <= 16. Given: 17"),
     ({"inputs": "Hi", "parameters": {"best_of": 0}}, "`best_of`: must be > 0 and <= 16. Given: 0"),
-    ({"inputs": "Hi", "parameters": {"watermark": True}}, "watermarking is not supported"),
+    ({"inputs": "Hi", "parameters": {"watermark": "yes"}}, "parameters.watermark: Input should be a valid boolean"),
     ({"inputs": "Hi", "parameters": {"max_new_tokens": 300}}, "`inputs` tokens + `max_new_tokens` must be <= 256. "
                                                               "Given: 2 `inputs` tokens and 300 `max_new_tokens`"),
     ({"inputs": "The quick brown fox jumps over the lazy dog. " * 40}, "`inputs` must have less than 256 tokens. "

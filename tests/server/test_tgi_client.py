@@ -241,3 +241,11 @@ def test_best_of_returns_the_likeliest_sample_and_the_others(client: Client, ser
         "max_new_tokens": 3, "do_sample": True, "best_of": 2}}).json()
     assert set(plain) == {"generated_text"}  # no details unless asked
     assert client.generate(PROMPT, max_new_tokens=3, do_sample=True).details.best_of_sequences is None
+
+
+def test_watermark_through_the_client(client: Client) -> None:
+    """TGI's watermark parameter is taken (the detection itself: tests/engine/test_engine_behaviour.py)."""
+    r = client.generate(PROMPT, max_new_tokens=6, watermark=True, do_sample=True, seed=4)
+    assert r.details.generated_tokens == 6
+    assert client.generate(PROMPT, max_new_tokens=6, watermark=True, do_sample=True, seed=4).generated_text == \
+        r.generated_text
