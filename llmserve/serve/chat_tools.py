@@ -57,6 +57,7 @@ class ChatOutput:
     # unconstrained `auto` a model may still write several, and only the first is kept.
     max_calls: int | None
     has_reasoning: bool  # --reasoning-parser: messages carry reasoning_content (null when there is none)
+    legacy: bool = False  # the deprecated functions API: the call as `function_call`, finish_reason "function_call"
 
     @property
     def uses_tools(self) -> bool:
@@ -105,7 +106,9 @@ class ChoiceOutput:
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content if calls else parsed.content or ""}
         if self._output.has_reasoning:
             message["reasoning_content"] = parsed.reasoning
-        if calls:
+        if calls and self._output.legacy:
+            message["function_call"] = calls[0].to_openai()["function"]
+        elif calls:
             message["tool_calls"] = [c.to_openai() for c in calls]
         return message
 
@@ -121,7 +124,9 @@ class ChoiceOutput:
 
     def finish_reason(self, reason: str | None) -> str | None:
         """"tool_calls" for an answer that made calls and ended by itself (not cut by max_tokens or aborted)."""
-        return "tool_calls" if reason == "stop" and self._calls else reason
+        if reason == "stop" and self._calls:
+            return "function_call" if self._output.legacy else "tool_calls"
+        return reason
 
     def _fields(self, deltas: list[Delta]) -> dict[str, Any]:
         fields: dict[str, Any] = {}
@@ -132,7 +137,10 @@ class ChoiceOutput:
             fields["reasoning_content"] = reasoning
         if content:
             fields["content"] = content
-        if calls:
+        if calls and self._output.legacy:  # one call (parallel_tool_calls false): its name first, then its arguments
+            function = {k: v for k, v in calls[0]["function"].items() if k == "arguments" or "id" in calls[0]}
+            fields["function_call"] = function
+        elif calls:
             fields["tool_calls"] = calls
         return fields
 

@@ -256,13 +256,62 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 # Chat fields OpenAI documents that llmserve cannot honour: refused when they ask for something.
 _CHAT_REFUSALS: dict[str, str] = {
     "audio": "audio output is not supported",
-    "functions": "the deprecated functions API is not supported; send tools (and tool_choice)",
-    "function_call": "the deprecated functions API is not supported; send tool_choice",
     "prediction": "predicted outputs are not supported (speculative decoding is an engine setting: "
                   "--speculative-method ngram)",
     "web_search_options": "web search is not available",
     "verbosity": "this server's models take no verbosity setting",
 }
+
+
+def legacy_functions(req: ChatCompletionRequest) -> bool:
+    """OpenAI's deprecated functions API, as the tools API it became: `functions` -> `tools`, `function_call` ->
+    `tool_choice` ("none", "auto", {"name": ...}), one call at most (the old API returns one); in the history an
+    assistant's `function_call` -> a tool call, a "function" message -> a "tool" message answering it. Rewrites req in
+    place; True where it used the old API (the answer then carries `function_call`, ChoiceOutput.legacy)."""
+    history = any(m.function_call is not None or m.role == "function" for m in req.messages)
+    if req.functions is None and req.function_call is None and not history:
+        return False
+    if req.tools is not None or req.tool_choice is not None:
+        raise ApiError(400, "functions: send either the deprecated functions / function_call or tools / "
+                            "tool_choice, not both", param="functions")
+    functions = req.functions or []
+    if not isinstance(functions, list) or not all(isinstance(f, dict) and isinstance(f.get("name"), str)
+                                                  for f in functions):
+        raise ApiError(400, "functions: expected a list of {\"name\": ..., \"description\": ..., \"parameters\": "
+                            "{...}}", param="functions")
+    choice = req.function_call
+    if choice is not None and not (choice in ("none", "auto") or (isinstance(choice, dict) and set(choice) == {"name"}
+                                                                    and isinstance(choice["name"], str))):
+        raise ApiError(400, f"function_call: expected \"none\", \"auto\" or {{\"name\": ...}}, got {choice!r}",
+                       param="function_call")
+    if functions:
+        req.tools = [{"type": "function", "function": f} for f in functions]
+        req.tool_choice = (choice if isinstance(choice, str) or choice is None
+                           else {"type": "function", "function": {"name": choice["name"]}})
+        req.parallel_tool_calls = False
+    elif choice is not None and choice != "none":
+        raise ApiError(400, f"function_call: {choice!r} needs functions to call, and there are none",
+                       param="function_call")
+    messages, last_call = [], None
+    for i, m in enumerate(req.messages):
+        if m.function_call is not None:
+            call = m.function_call
+            if not (isinstance(call.get("name"), str) and isinstance(call.get("arguments", ""), str)):
+                raise ApiError(400, f"messages[{i}].function_call: expected {{\"name\": ..., \"arguments\": "
+                                    "\"...\"}", param="messages")
+            last_call = f"call_{i}"
+            m = m.model_copy(update={"function_call": None, "tool_calls": [
+                {"id": last_call, "type": "function",
+                 "function": {"name": call["name"], "arguments": call.get("arguments", "")}}]})
+        elif m.role == "function":
+            if last_call is None:
+                raise ApiError(400, f"messages[{i}]: a \"function\" message answers an assistant's function_call, "
+                                    "and none comes before it", param="messages")
+            m = m.model_copy(update={"role": "tool", "tool_call_id": last_call})
+        messages.append(m)
+    req.messages = messages
+    req.functions = req.function_call = None
+    return True
 
 
 def check_chat_fields(req: ChatCompletionRequest) -> None:
@@ -278,6 +327,5 @@ def check_chat_fields(req: ChatCompletionRequest) -> None:
     if req.store:
         raise ApiError(400, "store: this server does not store completions", param="store")
     for i, m in enumerate(req.messages):
-        if m.function_call or m.audio:
-            raise ApiError(400, f"messages[{i}]: function_call (the deprecated functions API: send tool_calls) and "
-                                "audio in messages are not supported", param="messages")
+        if m.audio:
+            raise ApiError(400, f"messages[{i}]: audio in messages is not supported", param="messages")

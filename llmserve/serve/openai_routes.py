@@ -43,6 +43,7 @@ from llmserve.serve.openai_params import (
     check_prompt_length,
     completion_generation_config,
     completion_prompts,
+    legacy_functions,
     session_id_of,
 )
 from llmserve.serve.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
@@ -82,11 +83,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     engine, model = state.ready()
     adapter = check_model(model, body.model)
     with state.admit() as permit:
+        legacy = legacy_functions(body)
         tools = chat_tool_request(model, body)
         prompt = await until_disconnected(request, chat_prompt(model, body, tools, state.image_limits))
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = check_prompt_length(model, len(prompt.token_ids), requested, "messages")
         output = chat_output(model, tools, prompt.text)
+        if legacy:
+            output = dataclasses.replace(output, legacy=True)
         gen = chat_generation_config(model, body, max_tokens, output)
         req = EngineRequest(new_request_id("chatcmpl"), prompt.token_ids, gen,
                             {**PARAM_NAMES, "logprobs": "top_logprobs"}, session_id=session_id_of(body), mm=prompt.mm,

@@ -126,7 +126,7 @@ class ContentPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: the deprecated API's
     content: str | list[ContentPart] | None = None
     name: str | None = None
     # What clients send back of an earlier assistant turn, and tool results.

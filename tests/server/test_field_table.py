@@ -58,11 +58,13 @@ TGI = {
 
 # Fields that only mean something beside another one: sent together.
 NEEDS = {"top_logprobs": {"logprobs": True}, "stream_options": {"stream": True}, "tool_choice": {"tools": [TOOL]},
+         "function_call": {"functions": [TOOL["function"]]},
          "parallel_tool_calls": {"tools": [TOOL]}}
 # Served with a ChatML template that reads tools (compactly) and two variables: template variables are taken only by a
 # template that reads them (the tiny model's own reads none and refuses them: tests/server/test_tool_calling.py),
 # and the Hermes tool preamble a template without tools gets does not fit the tiny model's 256 tokens.
-TEMPLATE_FIELDS = {"reasoning_effort", "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls"}
+TEMPLATE_FIELDS = {"reasoning_effort", "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls", "functions",
+                   "function_call"}
 VARIABLES_TEMPLATE = ("{% if tools %}{{ '<|im_start|>system\nCall with <tool_call>: ' }}{% for t in tools %}"
                       "{{ t.function.name + ' ' }}{% endfor %}{{ '<|im_end|>\n' }}{% endif %}"
                       "{% if reasoning_effort is defined %}{{ '<|im_start|>system\nReasoning: ' + reasoning_effort + "

@@ -152,6 +152,36 @@ def test_forced_calls_with_n_and_streaming(serve) -> None:
         assert streamed[choice.index] == message_of(choice)
 
 
+def test_the_deprecated_functions_api(serve) -> None:
+    """OpenAI's functions / function_call, as the tools API it became: a forced function's call comes back as
+    message.function_call (one call, finish_reason "function_call"), streamed as function_call deltas that add up to
+    it; a history with an assistant's function_call and the "function" message answering it is taken; "none"
+    keeps the functions from being called."""
+    c = client(serve("hermes"))
+    body = dict(model=MODEL, messages=QUESTION, functions=[WEATHER["function"], ADD["function"]],
+                function_call={"name": "get_weather"}, temperature=1.0, seed=3, max_tokens=400)
+    whole = c.chat.completions.create(**body).choices[0]
+    assert whole.finish_reason == "function_call" and whole.message.tool_calls is None
+    call = whole.message.function_call
+    assert call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS["get_weather"])
+    name, arguments, reasons = None, "", []
+    for chunk in c.chat.completions.create(**body, stream=True):
+        for ch in chunk.choices:
+            assert ch.delta.tool_calls is None
+            if ch.delta.function_call is not None:
+                name = ch.delta.function_call.name or name
+                arguments += ch.delta.function_call.arguments or ""
+            reasons.append(ch.finish_reason)
+    assert (name, arguments, reasons[-1]) == (call.name, call.arguments, "function_call")
+    history = [*QUESTION, {"role": "assistant", "content": None, "function_call": {"name": "get_weather",
+                                                                                  "arguments": call.arguments}},
+               {"role": "function", "name": "get_weather", "content": "12 degrees"}]
+    r = c.chat.completions.create(model=MODEL, messages=history, functions=[WEATHER["function"]], function_call="none",
+                                  temperature=0, max_tokens=5).choices[0]
+    assert r.message.function_call is None and r.finish_reason in ("stop", "length")
+
+
 # --- auto: each family's parser on scripted output -------------------------------------------------------------
 
 HERMES_TEXT = ('I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
@@ -391,8 +421,12 @@ BAD_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type":
     ("hermes", {"messages": [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{bad"}}]}]},
      "messages", "messages[1].tool_calls[0].function.arguments: not valid JSON"),
-    ("hermes", {"messages": [*QUESTION, {"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}]},
-     "messages", "function_call (the deprecated functions API"),
+    ("hermes", {"messages": [*QUESTION, {"role": "function", "name": "f", "content": "1"}]},
+     "messages", "a \"function\" message answers an assistant's function_call, and none comes before it"),
+    ("hermes", {"tools": TOOLS, "functions": [WEATHER["function"]]}, "functions",
+     "send either the deprecated functions / function_call or tools / tool_choice, not both"),
+    ("hermes", {"functions": [WEATHER["function"]], "function_call": "required"}, "function_call",
+     "function_call: expected \"none\", \"auto\" or {\"name\": ...}"),
     ("hermes", {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs",
      "chat_template_kwargs.enable_thinking: this model's chat template never reads `enable_thinking`"),
     ("qwen3", {"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs",
