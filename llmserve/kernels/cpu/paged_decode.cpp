@@ -272,25 +272,6 @@ LLMSERVE_AVX512 inline __m512 hsum16x16(__m512* a) {
 // score in lane p.
 constexpr int kHsumOrder[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
 
-// dst[0:D] = an int4 row dequantized (D % 16 == 0): each lane's code picks its value from a table of the row's 16,
-// scale * c + zero for c = 0..15 (mul then add: torch_backend.dequantize's roundings), where widening each code to
-// fp32 and then scaling it took three more operations per 16 values. (2-vCPU Xeon, model 167, 30 layers of 64
-// requests x 285 tokens: decode attention over an int4 cache is bound by its arithmetic, 18.4-18.6 ms with one
-// layer's cache in L3 against 22.0-23.0 from memory; with the table 17.5-17.9 / 21.0-21.5, alternated.) Widening a
-// bf16 or int4 row's even and odd dims apart by a shift and a mask (the query and output permuted to match) was tried
-// as well: int4 gained ~5% more, bf16 nothing (13.7 against 13.9 ms in L2), not worth the permutations.
-LLMSERVE_AVX512 inline void widen_int4_row(const uint8_t* row, const at::Half* param, int64_t D, float* dst) {
-  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512 table = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(static_cast<float>(param[0])), codes),
-                                     _mm512_set1_ps(static_cast<float>(param[1])));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  for (int64_t c = 0; c < D; c += 16) {  // 16 codes from 8 bytes (pack_int4's layout: 2i low nibble, 2i + 1 high)
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c / 2));
-    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-    _mm512_storeu_ps(dst + c, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), table));
-  }
-}
-
 // Scores of one head against the n16 keys of the scratch (rows of D floats): s[0:n16].
 LLMSERVE_AVX512 inline void qk16(const float* q, const float* k, int64_t n16, int64_t D, float* s) {
   for (int64_t t = 0; t < n16; t += 16) {

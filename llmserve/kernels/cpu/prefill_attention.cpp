@@ -99,10 +99,7 @@ LLMSERVE_AVX512 void widen_rows(const Rows<T>& src, int64_t j0, int64_t n, int64
       const __m512 sc = _mm512_set1_ps(src.scale(j0 + t));
       for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(o + c, _mm512_mul_ps(sc, load16(r + c)));
     } else if constexpr (std::is_same_v<T, uint8_t>) {
-      const at::Half* pr = src.param(j0 + t);
-      const __m512 sc = _mm512_set1_ps(static_cast<float>(pr[0])), z = _mm512_set1_ps(static_cast<float>(pr[1]));
-      for (int64_t c = 0; c < D; c += 16)
-        _mm512_storeu_ps(o + c, _mm512_add_ps(_mm512_mul_ps(sc, load16_int4(r + c / 2)), z));
+      widen_int4_row(r, src.param(j0 + t), D, o);
     } else {
       for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(o + c, load16(r + c));
     }
