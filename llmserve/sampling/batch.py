@@ -100,12 +100,10 @@ class SamplingBatch:
     logprob_rows: Tensor | None  # [R] int64: rows whose num_logprobs is not None
     beam_rows: list[int] | None = None  # rows of beam-search beams: the sampler returns their log-probabilities
     grammar: GrammarMasks | None = None  # structured-output rows and their allowed tokens
-    watermark: SparseEntries | None = None  # watermarked rows' green lists, values WATERMARK_DELTA
 
     @property
     def has_processors(self) -> bool:
-        return (self.logit_bias is not None or self.banned is not None or self.penalties is not None
-                or self.watermark is not None)
+        return self.logit_bias is not None or self.banned is not None or self.penalties is not None
 
     @classmethod
     def build(cls, seqs: list[SequenceState], vocab_size: int, device: torch.device) -> SamplingBatch:
@@ -118,7 +116,7 @@ class SamplingBatch:
             vocab_size=vocab_size,
             all_greedy=all_greedy,
             greedy=None if all_greedy or not any(greedy) else torch.tensor(greedy, device=device),
-            logit_bias=_logit_bias(params, vocab_size, device),
+            logit_bias=_joined(_watermark(seqs, vocab_size, device), _logit_bias(params, vocab_size, device)),
             banned=_banned(seqs, vocab_size, device),
             penalties=_penalties(seqs, vocab_size, device),
             filters=None if all_greedy else _filters(params, greedy, vocab_size, device),
@@ -127,14 +125,14 @@ class SamplingBatch:
             logprob_rows=torch.tensor(logprob_rows, device=device) if logprob_rows else None,
             beam_rows=[i for i, p in enumerate(params) if p.beam_width] or None,
             grammar=_grammar_masks(seqs),
-            watermark=_watermark(seqs, vocab_size, device),
         )
 
 
 # TGI's watermark (Kirchenbauer et al. 2023, "A Watermark for Large Language Models", its simple_1 scheme, as
 # text-generation-inference applies it): at each step a pseudo-random green list of WATERMARK_GAMMA of the vocabulary,
 # drawn by torch.randperm from a CPU generator seeded with WATERMARK_HASH_KEY times the sequence's previous token, gets
-# WATERMARK_DELTA added to its logits, before every other processor and the sampling filters, greedy rows too. A
+# WATERMARK_DELTA added to its logits: a logit bias of the step (joined to logit_bias's entries), so before the bans,
+# the penalties and the sampling filters, greedy rows too. A
 # detector that knows the key counts the green tokens of a text. TGI's environment variables set gamma and delta.
 WATERMARK_GAMMA = float(os.environ.get("WATERMARK_GAMMA", 0.5))
 WATERMARK_DELTA = float(os.environ.get("WATERMARK_DELTA", 2.0))
@@ -160,6 +158,13 @@ def _watermark(seqs: list[SequenceState], vocab_size: int, device: torch.device)
     row_ids = torch.tensor(rows).repeat_interleave(torch.tensor([len(g) for g in lists]))
     return SparseEntries(rows=row_ids.to(device), cols=cols.to(device),
                          values=torch.full((len(cols),), WATERMARK_DELTA, device=device))
+
+
+def _joined(a: SparseEntries | None, b: SparseEntries | None) -> SparseEntries | None:
+    """Two sets of logit-bias entries as one (a (row, token) in both gets both: the bias is added with accumulate)."""
+    if a is None or b is None:
+        return a if b is None else b
+    return SparseEntries(torch.cat((a.rows, b.rows)), torch.cat((a.cols, b.cols)), torch.cat((a.values, b.values)))
 
 
 def _logit_bias(params: list[SamplingParams], vocab_size: int, device: torch.device) -> SparseEntries | None:

@@ -18,8 +18,6 @@ _NEG_INF = float("-inf")
 
 
 def apply_logits_processors(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    if batch.watermark is not None:  # (first, as TGI applies it: before the repetition penalty)
-        logits.index_put_((batch.watermark.rows, batch.watermark.cols), batch.watermark.values, accumulate=True)
     if batch.logit_bias is not None:
         bias = batch.logit_bias
         logits.index_put_((bias.rows, bias.cols), bias.values, accumulate=True)
