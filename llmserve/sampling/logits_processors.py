@@ -98,10 +98,11 @@ def apply_typical_p(logits: Tensor, typical_p: Tensor) -> Tensor:
     # reaches typical_p (the token that reaches it included, and every token as close as it: ties kept); at least
     # one. inf keeps all. Tokens already at -inf stay there (p log p taken as 0).
     logp = logits.log_softmax(dim=-1)
-    entropy = -(logp * logp.exp()).nansum(dim=-1, keepdim=True)
+    probs = logp.exp()
+    entropy = -(logp * probs).nansum(dim=-1, keepdim=True)
     distance = (-logp - entropy).abs()
     sorted_distance, order = distance.sort(dim=-1, stable=True)
-    mass = logits.gather(1, order).softmax(dim=-1).cumsum(dim=-1)
+    mass = probs.gather(1, order).cumsum(dim=-1)
     last = (mass < typical_p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(max=logits.shape[-1] - 1)
     remove = sorted_distance > sorted_distance.gather(1, last)
     remove[:, 0] = False
