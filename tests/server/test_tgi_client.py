@@ -244,8 +244,11 @@ def test_best_of_returns_the_likeliest_sample_and_the_others(client: Client, ser
 
 
 def test_watermark_through_the_client(client: Client) -> None:
-    """TGI's watermark parameter is taken (the detection itself: tests/engine/test_engine_behaviour.py)."""
-    r = client.generate(PROMPT, max_new_tokens=6, watermark=True, do_sample=True, seed=4)
-    assert r.details.generated_tokens == 6
-    assert client.generate(PROMPT, max_new_tokens=6, watermark=True, do_sample=True, seed=4).generated_text == \
-        r.generated_text
+    """TGI's watermark parameter reaches the sampler: the same seeded request draws other tokens with it, the same
+    ones again (the detection itself: tests/engine/test_engine_behaviour.py)."""
+    ids = [t.id for t in client.generate(PROMPT, max_new_tokens=12, watermark=True, do_sample=True,
+                                          seed=4).details.tokens]
+    again = [t.id for t in client.generate(PROMPT, max_new_tokens=12, watermark=True, do_sample=True,
+                                            seed=4).details.tokens]
+    plain = [t.id for t in client.generate(PROMPT, max_new_tokens=12, do_sample=True, seed=4).details.tokens]
+    assert len(ids) == 12 and again == ids and plain != ids
