@@ -61,6 +61,7 @@
 namespace {
 
 constexpr int64_t kTileTokens = 16;  // query tokens per work item: one vector of lanes per head
+constexpr int64_t kShortSpanTokens = kTileTokens;  // a span over a cached context of at most this many runs fp32
 constexpr int64_t kKeyBlock = 64;    // keys per softmax block
 constexpr int kRowsPerPass = 8;      // rows of S^T (keys) or O^T (dimensions) in registers at once
 constexpr int kMaxRowVecs = 3;       // 16-row vectors in registers at once (8 x 3 = 24 accumulators)
@@ -526,12 +527,22 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   // head) whose keys are bf16 (a fresh prompt's, or a bf16 cache's), made once here; other spans keep FMAs
   constexpr bool kBf16Cache = std::is_same_v<TC, c10::BFloat16>;
   const bool amx = path == 2 && std::is_same_v<TQ, c10::BFloat16>;
+  // A span of one tile over a cached context (speculative decoding's verify span: a token and up to 15 drafts) runs
+  // the fp32 path, the nearer to the fp32 decode kernel that computes the same rows without drafts: against it, the
+  // amx path's outputs differed by a bf16 unit in 0.24% of elements, the fp32 path's in 0.023% (bf16, 20 spans of 32
+  // tokens over 20-800 cached). At a near tie that unit decides a greedy token: SmolLM2 given a prediction equal to
+  // its own output differed at token 176 of 300 on amx, nowhere on fp32. At one tile the paths cost the same (2-core
+  // Xeon with AMX, a layer over 2,000 cached tokens: 9 tokens 0.54 / 0.52 ms fp32 / amx, 17 tokens 0.73 / 0.76; 33
+  // tokens 1.03 / 0.48, so not past one tile).
+  std::vector<int64_t> span_path(spans.size());
+  for (size_t s = 0; s < spans.size(); ++s)
+    span_path[s] = spans[s].num_cached > 0 && spans[s].q_len <= kShortSpanTokens ? 0 : path;
   std::vector<int64_t> vt_at(spans.size() * KVH + 1, 0);
   std::vector<uint16_t> vts;
   if (amx) {
     for (size_t s = 0; s < spans.size(); ++s)
       for (int64_t h = 0; h < KVH; ++h)
-        vt_at[s * KVH + h + 1] = vt_at[s * KVH + h] + (!spans[s].from_cache || kBf16Cache
+        vt_at[s * KVH + h + 1] = vt_at[s * KVH + h] + (span_path[s] == 2 && (!spans[s].from_cache || kBf16Cache)
                                                            ? D * ((spans[s].num_cached + spans[s].q_len) / 32 + 2) * 32
                                                            : 0);
     vts.assign(vt_at.back(), 0);
@@ -586,8 +597,8 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   for (int64_t u = 0; u < units; ++u) {
     const Span& sp = spans[u / KVH];
     const bool bf16_keys = kBf16Q && (!sp.from_cache || kBf16Cache);
-    dot_rows[u] = path == 1 && bf16_keys;
-    const bool own = amx && bf16_keys;
+    dot_rows[u] = span_path[u / KVH] == 1 && bf16_keys;
+    const bool own = amx && span_path[u / KVH] == 2 && bf16_keys;
     rows_at[u + 1] = rows_at[u] + (own ? 0 : ((sp.num_cached + sp.q_len) / 8 + 2) * 8);
   }
   std::unique_ptr<float[]> kfs(new float[rows_at.back() * D]), vfs(new float[rows_at.back() * D]);
@@ -652,11 +663,11 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          shared && !dot_rows[vu] ? kfs.get() + rows_at[vu] * D : nullptr,
                          shared ? vfs.get() + rows_at[vu] * D : nullptr};
       if (sp.from_cache) {
-        attend_tile<TQ, TC>(qp, q.stride(0), sp, it.i0, it.kvh, G, D, key_rows(sp, it.kvh).first, sc, window, path,
-                            vt, made, s, op, out.stride(0));
+        attend_tile<TQ, TC>(qp, q.stride(0), sp, it.i0, it.kvh, G, D, key_rows(sp, it.kvh).first, sc, window,
+                            span_path[it.span], vt, made, s, op, out.stride(0));
       } else {  // this step's rows: token j of the span at row q_start + j
-        attend_tile<TQ, TQ>(qp, q.stride(0), sp, it.i0, it.kvh, G, D, step_rows(sp, it.kvh).first, sc, window, path,
-                            vt, made, s, op, out.stride(0));
+        attend_tile<TQ, TQ>(qp, q.stride(0), sp, it.i0, it.kvh, G, D, step_rows(sp, it.kvh).first, sc, window,
+                            span_path[it.span], vt, made, s, op, out.stride(0));
       }
     }
   });
