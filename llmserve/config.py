@@ -151,6 +151,11 @@ class GenerationConfig:
               "{'name': ..., 'schema': {...}}}, {'type': 'json_object'}, {'type': 'regex_schema', 'regex_schema': "
               "'...'}, {'type': 'choice', 'choice': [...]}, {'type': 'grammar', 'grammar': 'EBNF'}, or a pydantic "
               "model class. The sequence ends ('stop') when the grammar is complete.")
+    prediction: str | list[int] | None = _f(
+        None, "OpenAI's Predicted Outputs: text (or token ids) much of the output is expected to repeat, as when "
+              "editing a file. Its tokens are drafted where they follow on from the output so far and verified as "
+              "speculative decoding verifies drafts, so the output is the one without it (greedy: the same tokens); "
+              "only faster where it matches. The counts are in the output (accepted / rejected prediction tokens).")
 
     def __post_init__(self) -> None:
         _check_type(self.n, (int,), "n")
@@ -191,6 +196,7 @@ class GenerationConfig:
         _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
                f"must be in [0, 20], got {self.prompt_logprobs}")
         self.response_format = parse_response_format(self.response_format)
+        self._check_prediction()
         self._check_best_of_and_beams()
         self.stop_words = _string_list(self.stop_words, "stop_words")
         self.bad_words = _string_list(self.bad_words, "bad_words")
@@ -208,6 +214,18 @@ class GenerationConfig:
                 except (TypeError, ValueError):
                     raise InvalidRequestError(f"logit_bias: bad entry {k!r}: {v!r}", param="logit_bias") from None
             self.logit_bias = bias
+
+    def _check_prediction(self) -> None:
+        if self.prediction is None:
+            return
+        if not isinstance(self.prediction, str):
+            _check(isinstance(self.prediction, (list, tuple)), "prediction",
+                   f"expected the predicted text or a list of token ids, got {type(self.prediction).__name__}")
+            for t in self.prediction:
+                _check_type(t, (int,), "prediction")
+                _check(t >= 0, "prediction", f"token ids must be >= 0, got {t}")
+            self.prediction = list(self.prediction)
+        _check(not self.use_beam_search, "prediction", "is not supported with beam search (beams verify no drafts)")
 
     def _check_best_of_and_beams(self) -> None:
         _check_type(self.best_of, (int,), "best_of", optional=True)
@@ -365,6 +383,9 @@ class EngineConfig:
     num_speculative_tokens: int = _f(4, "Draft tokens proposed and verified per decoding step.")
     prompt_lookup_max: int = _f(4, "ngram speculation: longest suffix n-gram looked up in the context.")
     prompt_lookup_min: int = _f(2, "ngram speculation: shortest suffix n-gram looked up in the context.")
+    num_prediction_tokens: int = _f(15, "Predicted Outputs (a request's prediction): its tokens drafted and verified "
+                                        "per decoding step (15: with the step's own token, one 16-token tile of "
+                                        "prefill attention); 0 leaves predictions unused.")
     # vision-language models
     limit_mm_per_prompt: int = _f(8, "Vision-language models: the most images one prompt may carry (vLLM's "
                                      "--limit-mm-per-prompt; its forms image=N and '{\"image\": N}' are taken too).",
@@ -411,6 +432,9 @@ class EngineConfig:
             value = getattr(self, name)
             _check_type(value, (int,), name)
             _check(value >= 1, name, f"must be >= 1, got {value}")
+        _check_type(self.num_prediction_tokens, (int,), "num_prediction_tokens")
+        _check(self.num_prediction_tokens >= 0, "num_prediction_tokens",
+               f"must be >= 0, got {self.num_prediction_tokens}")
         for name in ("session_len", "num_blocks", "cache_max_bytes", "num_threads"):
             value = getattr(self, name)
             _check_type(value, (int,), name, optional=True)

@@ -21,10 +21,16 @@ from llmserve.engine.beam_search import BeamGroup
 from llmserve.engine.groups import BeamSearch, BestOf
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.output import IncrementalDetokenizer, RequestTimes, SequenceOutput
-from llmserve.engine.request import Request, RequestStatus
+from llmserve.engine.request import Prediction, Request, RequestStatus
 from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from llmserve.engine.sessions import SessionStore
-from llmserve.engine.speculative import DraftModelProposer, NgramProposer, Proposer, SpecStats
+from llmserve.engine.speculative import (
+    DraftModelProposer,
+    NgramProposer,
+    PredictionProposer,
+    Proposer,
+    SpecStats,
+)
 from llmserve.errors import InvalidRequestError, PromptTooLongError
 from llmserve.kernels import calibrate
 from llmserve.lora import LoRAAdapter, LoRAManager
@@ -95,11 +101,13 @@ class LLMEngine:
         elif draft is not None:
             self.proposer = DraftModelProposer(ModelRunner(draft, num_blocks, config.block_size, cpu,
                                                            config.kv_cache_dtype, graphs))
+        self.predictions = PredictionProposer()  # requests with a prediction draft from it, whatever the proposer
         self.spec_stats = SpecStats()
         lookahead = config.num_speculative_tokens if self.proposer else 0
         self.sessions = SessionStore(self.kv, config.max_sessions, config.session_ttl)
         self.scheduler = Scheduler(self.kv, config.max_prefill_token_num, config.max_batch_size, lookahead,
-                                   self.sessions, config.max_loras if self.lora is not None else None)
+                                   self.sessions, config.max_loras if self.lora is not None else None,
+                                   config.num_prediction_tokens)
         self._tracked: dict[str, _Tracked] = {}  # sequence id -> state
         self._children: dict[str, list[str]] = {}  # caller's request id -> its sequence ids
         self._beams: dict[str, BeamSearch] = {}  # caller's request id -> its beam search
@@ -141,6 +149,7 @@ class LLMEngine:
         # Compiled on this thread unless already cached (the async engine compiles on a worker thread first).
         compiled = self.grammars.compile(gen.response_format) if gen.response_format is not None else None
         prompt_logprobs = [None] * len(prompt_token_ids) if gen.prompt_logprobs is not None else None
+        predicted = self._prediction_ids(gen)
         num_seqs = gen.n
         if gen.best_of is not None and gen.best_of > gen.n:
             num_seqs = gen.best_of
@@ -158,7 +167,7 @@ class LLMEngine:
                 parent_id=request_id, index=i, generator=self._generator(seq_params),
                 prompt_source=seqs[0] if seqs else None,  # the prompt is computed once, then shared
                 session_id=session_id, grammar=self._grammar_state(compiled), prompt_logprobs=prompt_logprobs, mm=mm,
-                lora=lora))
+                lora=lora, prediction=None if predicted is None else Prediction(list(predicted))))
         for r in seqs:
             self.scheduler.add_request(r)  # first one may refuse (too big for the pool): nothing queued yet
             self._tracked[r.request_id] = _Tracked(r, IncrementalDetokenizer(
@@ -261,8 +270,7 @@ class LLMEngine:
                 self.proposer.forget(r)
         if not plan.scheduled:
             return []
-        if self.proposer is not None:
-            self._add_drafts(plan)
+        self._add_drafts(plan)
         if self.async_scheduling and self._may_overlap(plan.scheduled):
             singles = [s.request for s in plan.scheduled if s.num_new_tokens == 1]  # first, as the scheduler sorts
             prompts = [(s.request, s.num_new_tokens) for s in plan.scheduled if s.num_new_tokens > 1]
@@ -300,11 +308,12 @@ class LLMEngine:
     # a step that must preempt. Requests whose sampling reads their output (penalties, bad words, min_tokens, a
     # grammar) overlap in part: the next step waits for the one in flight before it launches (_reads_output). A
     # session's request that stops at N keeps only the blocks of its computed tokens (KVCacheManager.hold), which
-    # N + 1's write lies beyond.
+    # N + 1's write lies beyond. A request with a prediction runs in synchronous steps: its drafts follow the tokens
+    # read back.
 
     @staticmethod
     def _overlappable(r: Request) -> bool:
-        return r.status == RequestStatus.RUNNING and not r.sampling.beam_width
+        return r.status == RequestStatus.RUNNING and not r.sampling.beam_width and r.prediction is None
 
     @staticmethod
     def _reads_output(r: Request) -> bool:
@@ -406,8 +415,11 @@ class LLMEngine:
         wanting = [s for s in plan.scheduled if s.lookahead]
         if not wanting:
             return
-        drafts = self.proposer.propose(wanting, {s.request: self.kv.block_table(s.request.request_id)
-                                                 for s in wanting})
+        drafts = self.predictions.propose([s for s in wanting if s.request.prediction is not None], {})
+        others = [s for s in wanting if s.request.prediction is None]
+        if others and self.proposer is not None:
+            drafts.update(self.proposer.propose(others, {s.request: self.kv.block_table(s.request.request_id)
+                                                         for s in others}))
         for r, d in drafts.items():  # a draft the grammar refuses could never be accepted: not verified
             if r.grammar is not None and d:
                 drafts[r] = r.grammar.valid_prefix(list(d))
@@ -490,7 +502,11 @@ class LLMEngine:
         they count as computed (a request that stops among them is freed anyway)."""
         r = s.request
         self.spec_stats.record(len(s.draft_token_ids), num_accepted, num_accepted + 1)
-        self.proposer.accepted(r, r.num_tokens, num_accepted, len(s.draft_token_ids))
+        if r.prediction is not None:
+            r.prediction.accepted += num_accepted
+            r.prediction.rejected += len(s.draft_token_ids) - num_accepted
+        else:
+            self.proposer.accepted(r, r.num_tokens, num_accepted, len(s.draft_token_ids))
         r.num_computed_tokens += num_accepted
 
     def _emit(self, request: Request, tokens: list[int], logprobs: list, now: float) -> SequenceOutput:
@@ -562,9 +578,11 @@ class LLMEngine:
         times = None
         if reason is not None:
             times = RequestTimes(r.arrival_time, r.first_scheduled_time, r.first_token_time, time.monotonic())
+        p = r.prediction
         return SequenceOutput(r.parent_id, r.index, new_ids, text, r.num_prompt_tokens, num_out,
                               finished=reason is not None, finish_reason=reason, stop_reason=stop,
-                              new_logprobs=logprobs, times=times)
+                              new_logprobs=logprobs, times=times,
+                              prediction_tokens=None if p is None else (p.accepted, p.rejected))
 
     # --- validation and parameters -------------------------------------------------------
 
@@ -579,6 +597,19 @@ class LLMEngine:
                 f"tokens and the target {loaded.hf_config.vocab_size}: speculative decoding needs the same "
                 "tokenizer", param="speculative_model")
         return draft
+
+    def _prediction_ids(self, gen: GenerationConfig) -> list[int] | None:
+        """GenerationConfig.prediction as token ids: text is tokenized as the output would be (no special tokens)."""
+        if gen.prediction is None:
+            return None
+        if isinstance(gen.prediction, str):
+            return self.tokenizer.encode(gen.prediction, add_special_tokens=False)
+        vocab = self.loaded.hf_config.vocab_size
+        bad = next((t for t in gen.prediction if t >= vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prediction: token id {bad} is out of range (vocabulary of {vocab})",
+                                      param="prediction")
+        return gen.prediction
 
     def _validate_prompt(self, ids: list[int], gen: GenerationConfig) -> None:
         if not ids:

@@ -41,6 +41,8 @@ class SequenceOutput:
     # With the sequence's first output, when asked (GenerationConfig.prompt_logprobs): one entry per prompt token,
     # the first None (nothing precedes it).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # With a prediction (GenerationConfig.prediction): its drafts verified so far, (accepted, rejected)
+    prediction_tokens: tuple[int, int] | None = None
 
 
 class IncrementalDetokenizer:

@@ -30,6 +30,20 @@ class RequestStatus(enum.Enum):
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 
 
+@dataclass(eq=False)
+class Prediction:
+    """A request's predicted output (OpenAI's Predicted Outputs, GenerationConfig.prediction) as tokens, where its
+    output stands in them (engine/speculative.py's PredictionProposer moves the cursor), and its drafts' counts."""
+
+    token_ids: list[int]
+    cursor: int = 0  # the predicted token expected next (len(token_ids): past the end)
+    seen: int = 0  # output tokens the cursor accounts for
+    accepted: int = 0  # drafts verified and kept
+    rejected: int = 0  # drafts verified and refused
+    length: int = 0  # drafts to propose next (0: as many as the step allows)
+    proposed: int = 0  # drafts proposed in the step whose tokens align() has not seen yet
+
+
 @dataclass(eq=False)  # identity semantics: two requests are never "equal"
 class Request:
     """A single sequence. `n > 1` is expanded by the engine into n Requests sharing a parent id.
@@ -68,6 +82,9 @@ class Request:
     mm: MultiModalInputs | None = None
     # A LoRA adapter the request runs with (None: the base model). Its KV is its own: see cache_salt.
     lora: LoRAAdapter | None = None
+    # Predicted Outputs (GenerationConfig.prediction): the predicted tokens, drafted by engine/speculative.py's
+    # PredictionProposer instead of the engine's proposer; where the output stands in them; the drafts verified.
+    prediction: Prediction | None = None
 
     @property
     def cache_salt(self) -> int:

@@ -78,11 +78,12 @@ class _Start(NamedTuple):
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_batch_size: int,
                  num_lookahead_tokens: int = 0, sessions: SessionStore | None = None,
-                 max_loras: int | None = None) -> None:
+                 max_loras: int | None = None, num_prediction_tokens: int = 0) -> None:
         self.kv = kv
         self.max_loras = max_loras  # distinct LoRA adapters among the running requests (None: no bound)
         self.sessions = sessions
         self.num_lookahead_tokens = num_lookahead_tokens  # speculative decoding: drafts per decode step
+        self.num_prediction_tokens = num_prediction_tokens  # the same for a request with a prediction
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_batch_size = max_batch_size
         self.waiting: deque[Request] = deque()
@@ -179,12 +180,13 @@ class Scheduler:
     def _lookahead(self, request: Request, budget: int) -> int:
         """Draft tokens a decoding request may verify this step: none past its max_new_tokens (the
         last draft is followed by one more sampled token) or its session length."""
-        if not self.num_lookahead_tokens or request.num_tokens - request.num_computed_tokens != 1:
+        wanted = self.num_prediction_tokens if request.prediction is not None else self.num_lookahead_tokens
+        if not wanted or request.num_tokens - request.num_computed_tokens != 1:
             return 0
         if request.sampling.beam_width:
             return 0
         room = min(request.max_new_tokens - request.num_output_tokens, request.max_total_tokens - request.num_tokens)
-        return max(0, min(self.num_lookahead_tokens, budget - 1, room - 1))
+        return max(0, min(wanted, budget - 1, room - 1))
 
     def _start_of(self, request: Request) -> _Start | None:
         """The computed blocks a waiting request starts with; None while it must wait for them.

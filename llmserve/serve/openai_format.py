@@ -11,9 +11,16 @@ from llmserve.sampling.logprobs import TokenLogprobs
 from llmserve.serve.token_text import TokenText
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int,
+          prediction: tuple[int, int] | None = None) -> dict[str, Any]:
+    """prediction: a Predicted Outputs request's (accepted, rejected) prediction tokens, as OpenAI's
+    completion_tokens_details reports them: drafts from the prediction verified and kept, and refused."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if prediction is not None:
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": prediction[0],
+                                            "rejected_prediction_tokens": prediction[1]}
+    return out
 
 
 @dataclass
@@ -27,11 +34,13 @@ class Choice:
     num_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prediction: tuple[int, int] | None = None  # (accepted, rejected) prediction tokens so far
 
     def add(self, out: SequenceOutput) -> None:
         self.text += out.new_text
         self.logprobs.extend(out.new_logprobs)
         self.num_tokens = out.num_output_tokens
+        self.prediction = out.prediction_tokens
         if out.finished:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
 

@@ -178,7 +178,8 @@ def chat_generation_config(model: ServedModel, req: ChatCompletionRequest, max_t
     if req.prompt_logprobs is not None and req.stream:
         raise ApiError(400, "prompt_logprobs: not available when streaming a chat completion", param="prompt_logprobs")
     changes: dict[str, Any] = {"logprobs": logprobs, "prompt_logprobs": req.prompt_logprobs,
-                               "response_format": output.constraint(openai_structured_output(req))}
+                               "response_format": output.constraint(openai_structured_output(req)),
+                               "prediction": predicted_text(req.prediction)}
     if output.uses_tools and "skip_special_tokens" not in req.model_fields_set:
         changes["skip_special_tokens"] = False  # Mistral's [TOOL_CALLS] is a special token: the parser must see it
     # a grammar the tools asked for is refused (beam search) under the name of the field that asked
@@ -256,11 +257,26 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 # Chat fields OpenAI documents that llmserve cannot honour: refused when they ask for something.
 _CHAT_REFUSALS: dict[str, str] = {
     "audio": "audio output is not supported",
-    "prediction": "predicted outputs are not supported (speculative decoding is an engine setting: "
-                  "--speculative-method ngram)",
     "web_search_options": "web search is not available",
     "verbosity": "this server's models take no verbosity setting",
 }
+
+
+def predicted_text(prediction: dict[str, Any] | None) -> str | None:
+    """OpenAI's Predicted Outputs: {"type": "content", "content": "..." or [{"type": "text", "text": "..."}, ...]}
+    -> the predicted text (GenerationConfig.prediction: drafted and verified, so the output is unchanged)."""
+    if prediction is None:
+        return None
+    shape = 'expected {"type": "content", "content": "..."} (or content as a list of {"type": "text", "text": ...})'
+    if not isinstance(prediction, dict) or prediction.get("type") != "content" or set(prediction) != {"type", "content"}:
+        raise ApiError(400, f"prediction: {shape}", param="prediction")
+    content = prediction["content"]
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                         and set(p) == {"type", "text"} for p in content):
+        return "".join(p["text"] for p in content)
+    raise ApiError(400, f"prediction: {shape}", param="prediction")
 
 
 def legacy_functions(req: ChatCompletionRequest) -> bool:

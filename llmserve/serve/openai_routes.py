@@ -132,20 +132,29 @@ class _ChatReply:
              "logprobs": chat_logprobs(self.model.token_text, c.logprobs) if self.body.logprobs else None,
              "finish_reason": self.outputs[c.index].finish_reason(c.finish_reason), "stop_reason": c.stop_reason}
             for c in choices],
-            "usage": usage(len(self.req.prompt_token_ids), sum(c.num_tokens for c in choices))}
+            "usage": usage(len(self.req.prompt_token_ids), sum(c.num_tokens for c in choices),
+                           self._prediction([c.prediction for c in choices]))}
         if self.body.prompt_logprobs is not None:  # vLLM puts them beside the choices
             reply["prompt_logprobs"] = vllm_prompt_logprobs(self.model.token_text, prompt_lps or [])
         return reply
+
+    def _prediction(self, counts: list[tuple[int, int] | None]) -> tuple[int, int] | None:
+        """The choices' (accepted, rejected) prediction tokens summed, where the request sent a prediction."""
+        if self.body.prediction is None:
+            return None
+        return sum(c[0] for c in counts if c), sum(c[1] for c in counts if c)
 
     async def stream(self, outputs: AsyncIterator[SequenceOutput]) -> AsyncIterator[str]:
         head = self._envelope("chat.completion.chunk")
         include_usage, continuous = usage_options(self.body.stream_options)
         tokens: dict[int, int] = {}
+        predicted: dict[int, tuple[int, int] | None] = {}
         if include_usage:
             head["usage"] = None
 
         def so_far() -> dict[str, Any]:  # vLLM's continuous_usage_stats: the usage so far in every chunk
-            return {"usage": usage(len(self.req.prompt_token_ids), sum(tokens.values()))} if continuous else {}
+            return {"usage": usage(len(self.req.prompt_token_ids), sum(tokens.values()),
+                                   self._prediction(list(predicted.values())))} if continuous else {}
 
         for i in range(self.req.gen.n):
             yield sse_event({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -154,6 +163,7 @@ class _ChatReply:
             async with aclosing(outputs):
                 async for out in outputs:
                     tokens[out.index] = out.num_output_tokens
+                    predicted[out.index] = out.prediction_tokens
                     choice_output = self.outputs[out.index]
                     delta = choice_output.delta(out.new_text, out.finished)
                     if not (delta or out.finished or (out.new_logprobs and self.body.logprobs)):
@@ -167,7 +177,8 @@ class _ChatReply:
             yield sse_event(error_body("/v1/", e.status, e.message, e.param, e.code))
         if include_usage:
             yield sse_event({**head, "choices": [], "usage": usage(len(self.req.prompt_token_ids),
-                                                                   sum(tokens.values()))})
+                                                                   sum(tokens.values()),
+                                                                   self._prediction(list(predicted.values())))})
         yield DONE
 
 

@@ -83,3 +83,40 @@ def test_completions_on_raw_text(smol: tuple[EngineHandle, RunningServer]) -> No
     assert r["choices"][0]["text"] == "The capital of France is Paris."
     assert r["usage"] == {"prompt_tokens": len(handle.tokenizer.encode("The capital of France is")),
                           "completion_tokens": 2, "total_tokens": r["usage"]["prompt_tokens"] + 2}
+
+
+EDIT = [{"role": "user", "content": "Rewrite this code with the function renamed to add_numbers. Reply with the code "
+                                    "only.\n\ndef add(a, b):\n    return a + b\n\nprint(add(2, 3))\n"}]
+
+
+def test_predicted_outputs_keep_the_answer_and_count_the_drafts(client: openai.OpenAI) -> None:
+    """OpenAI's Predicted Outputs: the answer is the one without a prediction; the usage counts the prediction's
+    tokens accepted and rejected (here the model's own answer, and an edit of it)."""
+    ask = dict(model="SmolLM2-135M-Instruct.Q4_1", messages=EDIT, temperature=0, max_tokens=80)
+    plain = client.chat.completions.create(**ask)
+    text = plain.choices[0].message.content
+    assert plain.usage.completion_tokens_details is None  # (no prediction, no details)
+    exact = client.chat.completions.create(**ask, prediction={"type": "content", "content": text})
+    assert exact.choices[0].message.content == text
+    details = exact.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens >= 0.8 * exact.usage.completion_tokens
+    assert details.rejected_prediction_tokens <= 0.1 * exact.usage.completion_tokens
+    before = "# the old version\n" + text.replace("(2, 3)", "(4, 5)")  # an edit of it
+    parts = [{"type": "text", "text": before[:10]}, {"type": "text", "text": before[10:]}]
+    edited = client.chat.completions.create(**ask, prediction={"type": "content", "content": parts})
+    assert edited.choices[0].message.content == text
+    assert edited.usage.completion_tokens_details.accepted_prediction_tokens > 0
+    chunks = list(client.chat.completions.create(**ask, prediction={"type": "content", "content": text}, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage == exact.usage
+
+
+@pytest.mark.parametrize("prediction", [{"type": "text", "content": "x"}, {"type": "content"},
+                                        {"type": "content", "content": 5},
+                                        {"type": "content", "content": [{"type": "image_url", "image_url": "x"}]}])
+def test_malformed_predictions_are_refused(client: openai.OpenAI, prediction: dict) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=EDIT, max_tokens=4,
+                                       prediction=prediction)
+    assert e.value.body["param"] == "prediction"
