@@ -179,8 +179,10 @@ class Scheduler:
 
     def _lookahead(self, request: Request, budget: int) -> int:
         """Draft tokens a decoding request may verify this step: none past its max_new_tokens (the
-        last draft is followed by one more sampled token) or its session length."""
-        wanted = self.num_prediction_tokens if request.prediction is not None else self.num_lookahead_tokens
+        last draft is followed by one more sampled token) or its session length, nor from a prediction whose end the
+        output has passed."""
+        p = request.prediction
+        wanted = self.num_lookahead_tokens if p is None else self.num_prediction_tokens * (p.cursor < len(p.token_ids))
         if not wanted or request.num_tokens - request.num_computed_tokens != 1:
             return 0
         if request.sampling.beam_width:

@@ -199,3 +199,23 @@ def test_bad_predictions_are_refused(tiny_model_dir):
         with pytest.raises(InvalidRequestError, match="out of range"):
             pipe([{"input_ids": [1, 2]}], gen_config=GenerationConfig(max_new_tokens=4, prediction=[1, 10 ** 6]))
         assert pipe.engine.kv.usage().in_use == 0
+
+
+def test_a_prediction_whose_end_is_passed_reserves_no_more_drafts(tiny_model_dir, reference):
+    with pipeline(tiny_model_dir("llama"), backend_config=EngineConfig(dtype="float32", block_size=8)) as pipe:
+        engine, lookaheads = pipe.engine, []
+        schedule = engine.scheduler.schedule
+
+        def recording():
+            plan = schedule()
+            lookaheads.extend(s.lookahead for s in plan.scheduled)
+            return plan
+
+        engine.scheduler.schedule = recording
+        out = generate(engine, [GenerationConfig(**GREEDY, prediction=t[:3] if i == 0 else None)
+                                for i, t in enumerate(reference)])
+        assert out == reference
+        # the prefill gave the first token: the first decode step drafts the other two; the next still reserves
+        # drafts (the cursor moves when the proposer sees that step's tokens) and finds the end; none after it
+        assert engine.spec_stats.num_draft_tokens == engine.spec_stats.num_accepted_tokens == 2
+        assert [n for n in lookaheads if n] == [15, 15]
