@@ -22,7 +22,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import llmserve
 from llmserve.engine.async_engine import AsyncEngine
-from llmserve.serve import colossal_routes, lora_routes, openai_routes, session_routes, tgi_routes
+from llmserve.serve import (
+    colossal_routes,
+    lora_routes,
+    openai_routes,
+    session_routes,
+    tgi_routes,
+    tokenize_routes,
+)
 from llmserve.serve.config import ServerConfig
 from llmserve.serve.errors import TgiError, error_response, install_error_handlers
 from llmserve.serve.state import ServedModel, ServerState
@@ -34,7 +41,7 @@ if TYPE_CHECKING:
 STATIC_DIR = os.path.join(os.path.dirname(__file__), "static")
 # Reachable without an API key: probes, and the chat page and its files (static; every call the
 # page makes sends the key the user types in).
-PUBLIC_ROUTES = {("GET", "/health"), ("GET", "/"), ("HEAD", "/")}
+PUBLIC_ROUTES = {("GET", "/health"), ("GET", "/"), ("HEAD", "/"), ("GET", "/version")}
 PUBLIC_PREFIX = "/static/"
 
 
@@ -53,6 +60,7 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None, model: S
     app.include_router(lora_routes.router)  # vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter
     app.include_router(tgi_routes.router)
     app.include_router(colossal_routes.router)  # ColossalAI-Inference's /completion, /chat, /engine_check
+    app.include_router(tokenize_routes.router)  # vLLM's /tokenize, /detokenize, /version; TGI's /tokenize
     _add_service_routes(app, state)
     if state.tracer is not None:
         app.add_middleware(TraceHeadersMiddleware)

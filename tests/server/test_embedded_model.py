@@ -120,3 +120,65 @@ def test_malformed_predictions_are_refused(client: openai.OpenAI, prediction: di
         client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=EDIT, max_tokens=4,
                                        prediction=prediction)
     assert e.value.body["param"] == "prediction"
+
+
+def test_vllm_tokenize_and_detokenize(smol: tuple[EngineHandle, RunningServer], client: openai.OpenAI) -> None:
+    """vLLM's /tokenize: a prompt as the tokenizer encodes it; a chat as /v1/chat/completions renders it (its count
+    is that route's usage.prompt_tokens); /detokenize gives the text back; both under /v1/ too."""
+    handle, server = smol
+    tok = handle.tokenizer
+    text = "Tokenizers split text into pieces."
+    r = httpx.post(server.url + "/tokenize", json={"prompt": text, "return_token_strs": True})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["tokens"] == tok.encode(text) and body["count"] == len(body["tokens"])
+    assert body["token_strs"] == tok.convert_ids_to_tokens(body["tokens"])
+    assert body["max_model_len"] == handle.model.session_len
+    assert httpx.post(server.url + "/v1/tokenize", json={"prompt": text}).json()["tokens"] == body["tokens"]
+    back = httpx.post(server.url + "/detokenize", json={"tokens": body["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": text}
+    chat = httpx.post(server.url + "/tokenize", json={"messages": QUESTION, "model": "SmolLM2-135M-Instruct.Q4_1"})
+    used = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=QUESTION, max_tokens=1).usage
+    assert chat.json()["count"] == used.prompt_tokens
+    assert tok.decode(chat.json()["tokens"]).endswith("<|im_start|>assistant\n")  # the assistant's turn opened
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"prompt": "a", "messages": QUESTION}, 400, "prompt"),
+    ({}, 400, "prompt"),
+    ({"prompt": "a", "model": "another-model"}, 404, None),
+    ({"messages": QUESTION, "add_generation_prompt": False}, 400, "add_generation_prompt"),
+    ({"messages": QUESTION, "continue_final_message": True}, 400, "continue_final_message"),
+    ({"prompt": "a", "chat_template_kwargs": {"x": 1}}, 400, "chat_template_kwargs"),
+    ({"prompt": "a", "frequency_penalty": 1}, 400, "frequency_penalty"),
+    ({"inputs": "a", "prompt": "b"}, 400, "prompt"),
+    ({"inputs": "a", "parameters": {"truncate": 0}}, 400, "truncate"),
+])
+def test_bad_tokenize_bodies_are_refused(smol: tuple[EngineHandle, RunningServer], body: dict, status: int,
+                                         param: str | None) -> None:
+    r = httpx.post(smol[1].url + "/v1/tokenize", json=body)
+    assert r.status_code == status, r.text
+    if param is not None:
+        assert r.json()["error"]["param"] == param
+    bad = httpx.post(smol[1].url + "/v1/detokenize", json={"tokens": [1, 10 ** 7]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_tgi_tokenize(smol: tuple[EngineHandle, RunningServer]) -> None:
+    """TGI's /tokenize: each token with its characters in the inputs; truncate keeps the last ones."""
+    text = "Hello world, hello tokens."
+    r = httpx.post(smol[1].url + "/tokenize", json={"inputs": text, "parameters": {"max_new_tokens": 5}})
+    assert r.status_code == 200
+    tokens = r.json()
+    assert [t["id"] for t in tokens] == smol[0].tokenizer.encode(text)
+    assert "".join(t["text"] for t in tokens) == text
+    assert all(text[t["start"]:t["stop"]] == t["text"] for t in tokens)
+    last = httpx.post(smol[1].url + "/tokenize", json={"inputs": text, "parameters": {"truncate": 3}}).json()
+    assert last == tokens[-3:]
+    assert httpx.get(smol[1].url + "/version").json() == {"version": llmserve_version()}
+
+
+def llmserve_version() -> str:
+    import llmserve
+
+    return llmserve.__version__
