@@ -582,7 +582,8 @@ class LLMEngine:
         return SequenceOutput(r.parent_id, r.index, new_ids, text, r.num_prompt_tokens, num_out,
                               finished=reason is not None, finish_reason=reason, stop_reason=stop,
                               new_logprobs=logprobs, times=times,
-                              prediction_tokens=None if p is None else (p.accepted, p.rejected))
+                              prediction_tokens=None if p is None else (p.accepted, p.rejected),
+                              num_cached_tokens=r.num_cached_prompt_tokens)
 
     # --- validation and parameters -------------------------------------------------------
 

@@ -43,6 +43,8 @@ class SequenceOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     # With a prediction (GenerationConfig.prediction): its drafts verified so far, (accepted, rejected)
     prediction_tokens: tuple[int, int] | None = None
+    # Prompt tokens taken from the prefix cache or a session rather than computed, when the sequence first started
+    num_cached_tokens: int = 0
 
 
 class IncrementalDetokenizer:

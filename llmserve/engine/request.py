@@ -85,6 +85,9 @@ class Request:
     # Predicted Outputs (GenerationConfig.prediction): the predicted tokens, drafted by engine/speculative.py's
     # PredictionProposer instead of the engine's proposer; where the output stands in them; the drafts verified.
     prediction: Prediction | None = None
+    # Prompt tokens its first start took from the prefix cache or a session instead of computing (OpenAI's usage
+    # prompt_tokens_details.cached_tokens)
+    num_cached_prompt_tokens: int = 0
 
     @property
     def cache_salt(self) -> int:

@@ -170,6 +170,8 @@ class Scheduler:
             if request.lora is not None:
                 loras.add(id(request.lora))
             request.num_computed_tokens = num_cached
+            if request.first_scheduled_time is None and start.source in ("cache", "session"):
+                request.num_cached_prompt_tokens = num_cached
             request.status = RequestStatus.RUNNING
             request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
             self.running.append(request)

@@ -11,12 +11,15 @@ from llmserve.sampling.logprobs import TokenLogprobs
 from llmserve.serve.token_text import TokenText
 
 
-def usage(prompt_tokens: int, completion_tokens: int,
-          prediction: tuple[int, int] | None = None) -> dict[str, Any]:
-    """prediction: a Predicted Outputs request's (accepted, rejected) prediction tokens, as OpenAI's
-    completion_tokens_details reports them: drafts from the prediction verified and kept, and refused."""
+def usage(prompt_tokens: int, completion_tokens: int, prediction: tuple[int, int] | None = None,
+          cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage. cached_tokens: prompt tokens taken from the prefix cache or a session rather than computed
+    (prompt_tokens_details, as OpenAI reports it on every answer). prediction: a Predicted Outputs request's
+    (accepted, rejected) prediction tokens, as OpenAI's completion_tokens_details reports them: drafts from the
+    prediction verified and kept, and refused."""
     out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                           "total_tokens": prompt_tokens + completion_tokens}
+                           "total_tokens": prompt_tokens + completion_tokens,
+                           "prompt_tokens_details": {"cached_tokens": cached_tokens}}
     if prediction is not None:
         out["completion_tokens_details"] = {"accepted_prediction_tokens": prediction[0],
                                             "rejected_prediction_tokens": prediction[1]}
@@ -35,12 +38,14 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     prediction: tuple[int, int] | None = None  # (accepted, rejected) prediction tokens so far
+    cached: int = 0  # prompt tokens taken from the prefix cache or a session
 
     def add(self, out: SequenceOutput) -> None:
         self.text += out.new_text
         self.logprobs.extend(out.new_logprobs)
         self.num_tokens = out.num_output_tokens
         self.prediction = out.prediction_tokens
+        self.cached = out.num_cached_tokens
         if out.finished:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
 

@@ -133,7 +133,7 @@ class _ChatReply:
              "finish_reason": self.outputs[c.index].finish_reason(c.finish_reason), "stop_reason": c.stop_reason}
             for c in choices],
             "usage": usage(len(self.req.prompt_token_ids), sum(c.num_tokens for c in choices),
-                           self._prediction([c.prediction for c in choices]))}
+                           self._prediction([c.prediction for c in choices]), max(c.cached for c in choices))}
         if self.body.prompt_logprobs is not None:  # vLLM puts them beside the choices
             reply["prompt_logprobs"] = vllm_prompt_logprobs(self.model.token_text, prompt_lps or [])
         return reply
@@ -149,12 +149,13 @@ class _ChatReply:
         include_usage, continuous = usage_options(self.body.stream_options)
         tokens: dict[int, int] = {}
         predicted: dict[int, tuple[int, int] | None] = {}
+        cached = [0]  # the prompt is computed once for all the choices: by the first sequence started
         if include_usage:
             head["usage"] = None
 
         def so_far() -> dict[str, Any]:  # vLLM's continuous_usage_stats: the usage so far in every chunk
             return {"usage": usage(len(self.req.prompt_token_ids), sum(tokens.values()),
-                                   self._prediction(list(predicted.values())))} if continuous else {}
+                                   self._prediction(list(predicted.values())), cached[0])} if continuous else {}
 
         for i in range(self.req.gen.n):
             yield sse_event({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -164,6 +165,7 @@ class _ChatReply:
                 async for out in outputs:
                     tokens[out.index] = out.num_output_tokens
                     predicted[out.index] = out.prediction_tokens
+                    cached[0] = max(cached[0], out.num_cached_tokens)
                     choice_output = self.outputs[out.index]
                     delta = choice_output.delta(out.new_text, out.finished)
                     if not (delta or out.finished or (out.new_logprobs and self.body.logprobs)):
@@ -178,7 +180,8 @@ class _ChatReply:
         if include_usage:
             yield sse_event({**head, "choices": [], "usage": usage(len(self.req.prompt_token_ids),
                                                                    sum(tokens.values()),
-                                                                   self._prediction(list(predicted.values())))})
+                                                                   self._prediction(list(predicted.values())),
+                                                                   cached[0])})
         yield DONE
 
 
@@ -286,8 +289,10 @@ class _CompletionReply:
         return {"id": self.rid, "object": "text_completion", "created": self.created,
                 "model": self.reqs[0].adapter or self.model.name}
 
-    def _usage(self) -> dict[str, int]:
-        return usage(sum(len(r.prompt_token_ids) for r in self.reqs), sum(c.num_tokens for c in self.choices))
+    def _usage(self) -> dict[str, Any]:
+        return usage(sum(len(r.prompt_token_ids) for r in self.reqs), sum(c.num_tokens for c in self.choices),
+                     cached_tokens=sum(max(c.cached for c in self.choices[p:p + self.n])  # each prompt's, once
+                                       for p in range(0, len(self.choices), self.n)))
 
     async def collect(self, merged: AsyncIterator[tuple[int, SequenceOutput]]) -> dict[str, Any]:
         lps: list[dict[str, Any] | None] = [None] * len(self.choices)
@@ -325,6 +330,7 @@ class _CompletionReply:
                                              **so_far()})
                     out = self._generated(raw)
                     self.choices[i].num_tokens = out.num_output_tokens
+                    self.choices[i].cached = out.num_cached_tokens
                     if not (out.new_text or out.finished or (out.new_logprobs and self.body.logprobs is not None)):
                         continue
                     lp = self.offsets[i].generated(out.new_logprobs) if self.body.logprobs is not None else None

@@ -25,18 +25,20 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 import llmserve
 from llmserve.serve.chat_tools import chat_tool_request
-from llmserve.serve.errors import ApiError, OpenAIError, error_responses
+from llmserve.serve.errors import ApiError, OpenAIError, TgiError, error_responses
 from llmserve.serve.openai_params import chat_prompt, check_model
 from llmserve.serve.protocol import ChatCompletionRequest
 from llmserve.serve.state import ServedModel, ServerState
 
-router = APIRouter(responses=error_responses(OpenAIError))
+router = APIRouter()
+# errors in OpenAI's shape under /v1/, in TGI's elsewhere (errors.error_body)
+_OPENAI, _TGI = error_responses(OpenAIError), error_responses(TgiError)
 
 
 class TokenizeRequest(BaseModel):
     """vLLM's two bodies and TGI's, told apart by which of prompt, messages and inputs they carry."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     prompt: str | None = None  # vLLM, a prompt
     messages: list[dict[str, Any]] | None = None  # vLLM, a chat
@@ -51,7 +53,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     tokens: list[int]
 
@@ -61,8 +63,8 @@ def _model(request: Request) -> tuple[ServerState, ServedModel]:
     return state, state.ready()[1]
 
 
-@router.post("/tokenize")
-@router.post("/v1/tokenize")
+@router.post("/tokenize", responses=_TGI)
+@router.post("/v1/tokenize", responses=_OPENAI)
 async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     state, model = _model(request)
     given = [name for name in ("prompt", "messages", "inputs") if getattr(body, name) is not None]
@@ -95,7 +97,11 @@ async def _chat_tokens(state: ServerState, model: ServedModel, body: TokenizeReq
         req = ChatCompletionRequest.model_validate({"messages": body.messages, "tools": body.tools,
                                                     "chat_template_kwargs": body.chat_template_kwargs})
     except ValidationError as e:
-        raise ApiError(400, f"messages: {e.errors()[0]['msg']}", param="messages") from None
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err.get("loc", ())) or "messages"
+        raise ApiError(400, f"{where}: {err['msg']}", param=str(err.get("loc", ("messages",))[0])) from None
+    if not req.messages:
+        raise ApiError(400, "messages: at least one message is needed", param="messages")
     continues = req.messages[-1].role == "assistant"  # as the chat route renders (chat_template.py)
     if body.continue_final_message is not None and body.continue_final_message != continues:
         raise ApiError(400, "continue_final_message: the chat template continues a last assistant message and "
@@ -131,8 +137,8 @@ def _tgi_tokens(model: ServedModel, body: TokenizeRequest) -> list[dict[str, Any
             for i, (a, b), name in zip(ids, spans, names, strict=True)]
 
 
-@router.post("/detokenize")
-@router.post("/v1/detokenize")
+@router.post("/detokenize", responses=_TGI)
+@router.post("/v1/detokenize", responses=_OPENAI)
 async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
     _, model = _model(request)
     check_model(model, body.model)

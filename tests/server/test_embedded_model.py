@@ -82,6 +82,7 @@ def test_completions_on_raw_text(smol: tuple[EngineHandle, RunningServer]) -> No
     r = httpx.post(server.url + "/v1/completions", json=body).json()
     assert r["choices"][0]["text"] == "The capital of France is Paris."
     assert r["usage"] == {"prompt_tokens": len(handle.tokenizer.encode("The capital of France is")),
+                          "prompt_tokens_details": {"cached_tokens": 0},
                           "completion_tokens": 2, "total_tokens": r["usage"]["prompt_tokens"] + 2}
 
 

@@ -36,7 +36,7 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], lea
                 continue
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
-                usage = chunk["usage"]
+                usage = _counts(chunk["usage"])
             for c in chunk["choices"]:
                 text += c["delta"].get("content") or ""
                 finish = c["finish_reason"] or finish
@@ -44,6 +44,14 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], lea
             if leave_after is not None and chunks >= leave_after:
                 return {"left_after": chunks}  # leaving the block closes the connection mid-stream
     return {"text": text, "finish_reason": finish, "usage": usage}
+
+
+def _counts(usage: dict[str, Any]) -> dict[str, Any]:
+    """The usage without prompt_tokens_details: the prompts sent together find the blocks the references left in
+    the prefix cache."""
+    details = usage.pop("prompt_tokens_details")
+    assert 0 <= details["cached_tokens"] < usage["prompt_tokens"]
+    return usage
 
 
 async def _run_all(url: str) -> tuple[list[dict], list[dict]]:
@@ -82,7 +90,7 @@ def _check_load(server: RunningServer, tiny: EngineHandle) -> None:
     for i in range(NUM_CLIENTS):  # reference: one at a time
         r = httpx.post(server.url + "/v1/chat/completions", json=_request(i), timeout=60).json()
         alone.append({"text": r["choices"][0]["message"]["content"], "finish_reason": r["choices"][0]["finish_reason"],
-                      "usage": r["usage"]})
+                      "usage": _counts(r["usage"])})
     before = {reason: server.metric("llmserve:request_success_total", finished_reason=reason)
               for reason in ("stop", "length", "abort")}
     prompt_tokens = server.metric("llmserve:prompt_tokens_total")

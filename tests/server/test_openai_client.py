@@ -214,3 +214,25 @@ def test_beam_search_and_best_of_through_the_client(client: openai.OpenAI, tiny_
                                      extra_body={"best_of": 4, "ignore_eos": True})
     assert len(best.choices) == 2 and best.usage.completion_tokens == 12
     assert all(c.logprobs is None for c in best.choices)
+
+
+def test_usage_counts_the_prompt_tokens_taken_from_the_prefix_cache(client: openai.OpenAI, tiny: EngineHandle) -> None:
+    """usage.prompt_tokens_details.cached_tokens: none the first time a prompt is seen; its full blocks (16 tokens
+    here) the next time, on both routes, streamed or not."""
+    messages = [{"role": "system", "content": "A prompt of several cache blocks that no other test sends: " * 2},
+                {"role": "user", "content": "Hi"}]
+    ask = dict(model="tiny-llama", messages=messages, max_tokens=2, temperature=0)
+    first = client.chat.completions.create(**ask)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.chat.completions.create(**ask)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens and cached % 16 == 0
+    chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    prompt = "Another prompt of several blocks for the completions route, sent twice. " * 2
+    first = client.completions.create(model="tiny-llama", prompt=[prompt, "Hi"], max_tokens=2, n=2, temperature=1)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model="tiny-llama", prompt=[prompt, "Hi"], max_tokens=2, n=2, temperature=1)
+    # the long prompt's full blocks before its last token (computed again to give the first token's logits); "Hi"
+    # fills none; each prompt counted once for its two choices
+    assert again.usage.prompt_tokens_details.cached_tokens == (len(tiny.tokenizer.encode(prompt)) - 1) // 16 * 16
