@@ -155,7 +155,8 @@ class GenerationConfig:
         None, "OpenAI's Predicted Outputs: text (or token ids) much of the output is expected to repeat, as when "
               "editing a file. Its tokens are drafted where they follow on from the output so far and verified as "
               "speculative decoding verifies drafts, so the output is the one without it (greedy: the same tokens); "
-              "only faster where it matches. The counts are in the output (accepted / rejected prediction tokens).")
+              "only faster where it matches. The engine's outputs count the prediction's tokens accepted and rejected "
+              "(SequenceOutput.prediction_tokens; the OpenAI server's usage.completion_tokens_details).")
 
     def __post_init__(self) -> None:
         _check_type(self.n, (int,), "n")
@@ -385,7 +386,8 @@ class EngineConfig:
     prompt_lookup_min: int = _f(2, "ngram speculation: shortest suffix n-gram looked up in the context.")
     num_prediction_tokens: int = _f(15, "Predicted Outputs (a request's prediction): its tokens drafted and verified "
                                         "per decoding step (15: with the step's own token, one 16-token tile of "
-                                        "prefill attention); 0 leaves predictions unused.")
+                                        "prefill attention, which verifies it on its fp32 path where the choice is "
+                                        "amx; more take amx's sums); 0 leaves predictions unused.")
     # vision-language models
     limit_mm_per_prompt: int = _f(8, "Vision-language models: the most images one prompt may carry (vLLM's "
                                      "--limit-mm-per-prompt; its forms image=N and '{\"image\": N}' are taken too).",

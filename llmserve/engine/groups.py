@@ -49,7 +49,8 @@ def merge_outputs(parts: list[SequenceOutput]) -> SequenceOutput:
         last.request_id, last.index, [t for p in parts for t in p.new_token_ids], "".join(p.new_text for p in parts),
         last.num_prompt_tokens, last.num_output_tokens, last.finished, last.finish_reason, last.stop_reason,
         [lp for p in parts for lp in p.new_logprobs], last.times,
-        next((p.prompt_logprobs for p in parts if p.prompt_logprobs is not None), None))
+        next((p.prompt_logprobs for p in parts if p.prompt_logprobs is not None), None),
+        prediction_tokens=last.prediction_tokens, num_cached_tokens=max(p.num_cached_tokens for p in parts))
 
 
 @dataclass
@@ -61,6 +62,7 @@ class BeamSearch:
     arrival: float
     first_token: float | None = None
     next_beam: int = 1  # ids of forked beams: "<request id>#b<k>"
+    root: Request | None = None  # the first beam, which computed the prompt (its prefix-cache hits are the search's)
 
     def fork(self, parent: Request, token: int) -> Request:
         child = Request(request_id=f"{self.group.request_id}#b{self.next_beam}", token_ids=parent.token_ids + [token],
@@ -76,11 +78,12 @@ class BeamSearch:
                 reason: str | None = None) -> list[SequenceOutput]:
         g, gen = self.group, self.gen
         times = RequestTimes(self.arrival, first_scheduled, self.first_token, time.monotonic())
+        cached = self.root.num_cached_prompt_tokens if self.root is not None else 0
         outs = []
         for i in range(g.n):
             if i >= len(hypotheses):  # only on abort before any beam grew
                 outs.append(SequenceOutput(g.request_id, i, [], "", g.num_prompt_tokens, 0, True, reason or "abort",
-                                           times=times))
+                                           times=times, num_cached_tokens=cached))
                 continue
             h = hypotheses[i]
             ids = h.token_ids[:-1] if h.ended_by_stop else list(h.token_ids)
@@ -94,5 +97,5 @@ class BeamSearch:
                 text = text[:cut + len(word)] if gen.include_stop_str_in_output else text[:cut]
                 finish, stop = "stop", word
             outs.append(SequenceOutput(g.request_id, i, ids, text, g.num_prompt_tokens, len(ids), True, finish, stop,
-                                       times=times))
+                                       times=times, num_cached_tokens=cached))
         return outs

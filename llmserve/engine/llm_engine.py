@@ -190,7 +190,7 @@ class LLMEngine:
         self.scheduler.add_request(root)
         group = BeamGroup(request_id, gen.num_beams, gen.n, len(prompt), gen.max_new_tokens, self.session_len,
                           params.stop_token_ids, float(gen.length_penalty), gen.early_stopping, live={root: 0.0})
-        self._beams[request_id] = BeamSearch(group, gen, root.arrival_time)
+        self._beams[request_id] = BeamSearch(group, gen, root.arrival_time, root=root)
         self._children[request_id] = []
 
     def abort(self, request_id: str) -> list[SequenceOutput]:
@@ -308,12 +308,14 @@ class LLMEngine:
     # a step that must preempt. Requests whose sampling reads their output (penalties, bad words, min_tokens, a
     # grammar) overlap in part: the next step waits for the one in flight before it launches (_reads_output). A
     # session's request that stops at N keeps only the blocks of its computed tokens (KVCacheManager.hold), which
-    # N + 1's write lies beyond. A request with a prediction runs in synchronous steps: its drafts follow the tokens
-    # read back.
+    # N + 1's write lies beyond. A request with a prediction runs in synchronous steps until its output has passed
+    # the prediction's end: its drafts follow the tokens read back.
 
     @staticmethod
     def _overlappable(r: Request) -> bool:
-        return r.status == RequestStatus.RUNNING and not r.sampling.beam_width and r.prediction is None
+        p = r.prediction
+        return (r.status == RequestStatus.RUNNING and not r.sampling.beam_width
+                and (p is None or p.cursor >= len(p.token_ids)))
 
     @staticmethod
     def _reads_output(r: Request) -> bool:
@@ -446,13 +448,22 @@ class LLMEngine:
             num_rows = 1 + len(s.draft_token_ids)
             tokens = sampled.token_ids[row:row + num_rows]
             logprobs = sampled.logprobs[row:row + num_rows]
+            num_accepted = 0
             if s.draft_token_ids:  # emit up to the first rejected draft, inclusive
                 accepted = sampled.accepted[row:row + num_rows - 1]
                 num_accepted = next((i for i, a in enumerate(accepted) if not a), len(accepted))
                 tokens, logprobs = tokens[:num_accepted + 1], logprobs[:num_accepted + 1]
                 self._after_verify(s, num_accepted)
             row += num_rows
-            outputs.append(self._emit(s.request, tokens, logprobs, now))
+            before = s.request.num_tokens
+            out = self._emit(s.request, tokens, logprobs, now)
+            if (p := s.request.prediction) is not None:
+                if s.draft_token_ids:
+                    self.predictions.verified(s.request, len(s.draft_token_ids), num_accepted,
+                                              s.request.num_tokens - before)
+                    out.prediction_tokens = (p.accepted, p.rejected)
+                self.predictions.advance(s.request)
+            outputs.append(out)
         for beams in reported.values():
             if beams.group.ready():
                 outputs.extend(self._beam_step(beams, now))
@@ -502,10 +513,7 @@ class LLMEngine:
         they count as computed (a request that stops among them is freed anyway)."""
         r = s.request
         self.spec_stats.record(len(s.draft_token_ids), num_accepted, num_accepted + 1)
-        if r.prediction is not None:
-            r.prediction.accepted += num_accepted
-            r.prediction.rejected += len(s.draft_token_ids) - num_accepted
-        else:
+        if r.prediction is None:  # (a prediction's counts follow _emit: PredictionProposer.verified)
             self.proposer.accepted(r, r.num_tokens, num_accepted, len(s.draft_token_ids))
         r.num_computed_tokens += num_accepted
 

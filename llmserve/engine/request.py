@@ -41,7 +41,8 @@ class Prediction:
     accepted: int = 0  # drafts verified and kept
     rejected: int = 0  # drafts verified and refused
     length: int = 0  # drafts to propose next (0: as many as the step allows)
-    proposed: int = 0  # drafts proposed in the step whose tokens align() has not seen yet
+    proposed: int = 0  # drafts verified in the step whose tokens align() has not seen yet
+    aligned: bool = True  # whether the output's end was found in the prediction (at the cursor) after its last step
 
 
 @dataclass(eq=False)  # identity semantics: two requests are never "equal"

@@ -118,7 +118,8 @@ class Scheduler:
             if n == 0:  # a beam that reported its step and waits for the rest of its group
                 i += 1
                 continue
-            lookahead = self._lookahead(request, budget)
+            # (drafts leave a token of the budget for each running request after this one)
+            lookahead = self._lookahead(request, budget - (len(self.running) - i - 1))
             if lookahead and self.kv.allocate(request, n + lookahead):  # drafts never cause a preemption
                 scheduled.append(ScheduledRequest.of(request, n, lookahead))
                 budget -= n + lookahead
@@ -165,13 +166,14 @@ class Scheduler:
                 self.kv.prefix_stats.hit_tokens += num_cached
             if self.sessions is not None and request.session_id is not None:
                 self.sessions.claim(request, num_cached if start.source == "session" else 0)
+            # (an n > 1 sibling's prompt is the first one's, even where it finds those blocks in the prefix cache)
+            if request.first_scheduled_time is None and request.prompt_source is None and start.source != "fork":
+                request.num_cached_prompt_tokens = num_cached
             request.prompt_source = None
             del self.waiting[j]
             if request.lora is not None:
                 loras.add(id(request.lora))
             request.num_computed_tokens = num_cached
-            if request.first_scheduled_time is None and start.source in ("cache", "session"):
-                request.num_cached_prompt_tokens = num_cached
             request.status = RequestStatus.RUNNING
             request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
             self.running.append(request)
@@ -181,10 +183,14 @@ class Scheduler:
 
     def _lookahead(self, request: Request, budget: int) -> int:
         """Draft tokens a decoding request may verify this step: none past its max_new_tokens (the
-        last draft is followed by one more sampled token) or its session length, nor from a prediction whose end the
-        output has passed."""
+        last draft is followed by one more sampled token) or its session length; from a prediction, no more than it
+        has left after the output's position in it, and none where that position was lost."""
         p = request.prediction
-        wanted = self.num_lookahead_tokens if p is None else self.num_prediction_tokens * (p.cursor < len(p.token_ids))
+        if p is None:
+            wanted = self.num_lookahead_tokens
+        else:  # as many as the proposer will draft from where the output stands in it (PredictionProposer)
+            wanted = min(self.num_prediction_tokens, p.length or self.num_prediction_tokens, len(p.token_ids) - p.cursor)
+            wanted *= p.aligned
         if not wanted or request.num_tokens - request.num_computed_tokens != 1:
             return 0
         if request.sampling.beam_width:

@@ -103,6 +103,9 @@ class PredictionProposer(Proposer):
     before; a run of two only within `reach` tokens after the cursor, a single token within reach / 4 (a short run
     found anywhere is mostly chance, and drafts from the wrong place). With no such run the step drafts nothing.
 
+    The engine calls `advance` after every step of such a request (its cursor and draft length are then current when
+    the scheduler reserves room for drafts) and `verified` after a step that verified drafts.
+
     How many: a step's drafts cost compute whether or not they are kept (SmolLM2's single-request step on a 2-core
     Xeon with AMX: 9.1 ms plain, 10.7 with one draft, 13.0 with 2-4, 14.6 with 15), so after a rejected draft the next
     step proposes one more than were accepted, and after all were accepted twice as many, up to the step's
@@ -117,12 +120,29 @@ class PredictionProposer(Proposer):
         out = {}
         for s in scheduled:
             p = s.request.prediction
-            if p is not None and s.lookahead and self.align(p, s.request.output_token_ids):
+            if p is not None and s.lookahead and p.aligned:
                 k = min(s.lookahead, p.length or s.lookahead)
                 if drafts := p.token_ids[p.cursor:p.cursor + k]:
                     out[s.request] = drafts
-                    p.proposed = len(drafts)
         return out
+
+    def advance(self, request: Request) -> None:
+        """After a step of a request with a prediction: where its output now stands in the prediction."""
+        p = request.prediction
+        assert p is not None
+        p.aligned = self.align(p, request.output_token_ids)
+
+    @staticmethod
+    def verified(request: Request, num_drafts: int, num_accepted: int, num_appended: int) -> None:
+        """After a step that verified num_drafts drafts of the prediction and appended num_appended tokens (fewer than
+        num_accepted + 1 where a stop ended the sequence among them): the drafts kept in the output count as
+        accepted, the others as rejected; align() reads num_drafts against the tokens that followed."""
+        p = request.prediction
+        assert p is not None
+        kept = min(num_accepted, num_appended)
+        p.accepted += kept
+        p.rejected += num_drafts - kept
+        p.proposed = num_drafts
 
     def align(self, p: Prediction, output: list[int]) -> bool:
         """Move p's cursor past the output's new tokens; whether the output's end was found in the prediction."""

@@ -179,7 +179,7 @@ def chat_generation_config(model: ServedModel, req: ChatCompletionRequest, max_t
         raise ApiError(400, "prompt_logprobs: not available when streaming a chat completion", param="prompt_logprobs")
     changes: dict[str, Any] = {"logprobs": logprobs, "prompt_logprobs": req.prompt_logprobs,
                                "response_format": output.constraint(openai_structured_output(req)),
-                               "prediction": predicted_text(req.prediction)}
+                               "prediction": _prediction_ids(model, predicted_text(req.prediction))}
     if output.uses_tools and "skip_special_tokens" not in req.model_fields_set:
         changes["skip_special_tokens"] = False  # Mistral's [TOOL_CALLS] is a special token: the parser must see it
     # a grammar the tools asked for is refused (beam search) under the name of the field that asked
@@ -277,6 +277,11 @@ def predicted_text(prediction: dict[str, Any] | None) -> str | None:
                                          and set(p) == {"type", "text"} for p in content):
         return "".join(p["text"] for p in content)
     raise ApiError(400, f"prediction: {shape}", param="prediction")
+
+
+def _prediction_ids(model: ServedModel, text: str | None) -> list[int] | None:
+    """The prediction tokenized here, as prompts are, not on the engine's thread (a long one would hold up steps)."""
+    return None if text is None else model.tokenizer.encode(text, add_special_tokens=False)
 
 
 def legacy_functions(req: ChatCompletionRequest) -> bool:

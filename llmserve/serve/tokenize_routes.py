@@ -9,7 +9,7 @@ them), TGI's POST /tokenize, and vLLM's GET /version. Nothing here runs the mode
   `continue_final_message` asking otherwise are refused, not ignored).
 - TGI's /tokenize: `{"inputs": "...", "parameters": {...}}` -> `[{"id", "text", "start", "stop"}]`, each token with
   its characters in `inputs` (special tokens the tokenizer adds, such as BOS, have none: their text is the token's
-  own). `parameters.truncate` keeps the last that many tokens, as /generate does; the other parameters change no
+  own; a Python tokenizer, which has no offsets, gives each token's text and span in the ids decoded up to it). `parameters.truncate` keeps the last that many tokens, as /generate does; the other parameters change no
   tokens.
 - /detokenize: `{"tokens": [...]}` -> `{"prompt": text}` (special tokens kept).
 - /version: `{"version": ...}`.
@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 import llmserve
 from llmserve.serve.chat_tools import chat_tool_request
 from llmserve.serve.errors import ApiError, OpenAIError, TgiError, error_responses
-from llmserve.serve.openai_params import chat_prompt, check_model
+from llmserve.serve.openai_params import chat_prompt, check_model, legacy_functions
 from llmserve.serve.protocol import ChatCompletionRequest
 from llmserve.serve.state import ServedModel, ServerState
 
@@ -71,9 +71,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     if len(given) != 1:
         raise ApiError(400, "send one of prompt (text), messages (a chat) or inputs (TGI's body), got "
                             f"{' and '.join(given) or 'none'}", param="prompt")
+    check_model(model, body.model)
     if body.inputs is not None:
         return JSONResponse(_tgi_tokens(model, body))
-    check_model(model, body.model)
     tok = model.tokenizer
     if body.prompt is not None:
         _only_for_chat(body)
@@ -102,6 +102,7 @@ async def _chat_tokens(state: ServerState, model: ServedModel, body: TokenizeReq
         raise ApiError(400, f"{where}: {err['msg']}", param=str(err.get("loc", ("messages",))[0])) from None
     if not req.messages:
         raise ApiError(400, "messages: at least one message is needed", param="messages")
+    legacy_functions(req)  # a history in the deprecated functions API, rendered as the chat route renders it
     continues = req.messages[-1].role == "assistant"  # as the chat route renders (chat_template.py)
     if body.continue_final_message is not None and body.continue_final_message != continues:
         raise ApiError(400, "continue_final_message: the chat template continues a last assistant message and "
@@ -128,13 +129,19 @@ def _tgi_tokens(model: ServedModel, body: TokenizeRequest) -> list[dict[str, Any
     if truncate is not None and (not isinstance(truncate, int) or isinstance(truncate, bool) or truncate < 1):
         raise ApiError(400, f"`truncate` must be a positive integer, got {truncate!r}", param="truncate")
     tok = model.tokenizer
-    enc = tok(body.inputs, return_offsets_mapping=True)
-    ids, spans = enc["input_ids"], enc["offset_mapping"]
-    if truncate is not None:
-        ids, spans = ids[-truncate:], spans[-truncate:]
-    names = tok.convert_ids_to_tokens(ids)
-    return [{"id": i, "text": body.inputs[a:b] if b > a else name, "start": a, "stop": b}
-            for i, (a, b), name in zip(ids, spans, names, strict=True)]
+    if tok.is_fast:
+        enc = tok(body.inputs, return_offsets_mapping=True)
+        ids, spans = enc["input_ids"], enc["offset_mapping"]
+        names = tok.convert_ids_to_tokens(ids)
+        texts = [body.inputs[a:b] if b > a else name for (a, b), name in zip(spans, names, strict=True)]
+    else:  # a Python tokenizer has no offsets: each token's text and span in the ids decoded up to it
+        ids = tok.encode(body.inputs)
+        decoded = [tok.decode(ids[:i + 1], clean_up_tokenization_spaces=False) for i in range(len(ids))]
+        ends = [len(d) for d in decoded]
+        spans = list(zip([0, *ends[:-1]], ends))
+        texts = [d[a:b] for d, (a, b) in zip(decoded, spans, strict=True)]
+    out = [{"id": i, "text": t, "start": a, "stop": b} for i, t, (a, b) in zip(ids, texts, spans, strict=True)]
+    return out[-truncate:] if truncate is not None else out
 
 
 @router.post("/detokenize", responses=_TGI)

@@ -229,7 +229,7 @@ def test_a_verify_sized_span_over_the_cache_runs_fp32() -> None:
     """A span of at most one 16-token tile over a cached context (speculative decoding's verify span: a token and its
     drafts) runs the fp32 path whatever the call's, bit for bit: the nearer to the decode kernel, which computes the
     same rows when no drafts are verified. A fresh prompt of 16 and a cached span of 17 keep the amx path. (The dot
-    path runs fp32 there too, but its outputs already match the FMAs' nearly always: nothing to tell apart.)"""
+    path keeps its spans: its P is fp32, and its outputs match the FMAs' nearly always.)"""
     case = _case([(300, 16), (37, 2), (0, 16), (200, 17)], 9, 3, 64, 16, torch.bfloat16, torch.bfloat16, seed=5)
     got, want = _both(*case, scale=0.125, window=None, kernel="amx")
     fma, _ = _both(*case, scale=0.125, window=None, kernel="fp32")

@@ -215,7 +215,72 @@ def test_a_prediction_whose_end_is_passed_reserves_no_more_drafts(tiny_model_dir
         out = generate(engine, [GenerationConfig(**GREEDY, prediction=t[:3] if i == 0 else None)
                                 for i, t in enumerate(reference)])
         assert out == reference
-        # the prefill gave the first token: the first decode step drafts the other two; the next still reserves
-        # drafts (the cursor moves when the proposer sees that step's tokens) and finds the end; none after it
+        # the prefill gave the first token: the first decode step reserves and drafts the other two; none after it
         assert engine.spec_stats.num_draft_tokens == engine.spec_stats.num_accepted_tokens == 2
-        assert [n for n in lookaheads if n] == [15, 15]
+        assert [n for n in lookaheads if n] == [2]
+
+
+def finals(engine, gens: list[GenerationConfig]) -> list:
+    """Each request's last SequenceOutput (n = 1), prompts() batched."""
+    for i, (ids, gen) in enumerate(zip(prompts(), gens, strict=True)):
+        engine.add_request(str(i), ids, gen)
+    last = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            last[o.request_id] = o
+    return [last[str(i)] for i in range(len(gens))]
+
+
+def test_each_request_counts_its_accepted_and_rejected_prediction_tokens(tiny_model_dir, reference):
+    with pipeline(tiny_model_dir("llama"), backend_config=EngineConfig(dtype="float32", block_size=8)) as pipe:
+        out = finals(pipe.engine, [GenerationConfig(**GREEDY, prediction=t if i == 2 else edited(t))
+                                   for i, t in enumerate(reference)])
+        stats = pipe.engine.spec_stats
+        # every token but the prefill's and two verify steps' own (15 drafts, then the 6 that max_new_tokens leaves)
+        assert out[2].prediction_tokens == (NEW_TOKENS - 3, 0)
+        assert sum(o.prediction_tokens[0] for o in out) == stats.num_accepted_tokens
+        assert sum(sum(o.prediction_tokens) for o in out) == stats.num_draft_tokens
+        assert all(o.prediction_tokens[1] > 0 for i, o in enumerate(out) if i != 2)  # the edits refused some
+
+
+def test_drafts_past_a_stop_count_as_rejected(tiny_model_dir, reference):
+    # a prompt whose output has a token first given mid-way, to stop at
+    j, k = next((j, k) for j, t in enumerate(reference) for k in range(8, len(t)) if t.index(t[k]) == k)
+    ref, stop = reference[j], reference[j][k]
+    with pipeline(tiny_model_dir("llama"), backend_config=EngineConfig(dtype="float32")) as pipe:
+        gen = GenerationConfig(**GREEDY, stop_token_ids=[stop], prediction=ref)
+        engine = pipe.engine
+        engine.add_request("r", prompts()[j], gen)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs.extend(engine.step())
+        assert [t for o in outs for t in o.new_token_ids] == ref[:ref.index(stop)]
+        accepted, rejected = outs[-1].prediction_tokens
+        assert engine.spec_stats.num_accepted_tokens > accepted  # drafts past the stop were verified ...
+        assert accepted <= ref.index(stop) and accepted + rejected == engine.spec_stats.num_draft_tokens  # ... not kept
+
+
+def test_best_of_keeps_the_counts(tiny_model_dir, reference):
+    with pipeline(tiny_model_dir("llama"), backend_config=EngineConfig(dtype="float32")) as pipe:
+        gen = GenerationConfig(temperature=1.0, max_new_tokens=NEW_TOKENS, ignore_eos=True, best_of=2, random_seed=3,
+                               prediction=reference[0])
+        out = finals(pipe.engine, [gen] + [GenerationConfig(**GREEDY)] * (len(prompts()) - 1))[0]
+        assert out.prediction_tokens is not None and sum(out.prediction_tokens) > 0
+
+
+def test_drafts_leave_a_token_for_every_running_request(tiny_model_dir, reference):
+    # a small budget: each step schedules every running request before giving any drafts
+    with pipeline(tiny_model_dir("llama"), backend_config=EngineConfig(dtype="float32", block_size=8,
+                                                                       max_prefill_token_num=12)) as pipe:
+        engine, starved = pipe.engine, []
+        schedule = engine.scheduler.schedule
+
+        def recording():
+            running = [r for r in engine.scheduler.running if r.num_output_tokens > 0]
+            plan = schedule()
+            starved.extend(set(running) - {s.request for s in plan.scheduled})
+            return plan
+
+        engine.scheduler.schedule = recording
+        assert generate(engine, [GenerationConfig(**GREEDY, prediction=t) for t in reference]) == reference
+        assert engine.spec_stats.num_draft_tokens > 0 and not starved

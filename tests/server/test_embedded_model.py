@@ -153,6 +153,7 @@ def test_vllm_tokenize_and_detokenize(smol: tuple[EngineHandle, RunningServer], 
     ({"prompt": "a", "chat_template_kwargs": {"x": 1}}, 400, "chat_template_kwargs"),
     ({"prompt": "a", "frequency_penalty": 1}, 400, "frequency_penalty"),
     ({"inputs": "a", "prompt": "b"}, 400, "prompt"),
+    ({"inputs": "a", "model": "another-model"}, 404, None),
     ({"inputs": "a", "parameters": {"truncate": 0}}, 400, "truncate"),
 ])
 def test_bad_tokenize_bodies_are_refused(smol: tuple[EngineHandle, RunningServer], body: dict, status: int,

@@ -230,9 +230,10 @@ def test_usage_counts_the_prompt_tokens_taken_from_the_prefix_cache(client: open
     chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
     prompt = "Another prompt of several blocks for the completions route, sent twice. " * 2
-    first = client.completions.create(model="tiny-llama", prompt=[prompt, "Hi"], max_tokens=2, n=2, temperature=1)
+    more = {"max_tokens": 2, "n": 2, "temperature": 1, "extra_body": {"ignore_eos": True}}  # (both siblings go on)
+    first = client.completions.create(model="tiny-llama", prompt=[prompt, "Hi"], **more)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
-    again = client.completions.create(model="tiny-llama", prompt=[prompt, "Hi"], max_tokens=2, n=2, temperature=1)
+    again = client.completions.create(model="tiny-llama", prompt=[prompt, "Hi"], **more)
     # the long prompt's full blocks before its last token (computed again to give the first token's logits); "Hi"
     # fills none; each prompt counted once for its two choices
     assert again.usage.prompt_tokens_details.cached_tokens == (len(tiny.tokenizer.encode(prompt)) - 1) // 16 * 16

@@ -527,16 +527,17 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   // head) whose keys are bf16 (a fresh prompt's, or a bf16 cache's), made once here; other spans keep FMAs
   constexpr bool kBf16Cache = std::is_same_v<TC, c10::BFloat16>;
   const bool amx = path == 2 && std::is_same_v<TQ, c10::BFloat16>;
-  // A span of one tile over a cached context (speculative decoding's verify span: a token and up to 15 drafts) runs
-  // the fp32 path, the nearer to the fp32 decode kernel that computes the same rows without drafts: against it, the
+  // On the amx path, a span of one tile over a cached context (speculative decoding's verify span: a token and up to
+  // 15 drafts) runs the fp32 path, the nearer to the fp32 decode kernel that computes the same rows without drafts: against it, the
   // amx path's outputs differed by a bf16 unit in 0.24% of elements, the fp32 path's in 0.023% (bf16, 20 spans of 32
   // tokens over 20-800 cached). At a near tie that unit decides a greedy token: SmolLM2 given a prediction equal to
   // its own output differed at token 176 of 300 on amx, nowhere on fp32. At one tile the paths cost the same (2-core
   // Xeon with AMX, a layer over 2,000 cached tokens: 9 tokens 0.54 / 0.52 ms fp32 / amx, 17 tokens 0.73 / 0.76; 33
-  // tokens 1.03 / 0.48, so not past one tile).
+  // tokens 1.03 / 0.48, so not past one tile). The dot path keeps P fp32 and agrees with the FMAs nearly always
+  // (tests/attention/test_prefill_attention.py): it keeps its spans.
   std::vector<int64_t> span_path(spans.size());
   for (size_t s = 0; s < spans.size(); ++s)
-    span_path[s] = spans[s].num_cached > 0 && spans[s].q_len <= kShortSpanTokens ? 0 : path;
+    span_path[s] = path == 2 && spans[s].num_cached > 0 && spans[s].q_len <= kShortSpanTokens ? 0 : path;
   std::vector<int64_t> vt_at(spans.size() * KVH + 1, 0);
   std::vector<uint16_t> vts;
   if (amx) {
