@@ -108,29 +108,32 @@ class Pipeline:
 
     # --- calls ---------------------------------------------------------------------------
 
-    def __call__(self, prompts: Prompt | list[Prompt], gen_config: GenerationConfig | None = None,
+    def __call__(self, prompts: Prompt | list[Prompt], gen_config: GenerationConfig | list[GenerationConfig] | None = None,
                  do_preprocess: bool = True, adapter_name: str | list[str | None] | None = None,
                  **gen_kwargs: Any) -> Response | list[Response]:
-        """`adapter_name` (LMDeploy's): a loaded LoRA adapter for every prompt, or a list with one per prompt (None:
-        the base model). Prompts with different adapters run in the same batch."""
+        """`gen_config` (LMDeploy's): one for every prompt, or a list with one per prompt. `adapter_name` (LMDeploy's):
+        a loaded LoRA adapter for every prompt, or a list with one per prompt (None: the base model). Prompts with
+        different settings or adapters run in the same batch."""
         batch, single = _as_batch(prompts)
         max_length = self._max_length(gen_config, gen_kwargs)
-        gen = self._gen_config(gen_config, gen_kwargs)
-        responses = self._collect(batch, gen, do_preprocess, max_length=max_length, adapter_name=adapter_name)
-        return responses[0] if single and gen.n == 1 else responses
+        gens = self._gen_configs(gen_config, gen_kwargs, len(batch))
+        responses = self._collect(batch, gens, do_preprocess, max_length=max_length, adapter_name=adapter_name)
+        return responses[0] if single and gens[0].n == 1 else responses
 
-    def _collect(self, batch: list[Prompt], gen: GenerationConfig, do_preprocess: bool,
+    def _collect(self, batch: list[Prompt], gens: GenerationConfig | list[GenerationConfig], do_preprocess: bool,
                  session_id: str | None = None, max_length: int | None = None,
                  adapter_name: str | list[str | None] | None = None) -> list[Response]:
+        gens = gens if isinstance(gens, list) else [gens] * len(batch)
         results: dict[tuple[int, int], Response] = {}
-        for r, out in self._generate(batch, gen, do_preprocess, session_id, max_length, adapter_name):
+        for r, out in self._generate(batch, gens, do_preprocess, session_id, max_length, adapter_name):
             key = (r.index, out.index)
-            acc = results.setdefault(key, dataclasses.replace(r, text="", token_ids=[],
-                                                              logprobs=[] if gen.logprobs is not None else None))
+            logprobs = [] if gens[r.index].logprobs is not None else None
+            acc = results.setdefault(key, dataclasses.replace(r, text="", token_ids=[], logprobs=logprobs))
             _accumulate(acc, r)
         return [results[k] for k in sorted(results)]
 
-    def stream_infer(self, prompts: Prompt | list[Prompt], gen_config: GenerationConfig | None = None,
+    def stream_infer(self, prompts: Prompt | list[Prompt],
+                     gen_config: GenerationConfig | list[GenerationConfig] | None = None,
                      do_preprocess: bool = True, session_id: str | None = None,
                      adapter_name: str | list[str | None] | None = None, **gen_kwargs: Any) -> Iterator[Response]:
         """Yield a Response per step and sequence carrying the new text and token ids (deltas);
@@ -138,14 +141,14 @@ class Pipeline:
 
         `session_id` (one prompt, one sequence): the engine keeps this conversation's KV after the
         answer, and a later call with the same id prefills only what its prompt adds (engine/sessions.py;
-        `end_session_id` frees it). `adapter_name`: as for __call__."""
+        `end_session_id` frees it). `gen_config`, `adapter_name`: as for __call__."""
         batch, _ = _as_batch(prompts)
         max_length = self._max_length(gen_config, gen_kwargs)
-        gen = self._gen_config(gen_config, gen_kwargs)
+        gens = self._gen_configs(gen_config, gen_kwargs, len(batch))
         if session_id is not None and len(batch) != 1:  # (n, best_of and beam search: the engine refuses them)
             raise InvalidRequestError(f"session_id: a session continues one sequence; give one prompt, not "
                                       f"{len(batch)}", param="session_id")
-        for r, _ in self._generate(batch, gen, do_preprocess, session_id, max_length, adapter_name):
+        for r, _ in self._generate(batch, gens, do_preprocess, session_id, max_length, adapter_name):
             yield r
 
     def chat(self, prompt: str | tuple, session: Session | None = None, gen_config: GenerationConfig | None = None,
@@ -222,6 +225,17 @@ class Pipeline:
             changes["temperature"] = 0.0
         return (gen_config or self.default_gen_config).replace(**changes)
 
+    def _gen_configs(self, gen_config: GenerationConfig | list[GenerationConfig] | None, kwargs: dict[str, Any],
+                     num_prompts: int) -> list[GenerationConfig]:
+        """One config per prompt: LMDeploy's gen_config is one for all, or a list with one per prompt (the keywords
+        change each)."""
+        if not isinstance(gen_config, (list, tuple)):
+            return [self._gen_config(gen_config, kwargs)] * num_prompts
+        if len(gen_config) != num_prompts:
+            raise InvalidRequestError(f"gen_config: a list of {len(gen_config)} configs for {num_prompts} prompts; "
+                                      "give one per prompt, or one for all", param="gen_config")
+        return [self._gen_config(g, kwargs) for g in gen_config]
+
     def _max_length(self, gen_config: GenerationConfig | None, kwargs: dict[str, Any]) -> int | None:
         """Take MII's `max_length` (prompt plus output tokens) out of the keywords; None when not given.
 
@@ -233,8 +247,9 @@ class Pipeline:
             return None
         bounds = [k for k in ("max_new_tokens", "max_tokens") if kwargs.get(k) is not None]
         defaults = (_DEFAULT_MAX_NEW_TOKENS, self.default_gen_config.max_new_tokens)
-        if gen_config is not None and gen_config.max_new_tokens not in defaults:
-            bounds.append(f"gen_config's max_new_tokens={gen_config.max_new_tokens}")
+        for c in gen_config if isinstance(gen_config, (list, tuple)) else [gen_config]:
+            if isinstance(c, GenerationConfig) and c.max_new_tokens not in defaults:
+                bounds.append(f"gen_config's max_new_tokens={c.max_new_tokens}")
         if bounds:
             raise InvalidRequestError(
                 f"max_length and {bounds[0]}: give one of the two. max_length bounds the prompt plus the output "
@@ -307,7 +322,7 @@ class Pipeline:
         _, ids, mm = raw_with_images(text, [s for _, s in parts], self.processor, limits, [w for w, _ in parts])
         return ids, mm
 
-    def _generate(self, batch: list[Prompt], gen: GenerationConfig, do_preprocess: bool,
+    def _generate(self, batch: list[Prompt], gens: list[GenerationConfig], do_preprocess: bool,
                   session_id: str | None = None, max_length: int | None = None,
                   adapter_name: str | list[str | None] | None = None) -> Iterator[tuple[Response, SequenceOutput]]:
         engine = self._engine()
@@ -319,7 +334,7 @@ class Pipeline:
         # Every prompt's budget is checked before any request is queued.
         gens = [gen if max_length is None else
                 _within(gen, max_length, len(toks), _subject(i, len(batch)), _counted(p, do_preprocess))
-                for i, (p, toks) in enumerate(zip(batch, token_ids))]
+                for i, (p, toks, gen) in enumerate(zip(batch, token_ids, gens, strict=True))]
         ids = [str(next(self._ids)) for _ in batch]
         added: list[str] = []
         try:
@@ -327,7 +342,7 @@ class Pipeline:
                 engine.add_request(rid, toks, prompt_gen, session_id, mm, adapter)
                 added.append(rid)
             position = {rid: i for i, rid in enumerate(ids)}
-            unfinished = len(ids) * gen.n
+            unfinished = sum(g.n for g in gens)
             while unfinished:
                 for out in engine.step():
                     unfinished -= out.finished

@@ -185,3 +185,25 @@ def test_watermark_is_detectable_and_keeps_the_seed(pipe):
     alone = pipe(ids(6, 0), gen_config=seeded).token_ids
     batched = run_engine(pipe.engine, {"w": (ids(6, 0), seeded), "o": (ids(5, 4), SAMPLED)})
     assert batched["w"] == alone
+
+
+def test_a_gen_config_per_prompt(pipe):
+    """LMDeploy's `pipe(prompts, gen_config=[...])`: each prompt with its own config, in one batch, each answer as
+    that prompt alone gets it (n and logprobs per prompt too); streamed alike; a list of another length refused."""
+    prompts = [ids(6, 0), ids(9, 1), ids(4, 2)]
+    gens = [SAMPLED.replace(random_seed=7), GenerationConfig(temperature=0.0, max_new_tokens=5, logprobs=2),
+            SAMPLED.replace(random_seed=1, n=2, max_new_tokens=3)]
+    alone = [pipe(p, gen_config=g) for p, g in zip(prompts, gens)]
+    together = pipe(prompts, gen_config=gens)
+    assert [r.index for r in together] == [0, 1, 2, 2]
+    assert [r.token_ids for r in together] == [alone[0].token_ids, alone[1].token_ids,
+                                               *[r.token_ids for r in alone[2]]]
+    assert [len(r.token_ids) for r in together] == [10, 5, 3, 3]
+    assert together[0].logprobs is None and len(together[1].logprobs) == 5
+    streamed: dict[int, list[int]] = {0: [], 1: []}
+    for r in pipe.stream_infer(prompts[:2], gen_config=gens[:2]):
+        streamed[r.index] += r.token_ids
+    assert streamed == {0: alone[0].token_ids, 1: alone[1].token_ids}
+    with pytest.raises(Exception, match="gen_config: a list of 2 configs for 3 prompts"):
+        pipe(prompts, gen_config=gens[:2])
+    assert pipe.engine.kv.usage().in_use == 0
