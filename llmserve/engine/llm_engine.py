@@ -616,8 +616,8 @@ class LLMEngine:
         vocab = self.loaded.hf_config.vocab_size
         bad = next((t for t in gen.prediction if t >= vocab), None)
         if bad is not None:
-            raise InvalidRequestError(f"prediction: token id {bad} is out of range (vocabulary of {vocab})",
-                                      param="prediction")
+            raise InvalidRequestError(f"prediction: token id {bad} is out of range: this model's ids are 0 to "
+                                      f"{vocab - 1}", param="prediction")
         return gen.prediction
 
     def _validate_prompt(self, ids: list[int], gen: GenerationConfig) -> None:

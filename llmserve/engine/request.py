@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from llmserve.sampling.params import SamplingParams
@@ -43,6 +45,11 @@ class Prediction:
     length: int = 0  # drafts to propose next (0: as many as the step allows)
     proposed: int = 0  # drafts verified in the step whose tokens align() has not seen yet
     aligned: bool = True  # whether the output's end was found in the prediction (at the cursor) after its last step
+
+    @functools.cached_property
+    def array(self) -> np.ndarray:
+        """token_ids as int64, made once: realignment searches it every step the output is off the prediction."""
+        return np.asarray(self.token_ids, dtype=np.int64)
 
 
 @dataclass(eq=False)  # identity semantics: two requests are never "equal"

@@ -189,8 +189,8 @@ class Scheduler:
         if p is None:
             wanted = self.num_lookahead_tokens
         else:  # as many as the proposer will draft from where the output stands in it (PredictionProposer)
-            wanted = min(self.num_prediction_tokens, p.length or self.num_prediction_tokens, len(p.token_ids) - p.cursor)
-            wanted *= p.aligned
+            wanted = 0 if not p.aligned else min(self.num_prediction_tokens, p.length or self.num_prediction_tokens,
+                                                 len(p.token_ids) - p.cursor)
         if not wanted or request.num_tokens - request.num_computed_tokens != 1:
             return 0
         if request.sampling.beam_width:

@@ -117,13 +117,13 @@ class PredictionProposer(Proposer):
         self.reach = reach
 
     def propose(self, scheduled: list[ScheduledRequest], tables: dict[Request, list[int]]) -> dict[Request, list[int]]:
+        """The prediction's next tokens from its cursor, as many as the scheduler made room for (it sizes the
+        lookahead by the cursor, the draft length and whether the output is aligned: Scheduler._lookahead)."""
         out = {}
         for s in scheduled:
             p = s.request.prediction
-            if p is not None and s.lookahead and p.aligned:
-                k = min(s.lookahead, p.length or s.lookahead)
-                if drafts := p.token_ids[p.cursor:p.cursor + k]:
-                    out[s.request] = drafts
+            if p is not None and (drafts := p.token_ids[p.cursor:p.cursor + s.lookahead]):
+                out[s.request] = drafts
         return out
 
     def advance(self, request: Request) -> None:
@@ -156,16 +156,18 @@ class PredictionProposer(Proposer):
             p.proposed = 0
         if same == len(new):
             return True
-        tokens = np.asarray(p.token_ids, dtype=np.int64)
+        tokens = p.array
         tail = np.asarray(output[-self.max_n:], dtype=np.int64)
         for n in range(min(self.max_n, len(tail), len(tokens)), 0, -1):
             windows = np.lib.stride_tricks.sliding_window_view(tokens, n)
-            ends = np.flatnonzero((windows == tail[-n:]).all(axis=1)) + n
+            ends = np.flatnonzero((windows == tail[-n:]).all(axis=1)) + n  # where each occurrence ends
             after = ends[ends >= p.cursor]
-            if n < 3:  # a short run only near the cursor: one found far off is mostly chance
-                after, ends = after[after <= p.cursor + (self.reach if n == 2 else self.reach // 4)], after[:0]
-            if after.size or ends.size:
+            if n >= 3 and (after.size or ends.size):
                 p.cursor = int(after[0] if after.size else ends[-1])
+                return True
+            near = after[after <= p.cursor + (self.reach if n == 2 else self.reach // 4)]
+            if n < 3 and near.size:  # a short run only near the cursor: one found far off is mostly chance
+                p.cursor = int(near[0])
                 return True
         return False
 
