@@ -28,6 +28,7 @@ _EXPORTS = {
     "InvalidRequestError": "llmserve.errors", "LLMServeError": "llmserve.errors",
     "ModelLoadError": "llmserve.errors", "PromptTooLongError": "llmserve.errors",
     "Pipeline": "llmserve.api", "Response": "llmserve.api", "Session": "llmserve.api",
+    "EmbeddingResponse": "llmserve.api",
     "pipeline": "llmserve.api",
     "PytorchEngineConfig": "llmserve.lmdeploy_compat", "TurbomindEngineConfig": "llmserve.lmdeploy_compat",
     "VisionConfig": "llmserve.lmdeploy_compat",

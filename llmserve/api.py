@@ -56,6 +56,15 @@ class Response:
 
 
 @dataclass
+class EmbeddingResponse:
+    """Pipeline.embed's answer for one input: the pooled vector (engine/pooling.py)."""
+
+    embedding: list[float]
+    input_token_len: int
+    index: int = 0  # position of the input in the call's batch
+
+
+@dataclass
 class Session:
     """A multi-turn conversation held by `Pipeline.chat`.
 
@@ -131,6 +140,56 @@ class Pipeline:
             acc = results.setdefault(key, dataclasses.replace(r, text="", token_ids=[], logprobs=logprobs))
             _accumulate(acc, r)
         return [results[k] for k in sorted(results)]
+
+    def embed(self, inputs: str | dict[str, Any] | list[str | dict[str, Any]], dimensions: int | None = None,
+              normalize: bool | None = None, adapter_name: str | list[str | None] | None = None
+              ) -> EmbeddingResponse | list[EmbeddingResponse]:
+        """Embeddings of texts (tokenized as they are, with the tokenizer's special tokens: no chat template) or
+        {"input_ids": [...]}, batched together, as vLLM's `LLM.embed`. The vector is pooled from the final hidden
+        states as EngineConfig.pooler_config, the checkpoint's sentence-transformers modules or the default (LAST,
+        normalized) say; `dimensions` keeps its first values (models trained for it: Matryoshka), `normalize`
+        overrides the model's L2 normalization."""
+        from llmserve.engine.pooling import EmbedParams
+
+        single = isinstance(inputs, (str, dict))
+        batch = [inputs] if single else inputs
+        if not isinstance(batch, list) or not batch:
+            raise InvalidRequestError("inputs must be a non-empty string, {'input_ids': [...]}, or a list of them",
+                                      param="inputs")
+        engine = self._engine()
+        adapters = _per_prompt(adapter_name, len(batch), "adapter_name")
+        token_ids = [self._embedding_ids(x) for x in batch]
+        ids = [str(next(self._ids)) for _ in batch]
+        params = EmbedParams(dimensions, normalize)
+        results: dict[str, EmbeddingResponse] = {}
+        added: list[str] = []
+        try:
+            for rid, toks, adapter in zip(ids, token_ids, adapters, strict=True):
+                engine.add_embedding_request(rid, toks, params, adapter)
+                added.append(rid)
+            position = {rid: i for i, rid in enumerate(ids)}
+            while len(results) < len(ids):
+                for out in engine.step():
+                    if out.embedding is not None:
+                        results[out.request_id] = EmbeddingResponse(out.embedding, out.num_prompt_tokens,
+                                                                     position[out.request_id])
+                    elif out.finished:
+                        raise InvalidRequestError(f"input {position[out.request_id]} was not embedded "
+                                                  f"({out.finish_reason})")
+        finally:
+            for rid in added:
+                if rid not in results:
+                    engine.abort(rid)
+        out = [results[rid] for rid in ids]
+        return out[0] if single else out
+
+    def _embedding_ids(self, item: Any) -> list[int]:
+        if isinstance(item, str):
+            return self.tokenizer(item, add_special_tokens=True)["input_ids"]
+        if isinstance(item, dict) and set(item) == {"input_ids"} and isinstance(item["input_ids"], list):
+            return item["input_ids"]
+        raise InvalidRequestError(f"an input to embed must be a string or {{'input_ids': [...]}}, got "
+                                  f"{type(item).__name__}", param="inputs")
 
     def stream_infer(self, prompts: Prompt | list[Prompt],
                      gen_config: GenerationConfig | list[GenerationConfig] | None = None,

@@ -8,6 +8,7 @@ Validation happens in `__post_init__` and raises `InvalidRequestError` naming th
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +87,39 @@ def parse_limit_mm(text: str) -> int:
     if number < 0:
         raise ValueError(f"must be >= 0, got {number}")
     return number
+
+
+# Embeddings: how a prompt's hidden states become one vector (engine/pooling.py)
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+
+
+def parse_pooler_config(value: Any) -> dict[str, Any] | None:
+    """EngineConfig.pooler_config: a dict, or its JSON (the command line), checked."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"pooler_config: not JSON ({e.msg}): {value!r}", param="pooler_config") from None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"pooler_config: expected an object, got {type(value).__name__}",
+                                  param="pooler_config")
+    unknown = sorted(set(value) - {"pooling_type", "normalize"})
+    if unknown:
+        raise InvalidRequestError(f"pooler_config: unknown key(s) {', '.join(unknown)}; the keys are pooling_type "
+                                  "(LAST, MEAN or CLS) and normalize (true or false)", param="pooler_config")
+    out = dict(value)
+    if "pooling_type" in out:
+        kind = out["pooling_type"]
+        if not isinstance(kind, str) or kind.upper() not in POOLING_TYPES:
+            raise InvalidRequestError(f"pooler_config: pooling_type must be one of {', '.join(POOLING_TYPES)}, got "
+                                      f"{kind!r}", param="pooler_config")
+        out["pooling_type"] = kind.upper()
+    if "normalize" in out and not isinstance(out["normalize"], bool):
+        raise InvalidRequestError(f"pooler_config: normalize must be true or false, got {out['normalize']!r}",
+                                  param="pooler_config")
+    return out
 
 
 def _check(ok: bool, param: str, message: str) -> None:
@@ -388,6 +422,13 @@ class EngineConfig:
                                         "per decoding step (15: with the step's own token, one 16-token tile of "
                                         "prefill attention, which verifies it on its fp32 path where the choice is "
                                         "amx; more take amx's sums); 0 leaves predictions unused.")
+    pooler_config: dict[str, Any] | None = _f(None, "Embeddings (/v1/embeddings, Pipeline.embed): how the prompt's final "
+                                                   "hidden states become one vector, over the checkpoint's "
+                                                   "sentence-transformers modules: {\"pooling_type\": \"LAST\" | "
+                                                   "\"MEAN\" | \"CLS\", \"normalize\": true | false} (a dict, or its "
+                                                   "JSON; vLLM's --pooler-config). Default: the checkpoint's modules, "
+                                                   "else LAST, normalized.",
+                                              aliases=("--override-pooler-config",))
     # vision-language models
     limit_mm_per_prompt: int = _f(8, "Vision-language models: the most images one prompt may carry (vLLM's "
                                      "--limit-mm-per-prompt; its forms image=N and '{\"image\": N}' are taken too).",
@@ -457,6 +498,7 @@ class EngineConfig:
         _check(self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min",
                f"must be <= prompt_lookup_max ({self.prompt_lookup_max}), got {self.prompt_lookup_min}")
         self.adapters = parse_adapters(self.adapters)
+        self.pooler_config = parse_pooler_config(self.pooler_config)
         if self.adapters:
             self.enable_lora = True
         for name in ("max_loras", "max_lora_rank"):

@@ -217,8 +217,10 @@ class TPWorkers:
 
 def _for_workers(span: Span) -> Span:
     """The span as the workers need it: prompt logprobs go to a scratch list of the same length (only rank 0's are
-    kept), not a copy of the request's."""
+    kept), not a copy of the request's; an embedding's pooling is rank 0's alone."""
     task = span.prompt_logprobs
+    if span.pooling is not None:
+        span = dataclasses.replace(span, pooling=None)
     if task is None:
         return span
     return dataclasses.replace(span, prompt_logprobs=dataclasses.replace(task, sink=[None] * len(task.sink)))

@@ -28,6 +28,7 @@ from typing import Any
 from llmserve.config import GenerationConfig
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.output import SequenceOutput
+from llmserve.engine.pooling import EmbedParams
 from llmserve.errors import EngineDeadError
 from llmserve.vl.inputs import MultiModalInputs
 
@@ -43,6 +44,7 @@ class _Add:
     session_id: str | None = None
     mm: MultiModalInputs | None = None  # a vision-language model's images
     adapter_name: str | None = None  # a loaded LoRA adapter (None: the base model)
+    embed: EmbedParams | None = None  # an embedding request (gen is then unused)
 
 
 @dataclass
@@ -168,6 +170,26 @@ class AsyncEngine:
             if unfinished:
                 self._commands.put(_Abort(request_id))
 
+    async def embed(self, request_id: str, prompt_token_ids: list[int], params: EmbedParams | None = None,
+                    adapter_name: str | None = None) -> SequenceOutput:
+        """An embedding request (LLMEngine.add_embedding_request): its one output, with the vector. Raises the
+        engine's InvalidRequestError if the request is refused; a caller that gives up waiting aborts it."""
+        if self._stopping:
+            raise RuntimeError("the engine is shutting down")
+        stream = _Stream(asyncio.get_running_loop())
+        self._commands.put(_Add(request_id, prompt_token_ids, GenerationConfig(), stream, None, None, adapter_name,
+                                params or EmbedParams()))
+        done = False
+        try:
+            item = await stream.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            done = item.finished
+            return item
+        finally:
+            if not done:
+                self._commands.put(_Abort(request_id))
+
     async def compile_grammar(self, gen: GenerationConfig) -> None:
         """Compile the request's grammar (if any, and not cached) off the engine thread; raises
         InvalidRequestError for a schema, regex or grammar that does not compile."""
@@ -241,8 +263,11 @@ class AsyncEngine:
             self._streams.pop(cmd.request_id, None)
             return
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.gen, cmd.session_id, cmd.mm,
-                                    cmd.adapter_name)
+            if cmd.embed is not None:
+                self.engine.add_embedding_request(cmd.request_id, cmd.prompt_token_ids, cmd.embed, cmd.adapter_name)
+            else:
+                self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.gen, cmd.session_id, cmd.mm,
+                                        cmd.adapter_name)
         except Exception as e:  # refused: tell that caller only
             cmd.stream.put(e)
             return

@@ -21,6 +21,7 @@ from llmserve.engine.beam_search import BeamGroup
 from llmserve.engine.groups import BeamSearch, BestOf
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.output import IncrementalDetokenizer, RequestTimes, SequenceOutput
+from llmserve.engine.pooling import EmbedParams, Pooling, resolve_pooler
 from llmserve.engine.request import Prediction, Request, RequestStatus
 from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from llmserve.engine.sessions import SessionStore
@@ -120,6 +121,7 @@ class LLMEngine:
         self._in_flight: _InFlightStep | None = None
         # Structured output: xgrammar is imported and the vocabulary read at the first structured request.
         self.grammars = GrammarCompiler(self.tokenizer, loaded.hf_config.vocab_size, loaded.eos_token_ids)
+        self.pooler = resolve_pooler(loaded.model_dir, loaded.hf_config, config.pooler_config)  # embeddings
         logger.info("KV cache: %d blocks of %d tokens (%d tokens in all, up to %d tokens per sequence); async "
                     "scheduling %s", num_blocks, config.block_size, num_blocks * config.block_size, self.session_len,
                     "on" if self.async_scheduling else "off")
@@ -139,6 +141,10 @@ class LLMEngine:
         `adapter_name`: a loaded LoRA adapter to run the request with (None: the base model)."""
         if request_id in self._children:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        if self.loaded.headless:
+            raise InvalidRequestError(f"the model {self.loaded.served_name!r} has no LM head (its checkpoint holds the "
+                                      "decoder alone, as embedding models ship): it makes embeddings only",
+                                      param="model")
         self._validate_prompt(prompt_token_ids, gen)
         self._validate_images(prompt_token_ids, mm)
         self._validate_session(session_id, gen)
@@ -176,6 +182,55 @@ class LLMEngine:
         self._children[request_id] = [r.request_id for r in seqs]
         if num_seqs > gen.n:
             self._best_of[request_id] = BestOf(gen.n, num_seqs, keep_logprobs=gen.logprobs is not None)
+
+    def add_embedding_request(self, request_id: str, prompt_token_ids: list[int], params: EmbedParams | None = None,
+                              adapter_name: str | None = None) -> None:
+        """Queue an embedding request (engine/pooling.py): the prompt's final hidden states pooled into one vector,
+        which its one output carries (SequenceOutput.embedding). Raises InvalidRequestError before queueing
+        anything."""
+        if request_id in self._children:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        params = params or EmbedParams()
+        normalize = self._check_embedding(params)
+        self._validate_ids(prompt_token_ids)
+        if len(prompt_token_ids) > self.session_len:
+            raise PromptTooLongError(f"the input has {len(prompt_token_ids)} tokens, over the session length of "
+                                     f"{self.session_len} tokens; shorten it", param="input")
+        lora = self.adapter(adapter_name)
+        n = len(prompt_token_ids)
+        r = Request(request_id=f"{request_id}#0", token_ids=list(prompt_token_ids), num_prompt_tokens=n,
+                    sampling=SamplingParams(), max_new_tokens=0, max_total_tokens=self.session_len,
+                    parent_id=request_id, lora=lora,
+                    pooling=Pooling(self.pooler.pooling_type, n, normalize, params.dimensions))
+        self.scheduler.add_request(r)
+        self._tracked[r.request_id] = _Tracked(r, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, True,
+                                                                         None, False))
+        self._children[request_id] = [r.request_id]
+
+    def _check_embedding(self, params: EmbedParams) -> bool:
+        """Refuse what this model cannot embed as asked; the request's normalization."""
+        pooler, name = self.pooler, self.loaded.served_name
+        if pooler.refused is not None:
+            raise InvalidRequestError(f"the model {name!r} cannot make embeddings as its checkpoint defines them: "
+                                      f"{pooler.refused}; pooler_config may set another pooling", param="model")
+        dims = params.dimensions
+        if dims is not None:
+            hidden = self.loaded.hf_config.hidden_size
+            if not isinstance(dims, int) or isinstance(dims, bool) or not 1 <= dims <= hidden:
+                raise InvalidRequestError(f"dimensions must be an integer from 1 to the model's {hidden}, got "
+                                          f"{dims!r}", param="dimensions")
+            if pooler.matryoshka is None:
+                raise InvalidRequestError(f"the model {name!r} does not support Matryoshka representation (its config "
+                                          "declares neither is_matryoshka nor matryoshka_dimensions): its embeddings "
+                                          "cut to fewer dimensions would be poor; leave dimensions out",
+                                          param="dimensions")
+            if pooler.matryoshka and dims not in pooler.matryoshka:
+                raise InvalidRequestError(f"dimensions {dims} is not one the model {name!r} was trained for: "
+                                          f"{', '.join(map(str, pooler.matryoshka))}", param="dimensions")
+        if params.normalize is not None and not isinstance(params.normalize, bool):
+            raise InvalidRequestError(f"normalize must be true or false, got {params.normalize!r}",
+                                      param="normalize")
+        return pooler.normalize if params.normalize is None else params.normalize
 
     def _add_beam_search(self, request_id: str, prompt: list[int], gen: GenerationConfig,
                          params: SamplingParams, mm: MultiModalInputs | None = None,
@@ -314,7 +369,7 @@ class LLMEngine:
     @staticmethod
     def _overlappable(r: Request) -> bool:
         p = r.prediction
-        return (r.status == RequestStatus.RUNNING and not r.sampling.beam_width
+        return (r.status == RequestStatus.RUNNING and not r.sampling.beam_width and r.pooling is None
                 and (p is None or p.cursor >= len(p.token_ids)))
 
     @staticmethod
@@ -380,9 +435,10 @@ class LLMEngine:
     def _starts_ahead(r: Request) -> bool:
         """Whether a waiting request may start in a step launched before the one in flight is read: a prompt of
         text (no images: their encoder runs in the step), computed once (not n > 1 siblings sharing the first one's
-        blocks, which lag while in flight), with no prompt logprobs (read back in the step) and no beams."""
+        blocks, which lag while in flight), with no prompt logprobs (read back in the step), no beams, and
+        not an embedding (pooled in the step)."""
         return (r.mm is None and r.prompt_source is None and r.prompt_logprobs is None
-                and not r.sampling.beam_width)
+                and not r.sampling.beam_width and r.pooling is None)
 
     def _step_async(self) -> list[SequenceOutput]:
         step, self._in_flight = self._in_flight, None
@@ -439,6 +495,9 @@ class LLMEngine:
         for s in plan.scheduled:
             if not s.samples:
                 continue
+            if s.request.pooling is not None:  # its prompt is computed: the vector is ready
+                outputs.append(self._embedded(s.request, now))
+                continue
             if s.request.sampling.beam_width:
                 beams = self._beams[s.request.parent_id]
                 beams.group.pending[s.request] = sampled.beam_logprobs[row]
@@ -468,6 +527,15 @@ class LLMEngine:
             if beams.group.ready():
                 outputs.extend(self._beam_step(beams, now))
         return outputs
+
+    def _embedded(self, r: Request, now: float) -> SequenceOutput:
+        t = self._tracked[r.request_id]
+        r.first_token_time = now
+        self._finish(t, "stop")
+        out = self._output(t, [], "", [], "stop")
+        assert r.pooling is not None
+        out.embedding = r.pooling.embedding()
+        return out
 
     def _beam_step(self, beams: BeamSearch, now: float) -> list[SequenceOutput]:
         """Every live beam of the group reported: select, then fork, extend and drop beams."""
@@ -620,13 +688,17 @@ class LLMEngine:
                                       f"{vocab - 1}", param="prediction")
         return gen.prediction
 
-    def _validate_prompt(self, ids: list[int], gen: GenerationConfig) -> None:
+    def _validate_ids(self, ids: list[int]) -> None:
         if not ids:
             raise InvalidRequestError("the prompt is empty: give at least one token", param="prompt")
         vocab = self.loaded.hf_config.vocab_size
         bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad!r} is not in the vocabulary [0, {vocab})", param="prompt")
+
+    def _validate_prompt(self, ids: list[int], gen: GenerationConfig) -> None:
+        self._validate_ids(ids)
+        vocab = self.loaded.hf_config.vocab_size
         bad_bias = next((t for t in (gen.logit_bias or {}) if not 0 <= t < vocab), None)
         if bad_bias is not None:
             raise InvalidRequestError(f"logit_bias token id {bad_bias} is not in the vocabulary [0, {vocab})",

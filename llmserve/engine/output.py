@@ -45,6 +45,8 @@ class SequenceOutput:
     prediction_tokens: tuple[int, int] | None = None
     # Prompt tokens taken from the prefix cache or a session rather than computed, when the sequence first started
     num_cached_tokens: int = 0
+    # An embedding request's one output (LLMEngine.add_embedding_request): the pooled vector
+    embedding: list[float] | None = None
 
 
 class IncrementalDetokenizer:

@@ -14,6 +14,7 @@ import torch
 from llmserve.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
+    from llmserve.engine.pooling import Pooling
     from llmserve.lora import LoRAAdapter
     from llmserve.sampling.logprobs import TokenLogprobs
     from llmserve.structured.matcher import GrammarState
@@ -96,6 +97,9 @@ class Request:
     # Prompt tokens its first start took from the prefix cache or a session instead of computing (OpenAI's usage
     # prompt_tokens_details.cached_tokens)
     num_cached_prompt_tokens: int = 0
+    # An embedding request (engine/pooling.py): its prompt's hidden states pooled as they are computed; it samples
+    # nothing and ends when its prompt is computed
+    pooling: Pooling | None = None
 
     @property
     def cache_salt(self) -> int:
@@ -112,10 +116,12 @@ class Request:
         return self.mm.key_ids(self.token_ids, lo, hi)
 
     @property
-    def computing_prompt_logprobs(self) -> bool:
-        """Still in its first prefill with prompt logprobs to compute: it must compute every prompt position itself
-        (no prefix-cache or session reuse), since a position's logprob comes from computing the one before it."""
-        return self.prompt_logprobs is not None and self.num_output_tokens == 0
+    def computes_whole_prompt(self) -> bool:
+        """Whether it must compute every prompt position itself (no prefix-cache or session reuse): still in its
+        first prefill with prompt logprobs to compute (a position's logprob comes from computing the one before it),
+        or an embedding pooled over positions a cache hit would skip (MEAN, CLS)."""
+        return ((self.prompt_logprobs is not None and self.num_output_tokens == 0)
+                or (self.pooling is not None and self.pooling.pooling_type != "LAST"))
 
     @property
     def num_tokens(self) -> int:

@@ -209,9 +209,9 @@ class Scheduler:
         most block_size prompt tokens per sibling. If the first sibling is no longer running
         (finished or aborted; a preempted one is back ahead of it in the queue), it prefills normally.
         """
-        # Prompt logprobs come from computing each position: no reuse of a cached prefix or a session's KV (a
-        # sibling's fork is fine: its source computes the same prompt into the list they share).
-        own_prompt = request.computing_prompt_logprobs
+        # Prompt logprobs (and MEAN or CLS pooling) come from computing each position: no reuse of a cached prefix or
+        # a session's KV (a sibling's fork is fine: its source computes the same prompt into the list they share).
+        own_prompt = request.computes_whole_prompt
         if self.sessions is not None and request.session_id is not None and not own_prompt:
             reuse = self.sessions.reuse_for(request)
             if reuse is not None:

@@ -272,6 +272,7 @@ _STACKED = (
 
 class LlamaForCausalLM(nn.Module):
     model_class: type[nn.Module] = LlamaModel  # the decoder; other families put their own here (models/gemma2.py)
+    headless = False  # a checkpoint with no LM head (models/loader.py: decoder_checkpoint): embeddings only
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
@@ -403,7 +404,8 @@ class LlamaForCausalLM(nn.Module):
             except ShapeMismatch as e:
                 raise ModelLoadError(f"tensor {name!r}: {e}; config.json does not match the weights") from None
             loaded.add((target, shard))
-        expected = {(n, s) for n, p in params.items() for s in p.shards}
+        expected = {(n, s) for n, p in params.items() for s in p.shards
+                    if not (self.headless and n == "lm_head.weight")}  # (models/loader.py: decoder_checkpoint)
         missing = sorted(self.checkpoint_name(n, s) for n, s in expected - loaded)
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")

@@ -70,6 +70,11 @@ class LoadedModel:
     def takes_images(self) -> bool:
         return self.processor is not None
 
+    @property
+    def headless(self) -> bool:
+        """A checkpoint of the decoder alone, with no LM head to generate with (embedding models)."""
+        return bool(getattr(self.model, "headless", False))
+
 
 @dataclass
 class _Location:
@@ -102,8 +107,8 @@ def load_model(model: str | None, config: EngineConfig) -> LoadedModel:
             net.init_dummy_weights(float(getattr(hf_config, "initializer_range", 0.02)))
         else:
             files = safetensors_files(loc.model_dir)
-            load_checkpoint(net, loc.model_dir, iter_safetensors(files), checkpoint_names(files), config, dtype,
-                            device)
+            weights, names = decoder_checkpoint(net, iter_safetensors(files), checkpoint_names(files))
+            load_checkpoint(net, loc.model_dir, weights, names, config, dtype, device)
     except BaseException:
         if tp_workers is not None:
             tp_workers.close()
@@ -237,6 +242,24 @@ def safetensors_files(model_dir: str) -> list[str]:
         raise ModelLoadError(f"{model_dir}: no *.safetensors weights (other formats such as pytorch_model.bin "
                              "are not supported: convert them to safetensors)")
     return files
+
+
+def decoder_checkpoint(net: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], names: list[str]
+                       ) -> tuple[Iterator[tuple[str, torch.Tensor]], list[str]]:
+    """A checkpoint saved from the decoder alone (embedding models such as Qwen3-Embedding: `layers.0...`, `norm`,
+    `embed_tokens`, and no `lm_head` even where the config leaves the embedding untied) read as the causal LM's: the
+    names under `model.`, and the model marked headless (generation refused, its LM head left zero) where the head
+    is neither in the checkpoint nor tied."""
+    params = dict(net.named_parameters())
+    if "lm_head.weight" not in params and "model.embed_tokens.weight" not in params:
+        return weights, names  # (vision-language models name their parts otherwise)
+    if names and not any(n.startswith(("model.", "lm_head.")) for n in names):
+        names = ["model." + n for n in names]
+        weights = (("model." + n, t) for n, t in weights)
+    if "lm_head.weight" in params and "lm_head.weight" not in names:
+        net.headless = True
+        params["lm_head.weight"].data.zero_()
+    return weights, names
 
 
 def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:

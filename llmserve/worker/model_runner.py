@@ -17,6 +17,7 @@ import torch
 
 from llmserve.attention import SeqSpec, build_attention_metadata, registry
 from llmserve.attention.metadata import Workspace
+from llmserve.engine.pooling import Pooling
 from llmserve.engine.request import Request
 from llmserve.engine.scheduler import ScheduledRequest
 from llmserve.errors import InvalidRequestError
@@ -206,10 +207,12 @@ class ModelRunner:
         for s, table in zip(scheduled, block_tables):
             r, start = s.request, s.request.num_computed_tokens
             num_real = s.num_new_tokens - len(s.draft_token_ids)
+            samples = s.samples and r.pooling is None  # (an embedding's last step pools instead)
             spans.append(Span(r.token_ids[start:start + num_real] + list(s.draft_token_ids), start, table,
-                              1 + len(s.draft_token_ids) if s.samples else 0, _prompt_logprobs(r, start, num_real),
-                              _image_rows(r, start, num_real), r.mm.mrope if r.mm is not None else None, r.lora))
-            if s.samples:
+                              1 + len(s.draft_token_ids) if samples else 0, _prompt_logprobs(r, start, num_real),
+                              _image_rows(r, start, num_real), r.mm.mrope if r.mm is not None else None, r.lora,
+                              r.pooling))
+            if samples:
                 masks = r.grammar.masks_with_drafts(s.draft_token_ids) if r.grammar is not None else None
                 for i in range(len(s.draft_token_ids) + 1):
                     states.append(_sequence_state(r, s.draft_token_ids[:i], None if masks is None else masks[i]))
@@ -337,6 +340,7 @@ class ModelRunner:
         else:
             hidden = self.model(ids, pos, meta, embeds) if embeds is not None else self.model(ids, pos, meta)
         self._prompt_logprobs(hidden, spans)
+        self._pool(hidden, spans)
         if not logit_rows:
             return None
         return self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
@@ -365,6 +369,15 @@ class ModelRunner:
                     targets = torch.tensor(task.targets[lo:lo + PROMPT_LOGPROB_ROWS], device=self.device)
                     for pos, lp in zip(rows, logprobs_of_logits(logits, targets, [task.num_top] * len(rows))):
                         task.sink[span.start + pos + 1] = lp
+            offset += len(span.token_ids)
+
+    @staticmethod
+    def _pool(hidden: torch.Tensor, spans: list[Span]) -> None:
+        """Hand each embedding's span its rows of the step's final hidden states (engine/pooling.py)."""
+        offset = 0
+        for span in spans:
+            if span.pooling is not None:
+                span.pooling.add(hidden[offset:offset + len(span.token_ids)], span.start)
             offset += len(span.token_ids)
 
     def _graph_step(self, spans: list[Span]) -> bool:
@@ -400,6 +413,7 @@ class Span:
     images: tuple[ImageRows, ...] = ()  # image placeholders among the span's tokens
     mrope: MRopePositions | None = None  # an M-RoPE model's request with images: its prompt's 3-D positions
     lora: LoRAAdapter | None = None  # the sequence's LoRA adapter (None: the base model)
+    pooling: Pooling | None = None  # an embedding request's: the span's final hidden states go to it
 
 
 @dataclass(frozen=True, eq=False)
