@@ -93,18 +93,25 @@ def parse_limit_mm(text: str) -> int:
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 
 
-def parse_pooler_config(value: Any) -> dict[str, Any] | None:
-    """EngineConfig.pooler_config: a dict, or its JSON (the command line), checked."""
+def parse_json_object(value: Any, param: str) -> dict[str, Any] | None:
+    """A dict option given as a dict or, on the command line, as its JSON."""
     if value is None:
         return None
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
-            raise InvalidRequestError(f"pooler_config: not JSON ({e.msg}): {value!r}", param="pooler_config") from None
+            raise InvalidRequestError(f"{param}: not JSON ({e.msg}): {value!r}", param=param) from None
     if not isinstance(value, dict):
-        raise InvalidRequestError(f"pooler_config: expected an object, got {type(value).__name__}",
-                                  param="pooler_config")
+        raise InvalidRequestError(f"{param}: expected an object, got {type(value).__name__}", param=param)
+    return value
+
+
+def parse_pooler_config(value: Any) -> dict[str, Any] | None:
+    """EngineConfig.pooler_config: a dict, or its JSON (the command line), checked."""
+    value = parse_json_object(value, "pooler_config")
+    if value is None:
+        return None
     unknown = sorted(set(value) - {"pooling_type", "normalize"})
     if unknown:
         raise InvalidRequestError(f"pooler_config: unknown key(s) {', '.join(unknown)}; the keys are pooling_type "
@@ -429,6 +436,9 @@ class EngineConfig:
                                                    "JSON; vLLM's --pooler-config). Default: the checkpoint's modules, "
                                                    "else LAST, normalized.",
                                               aliases=("--override-pooler-config",))
+    hf_overrides: dict[str, Any] | None = _f(None, "Values laid over the model's config.json (a dict, or its JSON; vLLM's "
+                                                  "--hf-overrides), e.g. '{\"is_matryoshka\": true}' for an embedding "
+                                                  "model trained for shorter vectors whose config does not say so.")
     # vision-language models
     limit_mm_per_prompt: int = _f(8, "Vision-language models: the most images one prompt may carry (vLLM's "
                                      "--limit-mm-per-prompt; its forms image=N and '{\"image\": N}' are taken too).",
@@ -499,6 +509,7 @@ class EngineConfig:
                f"must be <= prompt_lookup_max ({self.prompt_lookup_max}), got {self.prompt_lookup_min}")
         self.adapters = parse_adapters(self.adapters)
         self.pooler_config = parse_pooler_config(self.pooler_config)
+        self.hf_overrides = parse_json_object(self.hf_overrides, "hf_overrides")
         if self.adapters:
             self.enable_lora = True
         for name in ("max_loras", "max_lora_rank"):

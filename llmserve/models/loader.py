@@ -86,7 +86,7 @@ class _Location:
 def load_model(model: str | None, config: EngineConfig) -> LoadedModel:
     start = time.perf_counter()
     loc = locate_model(model, config)
-    hf_config = read_hf_config(loc.model_dir, config.trust_remote_code)
+    hf_config = read_hf_config(loc.model_dir, config.trust_remote_code, config.hf_overrides)
     cls = get_model_class(hf_config.architectures[0])
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, getattr(hf_config, "dtype", None), device)
@@ -197,14 +197,17 @@ def embedded_model_path() -> str:
     raise ModelLoadError(f"the {EMBEDDED_PACKAGE} package has no .gguf file (broken install?): re{hint}")
 
 
-def read_hf_config(model_dir: str, trust_remote_code: bool = False) -> Any:
+def read_hf_config(model_dir: str, trust_remote_code: bool = False, overrides: dict[str, Any] | None = None) -> Any:
     """The model's config, after checking (from the raw JSON) that we implement the architecture: our own
-    reader (model_config.py) for the model types it knows, else transformers' AutoConfig."""
+    reader (model_config.py) for the model types it knows, else transformers' AutoConfig. `overrides`
+    (EngineConfig.hf_overrides): keys laid over config.json's before either reads it."""
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise ModelLoadError(f"{model_dir}: no config.json; a model directory needs config.json, *.safetensors "
                              "weights and tokenizer files")
     raw = _read_json(path)
+    if overrides and isinstance(raw, dict):
+        raw = {**raw, **overrides}
     model_type, archs = raw.get("model_type"), raw.get("architectures")
     if model_type is not None and not isinstance(model_type, str):
         raise ModelLoadError(f"{path}: 'model_type' must be a string, got {model_type!r}")
@@ -219,7 +222,7 @@ def read_hf_config(model_dir: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoConfig
 
     try:
-        cfg = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        cfg = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code, **(overrides or {}))
     except (ValueError, OSError, KeyError, TypeError) as e:
         raise ModelLoadError(f"{path}: transformers cannot read it: {e}") from None
     cfg.architectures = list(archs)

@@ -24,6 +24,7 @@ import llmserve
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.serve import (
     colossal_routes,
+    embedding_routes,
     lora_routes,
     openai_routes,
     session_routes,
@@ -60,6 +61,7 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None, model: S
     app.include_router(lora_routes.router)  # vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter
     app.include_router(tgi_routes.router)
     app.include_router(colossal_routes.router)  # ColossalAI-Inference's /completion, /chat, /engine_check
+    app.include_router(embedding_routes.router)  # OpenAI's /v1/embeddings
     app.include_router(tokenize_routes.router)  # vLLM's /tokenize, /detokenize, /version; TGI's /tokenize
     _add_service_routes(app, state)
     if state.tracer is not None:

@@ -170,3 +170,17 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
+
+
+class EmbeddingRequest(_Body):
+    """OpenAI's /v1/embeddings body with vLLM's extras (serve/embedding_routes.py)."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]] = NON_EMPTY
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, json_schema_extra={"minimum": 1})
+    user: str | None = None  # OpenAI's end-user id: for their abuse monitoring, nothing to do here
+    # vLLM's extras
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
+    normalize: bool | None = None

@@ -90,6 +90,25 @@ class RemoteEngine:
             if unfinished and self._alive:
                 self.abort(request_id)
 
+    async def embed(self, request_id: str, prompt_token_ids: list[int], params: Any = None,
+                    adapter_name: str | None = None) -> SequenceOutput:
+        if not self._alive:
+            raise ReplicaDiedError(f"data-parallel replica {self.index} is not running")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        done = False
+        try:
+            self._send(("embed", request_id, prompt_token_ids, params, adapter_name))
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            done = True
+            return item
+        finally:
+            self._streams.pop(request_id, None)
+            if not done and self._alive:
+                self.abort(request_id)
+
     def abort(self, request_id: str) -> None:
         try:
             self._send(("abort", request_id))
@@ -199,6 +218,15 @@ class ReplicaSet:
                 yield out
         finally:
             self.outstanding[index] -= cost
+
+    async def embed(self, request_id: str, prompt_token_ids: list[int], params: Any = None,
+                    adapter_name: str | None = None) -> SequenceOutput:
+        index = self._route(None)
+        self.outstanding[index] += len(prompt_token_ids)
+        try:
+            return await self.replicas[index].embed(request_id, prompt_token_ids, params, adapter_name)
+        finally:
+            self.outstanding[index] -= len(prompt_token_ids)
 
     async def compile_grammar(self, gen: GenerationConfig) -> None:
         await self.local.compile_grammar(gen)  # checks the schema here: refused before any replica sees it
@@ -311,6 +339,14 @@ def _replica_main(conn: Any, model: str | None, config: EngineConfig) -> None:
         finally:
             tasks.pop(rid, None)
 
+    async def run_embed(rid: str, args: tuple) -> None:
+        try:
+            send(("out", rid, await engine.embed(rid, *args)))
+        except Exception as e:  # noqa: BLE001 - the request's own error, back to its caller
+            send(("error", rid, e))
+        finally:
+            tasks.pop(rid, None)
+
     def receive() -> None:
         while True:
             try:
@@ -321,6 +357,10 @@ def _replica_main(conn: Any, model: str | None, config: EngineConfig) -> None:
             if kind == "add":
                 rid = message[1]
                 loop.call_soon_threadsafe(lambda r=rid, a=message[2:]: tasks.__setitem__(r, loop.create_task(run(r, a))))
+            elif kind == "embed":
+                rid = message[1]
+                loop.call_soon_threadsafe(
+                    lambda r=rid, a=message[2:]: tasks.__setitem__(r, loop.create_task(run_embed(r, a))))
             elif kind == "abort":
                 loop.call_soon_threadsafe(lambda r=message[1]: tasks[r].cancel() if r in tasks else None)
             elif kind == "end_session":

@@ -92,6 +92,29 @@ def test_dp2_answers_as_dp1_over_both_replicas(servers) -> None:
     assert set(computed) == {"0", "1"} and all(v > 0 for v in computed.values()), computed
 
 
+def test_dp2_embeds_as_dp1(servers) -> None:
+    """Embeddings go to the replicas as generation does (a replica process answers them over its pipe)."""
+    one, two, _, _ = servers
+    got: dict[int, list[float]] = {}
+
+    def embed(url: str, i: int) -> list[float]:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+        r = client.embeddings.create(model=client.models.list().data[0].id, input=PROMPTS[i % 4],
+                                     encoding_format="float")
+        return r.data[0].embedding
+
+    before = _metric(two, "llmserve:replica_prompt_tokens_computed").get("1", 0)
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, embed(two, i))) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert _eventually(lambda: _metric(two, "llmserve:replica_prompt_tokens_computed").get("1", 0) > before)
+    for i in range(8):
+        want = embed(one, i)
+        assert max(abs(a - b) for a, b in zip(got[i], want, strict=True)) < 1e-5
+
+
 def test_a_session_stays_on_its_replica(servers) -> None:
     """The first turn goes to replica 1 (replica 0 is busy); the second, with replica 0 idle, still goes to replica 1,
     which holds the session's KV: its prefill reuses it."""

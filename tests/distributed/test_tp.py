@@ -164,3 +164,18 @@ def test_vision_language_models_with_tp2(arch, tiny_vlm_dir) -> None:
         with pipeline(tiny_vlm_dir(arch), backend_config=EngineConfig(dtype="float32", tp=tp)) as pipe:
             out[tp] = [r.token_ids for r in pipe(batch, gen)]
     assert out[2] == out[1]
+
+
+@pytest.mark.parametrize("pooling", ["LAST", "MEAN"])
+def test_tp2_embeddings_equal_transformers(pooling, tiny_model_dir) -> None:
+    """Embeddings under tp=2 (rank 0 pools the full hidden states; the workers' spans carry no pooling), chunked so
+    that MEAN sums over several steps."""
+    from tests.engine.test_embeddings import reference
+
+    d = tiny_model_dir("qwen3")
+    inputs = [p["input_ids"] for p in prompts()]
+    config = EngineConfig(dtype="float32", tp=2, max_prefill_token_num=16, pooler_config={"pooling_type": pooling})
+    with pipeline(d, backend_config=config) as pipe:
+        got = pipe.embed([{"input_ids": ids} for ids in inputs])
+    for ids, r in zip(inputs, got, strict=True):
+        torch.testing.assert_close(torch.tensor(r.embedding), reference(d, ids, pooling), rtol=1e-4, atol=1e-5)

@@ -168,6 +168,13 @@ def test_matryoshka_dimensions(tiny_model_dir, tmp_path):
     assert len(got.embedding) == 16
     torch.testing.assert_close(torch.tensor(got.embedding), reference(model_dir, ids, "LAST", dimensions=16),
                                rtol=1e-4, atol=1e-5)
+    # a model whose config does not say so, told by hf_overrides (vLLM's --hf-overrides), as Qwen3-Embedding needs
+    config = EngineConfig(dtype="float32", hf_overrides='{"is_matryoshka": true}')
+    with pipeline(tiny_model_dir("llama"), backend_config=config) as pipe:
+        again = pipe.embed({"input_ids": ids}, dimensions=16)
+    assert again.embedding == got.embedding
+    with pytest.raises(InvalidRequestError, match="hf_overrides"):
+        EngineConfig(hf_overrides="[1]")
     model_dir = copy_model(tiny_model_dir("llama"), str(tmp_path / "listed"), {"matryoshka_dimensions": [32, 64]})
     with pipeline(model_dir, backend_config=engine_config()) as pipe:
         assert len(pipe.embed({"input_ids": ids}, dimensions=32).embedding) == 32

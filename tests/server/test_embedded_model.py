@@ -184,3 +184,20 @@ def llmserve_version() -> str:
     import llmserve
 
     return llmserve.__version__
+
+
+def test_embeddings_match_transformers_on_smollm2(client: openai.OpenAI, smol: tuple[EngineHandle, RunningServer]) -> None:
+    """/v1/embeddings on the real model (bf16 where the CPU has it, from the GGUF's blocks) against transformers in
+    fp32 over the same converted checkpoint: the last token's final hidden state, normalized."""
+    import torch
+
+    from tests.engine.test_embeddings import reference
+
+    texts = ["The capital of France is Paris.", "Paged attention keeps the KV cache in blocks of tokens, " * 8]
+    r = client.embeddings.create(model=client.models.list().data[0].id, input=texts)
+    model_dir = smol[0].engine.engine.loaded.model_dir
+    assert r.usage.prompt_tokens == sum(len(smol[0].tokenizer.encode(t)) for t in texts)
+    for text, d in zip(texts, r.data, strict=True):
+        want = reference(model_dir, smol[0].tokenizer.encode(text), "LAST")
+        assert len(d.embedding) == 576
+        assert torch.nn.functional.cosine_similarity(torch.tensor(d.embedding), want, dim=0) > 0.995

@@ -39,6 +39,10 @@ COMPLETIONS = {
     "stop": ["x"], "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.5, "top_p": 0.9,
     "suffix": "end", "user": "u1",
 }
+EMBEDDINGS = {
+    "model": "tiny-llama", "input": ["Hi", "there"], "encoding_format": "base64", "dimensions": 8, "user": "u1",
+    "truncate_prompt_tokens": 2, "add_special_tokens": False, "normalize": False,
+}
 EXTRAS = {
     "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "min_tokens": 1, "ignore_eos": True,
     "skip_special_tokens": False, "stop_token_ids": [7], "bad_words": ["Paris"], "include_stop_str_in_output": True,
@@ -95,6 +99,7 @@ def test_every_field_has_an_example_and_a_row() -> None:
     assert table("OpenAI completions").keys() == COMPLETIONS.keys()
     assert table("Extra fields").keys() == EXTRAS.keys()
     assert table("TGI").keys() == TGI.keys()
+    assert table("OpenAI embeddings").keys() == EMBEDDINGS.keys()
 
 
 def _post(server: RunningServer, path: str, body: dict[str, Any]) -> httpx.Response:
@@ -147,6 +152,13 @@ def test_extra_field(request: pytest.FixtureRequest, path: str, field: str) -> N
     _check(_post(server, path, body), field, status, _openai_param)
     if field == "session_id":
         httpx.delete(server.url + "/v1/sessions/table-test")
+
+
+@pytest.mark.parametrize("field", list(EMBEDDINGS))
+def test_embeddings_field(server: RunningServer, field: str) -> None:
+    # the tiny model is not a Matryoshka one: its row's "honoured" is for models that are (tests/engine/test_embeddings.py)
+    status = "refused" if field == "dimensions" else table("OpenAI embeddings")[field]
+    _check(_post(server, "/v1/embeddings", {"input": "Hi", field: EMBEDDINGS[field]}), field, status, _openai_param)
 
 
 @pytest.mark.parametrize("field", list(TGI))

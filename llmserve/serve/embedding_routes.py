@@ -1,0 +1,127 @@
+"""OpenAI's POST /v1/embeddings (also at /embeddings, as vLLM serves it), with vLLM's extra fields.
+
+`input`: a string, strings, token ids or lists of token ids (up to 2,048 inputs, as OpenAI allows), each embedded as
+its own engine request (engine/pooling.py), all batched together by the engine. Text is tokenized as it is, with the
+tokenizer's special tokens (`add_special_tokens`, vLLM's, default true); no chat template. `encoding_format`:
+"float" (lists) or "base64" (little-endian float32, as OpenAI's client asks for by default and decodes itself).
+`dimensions`: Matryoshka truncation for models trained for it, refused for others (vLLM's rule). vLLM's
+`truncate_prompt_tokens` keeps an input's last k tokens (-1: the model's context), `normalize` overrides the model's
+L2 normalization. Any other field with a value is refused, never ignored.
+
+The answer: {"object": "list", "data": [{"object": "embedding", "index", "embedding"}], "model", "usage":
+{"prompt_tokens", "total_tokens"}} (and vLLM's "id" and "created"). A client that leaves aborts every input's
+request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from llmserve.engine.output import SequenceOutput
+from llmserve.engine.pooling import EmbedParams
+from llmserve.errors import EngineDeadError, InvalidRequestError
+from llmserve.serve.errors import ApiError, OpenAIError, error_responses
+from llmserve.serve.generation import new_request_id
+from llmserve.serve.openai_params import check_model
+from llmserve.serve.protocol import EmbeddingRequest, unknown_fields
+from llmserve.serve.state import ServedModel, ServerState
+from llmserve.serve.streaming import REQUEST_ID_HEADER, until_disconnected
+
+router = APIRouter(responses=error_responses(OpenAIError))
+
+MAX_INPUTS = 2048  # OpenAI's limit on one request's inputs
+
+
+@router.post("/v1/embeddings")
+@router.post("/embeddings", include_in_schema=False)
+async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
+    state: ServerState = request.app.state.llm
+    engine, model = state.ready()
+    unknown = unknown_fields(body)
+    if unknown:
+        raise ApiError(400, f"{unknown[0]}: unknown field; llmserve refuses it rather than ignore it (the fields "
+                            "/v1/embeddings takes are listed in docs/serving.md)", param=unknown[0])
+    adapter = check_model(model, body.model)
+    with state.admit():
+        inputs = _input_ids(model, body)
+        rid = new_request_id("embd")
+        ids = [f"{rid}-{i}" for i in range(len(inputs))]
+        params = EmbedParams(body.dimensions, body.normalize)
+        outs = await until_disconnected(request, _embed_all(state, list(zip(ids, inputs)), params, adapter))
+    data = [{"object": "embedding", "index": i, "embedding": _encoded(out.embedding, body.encoding_format)}
+            for i, out in enumerate(outs)]
+    tokens = sum(len(x) for x in inputs)
+    return JSONResponse({"id": rid, "object": "list", "created": int(time.time()), "model": body.model or model.name,
+                         "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
+                        headers={REQUEST_ID_HEADER: rid})
+
+
+def _input_ids(model: ServedModel, body: EmbeddingRequest) -> list[list[int]]:
+    """Every input's token ids (truncated where asked), checked for count and length."""
+    raw = body.input
+    items: list[Any] = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
+    if not items:
+        raise ApiError(400, "input: must not be empty", param="input")
+    if len(items) > MAX_INPUTS:
+        raise ApiError(400, f"input: at most {MAX_INPUTS} inputs in one request, got {len(items)}", param="input")
+    tok = model.tokenizer
+    out = [tok.encode(x, add_special_tokens=body.add_special_tokens) if isinstance(x, str) else list(x)
+           for x in items]
+    keep = body.truncate_prompt_tokens
+    if keep is not None:
+        if keep == -1:
+            keep = model.session_len
+        if keep < 1:
+            raise ApiError(400, f"truncate_prompt_tokens: must be -1 (the model's context) or >= 1, got "
+                                f"{body.truncate_prompt_tokens}", param="truncate_prompt_tokens")
+        out = [x[-keep:] for x in out]
+    for i, x in enumerate(out):
+        if not x:
+            raise ApiError(400, f"input: input {i} is empty (no tokens)", param="input")
+        if len(x) > model.session_len:
+            raise ApiError(400, f"This model's maximum context length is {model.session_len} tokens, and input {i} "
+                                f"has {len(x)} tokens: shorten it, or set truncate_prompt_tokens.", param="input",
+                           code="context_length_exceeded")
+    return out
+
+
+async def _embed_all(state: ServerState, inputs: list[tuple[str, list[int]]], params: EmbedParams,
+                     adapter: str | None) -> list[SequenceOutput]:
+    """Every input's embedding, run together; a refusal or a cancelled wait (client gone) aborts the rest."""
+    engine, _ = state.ready()
+    tasks = [asyncio.ensure_future(engine.embed(rid, ids, params, adapter)) for rid, ids in inputs]
+    state.in_flight.update(rid for rid, _ in inputs)
+    try:
+        outs = list(await asyncio.gather(*tasks))
+    except asyncio.CancelledError:  # the client left: its unfinished inputs are aborted below
+        state.metrics.on_abandoned(sum(not t.done() or t.cancelled() for t in tasks))
+        raise
+    except InvalidRequestError as e:
+        raise ApiError.from_invalid(e, {"prompt": "input"}) from None
+    except RuntimeError as e:  # the engine is stopping, or a step failed
+        status = 503 if isinstance(e, EngineDeadError) or not engine.is_alive or state.draining else 500
+        raise ApiError(status, str(e)) from None
+    finally:
+        for t in tasks:
+            t.cancel()  # (done ones ignore it; the others abort their request)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        state.in_flight.difference_update(rid for rid, _ in inputs)
+    for out in outs:
+        state.metrics.on_started(out.num_prompt_tokens)
+        state.metrics.on_output(out)
+        if out.embedding is None:  # aborted inside the engine (a failed step answers with an error instead)
+            raise ApiError(500, f"{out.request_id}: the input was not embedded ({out.finish_reason})")
+    return outs
+
+
+def _encoded(vector: list[float] | None, encoding: str) -> list[float] | str:
+    if encoding == "float":
+        return vector  # type: ignore[return-value]
+    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")

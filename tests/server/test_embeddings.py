@@ -1,0 +1,94 @@
+"""/v1/embeddings through the official `openai` client on the tiny llama model: the vectors are transformers' (the
+decoder's last hidden state at the last token, normalized) to the served dtype's rounding, in both encodings, for
+text and token ids; vLLM's extras; refusals in OpenAI's shape; a client that leaves frees what its inputs held."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tests.engine.test_embeddings import reference
+from tests.server.harness import EngineHandle, RunningServer, parked_engine, wait_until
+
+TEXTS = ["Models run over flat tokens.", "The capital of France is Paris.", "A"]
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def close_to(got: list[float], want: torch.Tensor) -> None:
+    """Within the served dtype's rounding (bf16 on CPUs that have it): cosine and norm."""
+    v = torch.tensor(got)
+    assert v.shape == want.shape
+    assert torch.nn.functional.cosine_similarity(v, want, dim=0) > 0.999
+    assert abs(v.norm() - want.norm()) < 1e-2
+
+
+def test_texts_in_both_encodings_match_transformers(client: openai.OpenAI, tiny: EngineHandle,
+                                                    tiny_model_dir) -> None:
+    ids = [tiny.tokenizer.encode(t) for t in TEXTS]
+    r = client.embeddings.create(model="tiny-llama", input=TEXTS)  # the client asks for base64 and decodes it
+    assert r.object == "list" and r.model == "tiny-llama" and [d.index for d in r.data] == [0, 1, 2]
+    assert r.usage.prompt_tokens == r.usage.total_tokens == sum(len(x) for x in ids)
+    as_floats = client.embeddings.create(model="tiny-llama", input=TEXTS, encoding_format="float")
+    for x, d, f in zip(ids, r.data, as_floats.data, strict=True):
+        want = reference(tiny_model_dir("llama"), x, "LAST")
+        close_to(d.embedding, want)
+        close_to(f.embedding, want)
+
+
+def test_token_ids_and_vllm_extras(client: openai.OpenAI, tiny: EngineHandle, tiny_model_dir) -> None:
+    model_dir = tiny_model_dir("llama")
+    ids = [tiny.tokenizer.encode(t) for t in TEXTS]
+    one = client.embeddings.create(model="tiny-llama", input=ids[1], encoding_format="float")
+    close_to(one.data[0].embedding, reference(model_dir, ids[1], "LAST"))
+    many = client.embeddings.create(model="tiny-llama", input=ids[:2], encoding_format="float")
+    assert len(many.data) == 2 and many.usage.prompt_tokens == len(ids[0]) + len(ids[1])
+    raw = client.embeddings.create(model="tiny-llama", input=ids[0], encoding_format="float",
+                                   extra_body={"normalize": False})
+    close_to(raw.data[0].embedding, reference(model_dir, ids[0], "LAST", normalize=False))
+    cut = client.embeddings.create(model="tiny-llama", input=ids[1], encoding_format="float",
+                                   extra_body={"truncate_prompt_tokens": 3})
+    assert cut.usage.prompt_tokens == 3
+    close_to(cut.data[0].embedding, reference(model_dir, ids[1][-3:], "LAST"))
+    plain = client.embeddings.create(model="tiny-llama", input=TEXTS[0], encoding_format="float",
+                                     extra_body={"add_special_tokens": False})
+    assert plain.usage.prompt_tokens == len(tiny.tokenizer.encode(TEXTS[0], add_special_tokens=False))
+
+
+@pytest.mark.parametrize("kwargs, param, status", [
+    (dict(input=TEXTS[0], dimensions=8), "dimensions", 400),  # the tiny model is not a Matryoshka one
+    (dict(input=[]), "input", 400),
+    (dict(input=""), "input", 400),
+    (dict(input=[5, 1000]), "input", 400),
+    (dict(input=[5] * 300), "input", 400),  # over the context
+    (dict(input=TEXTS[0], extra_body={"pooling": "mean"}), "pooling", 400),  # unknown: refused, not ignored
+    (dict(input=TEXTS[0], extra_body={"truncate_prompt_tokens": 0}), "truncate_prompt_tokens", 400),
+    (dict(input=TEXTS[0], model="gpt-4"), None, 404),
+])
+def test_refusals_in_openai_shape(client: openai.OpenAI, server: RunningServer, kwargs, param, status) -> None:
+    kwargs = {"model": "tiny-llama", **kwargs}
+    with pytest.raises(openai.APIStatusError) as e:
+        client.embeddings.create(**kwargs)
+    assert e.value.status_code == status
+    if param is not None:
+        assert e.value.body["param"] == param
+    assert server.kv()["in_use"] == 0
+
+
+def test_a_client_that_leaves_has_its_inputs_aborted(server: RunningServer, tiny: EngineHandle) -> None:
+    aborts = server.metric("llmserve:request_success_total", finished_reason="abort")
+    with parked_engine(tiny):
+        try:  # the answer cannot come while the engine is parked: the client gives up
+            httpx.post(server.url + "/v1/embeddings", json={"model": "tiny-llama", "input": TEXTS}, timeout=0.5)
+        except httpx.ReadTimeout:
+            pass
+        wait_until(lambda: not server.state.in_flight, what="the server to notice the disconnect")
+    report = server.kv()
+    assert (report["in_use"], report["invariants_ok"], report["unfinished_requests"]) == (0, True, False)
+    assert server.metric("llmserve:request_success_total", finished_reason="abort") == aborts + len(TEXTS)
+    assert server.state.num_active == 0
