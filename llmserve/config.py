@@ -429,16 +429,15 @@ class EngineConfig:
                                         "per decoding step (15: with the step's own token, one 16-token tile of "
                                         "prefill attention, which verifies it on its fp32 path where the choice is "
                                         "amx; more take amx's sums); 0 leaves predictions unused.")
-    pooler_config: dict[str, Any] | None = _f(None, "Embeddings (/v1/embeddings, Pipeline.embed): how the prompt's final "
-                                                   "hidden states become one vector, over the checkpoint's "
-                                                   "sentence-transformers modules: {\"pooling_type\": \"LAST\" | "
-                                                   "\"MEAN\" | \"CLS\", \"normalize\": true | false} (a dict, or its "
-                                                   "JSON; vLLM's --pooler-config). Default: the checkpoint's modules, "
-                                                   "else LAST, normalized.",
-                                              aliases=("--override-pooler-config",))
-    hf_overrides: dict[str, Any] | None = _f(None, "Values laid over the model's config.json (a dict, or its JSON; vLLM's "
-                                                  "--hf-overrides), e.g. '{\"is_matryoshka\": true}' for an embedding "
-                                                  "model trained for shorter vectors whose config does not say so.")
+    pooler_config: dict[str, Any] | None = _f(
+        None, "Embeddings (/v1/embeddings, Pipeline.embed): how the prompt's final hidden states become one vector, "
+              "over the checkpoint's sentence-transformers modules: {\"pooling_type\": \"LAST\" | \"MEAN\" | "
+              "\"CLS\", \"normalize\": true | false} (a dict, or its JSON; vLLM's --pooler-config). Default: the "
+              "checkpoint's modules, else LAST, normalized.", aliases=("--override-pooler-config",))
+    hf_overrides: dict[str, Any] | None = _f(
+        None, "Values laid over the model's config.json (a dict, or its JSON; vLLM's --hf-overrides), e.g. "
+              "'{\"is_matryoshka\": true}' for an embedding model trained for shorter vectors whose config does not "
+              "say so.")
     # vision-language models
     limit_mm_per_prompt: int = _f(8, "Vision-language models: the most images one prompt may carry (vLLM's "
                                      "--limit-mm-per-prompt; its forms image=N and '{\"image\": N}' are taken too).",

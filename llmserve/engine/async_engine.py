@@ -177,8 +177,8 @@ class AsyncEngine:
         if self._stopping:
             raise RuntimeError("the engine is shutting down")
         stream = _Stream(asyncio.get_running_loop())
-        self._commands.put(_Add(request_id, prompt_token_ids, GenerationConfig(), stream, None, None, adapter_name,
-                                params or EmbedParams()))
+        self._commands.put(_Add(request_id, prompt_token_ids, GenerationConfig(), stream, adapter_name=adapter_name,
+                                embed=params or EmbedParams()))
         done = False
         try:
             item = await stream.queue.get()

@@ -196,8 +196,12 @@ class LLMEngine:
         if len(prompt_token_ids) > self.session_len:
             raise PromptTooLongError(f"the input has {len(prompt_token_ids)} tokens, over the session length of "
                                      f"{self.session_len} tokens; shorten it", param="input")
-        lora = self.adapter(adapter_name)
         n = len(prompt_token_ids)
+        if self.kv.blocks_needed(n) > self.kv.num_blocks:
+            raise PromptTooLongError(f"the input has {n} tokens and the KV cache holds at most "
+                                     f"{self.kv.num_blocks * self.kv.block_size}: shorten it, or give the KV cache "
+                                     "more memory", param="input")
+        lora = self.adapter(adapter_name)
         r = Request(request_id=f"{request_id}#0", token_ids=list(prompt_token_ids), num_prompt_tokens=n,
                     sampling=SamplingParams(), max_new_tokens=0, max_total_tokens=self.session_len,
                     parent_id=request_id, lora=lora,
@@ -667,7 +671,7 @@ class LLMEngine:
     def _load_draft(loaded: LoadedModel, config: EngineConfig) -> LoadedModel | None:
         if config.speculative_method != "draft_model":
             return None
-        draft = load_model(config.speculative_model, config)
+        draft = load_model(config.speculative_model, dataclasses.replace(config, hf_overrides=None))  # (the target's)
         if draft.hf_config.vocab_size != loaded.hf_config.vocab_size:
             raise InvalidRequestError(
                 f"the draft model {config.speculative_model!r} has a vocabulary of {draft.hf_config.vocab_size} "

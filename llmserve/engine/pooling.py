@@ -26,8 +26,6 @@ from typing import Any
 
 import torch
 
-from llmserve.errors import ModelLoadError
-
 # sentence-transformers' Pooling config keys -> ours; any other mode set true is refused
 _ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
 _ST_TYPES = "sentence_transformers.models."
@@ -51,10 +49,15 @@ def resolve_pooler(model_dir: str, hf_config: Any, override: dict[str, Any] | No
     """The model's Pooler: `override` (EngineConfig.pooler_config) over its sentence-transformers modules over the
     default (LAST, normalized)."""
     kind, normalize, source, refused = "LAST", True, "default", None
-    modules = _read_json(os.path.join(model_dir, "modules.json"))
-    if isinstance(modules, list):
-        kind, normalize, refused = _sentence_transformers(model_dir, modules)
-        source = "sentence-transformers"
+    try:
+        modules = _read_json(os.path.join(model_dir, "modules.json"))
+        if modules is not None:
+            source = "sentence-transformers"
+            if not isinstance(modules, list):
+                raise ValueError(f"{model_dir}/modules.json: expected a list of modules")
+            kind, normalize, refused = _sentence_transformers(model_dir, modules)
+    except ValueError as e:  # the model still serves generation; its embeddings say why they cannot be made
+        refused = str(e)
     if override:
         kind = override.get("pooling_type", kind)
         normalize = override.get("normalize", normalize)
@@ -82,8 +85,8 @@ def _sentence_transformers(model_dir: str, modules: list) -> tuple[str, bool, st
             has_pooling = True
             cfg = _read_json(os.path.join(model_dir, str(m.get("path", "")), "config.json"))
             if not isinstance(cfg, dict):
-                raise ModelLoadError(f"{model_dir}: modules.json names a Pooling module at {m.get('path')!r} "
-                                     "without a readable config.json")
+                raise ValueError(f"{model_dir}: modules.json names a Pooling module at {m.get('path')!r} "
+                                 "without a readable config.json")
             modes = [k for k, v in cfg.items() if k.startswith("pooling_mode_") and v is True]
             ours = [_ST_MODES[k] for k in modes if k in _ST_MODES]
             if len(modes) != 1 or not ours:
@@ -106,7 +109,7 @@ def _read_json(path: str) -> Any:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{path}: not readable JSON: {e}") from None
+        raise ValueError(f"{path}: not readable JSON: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -135,10 +138,10 @@ class Pooling:
         end = start + rows.shape[0]
         if self.pooling_type == "LAST":
             if end == self.num_prompt_tokens:
-                self.vector = rows[-1].float()
+                self.vector = rows[-1].to(torch.float32, copy=True)  # (a copy: not a view keeping the step's rows)
         elif self.pooling_type == "CLS":
             if start == 0:
-                self.vector = rows[0].float()
+                self.vector = rows[0].to(torch.float32, copy=True)
         elif end > self.counted:
             part = rows[max(self.counted - start, 0):].float().sum(0)
             self.total = part if self.total is None else self.total + part

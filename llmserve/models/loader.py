@@ -222,11 +222,23 @@ def read_hf_config(model_dir: str, trust_remote_code: bool = False, overrides: d
     from transformers import AutoConfig
 
     try:
-        cfg = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code, **(overrides or {}))
+        cfg = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except (ValueError, OSError, KeyError, TypeError) as e:
         raise ModelLoadError(f"{path}: transformers cannot read it: {e}") from None
+    _override(cfg, overrides or {})
     cfg.architectures = list(archs)
     return cfg
+
+
+def _override(cfg: Any, overrides: dict[str, Any]) -> None:
+    """Lay `overrides` over a transformers config: new keys too (from_pretrained's keyword arguments only replace
+    keys the config already has), and a dict over a sub-config (a VLM's text_config) key by key."""
+    for key, value in overrides.items():
+        sub = getattr(cfg, key, None)
+        if isinstance(value, dict) and hasattr(sub, "to_dict"):
+            _override(sub, value)
+        else:
+            setattr(cfg, key, value)
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -256,12 +268,14 @@ def decoder_checkpoint(net: nn.Module, weights: Iterator[tuple[str, torch.Tensor
     params = dict(net.named_parameters())
     if "lm_head.weight" not in params and "model.embed_tokens.weight" not in params:
         return weights, names  # (vision-language models name their parts otherwise)
-    if names and not any(n.startswith(("model.", "lm_head.")) for n in names):
-        names = ["model." + n for n in names]
-        weights = (("model." + n, t) for n, t in weights)
-    if "lm_head.weight" in params and "lm_head.weight" not in names:
+    if not names or any(n.startswith(("model.", "lm_head.")) for n in names):
+        return weights, names  # a causal LM's checkpoint: whatever it lacks is an error, as ever
+    names = ["model." + n for n in names]
+    weights = (("model." + n, t) for n, t in weights)
+    if "lm_head.weight" in params:
         net.headless = True
         params["lm_head.weight"].data.zero_()
+        log.info("the checkpoint holds the decoder alone and no LM head: it serves embeddings only")
     return weights, names
 
 

@@ -43,7 +43,7 @@ MAX_INPUTS = 2048  # OpenAI's limit on one request's inputs
 @router.post("/embeddings", include_in_schema=False)
 async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
     state: ServerState = request.app.state.llm
-    engine, model = state.ready()
+    _, model = state.ready()
     unknown = unknown_fields(body)
     if unknown:
         raise ApiError(400, f"{unknown[0]}: unknown field; llmserve refuses it rather than ignore it (the fields "
@@ -69,6 +69,8 @@ def _input_ids(model: ServedModel, body: EmbeddingRequest) -> list[list[int]]:
     items: list[Any] = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
     if not items:
         raise ApiError(400, "input: must not be empty", param="input")
+    if any(isinstance(x, str) and not x for x in items):  # (a tokenizer that adds BOS would make it one token)
+        raise ApiError(400, "input: an input is an empty string", param="input")
     if len(items) > MAX_INPUTS:
         raise ApiError(400, f"input: at most {MAX_INPUTS} inputs in one request, got {len(items)}", param="input")
     tok = model.tokenizer
@@ -114,10 +116,10 @@ async def _embed_all(state: ServerState, inputs: list[tuple[str, list[int]]], pa
         await asyncio.gather(*tasks, return_exceptions=True)
         state.in_flight.difference_update(rid for rid, _ in inputs)
     for out in outs:
-        state.metrics.on_started(out.num_prompt_tokens)
-        state.metrics.on_output(out)
-        if out.embedding is None:  # aborted inside the engine (a failed step answers with an error instead)
-            raise ApiError(500, f"{out.request_id}: the input was not embedded ({out.finish_reason})")
+        if out.embedding is None:  # aborted inside the engine: the server is stopping (abort_all)
+            status = 503 if state.draining or not engine.is_alive else 500
+            raise ApiError(status, f"{out.request_id}: the input was not embedded ({out.finish_reason})")
+        state.metrics.on_embedded(out.num_prompt_tokens)
     return outs
 
 

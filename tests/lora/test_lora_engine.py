@@ -396,3 +396,23 @@ def test_the_stacked_threshold_follows_the_faster_path() -> None:
     assert measure(64) == 64
     assert measure(1024) == 1024
     assert measure(0) == 0
+
+
+def test_embeddings_with_adapters_match_peft(base_dir, adapter_dirs) -> None:
+    """Embeddings under each adapter and the base model, in one batch: PEFT's decoder (the adapter unmerged), its
+    last hidden state at the last token, normalized."""
+    from tests.lora.adapters import _peft_model
+
+    names = [None, *adapter_dirs]
+    inputs = prompts()
+    config = EngineConfig(dtype="float32", block_size=8, max_prefill_token_num=16, adapters=adapter_dirs)
+    with pipeline(base_dir, backend_config=config) as pipe:
+        got = pipe.embed([{"input_ids": p} for p in inputs for _ in names], adapter_name=names * len(inputs))
+    for i, p in enumerate(inputs):
+        for j, name in enumerate(names):
+            model = _peft_model(base_dir, None if name is None else adapter_dirs[name])
+            decoder = model.model if name is None else model.get_base_model().model
+            with torch.no_grad():
+                want = torch.nn.functional.normalize(decoder(torch.tensor([p])).last_hidden_state[0, -1], dim=0)
+            torch.testing.assert_close(torch.tensor(got[i * len(names) + j].embedding), want, rtol=1e-4, atol=1e-5)
+    assert got[0].embedding != got[1].embedding  # the adapters do change the vector

@@ -186,7 +186,8 @@ def llmserve_version() -> str:
     return llmserve.__version__
 
 
-def test_embeddings_match_transformers_on_smollm2(client: openai.OpenAI, smol: tuple[EngineHandle, RunningServer]) -> None:
+def test_embeddings_match_transformers_on_smollm2(client: openai.OpenAI,
+                                                  smol: tuple[EngineHandle, RunningServer]) -> None:
     """/v1/embeddings on the real model (bf16 where the CPU has it, from the GGUF's blocks) against transformers in
     fp32 over the same converted checkpoint: the last token's final hidden state, normalized."""
     import torch

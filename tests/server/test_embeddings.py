@@ -92,3 +92,33 @@ def test_a_client_that_leaves_has_its_inputs_aborted(server: RunningServer, tiny
     assert (report["in_use"], report["invariants_ok"], report["unfinished_requests"]) == (0, True, False)
     assert server.metric("llmserve:request_success_total", finished_reason="abort") == aborts + len(TEXTS)
     assert server.state.num_active == 0
+
+
+def test_inputs_are_tokenized_as_asked() -> None:
+    """add_special_tokens reaches the tokenizer (the tiny one adds none, so it is checked on one that adds a BOS), and
+    truncate_prompt_tokens keeps the last tokens."""
+    from types import SimpleNamespace
+
+    from llmserve.serve.embedding_routes import _input_ids
+    from llmserve.serve.protocol import EmbeddingRequest
+
+    class Bos:
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return [1] * add_special_tokens + [ord(c) for c in text]
+
+    model = SimpleNamespace(tokenizer=Bos(), session_len=64)
+    body = EmbeddingRequest.model_validate
+    assert _input_ids(model, body({"input": ["ab", "c"]})) == [[1, 97, 98], [1, 99]]
+    assert _input_ids(model, body({"input": "ab", "add_special_tokens": False})) == [[97, 98]]
+    assert _input_ids(model, body({"input": "abc", "truncate_prompt_tokens": 2})) == [[98, 99]]
+    assert _input_ids(model, body({"input": [[5, 6], [7]]})) == [[5, 6], [7]]
+
+
+def test_an_input_over_the_kv_pool_names_input(tiny_model_dir) -> None:
+    from llmserve import EngineConfig, pipeline
+    from llmserve.errors import PromptTooLongError
+
+    with pipeline(tiny_model_dir("llama"), backend_config=EngineConfig(num_blocks=4, block_size=16)) as pipe:
+        with pytest.raises(PromptTooLongError, match="KV cache") as e:
+            pipe.embed({"input_ids": [5] * 100})
+        assert e.value.param == "input"

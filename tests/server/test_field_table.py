@@ -156,7 +156,8 @@ def test_extra_field(request: pytest.FixtureRequest, path: str, field: str) -> N
 
 @pytest.mark.parametrize("field", list(EMBEDDINGS))
 def test_embeddings_field(server: RunningServer, field: str) -> None:
-    # the tiny model is not a Matryoshka one: its row's "honoured" is for models that are (tests/engine/test_embeddings.py)
+    # the tiny model is not a Matryoshka one: its row's "honoured" is for models that are
+    # (tests/engine/test_embeddings.py)
     status = "refused" if field == "dimensions" else table("OpenAI embeddings")[field]
     _check(_post(server, "/v1/embeddings", {"input": "Hi", field: EMBEDDINGS[field]}), field, status, _openai_param)
 
