@@ -1,8 +1,9 @@
 """vLLM's offline embeddings (`LLM(runner="pooling").embed`) on the prompts of a workload file written by
 scripts/peers/dump_workload.py: run with the vLLM venv's python (scripts/peers/vllm_cpu.sh --embed does both).
 
-A warm-up of 4 short inputs (the first 16 tokens of the first 4 prompts), then every prompt in one `LLM.embed`
-call; prompt tokens per second of the wall time of that call. vLLM converts the causal LM into an embedding model
+A warm-up of 4 short inputs (the first 16 tokens of the first 4 prompts), then `--rounds` timed `LLM.embed` calls,
+each over its own slice of the prompts (so the prefix cache never serves one round the last one's); prompt tokens
+per second of each call's wall time. vLLM converts the causal LM into an embedding model
 with its default pooler for that (the last token, L2-normalized), as llmserve's default is. `--vectors FILE` saves
 the vectors (float32 .npy, one row per prompt) so the caller can compare them with llmserve's.
 """
@@ -35,21 +36,23 @@ def main(argv: list[str]) -> int:
     with open(args.workload) as f:
         workload = json.load(f)
     prompts = workload["batch"]["prompt_token_ids"]
+    n = len(prompts) // args.rounds  # each round its own prompts: none served from the prefix cache of the last
+    batches = [prompts[r * n:(r + 1) * n] for r in range(args.rounds)]
     start = time.perf_counter()
     llm = LLM(model=workload["model_dir"], dtype=args.dtype, runner="pooling", convert="embed")
     start_s = time.perf_counter() - start
     llm.embed([TokensPrompt(prompt_token_ids=p[:16]) for p in prompts[:4]], use_tqdm=False)
-    tokens = sum(len(p) for p in prompts)
-    times = []
-    for _ in range(args.rounds):
+    times, vectors = [], []
+    for batch in batches:
         t0 = time.perf_counter()
-        outs = llm.embed([TokensPrompt(prompt_token_ids=p) for p in prompts], use_tqdm=False)
+        outs = llm.embed([TokensPrompt(prompt_token_ids=p) for p in batch], use_tqdm=False)
         times.append(time.perf_counter() - t0)
+        vectors += [o.outputs.embedding for o in outs]
     if args.vectors:
-        np.save(args.vectors, np.asarray([o.outputs.embedding for o in outs], dtype=np.float32))
+        np.save(args.vectors, np.asarray(vectors, dtype=np.float32))
     result = {"engine": f"vllm-cpu {__import__('vllm').__version__}", "dtype": args.dtype, "start_s": start_s,
-              "inputs": len(prompts), "prompt_tokens": tokens, "seconds": times,
-              "tokens_per_s": [tokens / t for t in times]}
+              "inputs": n, "seconds": times,
+              "tokens_per_s": [sum(len(p) for p in b) / t for b, t in zip(batches, times, strict=True)]}
     sys.stdout.flush()
     with os.fdopen(_RESULT_FD, "w") as out:
         out.write(json.dumps(result) + "\n")
