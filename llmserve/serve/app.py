@@ -27,6 +27,7 @@ from llmserve.serve import (
     embedding_routes,
     lora_routes,
     openai_routes,
+    score_routes,
     session_routes,
     tgi_routes,
     tokenize_routes,
@@ -62,6 +63,7 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None, model: S
     app.include_router(tgi_routes.router)
     app.include_router(colossal_routes.router)  # ColossalAI-Inference's /completion, /chat, /engine_check
     app.include_router(embedding_routes.router)  # OpenAI's /v1/embeddings
+    app.include_router(score_routes.router)  # vLLM's /score and /rerank, over the embeddings
     app.include_router(tokenize_routes.router)  # vLLM's /tokenize, /detokenize, /version; TGI's /tokenize
     _add_service_routes(app, state)
     if state.tracer is not None:

@@ -50,11 +50,11 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
                             "/v1/embeddings takes are listed in docs/serving.md)", param=unknown[0])
     adapter = check_model(model, body.model)
     with state.admit():
-        inputs = _input_ids(model, body)
+        inputs = input_ids(model, body.input, body.add_special_tokens, body.truncate_prompt_tokens)
         rid = new_request_id("embd")
         ids = [f"{rid}-{i}" for i in range(len(inputs))]
         params = EmbedParams(body.dimensions, body.normalize)
-        outs = await until_disconnected(request, _embed_all(state, list(zip(ids, inputs)), params, adapter))
+        outs = await until_disconnected(request, embed_all(state, list(zip(ids, inputs)), params, adapter))
     data = [{"object": "embedding", "index": i, "embedding": _encoded(out.embedding, body.encoding_format)}
             for i, out in enumerate(outs)]
     tokens = sum(len(x) for x in inputs)
@@ -63,38 +63,36 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
                         headers={REQUEST_ID_HEADER: rid})
 
 
-def _input_ids(model: ServedModel, body: EmbeddingRequest) -> list[list[int]]:
-    """Every input's token ids (truncated where asked), checked for count and length."""
-    raw = body.input
+def input_ids(model: ServedModel, raw: str | list, add_special_tokens: bool, truncate: int | None,
+              param: str = "input") -> list[list[int]]:
+    """Every input's token ids (`raw`: a string, strings, token ids or lists of them; truncated to the last
+    `truncate` tokens where set, -1 meaning the context), checked for count and length."""
     items: list[Any] = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
     if not items:
-        raise ApiError(400, "input: must not be empty", param="input")
-    if any(isinstance(x, str) and not x for x in items):  # (a tokenizer that adds BOS would make it one token)
-        raise ApiError(400, "input: an input is an empty string", param="input")
+        raise ApiError(400, f"{param}: must not be empty", param=param)
     if len(items) > MAX_INPUTS:
-        raise ApiError(400, f"input: at most {MAX_INPUTS} inputs in one request, got {len(items)}", param="input")
+        raise ApiError(400, f"{param}: at most {MAX_INPUTS} inputs in one request, got {len(items)}", param=param)
+    if any(isinstance(x, str) and not x for x in items):  # (a tokenizer that adds BOS would make it one token)
+        raise ApiError(400, f"{param}: an input is an empty string", param=param)
     tok = model.tokenizer
-    out = [tok.encode(x, add_special_tokens=body.add_special_tokens) if isinstance(x, str) else list(x)
-           for x in items]
-    keep = body.truncate_prompt_tokens
-    if keep is not None:
-        if keep == -1:
-            keep = model.session_len
+    out = [tok.encode(x, add_special_tokens=add_special_tokens) if isinstance(x, str) else list(x) for x in items]
+    if truncate is not None:
+        keep = model.session_len if truncate == -1 else truncate
         if keep < 1:
-            raise ApiError(400, f"truncate_prompt_tokens: must be -1 (the model's context) or >= 1, got "
-                                f"{body.truncate_prompt_tokens}", param="truncate_prompt_tokens")
+            raise ApiError(400, f"truncate_prompt_tokens: must be -1 (the model's context) or >= 1, got {truncate}",
+                           param="truncate_prompt_tokens")
         out = [x[-keep:] for x in out]
     for i, x in enumerate(out):
         if not x:
-            raise ApiError(400, f"input: input {i} is empty (no tokens)", param="input")
+            raise ApiError(400, f"{param}: input {i} is empty (no tokens)", param=param)
         if len(x) > model.session_len:
             raise ApiError(400, f"This model's maximum context length is {model.session_len} tokens, and input {i} "
-                                f"has {len(x)} tokens: shorten it, or set truncate_prompt_tokens.", param="input",
+                                f"has {len(x)} tokens: shorten it, or set truncate_prompt_tokens.", param=param,
                            code="context_length_exceeded")
     return out
 
 
-async def _embed_all(state: ServerState, inputs: list[tuple[str, list[int]]], params: EmbedParams,
+async def embed_all(state: ServerState, inputs: list[tuple[str, list[int]]], params: EmbedParams,
                      adapter: str | None) -> list[SequenceOutput]:
     """Every input's embedding, run together; a refusal or a cancelled wait (client gone) aborts the rest."""
     engine, _ = state.ready()

@@ -184,3 +184,23 @@ class EmbeddingRequest(_Body):
     truncate_prompt_tokens: int | None = None
     add_special_tokens: bool = True
     normalize: bool | None = None
+
+
+class ScoreRequest(_Body):
+    """vLLM's /score body (serve/score_routes.py)."""
+
+    model: str | None = None
+    text_1: str | list[str] = NON_EMPTY
+    text_2: str | list[str] = NON_EMPTY
+    truncate_prompt_tokens: int | None = None
+
+
+class RerankRequest(_Body):
+    """vLLM's /rerank body, which Cohere's and Jina's clients send (serve/score_routes.py)."""
+
+    model: str | None = None
+    query: str
+    documents: list[str | dict[str, Any]] = NON_EMPTY
+    top_n: int = 0
+    return_documents: bool = True  # Cohere's name; vLLM always returns them
+    truncate_prompt_tokens: int | None = None

@@ -99,19 +99,17 @@ def test_inputs_are_tokenized_as_asked() -> None:
     truncate_prompt_tokens keeps the last tokens."""
     from types import SimpleNamespace
 
-    from llmserve.serve.embedding_routes import _input_ids
-    from llmserve.serve.protocol import EmbeddingRequest
+    from llmserve.serve.embedding_routes import input_ids
 
     class Bos:
         def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
             return [1] * add_special_tokens + [ord(c) for c in text]
 
     model = SimpleNamespace(tokenizer=Bos(), session_len=64)
-    body = EmbeddingRequest.model_validate
-    assert _input_ids(model, body({"input": ["ab", "c"]})) == [[1, 97, 98], [1, 99]]
-    assert _input_ids(model, body({"input": "ab", "add_special_tokens": False})) == [[97, 98]]
-    assert _input_ids(model, body({"input": "abc", "truncate_prompt_tokens": 2})) == [[98, 99]]
-    assert _input_ids(model, body({"input": [[5, 6], [7]]})) == [[5, 6], [7]]
+    assert input_ids(model, ["ab", "c"], True, None) == [[1, 97, 98], [1, 99]]
+    assert input_ids(model, "ab", False, None) == [[97, 98]]
+    assert input_ids(model, "abc", True, 2) == [[98, 99]]
+    assert input_ids(model, [[5, 6], [7]], True, None) == [[5, 6], [7]]
 
 
 def test_an_input_over_the_kv_pool_names_input(tiny_model_dir) -> None:
