@@ -43,6 +43,9 @@ class Pooler:
     # Matryoshka: the output sizes a request's `dimensions` may ask for (() with matryoshka: any up to the hidden
     # size); None: the model was not trained for truncation, and `dimensions` is refused (as vLLM does)
     matryoshka: tuple[int, ...] | None = None
+    # sentence-transformers' named prompts (config_sentence_transformers.json), prepended to a text by name (TEI's
+    # prompt_name)
+    prompts: tuple[tuple[str, str], ...] = ()
 
 
 def resolve_pooler(model_dir: str, hf_config: Any, override: dict[str, Any] | None) -> Pooler:
@@ -67,7 +70,18 @@ def resolve_pooler(model_dir: str, hf_config: Any, override: dict[str, Any] | No
     dims = getattr(hf_config, "matryoshka_dimensions", None)
     matryoshka = (tuple(int(d) for d in dims) if isinstance(dims, list) and dims
                   else () if getattr(hf_config, "is_matryoshka", False) else None)
-    return Pooler(kind, normalize, source, refused, matryoshka)
+    return Pooler(kind, normalize, source, refused, matryoshka, _prompts(model_dir))
+
+
+def _prompts(model_dir: str) -> tuple[tuple[str, str], ...]:
+    try:
+        cfg = _read_json(os.path.join(model_dir, "config_sentence_transformers.json"))
+    except ValueError:
+        return ()
+    prompts = cfg.get("prompts") if isinstance(cfg, dict) else None
+    if not isinstance(prompts, dict):
+        return ()
+    return tuple((k, v) for k, v in prompts.items() if isinstance(k, str) and isinstance(v, str))
 
 
 def _sentence_transformers(model_dir: str, modules: list) -> tuple[str, bool, str | None]:

@@ -11,6 +11,9 @@ L2 normalization. Any other field with a value is refused, never ignored.
 The answer: {"object": "list", "data": [{"object": "embedding", "index", "embedding"}], "model", "usage":
 {"prompt_tokens", "total_tokens"}} (and vLLM's "id" and "created"). A client that leaves aborts every input's
 request.
+
+Also Text Embeddings Inference's POST /embed (`tei_embed`), for clients written against TEI, errors in its
+(TGI's) shape.
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ from fastapi.responses import JSONResponse
 from llmserve.engine.output import SequenceOutput
 from llmserve.engine.pooling import EmbedParams
 from llmserve.errors import EngineDeadError, InvalidRequestError
-from llmserve.serve.errors import ApiError, OpenAIError, error_responses
+from llmserve.serve.errors import ApiError, OpenAIError, TgiError, error_responses
 from llmserve.serve.generation import new_request_id
 from llmserve.serve.openai_params import check_model
-from llmserve.serve.protocol import EmbeddingRequest, unknown_fields
+from llmserve.serve.protocol import EmbeddingRequest, TeiEmbedRequest, unknown_fields
 from llmserve.serve.state import ServedModel, ServerState
 from llmserve.serve.streaming import REQUEST_ID_HEADER, until_disconnected
 
@@ -64,9 +67,10 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
 
 
 def input_ids(model: ServedModel, raw: str | list, add_special_tokens: bool, truncate: int | None,
-              param: str = "input") -> list[list[int]]:
+              param: str = "input", keep_first: bool = False) -> list[list[int]]:
     """Every input's token ids (`raw`: a string, strings, token ids or lists of them; truncated to the last
-    `truncate` tokens where set, -1 meaning the context), checked for count and length."""
+    `truncate` tokens where set (the first, with keep_first), -1 meaning the context), checked for count and
+    length."""
     items: list[Any] = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
     if not items:
         raise ApiError(400, f"{param}: must not be empty", param=param)
@@ -81,7 +85,7 @@ def input_ids(model: ServedModel, raw: str | list, add_special_tokens: bool, tru
         if keep < 1:
             raise ApiError(400, f"truncate_prompt_tokens: must be -1 (the model's context) or >= 1, got {truncate}",
                            param="truncate_prompt_tokens")
-        out = [x[-keep:] for x in out]
+        out = [x[:keep] if keep_first else x[-keep:] for x in out]
     for i, x in enumerate(out):
         if not x:
             raise ApiError(400, f"{param}: input {i} is empty (no tokens)", param=param)
@@ -90,6 +94,35 @@ def input_ids(model: ServedModel, raw: str | list, add_special_tokens: bool, tru
                                 f"has {len(x)} tokens: shorten it, or set truncate_prompt_tokens.", param=param,
                            code="context_length_exceeded")
     return out
+
+
+@router.post("/embed", responses=error_responses(TgiError))
+async def tei_embed(body: TeiEmbedRequest, request: Request) -> JSONResponse:
+    """Text Embeddings Inference's /embed: `{"inputs": "..." or [...], "normalize": true, "truncate": false,
+    "truncation_direction": "Right", "prompt_name": null, "dimensions": null}` -> a list of vectors. `prompt_name`
+    prepends the checkpoint's sentence-transformers prompt of that name; `truncate` cuts an input to the context, at
+    its end (Right) or start (Left)."""
+    state: ServerState = request.app.state.llm
+    engine, model = state.ready()
+    unknown = unknown_fields(body)
+    if unknown:
+        raise ApiError(400, f"{unknown[0]}: unknown field; llmserve refuses it rather than ignore it", param=unknown[0])
+    texts = [body.inputs] if isinstance(body.inputs, str) else list(body.inputs)
+    if body.prompt_name is not None:
+        prompts = dict(engine.engine.pooler.prompts)
+        if body.prompt_name not in prompts:
+            raise ApiError(400, f"prompt_name: {body.prompt_name!r} is not one of the model's prompts "
+                                f"({', '.join(prompts) or 'it has none: config_sentence_transformers.json'})",
+                           param="prompt_name")
+        texts = [prompts[body.prompt_name] + t for t in texts]
+    with state.admit():
+        inputs = input_ids(model, texts, True, -1 if body.truncate else None, "inputs",
+                           keep_first=body.truncation_direction.lower() == "right")
+        rid = new_request_id("embed")
+        outs = await until_disconnected(request, embed_all(
+            state, [(f"{rid}-{i}", x) for i, x in enumerate(inputs)], EmbedParams(body.dimensions, body.normalize),
+            None))
+    return JSONResponse([o.embedding for o in outs], headers={REQUEST_ID_HEADER: rid})
 
 
 async def embed_all(state: ServerState, inputs: list[tuple[str, list[int]]], params: EmbedParams,

@@ -204,3 +204,14 @@ class RerankRequest(_Body):
     top_n: int = 0
     return_documents: bool = True  # Cohere's name; vLLM always returns them
     truncate_prompt_tokens: int | None = None
+
+
+class TeiEmbedRequest(_Body):
+    """Text Embeddings Inference's /embed body (serve/embedding_routes.py)."""
+
+    inputs: str | list[str] = NON_EMPTY
+    normalize: bool = True
+    truncate: bool = False
+    truncation_direction: Literal["Right", "Left", "right", "left"] = "Right"
+    prompt_name: str | None = None
+    dimensions: int | None = None

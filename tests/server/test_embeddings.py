@@ -120,3 +120,45 @@ def test_an_input_over_the_kv_pool_names_input(tiny_model_dir) -> None:
         with pytest.raises(PromptTooLongError, match="KV cache") as e:
             pipe.embed({"input_ids": [5] * 100})
         assert e.value.param == "input"
+
+
+def test_tei_embed(server: RunningServer, tiny: EngineHandle, tiny_model_dir) -> None:
+    """Text Embeddings Inference's /embed: a list of vectors; normalize, truncate (either end), dimensions refused for
+    a model not trained for them, prompt_name checked against the model's prompts (it has none)."""
+    model_dir = tiny_model_dir("llama")
+    post = lambda body: httpx.post(server.url + "/embed", json=body, timeout=60)  # noqa: E731
+    r = post({"inputs": TEXTS[:2]})
+    assert r.status_code == 200, r.text
+    for text, v in zip(TEXTS[:2], r.json(), strict=True):
+        close_to(v, reference(model_dir, tiny.tokenizer.encode(text), "LAST"))
+    one = post({"inputs": TEXTS[1], "normalize": False}).json()
+    assert len(one) == 1
+    close_to(one[0], reference(model_dir, tiny.tokenizer.encode(TEXTS[1]), "LAST", normalize=False))
+    long = tiny.tokenizer.encode("tokens " * 200)
+    assert len(long) > 256  # over the tiny model's context
+    assert post({"inputs": "tokens " * 200}).status_code == 400
+    for direction, kept in (("Right", long[:256]), ("left", long[-256:])):
+        got = post({"inputs": "tokens " * 200, "truncate": True, "truncation_direction": direction}).json()
+        close_to(got[0], reference(model_dir, kept, "LAST"))
+    for body, word in (({"inputs": "a", "dimensions": 8}, "Matryoshka"), ({"inputs": "a", "prompt_name": "query"},
+                                                                           "prompt_name"),
+                       ({"inputs": "a", "pooling": "mean"}, "pooling"), ({"inputs": []}, "inputs")):
+        r = post(body)
+        assert r.status_code == 400 and word in r.json()["error"], r.text
+
+
+def test_tei_prompt_name_prepends_the_models_prompt(tiny_model_dir, tmp_path) -> None:
+    import json
+    import shutil
+
+    from tests.server.harness import engine_for, running_server
+
+    model_dir = str(tmp_path / "prompts")
+    shutil.copytree(tiny_model_dir("llama"), model_dir)
+    with open(f"{model_dir}/config_sentence_transformers.json", "w") as f:
+        json.dump({"prompts": {"query": "Instruct: find it\nQuery: ", "document": ""}, "default_prompt_name": None}, f)
+    with engine_for(model_dir, name="tiny-prompts", num_blocks=64) as handle, running_server(handle) as server:
+        assert dict(handle.engine.engine.pooler.prompts)["query"] == "Instruct: find it\nQuery: "
+        got = httpx.post(server.url + "/embed", json={"inputs": "Paris", "prompt_name": "query"}, timeout=60).json()
+        plain = httpx.post(server.url + "/embed", json={"inputs": "Instruct: find it\nQuery: Paris"}, timeout=60).json()
+    assert got == plain
