@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from llmserve.engine.output import SequenceOutput
 from llmserve.engine.pooling import EmbedParams
@@ -45,12 +46,7 @@ MAX_INPUTS = 2048  # OpenAI's limit on one request's inputs
 @router.post("/v1/embeddings")
 @router.post("/embeddings", include_in_schema=False)
 async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
-    state: ServerState = request.app.state.llm
-    _, model = state.ready()
-    unknown = unknown_fields(body)
-    if unknown:
-        raise ApiError(400, f"{unknown[0]}: unknown field; llmserve refuses it rather than ignore it (the fields "
-                            "/v1/embeddings takes are listed in docs/serving.md)", param=unknown[0])
+    state, model = opened(request, body)
     adapter = check_model(model, body.model)
     with state.admit():
         inputs = input_ids(model, body.input, body.add_special_tokens, body.truncate_prompt_tokens)
@@ -64,6 +60,18 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
     return JSONResponse({"id": rid, "object": "list", "created": int(time.time()), "model": body.model or model.name,
                          "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
                         headers={REQUEST_ID_HEADER: rid})
+
+
+def opened(request: Request, body: BaseModel) -> tuple[ServerState, ServedModel]:
+    """The server's state and model for a pooling route's body: 503 while loading or stopping, 400 for a field the
+    body does not declare that carries a value."""
+    state: ServerState = request.app.state.llm
+    _, model = state.ready()
+    unknown = unknown_fields(body)
+    if unknown:
+        raise ApiError(400, f"{unknown[0]}: unknown field; llmserve refuses it rather than ignore it (the fields this "
+                            "route takes are listed in docs/serving.md)", param=unknown[0])
+    return state, model
 
 
 def input_ids(model: ServedModel, raw: str | list, add_special_tokens: bool, truncate: int | None,
@@ -102,11 +110,8 @@ async def tei_embed(body: TeiEmbedRequest, request: Request) -> JSONResponse:
     "truncation_direction": "Right", "prompt_name": null, "dimensions": null}` -> a list of vectors. `prompt_name`
     prepends the checkpoint's sentence-transformers prompt of that name; `truncate` cuts an input to the context, at
     its end (Right) or start (Left)."""
-    state: ServerState = request.app.state.llm
-    engine, model = state.ready()
-    unknown = unknown_fields(body)
-    if unknown:
-        raise ApiError(400, f"{unknown[0]}: unknown field; llmserve refuses it rather than ignore it", param=unknown[0])
+    state, model = opened(request, body)
+    engine, _ = state.ready()
     texts = [body.inputs] if isinstance(body.inputs, str) else list(body.inputs)
     if body.prompt_name is not None:
         prompts = dict(engine.engine.pooler.prompts)

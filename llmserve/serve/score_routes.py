@@ -23,12 +23,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from llmserve.engine.pooling import EmbedParams
-from llmserve.serve.embedding_routes import embed_all, input_ids
+from llmserve.serve.embedding_routes import embed_all, input_ids, opened
 from llmserve.serve.errors import ApiError, OpenAIError, TgiError, error_responses
 from llmserve.serve.generation import new_request_id
 from llmserve.serve.openai_params import check_model
-from llmserve.serve.protocol import RerankRequest, ScoreRequest, unknown_fields
-from llmserve.serve.state import ServerState
+from llmserve.serve.protocol import RerankRequest, ScoreRequest
 from llmserve.serve.streaming import REQUEST_ID_HEADER, until_disconnected
 
 router = APIRouter()
@@ -90,12 +89,7 @@ def _name(request: Request) -> str:
 async def _embed(request: Request, body: ScoreRequest | RerankRequest, texts: list[str],
                  prefix: str) -> tuple[str, torch.Tensor, int]:
     """(request id, the texts' embeddings [n, E] fp32, their tokens): each text its own engine request."""
-    state: ServerState = request.app.state.llm
-    _, model = state.ready()
-    unknown = unknown_fields(body)
-    if unknown:
-        raise ApiError(400, f"{unknown[0]}: unknown field; llmserve refuses it rather than ignore it (the fields it "
-                            "takes are listed in docs/serving.md)", param=unknown[0])
+    state, model = opened(request, body)
     adapter = check_model(model, body.model)
     with state.admit():
         ids = input_ids(model, texts, True, body.truncate_prompt_tokens, "texts")
