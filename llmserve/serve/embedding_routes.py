@@ -75,10 +75,12 @@ def opened(request: Request, body: BaseModel) -> tuple[ServerState, ServedModel]
 
 
 def input_ids(model: ServedModel, raw: str | list, add_special_tokens: bool, truncate: int | None,
-              param: str = "input", keep_first: bool = False) -> list[list[int]]:
-    """Every input's token ids (`raw`: a string, strings, token ids or lists of them; truncated to the last
-    `truncate` tokens where set (the first, with keep_first), -1 meaning the context), checked for count and
-    length."""
+              param: str = "input", keep_first: bool = False, truncate_field: str = "truncate_prompt_tokens"
+              ) -> list[list[int]]:
+    """Every input's token ids (`raw`: a string, strings, token ids or lists of them), checked for count and length.
+    `truncate`: at most that many tokens (-1: the context), the last ones (the first with keep_first); text is cut by
+    the tokenizer, which keeps the special tokens it adds (an embedder's closing EOS, which LAST pooling reads), as vLLM
+    and TEI truncate. Errors name `param` and the input's index in it."""
     items: list[Any] = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
     if not items:
         raise ApiError(400, f"{param}: must not be empty", param=param)
@@ -86,22 +88,34 @@ def input_ids(model: ServedModel, raw: str | list, add_special_tokens: bool, tru
         raise ApiError(400, f"{param}: at most {MAX_INPUTS} inputs in one request, got {len(items)}", param=param)
     if any(isinstance(x, str) and not x for x in items):  # (a tokenizer that adds BOS would make it one token)
         raise ApiError(400, f"{param}: an input is an empty string", param=param)
-    tok = model.tokenizer
-    out = [tok.encode(x, add_special_tokens=add_special_tokens) if isinstance(x, str) else list(x) for x in items]
+    keep = None
     if truncate is not None:
         keep = model.session_len if truncate == -1 else truncate
         if keep < 1:
-            raise ApiError(400, f"truncate_prompt_tokens: must be -1 (the model's context) or >= 1, got {truncate}",
-                           param="truncate_prompt_tokens")
-        out = [x[:keep] if keep_first else x[-keep:] for x in out]
+            raise ApiError(400, f"{truncate_field}: must be -1 (the model's context) or >= 1, got {truncate}",
+                           param=truncate_field)
+    out = [_tokens(model.tokenizer, x, add_special_tokens, keep, keep_first) if isinstance(x, str)
+           else list(x)[:keep] if keep_first else list(x)[-(keep or len(x)):] for x in items]
     for i, x in enumerate(out):
+        where = param if len(items) == 1 else f"{param}[{i}]"
         if not x:
-            raise ApiError(400, f"{param}: input {i} is empty (no tokens)", param=param)
+            raise ApiError(400, f"{where}: no tokens", param=param)
         if len(x) > model.session_len:
-            raise ApiError(400, f"This model's maximum context length is {model.session_len} tokens, and input {i} "
-                                f"has {len(x)} tokens: shorten it, or set truncate_prompt_tokens.", param=param,
+            raise ApiError(400, f"This model's maximum context length is {model.session_len} tokens, and {where} "
+                                f"has {len(x)} tokens: shorten it, or set {truncate_field}.", param=param,
                            code="context_length_exceeded")
     return out
+
+
+def _tokens(tok: Any, text: str, add_special_tokens: bool, keep: int | None, keep_first: bool) -> list[int]:
+    if keep is None:
+        return tok.encode(text, add_special_tokens=add_special_tokens)
+    side = tok.truncation_side
+    tok.truncation_side = "right" if keep_first else "left"  # (set and put back with no await between)
+    try:
+        return tok(text, add_special_tokens=add_special_tokens, truncation=True, max_length=keep)["input_ids"]
+    finally:
+        tok.truncation_side = side
 
 
 @router.post("/embed", responses=error_responses(TgiError))
@@ -122,7 +136,7 @@ async def tei_embed(body: TeiEmbedRequest, request: Request) -> JSONResponse:
         texts = [prompts[body.prompt_name] + t for t in texts]
     with state.admit():
         inputs = input_ids(model, texts, True, -1 if body.truncate else None, "inputs",
-                           keep_first=body.truncation_direction.lower() == "right")
+                           keep_first=body.truncation_direction.lower() == "right", truncate_field="truncate")
         rid = new_request_id("embed")
         outs = await until_disconnected(request, embed_all(
             state, [(f"{rid}-{i}", x) for i, x in enumerate(inputs)], EmbedParams(body.dimensions, body.normalize),

@@ -201,8 +201,8 @@ class RerankRequest(_Body):
     model: str | None = None
     query: str
     documents: list[str | dict[str, Any]] = NON_EMPTY
-    top_n: int = 0
-    return_documents: bool = True  # Cohere's name; vLLM always returns them
+    top_n: int | None = None  # 0 or less, or null: every document (vLLM's)
+    return_documents: bool | None = None  # Cohere's name; unset: returned, as vLLM always does
     truncate_prompt_tokens: int | None = None
 
 

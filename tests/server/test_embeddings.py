@@ -95,8 +95,8 @@ def test_a_client_that_leaves_has_its_inputs_aborted(server: RunningServer, tiny
 
 
 def test_inputs_are_tokenized_as_asked() -> None:
-    """add_special_tokens reaches the tokenizer (the tiny one adds none, so it is checked on one that adds a BOS), and
-    truncate_prompt_tokens keeps the last tokens."""
+    """add_special_tokens reaches the tokenizer (the tiny one adds none, so it is checked on one that adds a BOS); token
+    ids pass as they are."""
     from types import SimpleNamespace
 
     from llmserve.serve.embedding_routes import input_ids
@@ -108,8 +108,27 @@ def test_inputs_are_tokenized_as_asked() -> None:
     model = SimpleNamespace(tokenizer=Bos(), session_len=64)
     assert input_ids(model, ["ab", "c"], True, None) == [[1, 97, 98], [1, 99]]
     assert input_ids(model, "ab", False, None) == [[97, 98]]
-    assert input_ids(model, "abc", True, 2) == [[98, 99]]
     assert input_ids(model, [[5, 6], [7]], True, None) == [[5, 6], [7]]
+
+
+def test_truncation_keeps_the_special_tokens_the_tokenizer_adds(tiny_model_dir) -> None:
+    """As vLLM and TEI truncate (through the tokenizer): an embedder's closing EOS, which LAST pooling reads, stays."""
+    from types import SimpleNamespace
+
+    from tokenizers.processors import TemplateProcessing
+
+    from llmserve.serve.embedding_routes import input_ids
+    from tests.tiny_models import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    tok._tokenizer.post_processor = TemplateProcessing(single="$A <|im_end|>", special_tokens=[("<|im_end|>", 2)])
+    text = "Models run over flat tokens with a paged KV cache."
+    full = tok.encode(text)
+    assert full[-1] == 2 and len(full) > 6
+    model = SimpleNamespace(tokenizer=tok, session_len=256)
+    assert input_ids(model, text, True, 5) == [full[-5:]]  # the last tokens, the EOS among them
+    assert input_ids(model, text, True, 5, keep_first=True) == [full[:4] + [2]]  # the first, then the EOS
+    assert tok.truncation_side == "right"  # put back
 
 
 def test_an_input_over_the_kv_pool_names_input(tiny_model_dir) -> None:
@@ -140,6 +159,8 @@ def test_tei_embed(server: RunningServer, tiny: EngineHandle, tiny_model_dir) ->
     for direction, kept in (("Right", long[:256]), ("left", long[-256:])):
         got = post({"inputs": "tokens " * 200, "truncate": True, "truncation_direction": direction}).json()
         close_to(got[0], reference(model_dir, kept, "LAST"))
+    r = post({"inputs": "tokens " * 200})
+    assert "set truncate." in r.json()["error"]
     for body, word in (({"inputs": "a", "dimensions": 8}, "Matryoshka"), ({"inputs": "a", "prompt_name": "query"},
                                                                            "prompt_name"),
                        ({"inputs": "a", "pooling": "mean"}, "pooling"), ({"inputs": []}, "inputs")):

@@ -63,13 +63,13 @@ def test_rerank_orders_documents_by_score(server: RunningServer, path: str) -> N
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
     ("/v1/score", {"text_1": [], "text_2": "c"}, "text_1"),
-    ("/v1/score", {"text_1": "a", "text_2": ""}, "texts"),
+    ("/v1/score", {"text_1": "a", "text_2": ""}, "text_2"),
     ("/v1/score", {"text_1": "a", "text_2": "b", "softmax": True}, "softmax"),
     ("/v1/rerank", {"query": QUERY, "documents": []}, "documents"),
     ("/v1/rerank", {"query": QUERY, "documents": [{"txt": "a"}]}, "documents"),
-    ("/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": -1}, "top_n"),
     ("/v1/rerank", {"query": QUERY, "documents": DOCS, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
-    ("/v1/rerank", {"query": "x" * 2000, "documents": DOCS}, "texts"),
+    ("/v1/rerank", {"query": "x" * 2000, "documents": DOCS}, "query"),
+    ("/v1/rerank", {"query": QUERY, "documents": ["a", "x" * 2000]}, "documents"),
 ])
 def test_refusals(server: RunningServer, path: str, body: dict, param: str) -> None:
     r = post(server, path, body)
@@ -80,5 +80,14 @@ def test_refusals(server: RunningServer, path: str, body: dict, param: str) -> N
 
 def test_root_routes_answer_errors_in_tgi_shape(server: RunningServer) -> None:
     """As every route outside /v1/ (docs/serving.md): the message, and TGI's error_type."""
-    r = post(server, "/rerank", {"query": QUERY, "documents": DOCS, "top_n": -1})
-    assert r.status_code == 400 and "top_n" in r.json()["error"] and r.json()["error_type"]
+    r = post(server, "/rerank", {"query": QUERY, "documents": ["a", "x" * 2000]})
+    assert r.status_code == 400 and "documents[1]" in r.json()["error"] and r.json()["error_type"]
+
+
+def test_rerank_defaults_as_vllms(server: RunningServer) -> None:
+    """top_n 0, negative or null: every document; return_documents null: returned."""
+    for top_n in (0, -1, None):
+        got = post(server, "/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": top_n,
+                                          "return_documents": None}).json()
+        assert len(got["results"]) == 4 and "document" in got["results"][0]
+        assert got["usage"]["completion_tokens"] == 0
