@@ -64,7 +64,8 @@ def main() -> None:
     add_workload_flags(ap)
     ap.set_defaults(num_prompts=256)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--rounds", type=int, default=2, help="timed embed calls, each over its own num_prompts prompts, per engine")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="timed embed calls, each over its own num_prompts prompts, per engine")
     ap.add_argument("--no-peer", action="store_true", help="llmserve only")
     args = ap.parse_args()
     num_prompts = args.num_prompts

@@ -31,7 +31,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--workload", required=True)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--vectors", help="save the vectors here (.npy)")
-    parser.add_argument("--rounds", type=int, default=1, help="timed embed calls, each over its own slice of the prompts")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="timed embed calls, each over its own slice of the prompts")
     args, _ = parser.parse_known_args(argv)  # (the workload's own flags are dump_workload.py's)
     with open(args.workload) as f:
         workload = json.load(f)
