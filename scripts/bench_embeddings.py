@@ -50,7 +50,8 @@ def run_llmserve(workload: dict, rounds: int) -> tuple[dict, np.ndarray]:
             times.append(time.perf_counter() - t0)
             vectors += [o.embedding for o in outs]
     tps = [sum(len(p) for p in b) / t for b, t in zip(batches, times, strict=True)]
-    return {"engine": "llmserve", "start_s": start_s, "seconds": times, "tokens_per_s": tps}, np.asarray(vectors, np.float32)
+    result = {"engine": "llmserve", "start_s": start_s, "seconds": times, "tokens_per_s": tps}
+    return result, np.asarray(vectors, np.float32)
 
 
 def run_vllm(flags: list[str], vectors_path: str) -> dict:

@@ -193,10 +193,10 @@ class LLMEngine:
         params = params or EmbedParams()
         normalize = self._check_embedding(params)
         self._validate_ids(prompt_token_ids)
-        if len(prompt_token_ids) > self.session_len:
-            raise PromptTooLongError(f"the input has {len(prompt_token_ids)} tokens, over the session length of "
-                                     f"{self.session_len} tokens; shorten it", param="input")
         n = len(prompt_token_ids)
+        if n > self.session_len:
+            raise PromptTooLongError(f"the input has {n} tokens, over the session length of "
+                                     f"{self.session_len} tokens; shorten it", param="input")
         if self.kv.blocks_needed(n) > self.kv.num_blocks:
             raise PromptTooLongError(f"the input has {n} tokens and the KV cache holds at most "
                                      f"{self.kv.num_blocks * self.kv.block_size}: shorten it, or give the KV cache "

@@ -3,7 +3,8 @@
 
 The served model is a bi-encoder here (its embeddings: engine/pooling.py), so a pair's score is the cosine
 similarity of the two texts' embeddings, as vLLM scores with an embedding model (a cross-encoder's classification
-head is not run). Every entry is embedded once, all in one batch of engine requests (a text sent twice is embedded twice).
+head is not run). Every entry is embedded once, all in one batch of engine requests (a text sent twice
+is embedded twice).
 
 - /score: `text_1` and `text_2`, each a string or strings: one against each of the other's, or pairwise when both
   are lists of one length -> `{"data": [{"index", "object": "score", "score"}], "usage"}`.
