@@ -27,6 +27,7 @@ from llmserve.serve import (
     embedding_routes,
     lora_routes,
     openai_routes,
+    responses_routes,
     score_routes,
     session_routes,
     tgi_routes,
@@ -58,6 +59,7 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None, model: S
     app.state.llm = state
     install_error_handlers(app)
     app.include_router(openai_routes.router)
+    app.include_router(responses_routes.router)  # OpenAI's Responses API, /v1/responses
     app.include_router(session_routes.router)
     app.include_router(lora_routes.router)  # vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter
     app.include_router(tgi_routes.router)

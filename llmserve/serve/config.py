@@ -60,6 +60,10 @@ class ServerConfig:
                                                 "collector, e.g. http://localhost:4317 (gRPC; "
                                                 "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf for HTTP). Needs "
                                                 "llmserve[tracing].")
+    responses_store_size: int = _f(1000, "The Responses API: how many responses (store=true, OpenAI's default) "
+                                         "are kept in memory to be read back (GET /v1/responses/{id}) and "
+                                         "continued (previous_response_id); the oldest go first, and all are lost "
+                                         "when the server stops. 0 keeps none.")
     access_log: bool = _f(False, "Log every HTTP request (uvicorn's access log); finished generations are "
                                  "logged either way.")
 
@@ -67,6 +71,8 @@ class ServerConfig:
         _check(0 <= self.server_port <= 65535, "server_port", f"must be in [0, 65535], got {self.server_port}")
         _check(self.max_concurrent_requests >= 1, "max_concurrent_requests",
                f"must be >= 1, got {self.max_concurrent_requests}")
+        _check(self.responses_store_size >= 0, "responses_store_size",
+               f"must be >= 0, got {self.responses_store_size}")
         _check(self.shutdown_timeout >= 0, "shutdown_timeout", f"must be >= 0, got {self.shutdown_timeout}")
         _check(not self.api_keys or all(self.api_keys), "api_keys", "must not contain empty keys")
         _check(self.tool_call_parser is None or self.tool_call_parser in TOOL_PARSERS, "tool_call_parser",

@@ -1,4 +1,4 @@
-"""OpenAI request bodies (/v1/chat/completions, /v1/completions) as pydantic models.
+"""OpenAI request bodies (/v1/chat/completions, /v1/completions, /v1/responses, ...) as pydantic models.
 
 Strict types (a string where a number belongs is a 400, as OpenAI answers; ints are accepted for
 floats). Every field OpenAI documents is declared here, and so are the vLLM extras we take: each is
@@ -161,6 +161,38 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     verbosity: str | None = None
     web_search_options: dict[str, Any] | None = None
+    # vLLM's: variables for the chat template (Qwen3's enable_thinking), taken only where the template reads them
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ResponsesRequest(SamplingRequest):
+    """OpenAI's Responses API body (POST /v1/responses; serve/responses_routes.py). The sampling fields both
+    generation routes share are taken too (vLLM's extras in `extra_body`); `n` and `max_tokens` belong to the
+    other routes and are refused. Items and tools are kept as sent and checked, naming the item, where they are
+    turned into a chat (responses_input.py)."""
+
+    input: str | list[dict[str, Any]] = NON_EMPTY
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    previous_response_id: str | None = None
+    store: bool = True  # OpenAI's default: the response can be read back and continued (in memory here)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    reasoning: dict[str, Any] | None = None  # {"effort": ..., "summary": ...}
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    metadata: dict[str, Any] | None = None
+    background: bool | None = None
+    max_tool_calls: int | None = None
+    prompt: dict[str, Any] | None = None  # a stored prompt template (refused: none are stored here)
+    conversation: str | dict[str, Any] | None = None  # the Conversations API (refused: not served here)
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
     # vLLM's: variables for the chat template (Qwen3's enable_thinking), taken only where the template reads them
     chat_template_kwargs: dict[str, Any] | None = None
 

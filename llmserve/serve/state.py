@@ -21,6 +21,7 @@ from llmserve.errors import InvalidRequestError
 from llmserve.serve.config import ServerConfig
 from llmserve.serve.errors import ApiError
 from llmserve.serve.metrics import ServerMetrics
+from llmserve.serve.response_store import ResponseStore
 from llmserve.serve.token_text import TokenText
 from llmserve.serve.tracing import RequestTracer
 from llmserve.tools import ReasoningParser, ToolParser, resolve_tool_parser, tool_parser
@@ -134,6 +135,7 @@ class ServerState:
         self.draining = False  # set on SIGINT/SIGTERM: new requests get 503
         self.num_active = 0  # admitted generation requests (HTTP), for max_concurrent_requests
         self.in_flight: set[str] = set()  # engine request ids, for aborting on shutdown
+        self.responses = ResponseStore(config.responses_store_size)  # the Responses API's stored responses
 
     def attach(self, engine: AsyncEngine, model: ServedModel) -> None:
         self.model = model

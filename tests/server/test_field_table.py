@@ -52,6 +52,16 @@ EXTRAS = {
     "prompt_logprobs": 1, "guided_decoding_backend": "outlines", "guided_whitespace_pattern": " *",
     "chat_template_kwargs": {"enable_thinking": False},
 }
+RESPONSES = {
+    "input": "Hi", "model": "tiny-llama", "instructions": "Be brief.", "max_output_tokens": 3,
+    "previous_response_id": None,  # a stored response's id, made for the test
+    "store": False, "tools": [{"type": "function", **TOOL["function"]}], "tool_choice": "required",
+    "parallel_tool_calls": False, "text": {"format": {"type": "json_object"}}, "reasoning": {"effort": "low"},
+    "include": ["message.output_text.logprobs"], "top_logprobs": 2, "truncation": "auto", "metadata": {"k": "v"},
+    "background": True, "max_tool_calls": 2, "prompt": {"id": "pmpt_1"}, "conversation": "conv_1",
+    "prompt_cache_key": "abc", "prompt_cache_retention": "24h", "safety_identifier": "u1", "service_tier": "auto",
+    "stream": True, "stream_options": {"include_obfuscation": False}, "temperature": 0.5, "top_p": 0.9, "user": "u1",
+}
 TGI = {
     "inputs": "The capital of France is", "stream": True, "do_sample": True, "max_new_tokens": 3, "temperature": 0.5,
     "top_k": 5, "top_p": 0.9, "repetition_penalty": 1.2, "frequency_penalty": 0.5, "stop": ["x"], "seed": 1,
@@ -64,10 +74,12 @@ TGI = {
 NEEDS = {"top_logprobs": {"logprobs": True}, "stream_options": {"stream": True}, "tool_choice": {"tools": [TOOL]},
          "function_call": {"functions": [TOOL["function"]]},
          "parallel_tool_calls": {"tools": [TOOL]}}
+RESPONSES_NEEDS = {"top_logprobs": {"include": RESPONSES["include"]}, "stream_options": {"stream": True},
+                   "tool_choice": {"tools": RESPONSES["tools"]}, "parallel_tool_calls": {"tools": RESPONSES["tools"]}}
 # Served with a ChatML template that reads tools (compactly) and two variables: template variables are taken only by a
 # template that reads them (the tiny model's own reads none and refuses them: tests/server/test_tool_calling.py),
 # and the Hermes tool preamble a template without tools gets does not fit the tiny model's 256 tokens.
-TEMPLATE_FIELDS = {"reasoning_effort", "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls", "functions",
+TEMPLATE_FIELDS = {"reasoning_effort", "reasoning", "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls", "functions",
                    "function_call"}
 VARIABLES_TEMPLATE = ("{% if tools %}{{ '<|im_start|>system\nCall with <tool_call>: ' }}{% for t in tools %}"
                       "{{ t.function.name + ' ' }}{% endfor %}{{ '<|im_end|>\n' }}{% endif %}"
@@ -100,6 +112,7 @@ def test_every_field_has_an_example_and_a_row() -> None:
     assert table("Extra fields").keys() == EXTRAS.keys()
     assert table("TGI").keys() == TGI.keys()
     assert table("OpenAI embeddings").keys() == EMBEDDINGS.keys()
+    assert table("OpenAI Responses").keys() == RESPONSES.keys()
 
 
 def _post(server: RunningServer, path: str, body: dict[str, Any]) -> httpx.Response:
@@ -140,15 +153,34 @@ def test_completions_field(server: RunningServer, field: str) -> None:
     _check(_post(server, "/v1/completions", body), field, table("OpenAI completions")[field], _openai_param)
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("field", list(RESPONSES))
+def test_responses_field(request: pytest.FixtureRequest, field: str) -> None:
+    server = _server_for(request, field)
+    value = RESPONSES[field]
+    if field == "previous_response_id":
+        value = _post(server, "/v1/responses", {"input": "Hello", "max_output_tokens": 2}).json()["id"]
+    body = {"input": "Hi", "max_output_tokens": 2, "temperature": 0, **RESPONSES_NEEDS.get(field, {}), field: value}
+    _check(_post(server, "/v1/responses", body), field, table("OpenAI Responses")[field], _openai_param)
+
+
+# The extras the Responses API refuses: each is another field of its own, or has no place in a Response.
+RESPONSES_REFUSED = {"response_format", "prompt_logprobs"}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
 @pytest.mark.parametrize("field", list(EXTRAS))
 def test_extra_field(request: pytest.FixtureRequest, path: str, field: str) -> None:
     server = _server_for(request, field)
     base = {"messages": CHAT["messages"]} if "chat" in path else {"prompt": "Hi"}
     body = {**base, "max_tokens": 2, "temperature": 0, field: EXTRAS[field]}
+    if "responses" in path:
+        body = {"input": "Hi", "max_output_tokens": 2, "temperature": 0, field: EXTRAS[field]}
     if field == "use_beam_search":
         body["best_of"] = 2
-    status = "refused" if field in CHAT_ONLY and "chat" not in path else table("Extra fields")[field]
+    status = "refused" if field in CHAT_ONLY and "completions" in path and "chat" not in path \
+        else table("Extra fields")[field]
+    if "responses" in path and field in RESPONSES_REFUSED:
+        status = "refused"
     _check(_post(server, path, body), field, status, _openai_param)
     if field == "session_id":
         httpx.delete(server.url + "/v1/sessions/table-test")

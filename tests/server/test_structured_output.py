@@ -90,6 +90,21 @@ def test_parse_with_a_pydantic_model(client: openai.OpenAI, where: str) -> None:
     assert list(json.loads(r.choices[0].message.content)) == ["name", "country", "population"]  # schema order
 
 
+def test_the_responses_api_parses_into_a_pydantic_model(client: openai.OpenAI) -> None:
+    """OpenAI's Responses API: text.format (here from `text_format`) is the chat's response_format."""
+    class City(BaseModel):
+        name: str = Field(max_length=40)
+        country: str = Field(max_length=40)
+        population: int = Field(ge=0, le=100_000_000)
+
+    r = client.responses.parse(model=MODEL, input="Describe Paris.", temperature=0, max_output_tokens=200,
+                               text_format=City)
+    assert r.status == "completed" and isinstance(r.output_parsed, City)
+    with client.responses.stream(model=MODEL, input="Describe Paris.", temperature=0, max_output_tokens=200,
+                                 text_format=City) as stream:
+        assert stream.get_final_response().output_parsed == r.output_parsed
+
+
 def test_json_object_and_completions(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(model=MODEL, messages=chat("Give me a JSON object with a cat's name and age."),
                                        temperature=0, max_tokens=200, response_format={"type": "json_object"})
