@@ -38,14 +38,19 @@ class ResponseStore:
         self.num_bytes = 0
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
 
-    def put(self, rid: str, stored: StoredResponse) -> None:
+    def put(self, rid: str, stored: StoredResponse) -> bool:
+        """Keep it (and evict the oldest as needed); False where it cannot be kept (no store, or larger than the
+        whole budget)."""
+        if self.capacity <= 0:
+            return False
         stored.size = stored.measure()
-        if self.capacity <= 0 or stored.size > self.max_bytes:
-            return
+        if stored.size > self.max_bytes:
+            return False
         self._items[rid] = stored
         self.num_bytes += stored.size
         while len(self._items) > self.capacity or self.num_bytes > self.max_bytes:
             self.num_bytes -= self._items.popitem(last=False)[1].size
+        return True
 
     def get(self, rid: str, previous: bool = False) -> StoredResponse:
         """404 for an unknown id; as `previous_response_id`, a 400 naming that field (OpenAI's answers)."""

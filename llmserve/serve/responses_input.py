@@ -13,11 +13,20 @@ earlier instructions, as OpenAI documents) come before this input.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from llmserve.serve.errors import ApiError
-from llmserve.serve.protocol import ChatCompletionRequest, ResponsesRequest, SamplingRequest, unknown_fields
+from llmserve.serve.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ResponsesRequest,
+    SamplingRequest,
+    unknown_fields,
+)
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # The fields the two APIs share, by the same name (the sampling knobs, vLLM's extras, structured output).
@@ -31,33 +40,42 @@ def _refuse(param: str, message: str) -> ApiError:
 
 @dataclass
 class Conversation:
-    """What one request runs and what a stored response keeps to be continued."""
+    """What one request runs, and what a stored response keeps to be continued (the whole of it, whatever this
+    request's truncation left out of its prompt)."""
 
-    chat: ChatCompletionRequest  # the request as the chat route takes it: instructions, history, messages
-    num_front: int  # the instructions' messages at the front of chat.messages (0 or 1)
+    chat: ChatCompletionRequest  # the request as the chat route takes it: instructions, then `turns[start:]`
+    num_front: int  # the instructions' messages in front (0 or 1)
     history: list[dict[str, Any]]  # chat messages before this input (previous_response_id), without instructions
     messages: list[dict[str, Any]]  # this input's chat messages
-    dropped: int = 0  # truncation "auto": messages left out from the front of history + messages to fit
+    origins: list[int]  # the input item each of `messages` came from
+    all_chat: list[ChatMessage] = field(default_factory=list)  # instructions + history + messages, validated
+    start: int = 0  # truncation "auto": turns (history + messages) left out of the prompt from the front
 
-    def truncated(self) -> Conversation | None:
-        """The conversation without its oldest message (truncation "auto"; with it, tool results whose call went),
-        or None when only the last message is left: that one is never dropped."""
-        whole = self.history + self.messages
-        dropped = self.dropped + 1
-        while dropped < len(whole) and whole[dropped]["role"] == "tool":
-            dropped += 1
-        if dropped >= len(whole):
-            return None
-        front = self.chat.messages[:self.num_front]
-        chat = self.chat.model_copy(update={"messages": front + self.chat.messages[self.num_front + dropped:]})
-        return Conversation(chat, self.num_front, self.history, self.messages, dropped)
+    def turn_starts(self) -> list[int]:
+        """Where the prompt may start (truncation "auto"): 0, and each later user message, so that what is kept
+        opens with a user turn and no tool result loses its call."""
+        turns = self.history + self.messages
+        return [0] + [i for i in range(1, len(turns)) if turns[i]["role"] == "user"]
+
+    def starting_at(self, start: int) -> Conversation:
+        messages = self.all_chat[:self.num_front] + self.all_chat[self.num_front + start:]
+        return dataclasses.replace(self, chat=self.chat.model_copy(update={"messages": messages}), start=start)
+
+    def where(self, index: int) -> str:
+        """What the client calls the prompt's chat message `index`."""
+        if index < self.num_front:
+            return "instructions"
+        turn = index - self.num_front + self.start
+        if turn < len(self.history):
+            return "previous_response_id"
+        return f"input[{self.origins[turn - len(self.history)]}]"
 
 
 def conversation(body: ResponsesRequest, history: list[dict[str, Any]]) -> Conversation:
     """The chat request for `body` (its own fields checked: `check_fields`) after `history` (a stored response's
     conversation; [] when none)."""
     known_calls = {c["id"]: c["function"]["name"] for m in history for c in m.get("tool_calls") or []}
-    messages = input_messages(body.input, known_calls)
+    messages, origins = input_messages(body.input, known_calls)
     front = [{"role": "system", "content": body.instructions}] if body.instructions else []
     fields: dict[str, Any] = {name: getattr(body, name) for name in _SHARED if name in body.model_fields_set}
     fields.update(
@@ -66,7 +84,13 @@ def conversation(body: ResponsesRequest, history: list[dict[str, Any]]) -> Conve
         parallel_tool_calls=body.parallel_tool_calls, response_format=response_format(body.text),
         reasoning_effort=(body.reasoning or {}).get("effort"), chat_template_kwargs=body.chat_template_kwargs,
         logprobs=logprobs_wanted(body), top_logprobs=body.top_logprobs if logprobs_wanted(body) else None)
-    return Conversation(ChatCompletionRequest.model_validate(fields), len(front), history, messages)
+    try:
+        chat = ChatCompletionRequest.model_validate(fields)
+    except ValidationError as e:  # a value of the wrong type inside what was passed on as sent (reasoning.effort)
+        err = e.errors()[0]
+        name = ".".join(str(x) for x in err["loc"])
+        raise ApiError(400, f"{name}: {err['msg']} (got {err.get('input')!r})", param=str(err["loc"][0])) from None
+    return Conversation(chat, len(front), history, messages, origins, list(chat.messages))
 
 
 def logprobs_wanted(body: ResponsesRequest) -> bool:
@@ -148,7 +172,7 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     """Flat function tools ({"type": "function", "name", "description", "parameters", "strict"}) as the chat's
-    nested ones; the built-in tools (web search, file search, computer use, MCP, ...) are refused: nothing runs
+    nested ones, strict unless they say `"strict": false` (OpenAI's default here); the built-in tools (web search, file search, computer use, MCP, ...) are refused: nothing runs
     them here."""
     if tools is None:
         return None
@@ -164,7 +188,8 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
         if unknown:
             raise _refuse(f"tools[{i}]", f"unknown field {sorted(unknown)[0]!r}")
         function = {k: v for k, v in tool.items() if k != "type" and v is not None}
-        out.append({"type": "function", "function": function})
+        function.setdefault("strict", True)  # this API's default (the chat's is false): the arguments follow
+        out.append({"type": "function", "function": function})  # the schema, by grammar
     return out
 
 
@@ -185,16 +210,18 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
                                  f"{choice!r} (built-in tools are not available here)")
 
 
-def input_messages(items: str | list[dict[str, Any]], known_calls: dict[str, str]) -> list[dict[str, Any]]:
-    """The input as chat messages. A function_call item joins the assistant message before it (or starts one);
-    a function_call_output answers a call made earlier in the conversation (OpenAI refuses one that does not);
-    a reasoning item's text goes with the next assistant message as its reasoning_content. `known_calls`
-    (call id -> function name) is updated with the calls found."""
+def input_messages(items: str | list[dict[str, Any]],
+                   known_calls: dict[str, str]) -> tuple[list[dict[str, Any]], list[int]]:
+    """The input as chat messages, and the item each came from. A function_call item joins the assistant message
+    before it (or starts one); a function_call_output answers a call made earlier in the conversation (OpenAI
+    refuses one that does not); a reasoning item's text goes with the assistant message right after it (and is
+    dropped if another turn comes first). `known_calls` (call id -> function name) gains the calls found."""
     if not items:
         raise _refuse("input", "must not be empty")
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+        return [{"role": "user", "content": items}], [0]
     messages: list[dict[str, Any]] = []
+    origins: list[int] = []
     reasoning: str | None = None
     for i, item in enumerate(items):
         where = f"input[{i}]"
@@ -203,35 +230,47 @@ def input_messages(items: str | list[dict[str, Any]], known_calls: dict[str, str
             raise _refuse(where, f"items are of type {', '.join(_ITEM_TYPES)}; got {kind!r}"
                                  + (" (send the item itself: stored items are not referenced here)"
                                     if kind == "item_reference" else ""))
+        _check_keys(item, _ITEM_KEYS[kind], where)
         if kind == "reasoning":
             reasoning = (reasoning or "") + _reasoning_text(item, where)
-        elif kind == "message":
-            message = _message(item, where)
-            if message["role"] == "assistant" and reasoning is not None:
-                message["reasoning_content"], reasoning = reasoning, None
-            messages.append(message)
-        elif kind == "function_call":
+            continue
+        if kind == "function_call":
             call = _function_call(item, where)
             known_calls[call["id"]] = call["function"]["name"]
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
+                message = last
             else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-                if reasoning is not None:
-                    messages[-1]["reasoning_content"], reasoning = reasoning, None
+                message = {"role": "assistant", "content": None, "tool_calls": [call]}
+                messages.append(message)
+                origins.append(i)
         else:
-            messages.append(_call_output(item, where, known_calls))
-    return messages
+            message = _message(item, where) if kind == "message" else _call_output(item, where, known_calls)
+            messages.append(message)
+            origins.append(i)
+        if message["role"] == "assistant" and reasoning is not None:
+            message["reasoning_content"] = message.get("reasoning_content", "") + reasoning
+        reasoning = None  # reasoning belongs to the assistant turn right after it
+    return messages, origins
+
+
+_ITEM_KEYS = {"message": {"type", "role", "content", "id", "status", "phase"},
+              "function_call": {"type", "call_id", "name", "arguments", "id", "status", "namespace"},
+              "function_call_output": {"type", "call_id", "output", "id", "status"},
+              "reasoning": {"type", "summary", "content", "encrypted_content", "id", "status"}}
+
+
+def _check_keys(item: dict[str, Any], allowed: set[str], where: str) -> None:
+    unknown = [k for k, v in item.items() if k not in allowed and v not in (None, [], {}, "")]
+    if unknown:
+        raise _refuse(where, f"unknown field {sorted(unknown)[0]!r} in a {item.get('type', 'message')} item")
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     role = item.get("role")
     if role not in ("user", "assistant", "system", "developer"):
         raise _refuse(f"{where}.role", f"must be user, assistant, system or developer, got {role!r}")
-    unknown = set(item) - {"type", "role", "content", "id", "status", "phase"}
-    if unknown:
-        raise _refuse(where, f"unknown field {sorted(unknown)[0]!r} in a message item")
     content = item.get("content")
     if isinstance(content, str):
         return {"role": "system" if role == "developer" else role, "content": content}

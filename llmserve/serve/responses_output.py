@@ -1,8 +1,8 @@
 """A Responses API answer: the Response object and, streamed, its events (docs/serving.md, "Responses API").
 
-The text goes through the chat's `ChoiceOutput` (reasoning and tool calls split off, chat_tools.py); its parts
-become output items in the order the model wrote them: a `reasoning` item (content `reasoning_text`), a
-`message` (one `output_text` part), a `function_call` per call. Streamed, each item opens with
+The text goes through the chat's parsers (reasoning and tool calls split off: `Deltas`); its parts become output
+items in the order the model wrote them: a `reasoning` item (content `reasoning_text`), a `message` (one
+`output_text` part), a `function_call` per call, and a message after a call if the model wrote text there. Streamed, each item opens with
 `response.output_item.added`, grows by its deltas (`response.reasoning_text.delta`, `response.output_text.delta`,
 `response.function_call_arguments.delta`), and closes with its `.done` events and `response.output_item.done`
 before the next opens; the stream starts with `response.created` and `response.in_progress` and ends with
@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmserve.sampling.logprobs import TokenLogprobs
+from llmserve.serve.chat_tools import ChatOutput
 from llmserve.serve.token_text import TokenText
+from llmserve.tools import ContentDelta, Delta, OutputStream, ReasoningDelta, ToolCallDelta
 
 
 def item_id(prefix: str) -> str:
@@ -55,35 +57,36 @@ def call_item(iid: str, call_id: str, name: str, arguments: str, status: str) ->
             "status": status}
 
 
-def output_items(message: dict[str, Any], logprobs: list[dict[str, Any]] | None, cut: bool) -> list[dict[str, Any]]:
-    """A chat message (ChoiceOutput.message: reasoning_content, content, tool_calls) as output items. `cut`:
-    max_output_tokens ended it, so its last item is "incomplete". A message item comes whenever there is text, or
-    nothing else to answer with."""
-    items = []
-    if message.get("reasoning_content"):
-        items.append(reasoning_item(item_id("rs"), message["reasoning_content"], "completed"))
-    calls = message.get("tool_calls") or []
-    if message.get("content") or not calls:
-        items.append(message_item(item_id("msg"), message.get("content") or "", logprobs, "completed"))
-    items += [call_item(item_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"], "completed")
-              for c in calls]
-    if cut:
-        items[-1]["status"] = "incomplete"
-    return items
-
-
 def items_as_message(items: list[dict[str, Any]]) -> dict[str, Any]:
     """Output items as the assistant message the conversation continues from (previous_response_id)."""
     message: dict[str, Any] = {"role": "assistant", "content": ""}
     for it in items:
         if it["type"] == "reasoning":
-            message["reasoning_content"] = it["content"][0]["text"]
+            message["reasoning_content"] = message.get("reasoning_content", "") + it["content"][0]["text"]
         elif it["type"] == "message":
-            message["content"] = it["content"][0]["text"]
+            message["content"] += it["content"][0]["text"]
         else:
             message.setdefault("tool_calls", []).append(
                 {"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}})
     return message
+
+
+class Deltas:
+    """An answer's text -> its parts in the order the model wrote them (the chat's parsers: reasoning split off,
+    tool calls read; ChatOutput), calls past max_calls dropped. Whole or streamed, the same parts."""
+
+    def __init__(self, output: ChatOutput) -> None:
+        self._stream: OutputStream | None = output.parser.stream() if output.parser is not None else None
+        self._max_calls = output.max_calls
+
+    def feed(self, text: str, final: bool) -> list[Delta]:
+        if self._stream is None:
+            return [ContentDelta(text)] if text else []
+        deltas = self._stream.feed(text) if text else []
+        if final:
+            deltas += self._stream.finish()
+        limit = self._max_calls
+        return [d for d in deltas if not (isinstance(d, ToolCallDelta) and limit is not None and d.index >= limit)]
 
 
 @dataclass
@@ -100,7 +103,8 @@ class _Open:
 
 
 class EventWriter:
-    """Chat deltas (ChoiceOutput.delta's fields) -> the Responses stream's events, in order, numbered.
+    """An answer's parts (`Deltas`) -> the Responses stream's events, in order, numbered, and the output items they
+    add up to (`items`, after `finish`): a whole response is written by the same writer, its events unsent.
     `snapshot(status, output)` gives the response object the lifecycle events carry."""
 
     def __init__(self, snapshot: Callable[[str, list[dict[str, Any]]], dict[str, Any]], with_logprobs: bool) -> None:
@@ -111,6 +115,7 @@ class EventWriter:
         self.items: list[dict[str, Any]] = []  # the items closed so far
         self.reasoning = ""  # all reasoning text, for the usage's reasoning_tokens
         self.pending_logprobs: list[dict[str, Any]] = []  # logprobs of tokens whose text has not come yet
+        self.answered = False  # a message or a call was opened: the answer has more than reasoning
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         self._seq += 1
@@ -120,33 +125,32 @@ class EventWriter:
         return [self.event("response.created", response=self._snapshot("in_progress", [])),
                 self.event("response.in_progress", response=self._snapshot("in_progress", []))]
 
-    def feed(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+    def feed(self, deltas: list[Delta]) -> list[dict[str, Any]]:
+        """The events of the next pieces of the answer, in the order the model wrote them."""
         events: list[dict[str, Any]] = []
-        if delta.get("reasoning_content"):
-            events += self._text("reasoning", delta["reasoning_content"])
-        if delta.get("content"):
-            events += self._text("message", delta["content"])
-        for entry in delta.get("tool_calls") or []:
-            if "id" in entry:  # a new call: its id and name, then its arguments
+        for d in deltas:
+            if isinstance(d, ReasoningDelta):
+                events += self._text("reasoning", d.text)
+            elif isinstance(d, ContentDelta):
+                events += self._text("message", d.text)
+            elif d.id is not None:  # a new call: its id and name, then its arguments
                 events += self._close()
-                self._open = _Open("function_call", len(self.items), item_id("fc"), call_id=entry["id"],
-                                   name=entry["function"]["name"])
+                self._open = _Open("function_call", len(self.items), item_id("fc"), call_id=d.id, name=d.name or "")
+                self.answered = True
                 events.append(self.event("response.output_item.added", output_index=self._open.index,
-                                         item=call_item(self._open.iid, entry["id"], self._open.name, "",
-                                                        "in_progress")))
-            arguments = entry["function"].get("arguments") or ""
-            if arguments and self._open is not None and self._open.kind == "function_call":
-                self._open.text += arguments
+                                         item=call_item(self._open.iid, d.id, self._open.name, "", "in_progress")))
+            if isinstance(d, ToolCallDelta) and d.arguments and self._open is not None:
+                self._open.text += d.arguments
                 events.append(self.event("response.function_call_arguments.delta", item_id=self._open.iid,
-                                         output_index=self._open.index, delta=arguments))
+                                         output_index=self._open.index, delta=d.arguments))
         return events
 
     def finish(self, status: str, response: dict[str, Any]) -> list[dict[str, Any]]:
         """Close the open item (a message even when nothing was written, as a whole response has one) and end
         with the lifecycle event of `status` ("completed", "incomplete", "failed") carrying `response`."""
         events = []
-        if self.pending_logprobs or (not self.items and self._open is None and status != "failed"):
-            events += self._text("message", "")  # the last tokens' logprobs (their text was held back and dropped)
+        if self.pending_logprobs or not self.answered:  # a message even when empty (as a whole response has), and
+            events += self._text("message", "")  # the last tokens' logprobs (their text held back, then dropped)
         events += self._close("completed" if status == "completed" else "incomplete")
         response["output"] = self.items
         return events + [self.event(f"response.{status}", response=response)]
@@ -156,6 +160,7 @@ class EventWriter:
         if self._open is None or self._open.kind != kind:
             events += self._close()
             self._open = _Open(kind, len(self.items), item_id("rs" if kind == "reasoning" else "msg"))
+            self.answered = self.answered or kind == "message"
             events += self._added(self._open)
         o = self._open
         o.text += text

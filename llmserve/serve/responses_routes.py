@@ -10,6 +10,7 @@ conversation; they are lost when the server stops.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -19,7 +20,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from llmserve.engine.output import SequenceOutput
-from llmserve.serve.chat_tools import ChatOutput, ChoiceOutput, chat_output, chat_tool_request
+from llmserve.serve.chat_tools import ChatOutput, chat_output, chat_tool_request
 from llmserve.serve.errors import ApiError, OpenAIError, error_responses
 from llmserve.serve.generation import EngineRequest, new_request_id, open_request
 from llmserve.serve.openai_format import Choice
@@ -36,10 +37,10 @@ from llmserve.serve.protocol import ResponsesRequest
 from llmserve.serve.response_store import StoredResponse
 from llmserve.serve.responses_input import Conversation, check_fields, conversation, logprobs_wanted
 from llmserve.serve.responses_output import (
+    Deltas,
     EventWriter,
     item_id,
     items_as_message,
-    output_items,
     response_logprobs,
     response_usage,
 )
@@ -59,15 +60,18 @@ def _state(request: Request) -> ServerState:
     return request.app.state.llm
 
 
-def _renamed(e: ApiError) -> ApiError:
-    """A refusal from the chat path, naming the field as this API spells it (its function tools are flat:
-    `tools[1].name` where the chat says `tools[1].function.name`)."""
+def _renamed(e: ApiError, conv: Conversation | None = None) -> ApiError:
+    """A refusal from the chat path, naming the field as this API spells it: `messages[3]` is the input item it
+    came from (or the instructions, or the earlier conversation), and function tools are flat (`tools[1].name`
+    where the chat says `tools[1].function.name`)."""
     name = _NAMES.get(e.param or "", e.param)
     message = e.message
     for old, new in _NAMES.items():
         if message.startswith(old):
             message = new + message[len(old):]
             break
+    if conv is not None:
+        message = re.sub(r"\binput\[(\d+)\]", lambda m: conv.where(int(m.group(1))), message)
     if name in ("tools", "tool_choice"):
         message = message.replace(".function.", ".").replace("tool_choice.allowed_tools.", "tool_choice.")
     message = message.replace("the messages have", "the input has").replace("in the messages", "in the input")
@@ -83,8 +87,10 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         check_fields(body)
         history = state.responses.get(body.previous_response_id, previous=True).messages \
             if body.previous_response_id is not None else []
+        conv = None
         try:
-            conv, prompt = await until_disconnected(request, _prompt(state, model, body, history))
+            conv = conversation(body, history)
+            conv, prompt = await until_disconnected(request, _fitting(state, model, body, conv))
             max_tokens = check_prompt_length(model, len(prompt.token_ids), body.max_output_tokens, "messages")
             tools = chat_tool_request(model, conv.chat)
             output = chat_output(model, tools, prompt.text)
@@ -94,7 +100,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
                                param="include")
             gen = chat_generation_config(model, conv.chat, max_tokens, output)
         except ApiError as e:
-            raise _renamed(e) from None
+            raise _renamed(e, conv) from None
         rid = new_request_id("resp").replace("-", "_")
         req = EngineRequest(rid, prompt.token_ids, gen, _ENGINE_NAMES, session_id=session_id_of(conv.chat),
                             mm=prompt.mm, adapter=adapter)
@@ -106,28 +112,41 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
                             headers={REQUEST_ID_HEADER: rid})
 
 
-async def _prompt(state: ServerState, model: ServedModel, body: ResponsesRequest,
-                  history: list[dict[str, Any]]) -> tuple[Conversation, ChatPrompt]:
-    """The conversation and its rendered prompt; with truncation "auto", the oldest messages left out until the
-    prompt leaves room for an answer (of max_output_tokens where set), as OpenAI truncates."""
-    conv: Conversation | None = conversation(body, history)
+async def _fitting(state: ServerState, model: ServedModel, body: ResponsesRequest,
+                   conv: Conversation) -> tuple[Conversation, ChatPrompt]:
+    """The conversation and its rendered prompt. With truncation "auto", the fewest oldest turns left out for the
+    prompt to leave room for an answer (of max_output_tokens where set), as OpenAI truncates: whole turns, so that
+    the prompt opens with a user message and no tool result loses its call; found by bisection (a few renders,
+    not one per message). When even the last turn does not fit, the length check refuses it, naming the input."""
+    async def render(c: Conversation) -> ChatPrompt:
+        return await chat_prompt(model, c.chat, chat_tool_request(model, c.chat), state.image_limits)
+
+    prompt = await render(conv)
     room = min(model.session_len, model.kv_tokens) - (body.max_output_tokens or 1)
-    while True:
-        tools = chat_tool_request(model, conv.chat)
-        prompt = await chat_prompt(model, conv.chat, tools, state.image_limits)
-        if body.truncation != "auto" or len(prompt.token_ids) <= room:
-            return conv, prompt
-        shorter = conv.truncated()
-        if shorter is None:
-            return conv, prompt  # the length check refuses it, naming the input
-        conv = shorter
+    if body.truncation != "auto" or len(prompt.token_ids) <= room:
+        return conv, prompt
+    starts = conv.turn_starts()[1:]
+    lo, hi = 0, len(starts) - 1  # the first start whose prompt fits is in starts[lo:hi + 1] (or none does)
+    best = None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        candidate = conv.starting_at(starts[mid])
+        candidate_prompt = await render(candidate)
+        if len(candidate_prompt.token_ids) <= room:
+            best, hi = (candidate, candidate_prompt), mid - 1
+        else:
+            lo = mid + 1
+    if best is not None:
+        return best
+    last = conv.starting_at(starts[-1]) if starts else conv
+    return last, await render(last)
 
 
 class _Reply:
     def __init__(self, state: ServerState, model: ServedModel, req: EngineRequest, body: ResponsesRequest,
                  conv: Conversation, output: ChatOutput) -> None:
         self.state, self.model, self.req, self.body, self.conv = state, model, req, body, conv
-        self.choice_output = ChoiceOutput(output)
+        self.output = output
         self.with_logprobs = logprobs_wanted(body)
         self.created = int(time.time())
 
@@ -151,55 +170,64 @@ class _Reply:
             "metadata": b.metadata or {},
         }
 
-    def _usage(self, num_output: int, cached: int, reasoning: str | None) -> dict[str, Any]:
+    def _usage(self, num_output: int, cached: int, reasoning: str) -> dict[str, Any]:
         reasoning_tokens = len(self.model.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
         return response_usage(len(self.req.prompt_token_ids), num_output, cached, reasoning_tokens)
 
-    def _finish(self, response: dict[str, Any]) -> dict[str, Any]:
-        """Keep the response (store) and hand it on."""
-        if self.body.store and response["status"] != "failed":
-            conv = self.conv
-            input_items = [{"id": item_id(_ID_PREFIXES.get(it["type"], "item")), **it}
-                           for it in _input_items(self.body.input)]
-            self.state.responses.put(response["id"], StoredResponse(
-                response, (conv.history + conv.messages)[conv.dropped:] + [items_as_message(response["output"])],
-                input_items))
-        return response
+    def _writer(self) -> EventWriter:
+        return EventWriter(lambda status, items: self.envelope(status, items), self.with_logprobs)
+
+    def _end(self, writer: EventWriter, finish_reason: str | None, tokens: int, cached: int,
+             error: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The final response and the last events; the response stored (store=true) unless it failed, before the
+        last event goes out (a client may leave as soon as it has it)."""
+        if error is None and finish_reason == "abort":  # the server stopping, or the output could not go on
+            error = {"code": "server_error", "message": "the generation was aborted before it finished"}
+        status = "failed" if error else "incomplete" if finish_reason == "length" else "completed"
+        response = self.envelope(status, [], self._usage(tokens, cached, writer.reasoning), error)
+        events = writer.finish(status, response)
+        response["store"] = status != "failed" and self.body.store and self._store(response)
+        return response, events
+
+    def _store(self, response: dict[str, Any]) -> bool:
+        """The whole conversation is kept (what truncation left out of this prompt too): a later request
+        truncates for itself."""
+        conv = self.conv
+        input_items = [{"id": item_id(_ID_PREFIXES.get(it["type"], "item")), **it}
+                       for it in _input_items(self.body.input)]
+        return self.state.responses.put(response["id"], StoredResponse(
+            response, conv.history + conv.messages + [items_as_message(response["output"])], input_items))
 
     async def collect(self, outputs: AsyncIterator[SequenceOutput]) -> dict[str, Any]:
         choice = Choice(0)
         async with aclosing(outputs):
             async for out in outputs:
                 choice.add(out)
-        message = self.choice_output.message(choice.text)
-        lps = response_logprobs(self.model.token_text, choice.logprobs) if self.with_logprobs else None
-        cut = choice.finish_reason == "length"
-        items = output_items(message, lps, cut)
-        usage = self._usage(choice.num_tokens, choice.cached, message.get("reasoning_content"))
-        return self._finish(self.envelope("incomplete" if cut else "completed", items, usage))
+        writer = self._writer()
+        if self.with_logprobs:
+            writer.pending_logprobs = response_logprobs(self.model.token_text, choice.logprobs)
+        writer.feed(Deltas(self.output).feed(choice.text, True))  # the same items as streamed, events unsent
+        return self._end(writer, choice.finish_reason, choice.num_tokens, choice.cached)[0]
 
     async def stream(self, outputs: AsyncIterator[SequenceOutput]) -> AsyncIterator[str]:
-        writer = EventWriter(lambda status, items: self.envelope(status, items), self.with_logprobs)
+        writer, deltas = self._writer(), Deltas(self.output)
         for event in writer.start():
             yield _sse(event)
         tokens = cached = 0
-        status, error = "completed", None
+        finish_reason, error = None, None
         try:
             async with aclosing(outputs):
                 async for out in outputs:
                     tokens, cached = out.num_output_tokens, out.num_cached_tokens
                     if self.with_logprobs:
                         writer.pending_logprobs += response_logprobs(self.model.token_text, out.new_logprobs)
-                    for event in writer.feed(self.choice_output.delta(out.new_text, out.finished)):
+                    for event in writer.feed(deltas.feed(out.new_text, out.finished)):
                         yield _sse(event)
-                    if out.finished and out.finish_reason == "length":
-                        status = "incomplete"
+                    if out.finished:
+                        finish_reason = out.finish_reason
         except ApiError as e:
-            status, error = "failed", {"code": "server_error", "message": e.message}
-        response = self.envelope(status, [], self._usage(tokens, cached, writer.reasoning), error)
-        events = writer.finish(status, response)
-        self._finish(response)  # stored before the last event is sent: a client may go as soon as it has it
-        for event in events:
+            error = {"code": "server_error", "message": e.message}
+        for event in self._end(writer, finish_reason, tokens, cached, error)[1]:
             yield _sse(event)
 
 
@@ -208,10 +236,18 @@ def _sse(event: dict[str, Any]) -> str:
 
 
 def _input_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The input as items (a string is one user message), as GET .../input_items lists them."""
+    """The input as items, as GET .../input_items lists them and OpenAI writes them: a string is one user message,
+    a message's string content one text part (output_text for the assistant's, input_text for the others')."""
     if isinstance(items, str):
-        return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": items}]}]
-    return [{"type": "message", **it} if "type" not in it else dict(it) for it in items]
+        items = [{"role": "user", "content": items}]
+    listed = []
+    for it in items:
+        it = {"type": "message", **it} if "type" not in it else dict(it)
+        if it["type"] == "message" and isinstance(it.get("content"), str):
+            kind = "output_text" if it.get("role") == "assistant" else "input_text"
+            it["content"] = [{"type": kind, "text": it["content"]}]
+        listed.append(it)
+    return listed
 
 
 @router.get("/v1/responses/{response_id}")

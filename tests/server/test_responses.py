@@ -197,8 +197,8 @@ def test_stored_responses_read_back_list_inputs_and_delete(client: openai.OpenAI
     got = client.responses.retrieve(r.id)
     assert got.model_dump() == r.model_dump()
     items = client.responses.input_items.list(r.id, order="asc")
-    assert [it.content[0].text if isinstance(it.content, list) else it.content for it in items.data] == \
-        ["one", "two"]
+    assert [(it.type, it.role, it.content[0].type, it.content[0].text) for it in items.data] == \
+        [("message", "user", "input_text", "one"), ("message", "user", "input_text", "two")]
     assert all(it.id.startswith("msg_") for it in items.data)
     newest = client.responses.input_items.list(r.id, limit=1)
     assert newest.has_more and [it.id for it in newest.data] == [items.data[1].id]
@@ -271,22 +271,60 @@ def test_refusals_name_the_field(server: RunningServer, body: dict[str, Any], pa
 
 def test_an_input_over_the_context_is_refused_or_truncated(server: RunningServer, tiny: EngineHandle,
                                                           client: openai.OpenAI) -> None:
+    """truncation "auto" leaves out the fewest oldest turns that make the input fit (the prompt is then the chat's
+    prompt of the turns kept), and the stored conversation is still the whole one."""
     limit = tiny.model.session_len
-    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": "word " * (limit // 8)} for i in range(7)]
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": "word " * (limit // 20)} for i in range(7)]
     r = post(server, {"input": turns, "max_output_tokens": 4})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
     assert r.json()["error"]["code"] == "context_length_exceeded"
     ok = client.responses.create(model="tiny-llama", input=turns, truncation="auto", max_output_tokens=4,
-                                 temperature=0)
-    assert ok.truncation == "auto" and ok.usage.input_tokens + 4 <= limit
-    kept = next(i for i in range(1, 7) if post(server, {"input": turns[i:], "max_output_tokens": 4}).status_code == 200)
-    text, _ = chat_text(client, turns[kept:], temperature=0, max_tokens=4)
-    assert ok.output_text == text
+                                 temperature=0, instructions="Be brief.", extra_body={"ignore_eos": True})
+    fits = [k for k in (2, 4, 6) if len(tiny.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, *turns[k:]], add_generation_prompt=True, tokenize=True,
+        return_dict=False)) + 4 <= limit]
+    text, chat = chat_text(client, [{"role": "system", "content": "Be brief."}, *turns[fits[0]:]], temperature=0,
+                           max_tokens=4, extra_body={"ignore_eos": True})
+    assert fits[0] < 6  # more than the last turn fits: only what does not is left out
+    assert (ok.usage.input_tokens, ok.output_text) == (chat.usage.prompt_tokens, text)
+    # the whole conversation is stored: continued without truncation, it is over the context again
+    again = post(server, {"input": "more", "previous_response_id": ok.id, "max_output_tokens": 4})
+    assert again.status_code == 400 and again.json()["error"]["code"] == "context_length_exceeded"
+    assert client.responses.create(model="tiny-llama", input="more", previous_response_id=ok.id, temperature=0,
+                                   truncation="auto", max_output_tokens=4).status == "incomplete"
+
+
+def test_truncation_keeps_whole_turns(server: RunningServer, tiny: EngineHandle, client: openai.OpenAI) -> None:
+    """A tool result is never kept without its call: the prompt starts at a user message."""
+    big = "word " * (tiny.model.session_len // 3)
+    items = [{"role": "user", "content": big},
+             {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "call_1", "output": big},
+             {"role": "user", "content": "last"}]
+    ok = client.responses.create(model="tiny-llama", input=items, truncation="auto", max_output_tokens=4,
+                                 temperature=0, instructions="Be brief.")
+    _, chat = chat_text(client, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "last"}],
+                        max_tokens=1)
+    assert ok.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_errors_from_the_chat_path_name_the_input_item(server: RunningServer) -> None:
+    """An image on a text-only model, at input[1].content[1], behind instructions (the chat's messages[2])."""
+    r = post(server, {"instructions": "Be brief.", "input": [
+        {"role": "user", "content": "Hi"},
+        {"role": "user", "content": [{"type": "input_text", "text": "Look"},
+                                     {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+    assert "input[1].content[1]" in r.json()["error"]["message"], r.text
+    r = post(server, {"input": "Hi", "reasoning": {"effort": 5}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning.effort", r.text
 
 
 # --- tools and reasoning (the tool-calling module's templates and scripted outputs) -----------------------------
 
-FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's shape
+# The Responses API's shape; strict false as the chat's are (this API's default is strict: tested on its own)
+FLAT_TOOLS = [{"type": "function", **t["function"], "strict": False} for t in TOOLS]
+CHAT_TOOLS = [{"type": "function", "function": {**t["function"], "strict": False}} for t in TOOLS]  # the same
 
 
 def tools_client(server: RunningServer) -> openai.OpenAI:
@@ -331,7 +369,7 @@ def test_forced_calls_are_function_call_items(serve, choice: Any, chat_choice: A
         for call in calls:
             assert call.name in names and call.call_id.startswith("call_") and call.id.startswith("fc_")
             jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
-        chat = c.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, temperature=1.0,
+        chat = c.chat.completions.create(model=MODEL, messages=QUESTION, tools=CHAT_TOOLS, temperature=1.0,
                                          tool_choice=chat_choice, max_tokens=400, seed=seed)
         assert [(t.function.name, t.function.arguments) for t in chat.choices[0].message.tool_calls] == \
             [(it.name, it.arguments) for it in calls]
@@ -380,7 +418,7 @@ def test_function_call_outputs_continue_the_conversation(serve) -> None:  # noqa
                          "arguments": call.arguments}, result]
     manual = c.responses.create(model=MODEL, input=items, tools=FLAT_TOOLS[:1], temperature=0, max_output_tokens=8,
                                 extra_body={"ignore_eos": True})
-    chat = c.chat.completions.create(model=MODEL, tools=TOOLS[:1], temperature=0, max_tokens=8,
+    chat = c.chat.completions.create(model=MODEL, tools=CHAT_TOOLS[:1], temperature=0, max_tokens=8,
                                      extra_body={"ignore_eos": True}, messages=[
                                          *QUESTION, {"role": "assistant", "content": None, "tool_calls": [
                                              {"id": call.call_id, "type": "function",
@@ -499,7 +537,10 @@ def test_the_store_keeps_the_newest_within_its_count_and_bytes() -> None:
     with pytest.raises(ApiError) as e:
         store.get("gone", previous=True)
     assert (e.value.status, e.value.param, e.value.code) == (400, "previous_response_id", "previous_response_not_found")
-    assert ResponseStore(0).put("r", stored(1)) is None and ResponseStore(0)._items == {}
+    none = ResponseStore(0)
+    assert none.put("r", stored(1)) is False
+    with pytest.raises(ApiError):
+        none.get("r")
 
 
 def test_a_server_that_stores_nothing_says_so(tiny: EngineHandle) -> None:
@@ -511,3 +552,80 @@ def test_a_server_that_stores_nothing_says_so(tiny: EngineHandle) -> None:
         assert r.store is False  # asked (the default), not kept: the response says what happened
         with pytest.raises(openai.NotFoundError):
             c.responses.retrieve(r.id)
+
+
+def test_function_tools_are_strict_by_default(serve) -> None:  # noqa: F811
+    """This API's default (the chat's is not strict): under `auto` the arguments follow the schema by grammar, so
+    the answer is the chat's with `"strict": true`, and a text.format beside it is refused (two grammars)."""
+    c = tools_client(serve("hermes"))
+    tool = {"type": "function", **TOOLS[0]["function"]}  # no `strict`
+    chat_tool = {"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}
+    for seed in range(2):
+        r = c.responses.create(model=MODEL, input=QUESTION, tools=[tool], temperature=1.0, max_output_tokens=60,
+                               extra_body={"seed": seed})
+        chat = c.chat.completions.create(model=MODEL, messages=QUESTION, tools=[chat_tool], temperature=1.0,
+                                         max_tokens=60, seed=seed).choices[0].message
+        assert items_of(r) == ([("message", chat.content)] if chat.content else []) + \
+            [("function_call", t.function.name, t.function.arguments) for t in chat.tool_calls or []]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model=MODEL, input=QUESTION, tools=[tool], text={"format": {"type": "json_object"}})
+    assert e.value.body["param"] == "text.format"
+    r = c.responses.create(model=MODEL, input=QUESTION, tools=[{**tool, "strict": False}], max_output_tokens=4,
+                           text={"format": {"type": "json_object"}})
+    assert r.tools[0].strict is False
+
+
+def streamed_and_whole(c: openai.OpenAI, body: dict[str, Any]) -> tuple[Any, Any]:
+    """The whole response and the one the stream's last event carries (any status)."""
+    return c.responses.create(**body), list(c.responses.create(**body, stream=True))[-1].response
+
+
+@pytest.mark.parametrize("setup, text, max_tokens, items, status", [
+    # cut while reasoning: the reasoning, and an empty message (the one cut)
+    ("deepseek_r1", "Still thinking about it, a long thought", 6,
+     [("reasoning", "Still thinking about it,"), ("message", "")], "incomplete"),
+    # reasoning, then the end without any text
+    ("qwen3", "<think>\nOnly thoughts.\n</think>\n\n", 100, [("reasoning", "Only thoughts."), ("message", "")],
+     "completed"),
+    # text after a call comes after it
+    ("hermes", '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>\nDone.', 100,
+     [("function_call", "now", "{}"), ("message", "\nDone.")], "completed"),
+])
+def test_whole_and_streamed_answers_have_the_same_items(serve, setup: str, text: str, max_tokens: int,  # noqa: F811
+                                                        items: list[tuple[Any, ...]], status: str) -> None:
+    c = tools_client(serve(setup))
+    body = dict(model=MODEL, input="Hi", temperature=0, max_output_tokens=max_tokens, **scripted(text))
+    if setup == "hermes":
+        body["tools"] = FLAT_TOOLS
+    whole, streamed = streamed_and_whole(c, body)
+    assert items_of(whole) == items_of(streamed)
+    assert [it.status for it in whole.output] == [it.status for it in streamed.output]
+    assert (whole.status, streamed.status) == (status, status)
+    assert [i[0] for i in items_of(whole)] == [i[0] for i in items]
+    if status == "incomplete":
+        assert whole.output[-1].status == "incomplete"
+
+
+def test_an_aborted_generation_fails_and_is_not_stored(tiny: EngineHandle) -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    from llmserve.config import GenerationConfig
+    from llmserve.engine.output import SequenceOutput
+    from llmserve.serve.chat_tools import PLAIN
+    from llmserve.serve.generation import EngineRequest
+    from llmserve.serve.protocol import ResponsesRequest
+    from llmserve.serve.response_store import ResponseStore
+    from llmserve.serve.responses_input import conversation
+    from llmserve.serve.responses_routes import _Reply
+
+    async def outputs() -> Any:
+        yield SequenceOutput("resp_y", 0, [5], "Hel", 3, 1)
+        yield SequenceOutput("resp_y", 0, [], "", 3, 1, finished=True, finish_reason="abort")
+
+    state = SimpleNamespace(responses=ResponseStore(10))
+    body = ResponsesRequest(input="Hi")
+    req = EngineRequest("resp_y", [1, 2, 3], GenerationConfig(max_new_tokens=5))
+    response = asyncio.run(_Reply(state, tiny.model, req, body, conversation(body, []), PLAIN).collect(outputs()))
+    assert response["status"] == "failed" and response["error"]["code"] == "server_error"
+    assert response["store"] is False and state.responses.num_bytes == 0
