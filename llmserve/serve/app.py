@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import llmserve
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.serve import (
+    anthropic_routes,
     colossal_routes,
     embedding_routes,
     lora_routes,
@@ -60,6 +61,7 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None, model: S
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(responses_routes.router)  # OpenAI's Responses API, /v1/responses
+    app.include_router(anthropic_routes.router)  # Anthropic's Messages API, /v1/messages
     app.include_router(session_routes.router)
     app.include_router(lora_routes.router)  # vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter
     app.include_router(tgi_routes.router)
@@ -127,8 +129,8 @@ def kv_report(engine: object) -> dict[str, object]:
 
 
 class ApiKeyMiddleware:
-    """`Authorization: Bearer KEY` with KEY among the configured ones; 401 (in the route's API
-    format) otherwise. Compared in constant time."""
+    """`Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`) with KEY among the configured ones; 401 (in
+    the route's API format) otherwise. Compared in constant time."""
 
     def __init__(self, app: ASGIApp, keys: list[str]) -> None:
         self.app = app
@@ -149,10 +151,10 @@ class ApiKeyMiddleware:
         return (method, path) in PUBLIC_ROUTES or (method in ("GET", "HEAD") and path.startswith(PUBLIC_PREFIX))
 
     def _ok(self, scope: Scope) -> bool:
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer":
-            return False
+        headers = dict(scope["headers"])
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() != b"bearer":  # Anthropic's clients send the key as `x-api-key`
+            token = headers.get(b"x-api-key", b"")
         token = token.strip()
-        return any(hmac.compare_digest(token, k) for k in self.keys)
+        return bool(token) and any(hmac.compare_digest(token, k) for k in self.keys)
 

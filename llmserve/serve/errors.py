@@ -1,6 +1,7 @@
 """HTTP errors, written in the format of the API the client speaks.
 
 OpenAI routes (/v1/...): `{"error": {"message", "type", "param", "code"}}`.
+Anthropic's (/v1/messages): `{"type": "error", "error": {"type", "message"}}`.
 TGI routes (everything else): `{"error": message, "error_type": ...}`, the shape TGI's own client
 parses (`validation` -> ValidationError, `overloaded` -> OverloadedError, ...).
 Bad parameters are 400 in both (FastAPI would say 422; the APIs we imitate say 400).
@@ -21,6 +22,10 @@ from llmserve.errors import InvalidRequestError, PromptTooLongError
 
 logger = logging.getLogger("llmserve.serve")
 
+# status -> Anthropic's error type (its 529 overloaded is our 503)
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                    429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
 # status -> (OpenAI error type, TGI error_type)
 _TYPES = {
     400: ("invalid_request_error", "validation"),
@@ -75,13 +80,24 @@ def error_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
             503: {"model": model, "description": "The model is still loading, or the server is shutting down"}}
 
 
+def is_anthropic_path(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
 def is_openai_path(path: str) -> bool:
-    return path.startswith("/v1/")
+    return path.startswith("/v1/") and not is_anthropic_path(path)
+
+
+def anthropic_error(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error body (its clients read error.type and error.message; the field is named in the message)."""
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
 
 
 def error_body(path: str, status: int, message: str, param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     openai_type, tgi_type = _TYPES.get(status, ("server_error", "generation"))
+    if is_anthropic_path(path):
+        return anthropic_error(status, message)
     if is_openai_path(path):
         return {"error": {"message": message, "type": openai_type, "param": param, "code": code}}
     return {"error": message, "error_type": tgi_type}

@@ -75,12 +75,19 @@ async def chat_prompt(model: ServedModel, req: ChatCompletionRequest, tools: Too
 
 
 def template_variables(template: ChatTemplate, req: ChatCompletionRequest) -> dict[str, Any]:
-    """vLLM's chat_template_kwargs and OpenAI's reasoning_effort, each refused where the template never reads it."""
+    """vLLM's chat_template_kwargs and OpenAI's reasoning_effort, each refused where the template never reads it;
+    vLLM's continue_final_message (the last assistant message left open)."""
     variables = dict(req.chat_template_kwargs or {})
     template.check_kwargs(variables, "chat_template_kwargs")
     if req.reasoning_effort is not None:
         template.check_kwargs({"reasoning_effort": req.reasoning_effort}, "reasoning_effort")
         variables["reasoning_effort"] = req.reasoning_effort
+    if req.continue_final_message:  # transformers' own argument (so not a template variable a client may set)
+        if req.messages[-1].role != "assistant" or not isinstance(req.messages[-1].content, str) \
+                or not req.messages[-1].content:
+            raise ApiError(400, "continue_final_message: the last message must be an assistant's, with text, for "
+                                "the answer to continue it", param="continue_final_message")
+        variables["continue_final_message"] = True
     return variables
 
 

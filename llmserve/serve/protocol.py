@@ -163,6 +163,8 @@ class ChatCompletionRequest(SamplingRequest):
     web_search_options: dict[str, Any] | None = None
     # vLLM's: variables for the chat template (Qwen3's enable_thinking), taken only where the template reads them
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the last (assistant) message is left open and the answer continues it (a "prefill")
+    continue_final_message: bool = False
 
 
 class ResponsesRequest(SamplingRequest):
@@ -194,6 +196,45 @@ class ResponsesRequest(SamplingRequest):
     safety_identifier: str | None = None
     service_tier: str | None = None
     # vLLM's: variables for the chat template (Qwen3's enable_thinking), taken only where the template reads them
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class AnthropicMessagesRequest(SamplingRequest):
+    """Anthropic's Messages API body (POST /v1/messages; serve/anthropic_routes.py). As with the Responses API, the
+    sampling fields the OpenAI routes share are taken too (vLLM's extras); the OpenAI names of what this API names
+    otherwise (`stop`, `response_format`) and `n` are refused. Messages and tools are kept as sent and checked,
+    naming the block, where they become a chat (anthropic_input.py)."""
+
+    messages: list[dict[str, Any]] = NON_EMPTY
+    max_tokens: int  # required, as in Anthropic's API
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    cache_control: dict[str, Any] | None = None  # prompt caching: automatic here
+    inference_geo: str | None = None
+    container: str | dict[str, Any] | None = None  # refused: no code execution here
+    mcp_servers: list[dict[str, Any]] | None = None  # refused: no MCP connector here
+    context_management: dict[str, Any] | None = None  # refused: context editing is not done here
+    # vLLM's: variables for the chat template, taken only where the template reads them
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class AnthropicCountTokensRequest(_Body):
+    """POST /v1/messages/count_tokens: what a Messages request would take as input."""
+
+    model: str | None = None
+    messages: list[dict[str, Any]] = NON_EMPTY
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    cache_control: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 

@@ -50,7 +50,7 @@ EXTRAS = {
     "response_format": {"type": "json_object"}, "guided_json": {"type": "object"}, "guided_regex": "[a-z]+",
     "guided_choice": ["yes", "no"], "guided_grammar": 'root ::= "yes"', "structured_outputs": {"regex": "[a-z]+"},
     "prompt_logprobs": 1, "guided_decoding_backend": "outlines", "guided_whitespace_pattern": " *",
-    "chat_template_kwargs": {"enable_thinking": False},
+    "chat_template_kwargs": {"enable_thinking": False}, "continue_final_message": True,
 }
 RESPONSES = {
     "input": "Hi", "model": "tiny-llama", "instructions": "Be brief.", "max_output_tokens": 3,
@@ -61,6 +61,15 @@ RESPONSES = {
     "background": True, "max_tool_calls": 2, "prompt": {"id": "pmpt_1"}, "conversation": "conv_1",
     "prompt_cache_key": "abc", "prompt_cache_retention": "24h", "safety_identifier": "u1", "service_tier": "auto",
     "stream": True, "stream_options": {"include_obfuscation": False}, "temperature": 0.5, "top_p": 0.9, "user": "u1",
+}
+ANTHROPIC = {
+    "model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "system": "Be brief.",
+    "stop_sequences": ["x"], "stream": True, "temperature": 0.5, "top_p": 0.9, "top_k": 5,
+    "tools": [{"name": "get_weather", "input_schema": {"type": "object"}}], "tool_choice": {"type": "any"},
+    "thinking": {"type": "disabled"}, "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}},
+    "metadata": {"user_id": "u1"}, "service_tier": "auto", "cache_control": {"type": "ephemeral"},
+    "inference_geo": "us", "container": "c1", "mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}],
+    "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]},
 }
 TGI = {
     "inputs": "The capital of France is", "stream": True, "do_sample": True, "max_new_tokens": 3, "temperature": 0.5,
@@ -74,12 +83,13 @@ TGI = {
 NEEDS = {"top_logprobs": {"logprobs": True}, "stream_options": {"stream": True}, "tool_choice": {"tools": [TOOL]},
          "function_call": {"functions": [TOOL["function"]]},
          "parallel_tool_calls": {"tools": [TOOL]}}
+ANTHROPIC_NEEDS = {"tool_choice": {"tools": ANTHROPIC["tools"]}}
 RESPONSES_NEEDS = {"top_logprobs": {"include": RESPONSES["include"]}, "stream_options": {"stream": True},
                    "tool_choice": {"tools": RESPONSES["tools"]}, "parallel_tool_calls": {"tools": RESPONSES["tools"]}}
 # Served with a ChatML template that reads tools (compactly) and two variables: template variables are taken only by a
 # template that reads them (the tiny model's own reads none and refuses them: tests/server/test_tool_calling.py),
 # and the Hermes tool preamble a template without tools gets does not fit the tiny model's 256 tokens.
-TEMPLATE_FIELDS = {"reasoning_effort", "reasoning", "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls", "functions",
+TEMPLATE_FIELDS = {"reasoning_effort", "reasoning", "thinking", "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls", "functions",
                    "function_call"}
 VARIABLES_TEMPLATE = ("{% if tools %}{{ '<|im_start|>system\nCall with <tool_call>: ' }}{% for t in tools %}"
                       "{{ t.function.name + ' ' }}{% endfor %}{{ '<|im_end|>\n' }}{% endif %}"
@@ -87,7 +97,7 @@ VARIABLES_TEMPLATE = ("{% if tools %}{{ '<|im_start|>system\nCall with <tool_cal
                       "'<|im_end|>\n' }}{% endif %}" + CHAT_TEMPLATE +
                       "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\n\n</think>\n\n' }}"
                       "{% endif %}")
-CHAT_ONLY = {"chat_template_kwargs"}  # refused on /v1/completions: there is no template there
+CHAT_ONLY = {"chat_template_kwargs", "continue_final_message"}  # refused on /v1/completions: there is no template there
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +123,7 @@ def test_every_field_has_an_example_and_a_row() -> None:
     assert table("TGI").keys() == TGI.keys()
     assert table("OpenAI embeddings").keys() == EMBEDDINGS.keys()
     assert table("OpenAI Responses").keys() == RESPONSES.keys()
+    assert table("Anthropic messages").keys() == ANTHROPIC.keys()
 
 
 def _post(server: RunningServer, path: str, body: dict[str, Any]) -> httpx.Response:
@@ -164,10 +175,25 @@ def test_responses_field(request: pytest.FixtureRequest, field: str) -> None:
 
 
 # The extras the Responses API refuses: each is another field of its own, or has no place in a Response.
-RESPONSES_REFUSED = {"response_format", "prompt_logprobs"}
+RESPONSES_REFUSED = {"response_format", "prompt_logprobs", "continue_final_message"}
+# ... and the Messages API: what it names otherwise (stop_sequences, output_config.format) or has no place for;
+# a last assistant message is continued there, with no field for it.
+ANTHROPIC_REFUSED = {"response_format", "prompt_logprobs", "continue_final_message"}
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+@pytest.mark.parametrize("field", list(ANTHROPIC))
+def test_anthropic_field(request: pytest.FixtureRequest, field: str) -> None:
+    body = {"messages": ANTHROPIC["messages"], "max_tokens": 2, "temperature": 0, **ANTHROPIC_NEEDS.get(field, {}),
+            field: ANTHROPIC[field]}
+    r = _post(_server_for(request, field), "/v1/messages", body)
+    status = table("Anthropic messages")[field]
+    if status == "refused":  # Anthropic's errors name the field at the start of the message
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(field + ":"), (field, r.text)
+    else:
+        assert r.status_code == 200, (field, r.text)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"])
 @pytest.mark.parametrize("field", list(EXTRAS))
 def test_extra_field(request: pytest.FixtureRequest, path: str, field: str) -> None:
     server = _server_for(request, field)
@@ -175,12 +201,25 @@ def test_extra_field(request: pytest.FixtureRequest, path: str, field: str) -> N
     body = {**base, "max_tokens": 2, "temperature": 0, field: EXTRAS[field]}
     if "responses" in path:
         body = {"input": "Hi", "max_output_tokens": 2, "temperature": 0, field: EXTRAS[field]}
+    if path == "/v1/messages":
+        body = {"messages": CHAT["messages"], "max_tokens": 2, "temperature": 0, field: EXTRAS[field]}
+    if field == "continue_final_message":
+        body["messages"] = [*CHAT["messages"], {"role": "assistant", "content": "Hel"}]
     if field == "use_beam_search":
         body["best_of"] = 2
     status = "refused" if field in CHAT_ONLY and "completions" in path and "chat" not in path \
         else table("Extra fields")[field]
-    if "responses" in path and field in RESPONSES_REFUSED:
+    if ("responses" in path and field in RESPONSES_REFUSED) or (path == "/v1/messages" and field in ANTHROPIC_REFUSED):
         status = "refused"
+    if path == "/v1/messages":
+        r = _post(server, path, body)
+        if field == "session_id":  # its KV is held for the next turn: let it go
+            httpx.delete(server.url + "/v1/sessions/table-test")
+        if status == "refused":
+            assert r.status_code == 400 and r.json()["error"]["message"].startswith(field + ":"), (field, r.text)
+        else:
+            assert r.status_code == 200, (field, r.text)
+        return
     _check(_post(server, path, body), field, status, _openai_param)
     if field == "session_id":
         httpx.delete(server.url + "/v1/sessions/table-test")
