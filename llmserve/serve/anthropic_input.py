@@ -23,7 +23,7 @@ from llmserve.serve.protocol import (
     AnthropicMessagesRequest,
     ChatCompletionRequest,
     SamplingRequest,
-    unknown_fields,
+    refuse_unknown_fields,
 )
 
 # The fields the OpenAI routes share, by the same name (sampling knobs, vLLM's extras, structured output).
@@ -58,11 +58,7 @@ class Conversation:
 
 
 def check_fields(body: AnthropicMessagesRequest) -> None:
-    unknown = unknown_fields(body)
-    if unknown:
-        raise ApiError(400, f"{unknown[0]}: unknown field; llmserve does not know what it asks for, so it refuses it "
-                            "rather than ignore it (the fields it takes are listed in docs/serving.md)",
-                       param=unknown[0])
+    refuse_unknown_fields(body)
     for name, reason in _REFUSED.items():
         value = getattr(body, name)
         if value not in (None, [], {}, "") and not (name == "n" and value == 1):
@@ -74,7 +70,10 @@ def check_fields(body: AnthropicMessagesRequest) -> None:
 def conversation(body: AnthropicMessagesRequest | AnthropicCountTokensRequest) -> Conversation:
     messages, origins = chat_messages(body.system, body.messages)
     variables = dict(body.chat_template_kwargs or {})
-    variables.update(_thinking(body.thinking))
+    thinking = _thinking(body.thinking)
+    if thinking and variables.get("enable_thinking", thinking["enable_thinking"]) != thinking["enable_thinking"]:
+        raise _refuse("thinking", "chat_template_kwargs.enable_thinking says otherwise; send one of them")
+    variables.update(thinking)
     output = body.output_config or {}
     unknown = set(output) - {"effort", "format"}
     if unknown:
@@ -87,7 +86,7 @@ def conversation(body: AnthropicMessagesRequest | AnthropicCountTokensRequest) -
     fields.update(model=body.model, messages=messages, tools=tools, tool_choice=chat_tool_choice(body.tool_choice),
                   parallel_tool_calls=parallel, response_format=_format(output.get("format")),
                   reasoning_effort=output.get("effort"), chat_template_kwargs=variables or None,
-                  continue_final_message=messages[-1]["role"] == "assistant")
+                  continue_final_message=messages[-1]["role"] == "assistant")  # a prefill (empty ones dropped)
     try:
         chat = ChatCompletionRequest.model_validate(fields)
     except ValidationError as e:
@@ -108,13 +107,16 @@ def _thinking(thinking: dict[str, Any] | None) -> dict[str, Any]:
                                   "\"adaptive\"} to let the model think, or {\"type\": \"disabled\"}")
     if kind not in ("adaptive", "disabled") or set(thinking) - {"type", "display"}:
         raise _refuse("thinking", f"expected {{\"type\": \"adaptive\"}} or {{\"type\": \"disabled\"}}, got {thinking!r}")
+    if thinking.get("display") not in (None, "summarized"):
+        raise _refuse("thinking.display", "the reasoning comes whole in the thinking blocks; it is not left out here")
     return {"enable_thinking": kind == "adaptive"}
 
 
 def _format(fmt: dict[str, Any] | None) -> dict[str, Any] | None:
     if fmt is None:
         return None
-    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict) \
+            or set(fmt) - {"type", "schema"}:
         raise _refuse("output_config.format", "expected {\"type\": \"json_schema\", \"schema\": {...}}")
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"], "strict": True}}
 
@@ -149,6 +151,9 @@ def chat_tool_choice(choice: dict[str, Any] | None) -> str | dict[str, Any] | No
     if choice is None:
         return None
     kind = choice.get("type")
+    unknown = set(choice) - {"type", "name", "disable_parallel_tool_use"}
+    if unknown:
+        raise _refuse("tool_choice", f"unknown field {sorted(unknown)[0]!r}")
     if kind == "tool" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
     if kind in ("auto", "any", "none") and "name" not in choice:
@@ -177,6 +182,20 @@ def chat_messages(system: str | list[dict[str, Any]] | None,
         out.append({"role": "system", "content": system if isinstance(system, str) else _text(system, "system")})
         origins.append(None)
     calls: dict[str, str] = {}  # tool_use id -> name, for the results that answer them
+    for i, role, blocks in _turns(messages):
+        where = f"messages[{i}]"
+        converted = _assistant(blocks, where, calls) if role == "assistant" else _user(blocks, where, calls)
+        out += converted
+        origins += [i] * len(converted)
+    if len(out) > 1 and out[-1]["role"] == "assistant" and not out[-1]["content"] and not out[-1].get("tool_calls"):
+        out, origins = out[:-1], origins[:-1]  # an empty last assistant message: no prefill
+    return out, origins
+
+
+def _turns(messages: list[dict[str, Any]]) -> list[tuple[int, str, list[Any]]]:
+    """(index of its first message, role, blocks) per turn: consecutive messages of one role are one turn, as
+    Anthropic combines them (templates that need the roles to alternate would refuse them apart)."""
+    turns: list[tuple[int, str, list[Any]]] = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         role = m.get("role") if isinstance(m, dict) else None
@@ -188,10 +207,29 @@ def chat_messages(system: str | list[dict[str, Any]] | None,
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise _refuse(f"{where}.content", "a message's content is a string or a list of content blocks")
-        converted = _assistant(blocks, where, calls) if role == "assistant" else _user(blocks, where, calls)
-        out += converted
-        origins += [i] * len(converted)
-    return out, origins
+        for j, b in enumerate(blocks):
+            _check_block(b, f"{where}.content[{j}]")
+        if turns and turns[-1][1] == role:
+            turns[-1][2].extend(blocks)
+        else:
+            turns.append((i, role, list(blocks)))
+    return turns
+
+
+_BLOCK_KEYS = {"text": {"text", "citations"}, "image": {"source"}, "thinking": {"thinking", "signature"},
+               "tool_use": {"id", "name", "input"}, "tool_result": {"tool_use_id", "content", "is_error"}}
+
+
+def _check_block(block: Any, where: str) -> None:
+    """A block's fields beyond its kind's (and cache_control, automatic here) are refused; citations only empty."""
+    if not isinstance(block, dict):
+        raise _refuse(where, "a content block is an object with a type")
+    allowed = _BLOCK_KEYS.get(block.get("type"), set(block)) | {"type", "cache_control"}
+    unknown = [k for k in block if k not in allowed and block[k] is not None]
+    if unknown:
+        raise _refuse(where, f"unknown field {unknown[0]!r} in a {block.get('type')} block")
+    if block.get("citations"):
+        raise _refuse(where, "citations are not written here")
 
 
 def _text(blocks: list[Any], where: str) -> str:

@@ -33,7 +33,11 @@ from llmserve.serve.openai_params import (
     check_prompt_length,
     session_id_of,
 )
-from llmserve.serve.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest, unknown_fields
+from llmserve.serve.protocol import (
+    AnthropicCountTokensRequest,
+    AnthropicMessagesRequest,
+    refuse_unknown_fields,
+)
 from llmserve.serve.responses_output import Deltas
 from llmserve.serve.state import ServedModel, ServerState
 from llmserve.serve.streaming import MAY_STREAM, REQUEST_ID_HEADER, SSEResponse, until_disconnected
@@ -77,7 +81,10 @@ def _renamed(e: ApiError, body: AnthropicMessagesRequest | AnthropicCountTokensR
     if body.thinking is not None and message.startswith("chat_template_kwargs.enable_thinking"):
         message = "thinking" + message[len("chat_template_kwargs.enable_thinking"):]
     if conv is not None:
-        message = re.sub(r"\bmessages\[(\d+)\]", lambda m: conv.where(int(m.group(1))), message)
+        # the chat's content parts are not the request's blocks (tool results move out, text parts join): name the
+        # request's message only
+        message = re.sub(r"\bmessages\[(\d+)\](\.content\[\d+\])?", lambda m: conv.where(int(m.group(1))),
+                         message)
     message = message.replace("a 'image_url' part", "an image block")
     if name in ("tools", "tool_choice"):
         message = message.replace(".function.", ".")
@@ -100,9 +107,7 @@ async def count_tokens(body: AnthropicCountTokensRequest, request: Request) -> J
     state = _state(request)
     _, model = state.ready()
     check_model(model, body.model)
-    unknown = unknown_fields(body)
-    if unknown:
-        raise ApiError(400, f"{unknown[0]}: unknown field; llmserve refuses it rather than ignore it", param=unknown[0])
+    refuse_unknown_fields(body)
     _, _, prompt = await until_disconnected(request, _prompt(state, model, body))
     return JSONResponse({"input_tokens": len(prompt.token_ids)})
 

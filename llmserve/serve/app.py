@@ -141,7 +141,7 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         response = error_response(scope["path"], 401, "Incorrect or missing API key: send the header "
-                                  "`Authorization: Bearer <key>`.", code="invalid_api_key",
+                                  "`Authorization: Bearer <key>` (or `x-api-key: <key>`).", code="invalid_api_key",
                                   headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
 

@@ -21,7 +21,7 @@ from llmserve.serve.protocol import (
     ChatMessage,
     CompletionRequest,
     SamplingRequest,
-    unknown_fields,
+    refuse_unknown_fields,
 )
 from llmserve.serve.state import ServedModel
 from llmserve.serve.structured_params import openai_structured_output
@@ -184,8 +184,12 @@ def chat_generation_config(model: ServedModel, req: ChatCompletionRequest, max_t
         raise ApiError(400, f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got {logprobs}", param="top_logprobs")
     if req.prompt_logprobs is not None and req.stream:
         raise ApiError(400, "prompt_logprobs: not available when streaming a chat completion", param="prompt_logprobs")
+    constraint = output.constraint(openai_structured_output(req))
+    if constraint is not None and req.continue_final_message:
+        raise ApiError(400, "continue_final_message: a grammar (structured output, or a tool call forced) would hold "
+                            "only for what follows the prefill; send one or the other", param="continue_final_message")
     changes: dict[str, Any] = {"logprobs": logprobs, "prompt_logprobs": req.prompt_logprobs,
-                               "response_format": output.constraint(openai_structured_output(req)),
+                               "response_format": constraint,
                                "prediction": _prediction_ids(model, predicted_text(req.prediction))}
     if output.uses_tools and "skip_special_tokens" not in req.model_fields_set:
         changes["skip_special_tokens"] = False  # Mistral's [TOOL_CALLS] is a special token: the parser must see it
@@ -234,11 +238,7 @@ MAX_N = 128  # OpenAI's limit; each sample is a sequence in the engine
 
 
 def _check_unsupported(req: SamplingRequest) -> None:
-    unknown = unknown_fields(req)
-    if unknown:
-        raise ApiError(400, f"{unknown[0]}: unknown field; llmserve does not know what it asks for, so it refuses "
-                            "it rather than ignore it (the fields it takes are listed in docs/serving.md)",
-                       param=unknown[0])
+    refuse_unknown_fields(req)
     if req.n > MAX_N:
         raise ApiError(400, f"n: must be <= {MAX_N}, got {req.n}", param="n")
     if req.best_of is not None and req.best_of > MAX_N:

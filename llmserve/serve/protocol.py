@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from llmserve.serve.errors import ApiError
+
 # What an undeclared field may carry without being refused (`unknown_fields`), for the OpenAPI schema.
 NOT_SENT_SCHEMA: dict[str, Any] = {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0},
                                              {"type": "object", "maxProperties": 0}, {"type": "string", "maxLength": 0}]}
@@ -43,6 +45,15 @@ def unknown_fields(body: BaseModel, prefix: str = "") -> list[str]:
                 where = f"{name}[{i}]" if isinstance(value, list) else name
                 names.extend(unknown_fields(item, f"{prefix}{where}."))
     return names
+
+
+def refuse_unknown_fields(body: BaseModel) -> None:
+    """The first unknown field that carries a value, refused as a 400 naming it (`unknown_fields`)."""
+    unknown = unknown_fields(body)
+    if unknown:
+        raise ApiError(400, f"{unknown[0]}: unknown field; llmserve does not know what it asks for, so it refuses it "
+                            "rather than ignore it (the fields it takes are listed in docs/serving.md)",
+                       param=unknown[0])
 
 
 def _empty(value: Any) -> bool:

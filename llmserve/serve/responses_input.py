@@ -25,7 +25,7 @@ from llmserve.serve.protocol import (
     ChatMessage,
     ResponsesRequest,
     SamplingRequest,
-    unknown_fields,
+    refuse_unknown_fields,
 )
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -107,11 +107,7 @@ _REFUSALS = {
 
 def check_fields(body: ResponsesRequest) -> None:
     """This API's own fields, before the request becomes a chat one (whose refusals are renamed to this API's)."""
-    unknown = unknown_fields(body)
-    if unknown:
-        raise ApiError(400, f"{unknown[0]}: unknown field; llmserve does not know what it asks for, so it refuses it "
-                            "rather than ignore it (the fields it takes are listed in docs/serving.md)",
-                       param=unknown[0])
+    refuse_unknown_fields(body)
     for name, reason in _REFUSALS.items():
         if getattr(body, name) not in (None, False, {}, ""):
             raise _refuse(name, reason)

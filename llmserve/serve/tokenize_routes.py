@@ -5,8 +5,8 @@ them), TGI's POST /tokenize, and vLLM's GET /version. Nothing here runs the mode
   "tools": [...], "chat_template_kwargs": {...}}` (special tokens not added: the template writes them) ->
   `{"count", "max_model_len", "tokens", "token_strs"}` (`token_strs` with `return_token_strs`). A chat renders as
   /v1/chat/completions renders it, so `count` is that route's `usage.prompt_tokens` for the same messages: the
-  assistant's turn opened, or a last assistant message continued (`add_generation_prompt` and
-  `continue_final_message` asking otherwise are refused, not ignored).
+  assistant's turn opened after a user's message, a last assistant message closed, or left open with
+  `continue_final_message` (`add_generation_prompt` asking otherwise is refused, not ignored).
 - TGI's /tokenize: `{"inputs": "...", "parameters": {...}}` -> `[{"id", "text", "start", "stop"}]`, each token with
   its characters in `inputs` (special tokens the tokenizer adds, such as BOS, have none: their text is the token's
   own; a Python tokenizer, which has no offsets, gives each token's text and span in the ids decoded up to it). `parameters.truncate` keeps the last that many tokens, as /generate does; the other parameters change no
@@ -95,7 +95,8 @@ def _only_for_chat(body: TokenizeRequest) -> None:
 async def _chat_tokens(state: ServerState, model: ServedModel, body: TokenizeRequest) -> list[int]:
     try:
         req = ChatCompletionRequest.model_validate({"messages": body.messages, "tools": body.tools,
-                                                    "chat_template_kwargs": body.chat_template_kwargs})
+                                                    "chat_template_kwargs": body.chat_template_kwargs,
+                                                    "continue_final_message": bool(body.continue_final_message)})
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(x) for x in err.get("loc", ())) or "messages"
@@ -103,15 +104,12 @@ async def _chat_tokens(state: ServerState, model: ServedModel, body: TokenizeReq
     if not req.messages:
         raise ApiError(400, "messages: at least one message is needed", param="messages")
     legacy_functions(req)  # a history in the deprecated functions API, rendered as the chat route renders it
-    continues = req.messages[-1].role == "assistant"  # as the chat route renders (chat_template.py)
-    if body.continue_final_message is not None and body.continue_final_message != continues:
-        raise ApiError(400, "continue_final_message: the chat template continues a last assistant message and "
-                            f"opens the assistant's turn after any other; this chat ends with a {req.messages[-1].role}"
-                            " message", param="continue_final_message")
-    if body.add_generation_prompt is not None and body.add_generation_prompt == continues:
+    opens = req.messages[-1].role != "assistant"  # as the chat route renders (chat_template.py)
+    if body.add_generation_prompt is not None and body.add_generation_prompt != opens:
         raise ApiError(400, "add_generation_prompt: the chat template opens the assistant's turn unless the last "
-                            f"message is the assistant's (then it continues it); this chat ends with a "
-                            f"{req.messages[-1].role} message", param="add_generation_prompt")
+                            "message is the assistant's (then it closes it, or with continue_final_message leaves it "
+                            f"open); this chat ends with a {req.messages[-1].role} message",
+                       param="add_generation_prompt")
     prompt = await chat_prompt(model, req, chat_tool_request(model, req), state.image_limits)
     if not body.add_special_tokens:
         return prompt.token_ids

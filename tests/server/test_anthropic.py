@@ -127,6 +127,18 @@ def test_a_prefill_is_continued(client: anthropic.Anthropic, oai: openai.OpenAI)
     assert c.usage.prompt_tokens < closed.usage.prompt_tokens  # the turn is left open: no end-of-turn tokens
 
 
+def test_consecutive_turns_of_one_role_are_one_and_an_empty_prefill_is_none(client: anthropic.Anthropic,
+                                                                            oai: openai.OpenAI) -> None:
+    split = [{"role": "user", "content": "Hello"}, {"role": "user", "content": [{"type": "text", "text": " there"}]},
+             {"role": "assistant", "content": ""}]
+    m = client.messages.create(model="tiny-llama", max_tokens=6, messages=split,
+                               extra_body={"temperature": 0, "ignore_eos": True})
+    c = chat(oai, [{"role": "user", "content": "Hello there"}], temperature=0, max_tokens=6,
+             extra_body={"ignore_eos": True})
+    assert m.content[0].text == c.choices[0].message.content
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == c.usage.prompt_tokens
+
+
 def test_output_config_format_is_the_chat_response_format(client: anthropic.Anthropic, oai: openai.OpenAI) -> None:
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
               "required": ["n"], "additionalProperties": False}
@@ -168,10 +180,17 @@ def test_count_tokens(client: anthropic.Anthropic, oai: openai.OpenAI) -> None:
     ({"thinking": {"type": "adaptive"}}, "thinking: this model's chat template never reads `enable_thinking`"),
     ({"output_config": {"effort": "high"}}, "output_config.effort"),
     ({"output_config": {"format": {"type": "json_object"}}}, "output_config.format"),
+    ({"thinking": {"type": "adaptive", "display": "omitted"}}, "thinking.display"),
+    ({"thinking": {"type": "disabled"}, "chat_template_kwargs": {"enable_thinking": True}}, "thinking: "),
+    ({"tool_choice": {"type": "auto", "bogus": True}}, "tool_choice: unknown field 'bogus'"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "bogus": 1}]}]},
+     "messages[0].content[0]: unknown field 'bogus'"),
+    ({"messages": [*USER, {"role": "assistant", "content": "{"}],
+      "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "messages: a grammar"),
     ({"system": "Be brief.", "messages": [{"role": "user", "content": [
         {"type": "text", "text": "Look"},
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]},
-     "messages[0].content[1]: this model takes text only, got an image block"),  # the request's index
+     "messages[0]: this model takes text only, got an image block"),  # the request's index, not the chat's
 ])
 def test_refusals_in_anthropics_shape(server: RunningServer, body: dict[str, Any], fragment: str) -> None:
     r = post(server, {"messages": USER, **body})
@@ -278,7 +297,7 @@ def scripted(text: str) -> dict[str, Any]:
 ])
 def test_thinking_and_auto_tool_use_whole_and_streamed(serve, setup: str, text: str,  # noqa: F811
                                                        blocks: list[tuple[Any, ...]], stop_reason: str) -> None:
-    c, _ = tools_client(serve(setup))
+    c, o = tools_client(serve(setup))
     body = dict(model=MODEL, max_tokens=100, messages=[{"role": "user", "content": "Hi"}], **scripted(text))
     if setup == "hermes":
         body["tools"] = ANTHROPIC_TOOLS
@@ -294,4 +313,9 @@ def test_thinking_and_auto_tool_use_whole_and_streamed(serve, setup: str, text: 
             {"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
                 {"type": "thinking", "thinking": "The user greets me.", "signature": ""},
                 {"type": "text", "text": "Hello!"}]}, {"role": "user", "content": "And?"}])
-        assert again.usage.output_tokens >= 1
+        ref = o.chat.completions.create(model=MODEL, max_tokens=2, extra_body={
+            "chat_template_kwargs": {"enable_thinking": False}}, messages=[
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!", "reasoning_content": "The user greets me."},
+            {"role": "user", "content": "And?"}])
+        assert again.usage.input_tokens + again.usage.cache_read_input_tokens == ref.usage.prompt_tokens

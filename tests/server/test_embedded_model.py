@@ -142,6 +142,12 @@ def test_vllm_tokenize_and_detokenize(smol: tuple[EngineHandle, RunningServer], 
     used = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=QUESTION, max_tokens=1).usage
     assert chat.json()["count"] == used.prompt_tokens
     assert tok.decode(chat.json()["tokens"]).endswith("<|im_start|>assistant\n")  # the assistant's turn opened
+    prefill = [*QUESTION, {"role": "assistant", "content": "The capital is"}]
+    left_open = httpx.post(server.url + "/tokenize", json={"messages": prefill, "continue_final_message": True})
+    assert tok.decode(left_open.json()["tokens"]).endswith("<|im_start|>assistant\nThe capital is")
+    used = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=prefill, max_tokens=1,
+                                          extra_body={"continue_final_message": True}).usage
+    assert left_open.json()["count"] == used.prompt_tokens
 
 
 @pytest.mark.parametrize("body,status,param", [
