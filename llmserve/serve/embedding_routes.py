@@ -90,7 +90,7 @@ def input_ids(model: ServedModel, raw: str | list, add_special_tokens: bool, tru
         raise ApiError(400, f"{param}: an input is an empty string", param=param)
     keep = None
     if truncate is not None:
-        keep = model.session_len if truncate == -1 else truncate
+        keep = model.session_len if truncate == -1 else min(truncate, 2**31 - 1)  # (the tokenizer's bound; the same)
         if keep < 1:
             raise ApiError(400, f"{truncate_field}: must be -1 (the model's context) or >= 1, got {truncate}",
                            param=truncate_field)

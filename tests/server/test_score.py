@@ -78,6 +78,15 @@ def test_refusals(server: RunningServer, path: str, body: dict, param: str) -> N
     assert server.kv()["in_use"] == 0
 
 
+def test_a_truncation_past_any_length_keeps_everything(server: RunningServer) -> None:
+    """(found by the fuzzer: the tokenizer overflowed on it, a 500)"""
+    body = {"text_1": "a cat", "text_2": ["a dog", "a car"]}
+    whole = post(server, "/v1/score", body)
+    huge = post(server, "/v1/score", {**body, "truncate_prompt_tokens": 10**30})
+    assert huge.status_code == 200, huge.text
+    assert [d["score"] for d in huge.json()["data"]] == [d["score"] for d in whole.json()["data"]]
+
+
 def test_root_routes_answer_errors_in_tgi_shape(server: RunningServer) -> None:
     """As every route outside /v1/ (docs/serving.md): the message, and TGI's error_type."""
     r = post(server, "/rerank", {"query": QUERY, "documents": ["a", "x" * 2000]})
