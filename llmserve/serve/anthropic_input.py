@@ -15,9 +15,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ValidationError
-
 from llmserve.serve.errors import ApiError
+from llmserve.serve.openai_params import chat_request
 from llmserve.serve.protocol import (
     AnthropicCountTokensRequest,
     AnthropicMessagesRequest,
@@ -87,12 +86,7 @@ def conversation(body: AnthropicMessagesRequest | AnthropicCountTokensRequest) -
                   parallel_tool_calls=parallel, response_format=_format(output.get("format")),
                   reasoning_effort=output.get("effort"), chat_template_kwargs=variables or None,
                   continue_final_message=messages[-1]["role"] == "assistant")  # a prefill (empty ones dropped)
-    try:
-        chat = ChatCompletionRequest.model_validate(fields)
-    except ValidationError as e:
-        err = e.errors()[0]
-        name = ".".join(str(x) for x in err["loc"])
-        raise ApiError(400, f"{name}: {err['msg']} (got {err.get('input')!r})", param=str(err["loc"][0])) from None
+    chat = chat_request(fields)
     return Conversation(chat, origins)
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, NamedTuple
 
+from pydantic import ValidationError
+
 from llmserve.chat_template import ChatTemplate
 from llmserve.config import GenerationConfig
 from llmserve.errors import InvalidRequestError
@@ -42,6 +44,18 @@ PARAM_NAMES = {"max_new_tokens": "max_tokens", "random_seed": "seed", "stop_word
 def check_model(model: ServedModel, requested: str | None) -> str | None:
     """The LoRA adapter the request's `model` names (None: the base model); 404 for a model not served here."""
     return model.adapter_of(requested)
+
+
+def chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
+    """A chat request built from another API's body (Responses, Anthropic, /tokenize), its values passed on as sent;
+    a value of the wrong type among them is a 400 naming the field (the caller renames it to its API's)."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = err.get("loc") or ("messages",)
+        raise ApiError(400, f"{'.'.join(str(x) for x in loc)}: {err['msg']} (got {err.get('input')!r})",
+                       param=str(loc[0])) from None
 
 
 class ChatPrompt(NamedTuple):

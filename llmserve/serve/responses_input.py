@@ -17,9 +17,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
-
 from llmserve.serve.errors import ApiError
+from llmserve.serve.openai_params import chat_request
 from llmserve.serve.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -84,12 +83,7 @@ def conversation(body: ResponsesRequest, history: list[dict[str, Any]]) -> Conve
         parallel_tool_calls=body.parallel_tool_calls, response_format=response_format(body.text),
         reasoning_effort=(body.reasoning or {}).get("effort"), chat_template_kwargs=body.chat_template_kwargs,
         logprobs=logprobs_wanted(body), top_logprobs=body.top_logprobs if logprobs_wanted(body) else None)
-    try:
-        chat = ChatCompletionRequest.model_validate(fields)
-    except ValidationError as e:  # a value of the wrong type inside what was passed on as sent (reasoning.effort)
-        err = e.errors()[0]
-        name = ".".join(str(x) for x in err["loc"])
-        raise ApiError(400, f"{name}: {err['msg']} (got {err.get('input')!r})", param=str(err["loc"][0])) from None
+    chat = chat_request(fields)
     return Conversation(chat, len(front), history, messages, origins, list(chat.messages))
 
 

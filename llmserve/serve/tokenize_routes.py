@@ -21,13 +21,12 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 import llmserve
 from llmserve.serve.chat_tools import chat_tool_request
 from llmserve.serve.errors import ApiError, OpenAIError, TgiError, error_responses
-from llmserve.serve.openai_params import chat_prompt, check_model, legacy_functions
-from llmserve.serve.protocol import ChatCompletionRequest
+from llmserve.serve.openai_params import chat_prompt, chat_request, check_model, legacy_functions
 from llmserve.serve.state import ServedModel, ServerState
 
 router = APIRouter()
@@ -93,14 +92,9 @@ def _only_for_chat(body: TokenizeRequest) -> None:
 
 
 async def _chat_tokens(state: ServerState, model: ServedModel, body: TokenizeRequest) -> list[int]:
-    try:
-        req = ChatCompletionRequest.model_validate({"messages": body.messages, "tools": body.tools,
-                                                    "chat_template_kwargs": body.chat_template_kwargs,
-                                                    "continue_final_message": bool(body.continue_final_message)})
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(x) for x in err.get("loc", ())) or "messages"
-        raise ApiError(400, f"{where}: {err['msg']}", param=str(err.get("loc", ("messages",))[0])) from None
+    req = chat_request({"messages": body.messages, "tools": body.tools,
+                        "chat_template_kwargs": body.chat_template_kwargs,
+                        "continue_final_message": bool(body.continue_final_message)})
     if not req.messages:
         raise ApiError(400, "messages: at least one message is needed", param="messages")
     legacy_functions(req)  # a history in the deprecated functions API, rendered as the chat route renders it

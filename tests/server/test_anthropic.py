@@ -254,9 +254,8 @@ def test_forced_tool_use(serve, choice: dict[str, Any], chat_choice: Any) -> Non
         ref = o.chat.completions.create(model=MODEL, messages=USER, tools=CHAT_TOOLS, tool_choice=chat_choice,
                                         parallel_tool_calls=not choice.get("disable_parallel_tool_use"),
                                         temperature=1.0, seed=seed, max_tokens=400).choices[0].message
-        assert [(b.id, b.name, b.input) for b in m.content] != [] and \
-            [(b.name, b.input) for b in m.content] == [(t.function.name, json.loads(t.function.arguments))
-                                                       for t in ref.tool_calls]
+        assert m.content and [(b.name, b.input) for b in m.content] == [
+            (t.function.name, json.loads(t.function.arguments)) for t in ref.tool_calls]
         if choice.get("disable_parallel_tool_use") or choice["type"] == "tool":
             assert len(m.content) == 1
         with c.messages.stream(**body) as stream:
