@@ -325,7 +325,8 @@ def int8w_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias:
     products summed in int32 by VNNI, twice the fp32 FMAs' rate; else fp32 FMAs on the widened weights. Either way each
     output is summed over k in order, whatever the other rows. With a16, batches of at least amx_rows rows (0: never;
     < 0: the kernel's default, 16) run on AMX-INT8 tiles where the CPU has them and K % 64 == 0: the same bits.
-    Needs packed_gemm_usable()."""
+    On a CPU with AVX2 but not AVX-512, x is always quantized to int16 (vpmaddwd: the VNNI path's bits). Needs
+    int8w_usable()."""
     return _module.int8w_gemm(x, packed, scale, bias, -1 if a16 is None else int(a16), int(amx_rows))
 
 
@@ -333,6 +334,13 @@ def int8w_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias:
 def int8w_a16_usable() -> bool:
     """Whether int8w_gemm can quantize x to int16 here (a CPU with AVX512-VNNI)."""
     return load() is not None and _module.int8w_a16_supported()
+
+
+@functools.cache
+def int8w_usable() -> bool:
+    """Whether int8w_gemm runs here: the extension builds and the CPU has AVX-512, or AVX2 and FMA (16-bit activations
+    only there: not with LLMSERVE_INT8W_A16=0)."""
+    return load() is not None and _module.int8w_supported()
 
 
 @functools.cache

@@ -125,7 +125,7 @@ class VocabEmbedding(nn.Module):
     def quantize_head_int8(self) -> None:
         """int8 rows with one fp32 scale each for the LM-head matmul only (weight-only: the hidden states stay in the
         model dtype, or int16 per row on VNNI CPUs), multiplied in kernels/cpu/packed_gemm.cpp; the lookup keeps the plain
-        table. Needs native.packed_gemm_usable() (AVX-512)."""
+        table. Needs native.int8w_usable() (AVX-512, or AVX2 and FMA)."""
         qweight, self.scale = quantize_rows(self.weight)
         self.head_int8_packed = native.w8a8_pack(qweight)
 

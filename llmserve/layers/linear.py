@@ -261,12 +261,13 @@ class Bf16Matmul:
 
 
 def int8_packed_ok(weight: torch.Tensor) -> bool:
-    """Whether weight-only int8 of this weight runs in kernels/cpu/packed_gemm.cpp (int8w_gemm): a CPU with AVX-512, the
-    extension built, a bf16 or fp32 model. There it beats the former int8 matrix-vector kernel at every batch size and
-    torch's int8 matmul 1.8-1.9x (SmolLM2-135M's 30 decoders, 2-core AVX512-BF16 Xeon, best of 3, ms: M = 1: 5.0 vs
-    5.2 vs 9.6; 16: 19.7 vs 20.3 vs 38.9; 64: 68 vs 73 vs 124), and beyond 64 rows nothing is dequantized per call."""
+    """Whether weight-only int8 of this weight runs in kernels/cpu/packed_gemm.cpp (int8w_gemm): a CPU with AVX-512 or
+    AVX2, the extension built, a bf16 or fp32 model. There it beats the former int8 matrix-vector kernel at every batch
+    size and torch's int8 matmul 1.8-1.9x (SmolLM2-135M's 30 decoders, 2-core AVX512-BF16 Xeon, best of 3, ms: M = 1:
+    5.0 vs 5.2 vs 9.6; 16: 19.7 vs 20.3 vs 38.9; 64: 68 vs 73 vs 124), and beyond 64 rows nothing is dequantized per
+    call; on an AVX2-only Zen 3 it is what lets the native decoder stack run at all (BENCHMARKS.md, 2026-12-07)."""
     return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and native.packed_gemm_usable())
+            and native.int8w_usable())
 
 
 # Weight-only int8 where the packed kernel does not run (int8_linear's torch paths, CPUs without AVX-512): a bf16 matmul
@@ -298,7 +299,7 @@ def quantize_rows_torch(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
 
 
-# Which int8 path runs where the packed kernel does not (int8_packed_ok false: CUDA, CPUs without AVX-512). On CUDA,
+# Which int8 path runs where the packed kernel does not (int8_packed_ok false: CUDA, CPUs without AVX2). On CUDA,
 # kernels/triton/int8.py's GEMM (one byte a weight read, nothing dequantized to memory). On CPUs, by rows: for bf16
 # activations torch's int8 matmul up to 64 rows (at 16-36 rows 2-5x faster than dequantizing); beyond, and for
 # fp32/fp16, the weight dequantized into a matmul, in fp32 for bf16 activations where that is faster (see

@@ -119,7 +119,7 @@ def load_model(model: str | None, config: EngineConfig) -> LoadedModel:
             and not (device.type == "cuda" and int8_triton_runs())):
         log.warning("quantization=int8 has no packed int8 kernel for %s on %s here: small bf16 batches use torch's "
                     "int8 matmul and the rest dequantize the weights at every step, which saves memory but runs "
-                    "slower than unquantized weights (the packed kernel needs a CPU with AVX-512 and dtype float32 "
+                    "slower than unquantized weights (the packed kernel needs a CPU with AVX-512 or AVX2 and dtype float32 "
                     "or bfloat16)", dtype, device)
     net.eval()
     vision_config = processor = None

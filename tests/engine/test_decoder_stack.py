@@ -11,8 +11,11 @@ from llmserve import EngineConfig, GenerationConfig, pipeline
 from llmserve.kernels import native
 from llmserve.models.llama import LlamaModel
 
-pytestmark = pytest.mark.skipif(not native.packed_gemm_usable(), reason="the decoder stack needs the native kernels "
-                                "and a CPU with AVX-512")
+# The stack runs packed linears: bf16 ones on AVX-512 CPUs, int8 ones (--quantization int8) on AVX-512 or AVX2 CPUs
+pytestmark = pytest.mark.skipif(not native.int8w_usable(), reason="the decoder stack needs the native kernels and a CPU "
+                                "with AVX-512 or AVX2")
+needs_bf16_stack = pytest.mark.skipif(not native.packed_gemm_usable(), reason="bf16 linears run in the stack on CPUs "
+                                      "with AVX-512")
 # bf16 linears run in the stack where their measured kernels are packed ones at every batch size: pinned here, so the
 # tests do not depend on what this machine measured (LLMSERVE_KERNEL_CHOICE; test_stack_takes_either_bf16_kernel
 # runs the other)
@@ -21,7 +24,8 @@ BF16_PACKED = True
 
 @pytest.fixture(autouse=True)
 def _packed_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LLMSERVE_KERNEL_CHOICE", "bf16_linear=fma")
+    if native.packed_gemm_usable():  # (elsewhere bf16 linears have no packed kernel to pin)
+        monkeypatch.setenv("LLMSERVE_KERNEL_CHOICE", "bf16_linear=fma")
 needs_w8a8 = pytest.mark.skipif(not native.w8a8_usable(), reason="w8a8 needs a CPU with AVX-512 and VNNI")
 
 PROMPTS = [list(range(3, 40)), [11, 12], list(range(50, 75)), [7] * 9]
@@ -51,6 +55,7 @@ def _check_same_bits(path: str, monkeypatch: pytest.MonkeyPatch, expect_stack: b
     assert lps == ref_lps  # exactly: the same kernels on the same tensors in the same order
 
 
+@needs_bf16_stack
 @pytest.mark.parametrize("kernel", ["dot", "amx", "onednn"])
 def test_stack_takes_either_bf16_kernel(tiny_model_dir, monkeypatch, kernel: str) -> None:
     """dot products and AMX tiles run in the stack as in the Python layers (amx: the MLP's gate/up and SiLU fused in
@@ -63,6 +68,7 @@ def test_stack_takes_either_bf16_kernel(tiny_model_dir, monkeypatch, kernel: str
     _check_same_bits(tiny_model_dir("llama"), monkeypatch, kernel in ("dot", "amx"))
 
 
+@needs_bf16_stack
 @pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen2", "mistral", "qwen3"])  # biases, windows, q/k norm
 @pytest.mark.parametrize("kv", ["auto", "float32", "int8", "int4"])
 def test_bf16_stack_gives_the_python_layers_bits(tiny_model_dir, monkeypatch, arch: str, kv: str) -> None:
@@ -74,8 +80,9 @@ def test_bf16_stack_gives_the_python_layers_bits(tiny_model_dir, monkeypatch, ar
 @pytest.mark.parametrize("kv", ["auto", "int8", "int4"])
 def test_int8_weight_stacks_give_the_python_layers_bits(tiny_model_dir, monkeypatch, quantization: str, dtype: str,
                                                         kv: str) -> None:
-    _check_same_bits(tiny_model_dir("qwen2"), monkeypatch, True, dtype=dtype, quantization=quantization,
-                     kv_cache_dtype=kv)
+    # (int8 and int4 caches are read natively on AVX-512 CPUs only: elsewhere such models keep the Python layers)
+    _check_same_bits(tiny_model_dir("qwen2"), monkeypatch, kv == "auto" or native.int8_kv_decode_usable(), dtype=dtype,
+                     quantization=quantization, kv_cache_dtype=kv)
 
 
 @pytest.mark.skipif(not native.w8a8_amx_usable(), reason="needs AMX-INT8")
@@ -164,6 +171,7 @@ def test_blocks_standing_in_for_the_tiles_give_the_same_tokens(tmp_path, monkeyp
     assert ran and max(ran) <= 4  # the Python layers' calls (the stack's are native)
 
 
+@needs_bf16_stack
 def test_prefix_cache_hits_give_the_same_bits(tiny_model_dir, monkeypatch) -> None:
     # the second pass finds every prompt's full blocks in the prefix cache: its prefills start mid-context
     def twice(stack: bool) -> list:
@@ -176,6 +184,7 @@ def test_prefix_cache_hits_give_the_same_bits(tiny_model_dir, monkeypatch) -> No
     assert twice(True) == twice(False)
 
 
+@needs_bf16_stack
 def test_decodes_alone_where_prefill_attention_is_not_native(tiny_model_dir, monkeypatch) -> None:
     from llmserve.models import decoder_stack
 
@@ -183,9 +192,12 @@ def test_decodes_alone_where_prefill_attention_is_not_native(tiny_model_dir, mon
     _check_same_bits(tiny_model_dir("qwen2"), monkeypatch, BF16_PACKED)
 
 
-def test_preempted_requests_come_back_the_same(tiny_model_dir, monkeypatch) -> None:
+@pytest.mark.parametrize("engine", [pytest.param({}, marks=needs_bf16_stack),
+                                    {"dtype": "float32", "quantization": "int8"}])  # what an AVX2 CPU's stack runs
+def test_preempted_requests_come_back_the_same(tiny_model_dir, monkeypatch, engine: dict) -> None:
     # 14 blocks of 4 tokens cannot hold all four requests to the end: some are preempted and recomputed
-    _check_same_bits(tiny_model_dir("llama"), monkeypatch, BF16_PACKED, num_blocks=14, enable_prefix_caching=False)
+    _check_same_bits(tiny_model_dir("llama"), monkeypatch, BF16_PACKED, num_blocks=14, enable_prefix_caching=False,
+                     **engine)
 
 
 @pytest.mark.parametrize(("arch", "engine"), [
@@ -202,6 +214,7 @@ def test_reference_attention_turns_the_stack_off(tiny_model_dir, monkeypatch) ->
     assert _run(tiny_model_dir("llama"), monkeypatch, True)[2] == 0
 
 
+@needs_bf16_stack
 def test_the_stack_refuses_what_it_cannot_run() -> None:
     import torch
 

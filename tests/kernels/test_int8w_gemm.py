@@ -1,6 +1,6 @@
 """Weight-only int8 GEMM (kernels/cpu/packed_gemm.cpp, int8w_gemm): x in fp32/bf16 times int8 weights packed by w8a8_pack,
-times a per-row scale; x quantized to int16 per row and summed in int32 by VNNI (a16), or kept in fp32 and summed by
-FMAs; and the w8a8 LM head that uses it."""
+times a per-row scale; x quantized to int16 per row and summed in int32 (a16: VNNI on AVX-512, vpmaddwd on AVX2-only
+CPUs, the same bits), or kept in fp32 and summed by FMAs (AVX-512); and the w8a8 LM head that uses it."""
 
 from __future__ import annotations
 
@@ -10,12 +10,15 @@ import torch
 from llmserve.kernels import native
 from llmserve.layers.linear import quantize_rows
 
-pytestmark = pytest.mark.skipif(not native.packed_gemm_usable(),
-                                reason="the packed GEMM needs the extension and a CPU with AVX-512")
+pytestmark = pytest.mark.skipif(not native.int8w_usable(),
+                                reason="the packed GEMM needs the extension and a CPU with AVX-512 or AVX2")
 
-
-PATHS = [False, pytest.param(True, marks=pytest.mark.skipif(not native.int8w_a16_usable(),
-                                                          reason="16-bit activations need AVX512-VNNI"))]
+# 16-bit activations: VNNI on AVX-512 CPUs, and the only path on CPUs with AVX2 but not AVX-512
+A16_RUNS = native.int8w_a16_usable() or not native.packed_gemm_usable()
+PATHS = [pytest.param(False, marks=pytest.mark.skipif(not native.packed_gemm_usable(),
+                                                      reason="fp32 activations need AVX-512")),
+         pytest.param(True, marks=pytest.mark.skipif(not A16_RUNS, reason="16-bit activations need AVX512-VNNI "
+                                                                          "on a CPU with AVX-512"))]
 
 
 def _exact(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -60,7 +63,47 @@ def test_kernel_is_the_exact_product_rounded_once(rows: int, in_f: int, out_f: i
         assert ((got.double() - exact).abs() <= bound + tol["rtol"] * exact.abs() + tol["atol"]).all()
 
 
-@pytest.mark.skipif(not native.int8w_a16_usable(), reason="16-bit activations need AVX512-VNNI")
+def _a16_bits(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The a16 path's result, bit for bit, in torch: x rounded to int16 per row (fp32 division, half to even), each
+    256-column chunk's exact integer sum converted to fp32, the chunks added in fp32 in column order, then * x's
+    scale, * the weight's scale, + bias (fp32, no fused multiply-add), rounded once to x's dtype."""
+    xf = x.float()
+    s = xf.abs().amax(dim=1) / 32767
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    xq = torch.round(xf / s[:, None]).clamp(-32767, 32767).double()
+    acc = None
+    for c0 in range(0, x.shape[1], 256):  # each chunk's sum is an integer below 2^31: exact in double
+        c = (xq[:, c0:c0 + 256] @ q[:, c0:c0 + 256].double().T).float()
+        acc = c if acc is None else acc + c
+    y = acc * s[:, None] * scale
+    return (y + bias.float() if bias is not None else y).to(x.dtype)
+
+
+@pytest.mark.skipif(not A16_RUNS, reason="16-bit activations need AVX512-VNNI on a CPU with AVX-512")
+@pytest.mark.parametrize("rows,in_f,out_f", [(1, 576, 960), (2, 101, 33), (3, 1536, 576), (5, 7, 70), (40, 600, 50),
+                                             (487, 70, 90)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a16_bits_are_the_reference_steps(rows: int, in_f: int, out_f: int, dtype: torch.dtype) -> None:
+    """Every 16-bit path (VNNI, AMX-INT8 tiles, AVX2's vpmaddwd) gives exactly _a16_bits: so a model quantized with
+    --quantization int8 answers the same on an AVX2-only CPU as on a Xeon, at any batch (tiles of 1-4 rows by 1-2
+    blocks, a padded last group, N past a block, chunks of 256 columns)."""
+    g = torch.Generator().manual_seed(rows * 7 + in_f)
+    x = torch.randn(rows, in_f, generator=g).to(dtype)
+    x[-1, -1] = -33.0
+    q, scale = quantize_rows(torch.randn(out_f, in_f, generator=g))
+    b = torch.randn(out_f, generator=g)
+    for bias in (None, b):
+        assert torch.equal(native.int8w_gemm(x, native.w8a8_pack(q), scale, bias), _a16_bits(x, q, scale, bias))
+
+
+@pytest.mark.skipif(native.packed_gemm_usable(), reason="a CPU with AVX2 but not AVX-512")
+def test_avx2_refuses_fp32_activations() -> None:
+    q, scale = quantize_rows(torch.randn(8, 16))
+    with pytest.raises(RuntimeError, match="a16=0.*AVX-512"):
+        native.int8w_gemm(torch.zeros(1, 16), native.w8a8_pack(q), scale, None, a16=False)
+
+
+@pytest.mark.skipif(not A16_RUNS, reason="16-bit activations need AVX512-VNNI on a CPU with AVX-512")
 @pytest.mark.parametrize("rows", [3, 30])  # weights widened per register tile, and once per chunk of rows
 def test_a16_int32_sums_do_not_overflow(rows: int) -> None:
     """Every product at its largest, all of one sign, over 4,100 columns: 4,100 * 127 * 32,767 is 8x int32's range, so

@@ -99,6 +99,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(vpdpwssd, or AMX-INT8 tiles from amx_rows rows: the same bits) or fp32 (FMAs) (CPU, AVX-512)", py::arg("x"),
         py::arg("packed"), py::arg("scale"), py::arg("bias") = py::none(), py::arg("a16") = -1,
         py::arg("amx_rows") = -1);
+  m.def("int8w_supported", &int8w_supported, "whether int8w_gemm runs here (AVX-512, or AVX2 and FMA)");
   m.def("int8w_a16_supported", &int8w_a16_supported, "whether int8w_gemm can take 16-bit activations (AVX512-VNNI)");
   m.def("quantize_rows_int8", &quantize_rows_int8, "weight [N, K] -> (int8 [N, K], fp32 scales [N]), symmetric per row");
   m.def("w8a8_pack", &w8a8_pack, "int8 [N, K] weight -> the VNNI block layout w8a8_linear reads");

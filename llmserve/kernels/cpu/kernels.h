@@ -64,6 +64,7 @@ void amx_store_pair(const float* c, int64_t rows, int64_t p, int64_t N, const fl
 at::Tensor int8w_gemm(at::Tensor x, at::Tensor packed, at::Tensor scale, c10::optional<at::Tensor> bias,
                       int64_t a16, int64_t amx_rows);
 bool int8w_a16_supported();
+bool int8w_supported();
 // sampling.cpp
 at::Tensor sample_rows(at::Tensor logits, at::Tensor temperature, at::Tensor top_k, at::Tensor top_p,
                        at::Tensor min_p, at::Tensor u);

@@ -641,6 +641,169 @@ at::Tensor int8w_gemm_a16_amx(const at::Tensor& x, const at::Tensor& packed, int
   return y;
 }
 
+// ---- The same 16-bit product on CPUs without AVX-512 (AVX2 + FMA: int8w_gemm's path there) ----
+// vpmaddwd multiplies 16 int16 pairs and adds each pair into an int32 lane: with the weights' bytes 0 and 2 of a lane
+// against x's (x0, x2) and bytes 1 and 3 against (x1, x3), two of them and two vpaddd give a lane what two vpdpwssd
+// give it, as an exact int32 sum (a pair cannot overflow: |x| <= 32767). So each 256-column chunk's int32 sum is
+// tile_a16's, and with the same fp32 steps after it (the chunks added in column order, * x's scale, * the weight's
+// scale, + bias, no fused multiply-adds) every output is bit for bit the VNNI path's, at any batch. x is quantized as
+// quantize_row_a16 does (the same division, rounding and clamp; the int32 -> int16 narrowing truncates as
+// vpmovdw does). A packed block's group (64 bytes: 16 outputs x 4 columns) is two 256-bit halves of 8 outputs.
+// Why: without it a CPU with AVX2 only ran --quantization int8 through torch, dequantizing the weights at every step
+// (slower than fp32), and the native decoder stack, which needs packed linears, not at all. vpmaddwd's 16 products
+// per instruction are twice an fp32 FMA's 8.
+#define LLMSERVE_AVX2 __attribute__((target("avx2,fma")))
+
+constexpr int kA16Avx2Rows = 4;  // 4 rows x 2 halves: 8 accumulators + 4 widened weights + 2 broadcasts in 16 registers
+
+LLMSERVE_AVX2 inline __m256 load8f(const float* x) { return _mm256_loadu_ps(x); }
+LLMSERVE_AVX2 inline __m256 load8f(const c10::BFloat16* x) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+// x[k .. k + 7] as fp32, 0 past K
+template <typename X>
+LLMSERVE_AVX2 inline __m256 load8f_tail(const X* x, int64_t k, int64_t K) {
+  if (K - k >= 8) return load8f(x + k);
+  alignas(32) float buf[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int64_t j = k; j < K; ++j) buf[j - k] = static_cast<float>(x[j]);
+  return _mm256_load_ps(buf);
+}
+
+// quantize_row_a16 with 8 lanes: the same scale (max|x| / 32767), values and order ([x0, x2, x1, x3] per 4 columns).
+template <typename X>
+LLMSERVE_AVX2 void quantize_row_a16_avx2(const X* x, int64_t K, int64_t K4, int16_t* q, float* s) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 amax = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) amax = _mm256_max_ps(amax, _mm256_and_ps(load8f_tail(x, k, K), abs_mask));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, amax);
+  float m = lanes[0];
+  for (int j = 1; j < 8; ++j) m = std::max(m, lanes[j]);
+  *s = m > 0.f ? m / 32767.f : 1.f;
+  const __m256 sv = _mm256_set1_ps(*s);
+  const __m256i order = _mm256_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7);
+  // the low 16 bits of each int32 lane (vpmovdw's truncation), lane by lane into the low 8 bytes of each 128 bits
+  const __m256i low_halves = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                              0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+  for (int64_t k = 0; k < K4; k += 8) {  // K4 is a multiple of 4: the last piece may be 4 columns
+    __m256 v = _mm256_round_ps(_mm256_div_ps(load8f_tail(x, k, K), sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm256_min_ps(_mm256_set1_ps(32767.f), _mm256_max_ps(_mm256_set1_ps(-32767.f), v));
+    const __m256i n = _mm256_permutevar8x32_epi32(_mm256_cvtps_epi32(v), order);
+    const __m256i h = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(n, low_halves), 0x08);  // 64-bit lanes 0, 2
+    if (K4 - k >= 8) _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm256_castsi256_si128(h));
+    else _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), _mm256_castsi256_si128(h));
+  }
+}
+
+// y[i0 : i0 + MR, n0 : n0 + NB * 16] for one register tile (tile_a16's, in 8-lane halves): MR rows of int16 x (ldx
+// apart, quantize_row_a16_avx2's order), NB packed int8 blocks (block_bytes apart).
+template <int MR, int NB, typename Y>
+LLMSERVE_AVX2 __attribute__((optimize("no-tree-pre"))) void tile_a16_avx2(const int16_t* xq, int64_t ldx, int64_t G,
+                                                                         const int8_t* w, int64_t block_bytes,
+                                                                         int64_t i0, int64_t n0, int64_t N,
+                                                                         const float* xs, const Epilogue& e, Y* y) {
+  constexpr int NH = 2 * NB;
+  alignas(32) float sums[MR][NH][8];
+  const int32_t* xr[MR];
+  _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) xr[i] = reinterpret_cast<const int32_t*>(xq + (i0 + i) * ldx);
+  for (int64_t g0 = 0; g0 < G; g0 += kA16ChunkGroups) {
+    const int64_t g1 = std::min(G, g0 + kA16ChunkGroups);
+    __m256i acc[MR][NH];
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i)
+      _Pragma("GCC unroll 8") for (int h = 0; h < NH; ++h) acc[i][h] = _mm256_setzero_si256();
+    for (int64_t g = g0; g < g1; ++g) {
+      if (MR <= 2)
+        _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j)
+          _mm_prefetch(reinterpret_cast<const char*>(w + j * block_bytes + g * 64) + kPrefetchBytes, _MM_HINT_T0);
+      __m256i we[NH], wo[NH];
+      _Pragma("GCC unroll 8") for (int h = 0; h < NH; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (h / 2) * block_bytes + g * 64 +
+                                                                              (h % 2) * 32));
+        we[h] = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);  // bytes 0 and 2 of each lane, as int16
+        wo[h] = _mm256_srai_epi16(v, 8);                         // bytes 1 and 3
+      }
+      _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {
+        const __m256i be = _mm256_set1_epi32(xr[i][2 * g]), bo = _mm256_set1_epi32(xr[i][2 * g + 1]);
+        _Pragma("GCC unroll 8") for (int h = 0; h < NH; ++h) {
+          acc[i][h] = _mm256_add_epi32(acc[i][h], _mm256_madd_epi16(be, we[h]));
+          acc[i][h] = _mm256_add_epi32(acc[i][h], _mm256_madd_epi16(bo, wo[h]));
+        }
+      }
+    }
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i)
+      _Pragma("GCC unroll 8") for (int h = 0; h < NH; ++h) {
+        const __m256 c = _mm256_cvtepi32_ps(acc[i][h]);
+        _mm256_store_ps(sums[i][h], g0 == 0 ? c : _mm256_add_ps(_mm256_load_ps(sums[i][h]), c));
+      }
+  }
+  // store_tile's epilogue: ((sum * x's scale) * the weight's scale) + bias, rounded to Y (bf16: nearest even)
+  _Pragma("GCC unroll 8") for (int h = 0; h < NH; ++h) {
+    const int64_t n = n0 + h * 8;
+    if (n >= N) break;
+    const int64_t lanes = std::min<int64_t>(8, N - n);
+    alignas(32) float sc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, bi[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int64_t l = 0; l < lanes; ++l) {
+      if (e.scale != nullptr) sc[l] = e.scale[n + l];
+      if (e.bias != nullptr) bi[l] = e.bias[n + l];
+    }
+    const __m256 wsv = _mm256_load_ps(sc), bv = _mm256_load_ps(bi);
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {
+      __m256 v = _mm256_mul_ps(_mm256_load_ps(sums[i][h]), _mm256_set1_ps(xs[i0 + i]));
+      if (e.scale != nullptr) v = _mm256_mul_ps(v, wsv);
+      if (e.bias != nullptr) v = _mm256_add_ps(v, bv);
+      Y* out = y + (i0 + i) * N + n;
+      if constexpr (std::is_same_v<Y, float>) {
+        if (lanes == 8) {
+          _mm256_storeu_ps(out, v);
+          continue;
+        }
+      }
+      alignas(32) float r[8];
+      _mm256_store_ps(r, v);
+      for (int64_t l = 0; l < lanes; ++l) out[l] = static_cast<Y>(r[l]);  // c10::BFloat16: nearest even, NaN 0x7FC0
+    }
+  }
+}
+
+template <typename X>
+at::Tensor int8w_gemm_a16_avx2(const at::Tensor& x, const at::Tensor& packed, int64_t N, const Epilogue& e) {
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), G = packed.size(1), K4 = G * 4;
+  auto xq = at::empty({M, K4}, x.options().dtype(at::kShort));
+  auto xs = at::empty({M}, x.options().dtype(at::kFloat));
+  int16_t* qp = xq.data_ptr<int16_t>();
+  float* sp = xs.data_ptr<float>();
+  const X* xp = x.data_ptr<X>();
+  at::parallel_for(0, M, std::max<int64_t>(1, kSerialElems / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) quantize_row_a16_avx2(xp + i * K, K, K4, qp + i * K4, sp + i);
+  });
+  auto y = at::empty({M, N}, x.options());
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const int64_t bb = G * 64;
+  X* yp = y.data_ptr<X>();
+  // Tiles of up to 4 rows by 1 block, or of 1-2 rows by 2 blocks (what 16 registers hold): 2 blocks a tile group.
+  for_each_tile_group(M, NB, kChunkRows, kA16Avx2Rows, 2, [&](int64_t) {
+    return [&](int64_t m0, int64_t m1, int64_t blk, int nr) {
+      for (int64_t i = m0; i < m1; i += kA16Avx2Rows) {
+        const int mr = static_cast<int>(std::min<int64_t>(kA16Avx2Rows, m1 - i));
+        if (mr <= 2 && nr == 2) {
+          with_int_constant<1, 2>(mr, [&](auto r) {
+            tile_a16_avx2<decltype(r)::value, 2>(qp, K4, G, wp + blk * bb, bb, i, blk * kBlockRows, N, sp, e, yp);
+          });
+          continue;
+        }
+        for (int j = 0; j < nr; ++j)
+          with_int_constant<1, kA16Avx2Rows>(mr, [&](auto r) {
+            tile_a16_avx2<decltype(r)::value, 1>(qp, K4, G, wp + (blk + j) * bb, bb, i, (blk + j) * kBlockRows, N, sp,
+                                                  e, yp);
+          });
+      }
+    };
+  });
+  return y;
+}
+
 // bias [N] (any float dtype) -> contiguous fp32 in holder, or nullptr without one
 const float* fp32_bias(const c10::optional<at::Tensor>& bias, int64_t N, const char* what, at::Tensor& holder) {
   if (!bias.has_value()) return nullptr;
@@ -652,6 +815,14 @@ const float* fp32_bias(const c10::optional<at::Tensor>& bias, int64_t N, const c
 }  // namespace
 
 bool packed_gemm_supported() { return cpu_has_avx512(); }
+
+// int8w_gemm runs here: AVX-512 (every path), or AVX2 with FMA (16-bit activations only: int8w_gemm_a16_avx2), unless
+// LLMSERVE_INT8W_A16=0 asks for fp32 activations, which only the AVX-512 path has.
+bool int8w_supported() {
+  static const bool ok = packed_gemm_supported() || (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                                                     !env_is_zero("LLMSERVE_INT8W_A16"));
+  return ok;
+}
 
 // weight [N, K] bf16 -> [ceil(N / 16), ceil(K / 2), 16, 2] bf16: per block of 16 output rows, the columns in pairs,
 // each pair holding its 2 elements of the 16 rows; zero past N and K.
@@ -693,7 +864,7 @@ at::Tensor bf16_gemm(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<a
 // the kernel's default (kA16AmxDefaultRows).
 at::Tensor int8w_gemm(at::Tensor x, at::Tensor packed, at::Tensor scale, c10::optional<at::Tensor> bias,
                       int64_t a16, int64_t amx_rows) {
-  TORCH_CHECK(packed_gemm_supported(), "int8w_gemm needs a CPU with AVX-512");
+  TORCH_CHECK(int8w_supported(), "int8w_gemm needs a CPU with AVX-512, or AVX2 and FMA");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "int8w_gemm: x must be fp32 or bf16 [M, K] on the CPU");
   const int64_t K = x.size(1), N = scale.numel();
@@ -706,8 +877,15 @@ at::Tensor int8w_gemm(at::Tensor x, at::Tensor packed, at::Tensor scale, c10::op
   at::Tensor b;
   const Epilogue e{scale.data_ptr<float>(), fp32_bias(bias, N, "int8w_gemm", b)};
   const auto xc = x.contiguous();
-  TORCH_CHECK(a16 <= 0 || int8w_a16_supported(), "int8w_gemm: 16-bit activations (a16=1) need a CPU with AVX512-VNNI; "
+  TORCH_CHECK(a16 <= 0 || int8w_a16_supported() || !packed_gemm_supported(),
+              "int8w_gemm: 16-bit activations (a16=1) need a CPU with AVX512-VNNI; "
               "pass a16=0 (fp32 activations) or -1 (whichever runs here)");
+  if (!packed_gemm_supported()) {  // AVX2: 16-bit activations only
+    TORCH_CHECK(a16 != 0, "int8w_gemm: fp32 activations (a16=0) need a CPU with AVX-512; pass a16=-1 (whichever runs "
+                "here)");
+    if (xc.scalar_type() == at::kBFloat16) return int8w_gemm_a16_avx2<at::BFloat16>(xc, packed, N, e);
+    return int8w_gemm_a16_avx2<float>(xc, packed, N, e);
+  }
   if (a16 > 0 || (a16 < 0 && a16_default())) {
     if (amx_rows < 0) amx_rows = kA16AmxDefaultRows;
     if (amx_rows > 0 && xc.size(0) >= amx_rows && packed.size(1) % kA16AmxGroups == 0 && amx_int8_supported()) {
