@@ -209,7 +209,7 @@ def peak_matmul_kind(dtype: torch.dtype, device: torch.device,
     if quantization == "int8" and device.type == "cpu" and dtype in (torch.bfloat16, torch.float32):
         from llmserve.kernels import native
 
-        if native.packed_gemm_usable() and native.int8w_a16_usable():
+        if native.int8w_default_a16():  # x quantized to int16 (VNNI, or vpmaddwd on AVX2)
             return dtype, INT16_INT8_MATMUL
     if dtype == torch.bfloat16 and device.type == "cpu":
         return dtype, BF16_MATMUL

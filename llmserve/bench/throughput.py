@@ -174,7 +174,10 @@ def _gflops(matmul: Callable[[], object], flop: int, device: torch.device, secon
 def _bf16_paths() -> tuple[str, ...]:
     from llmserve.kernels.calibrate import BF16_LINEAR, available
 
-    return tuple(name for name in available(BF16_LINEAR) if name != "fp32")  # fp32: not a bf16 matmul
+    # fp32: not a bf16 matmul, but where it is the only path (CPUs without AVX-512 or AVX512-BF16: bf16 linears run
+    # widened to fp32 there) it is what bf16 runs at (max() of no paths had failed `--dtype bfloat16` on an AVX2 CPU)
+    names = available(BF16_LINEAR)
+    return tuple(name for name in names if name != "fp32") or names
 
 
 def _bf16_path_gflops(name: str, m: int, k: int, n: int, seconds: float) -> float:

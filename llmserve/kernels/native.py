@@ -319,14 +319,14 @@ def bf16_dot_usable() -> bool:
 
 
 def int8w_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-               a16: bool | None = None, amx_rows: int = -1) -> torch.Tensor:
+               a16: bool | int | None = None, amx_rows: int = -1) -> torch.Tensor:
     """Weight-only int8: x [M, K] (fp32/bf16) @ (the int8 weight [N, K] packed by w8a8_pack, times scale [N] per row)^T
     (+ bias) -> [M, N] in x's dtype. a16 (default: where int8w_a16_usable()): each row of x quantized to int16 and the
     products summed in int32 by VNNI, twice the fp32 FMAs' rate; else fp32 FMAs on the widened weights. Either way each
     output is summed over k in order, whatever the other rows. With a16, batches of at least amx_rows rows (0: never;
     < 0: the kernel's default, 16) run on AMX-INT8 tiles where the CPU has them and K % 64 == 0: the same bits.
-    On a CPU with AVX2 but not AVX-512, x is always quantized to int16 (vpmaddwd: the VNNI path's bits). Needs
-    int8w_usable()."""
+    On a CPU with AVX2 but not AVX-512, x is always quantized to int16 (vpmaddwd: the VNNI path's bits); a16=2 runs
+    that path on any CPU with AVX2 (tests compare it with VNNI's). Needs int8w_usable()."""
     return _module.int8w_gemm(x, packed, scale, bias, -1 if a16 is None else int(a16), int(amx_rows))
 
 
@@ -343,9 +343,15 @@ def int8w_usable() -> bool:
     return load() is not None and _module.int8w_supported()
 
 
+def int8w_default_a16() -> bool:
+    """Whether int8w_gemm's default quantizes x to int16 here (VNNI, unless LLMSERVE_INT8W_A16=0; AVX2-only CPUs)."""
+    return int8w_usable() and _module.int8w_default_a16()
+
+
 @functools.cache
 def packed_gemm_usable() -> bool:
-    """Whether the packed GEMMs (bf16_gemm, int8w_gemm) run here: the extension builds and the CPU has AVX-512."""
+    """Whether the packed GEMMs run here with every path: the extension builds and the CPU has AVX-512 (int8w_gemm's
+    16-bit path runs on AVX2 too: int8w_usable)."""
     return load() is not None and _module.packed_gemm_supported()
 
 

@@ -270,7 +270,7 @@ def int8_packed_ok(weight: torch.Tensor) -> bool:
             and native.int8w_usable())
 
 
-# Weight-only int8 where the packed kernel does not run (int8_linear's torch paths, CPUs without AVX-512): a bf16 matmul
+# Weight-only int8 where the packed kernel does not run (int8_linear's torch paths, CPUs without AVX2): a bf16 matmul
 # of at least this many rows runs in fp32 on CPUs without AMX (fp32_compute_for_bf16); widening the weight costs about
 # one read of it. Measured over a SmolLM2-135M decoder's linears, 2 cores, AVX512-BF16 Xeon: bf16 (blocked) vs fp32
 # widened, ms per forward: M = 64: 91 vs 88-107 (a wash); M = 96: 177 vs 127; M = 128: 172-177 vs 125-139.

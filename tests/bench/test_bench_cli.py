@@ -188,8 +188,11 @@ def test_throughput_of_a_weightless_shape_against_transformers(tiny_model_dir: C
     assert ours["peak_device_mb"] is None  # a CPU run
 
 
-@pytest.mark.skipif(not native.w8a8_usable(), reason="w8a8 and int16 activations need a CPU with AVX-512 and VNNI")
-@pytest.mark.parametrize("quantization,kind", [("w8a8", "int8 matmul"), ("int8", "int16 x int8 matmul")])
+@pytest.mark.parametrize("quantization,kind", [
+    pytest.param("w8a8", "int8 matmul", marks=pytest.mark.skipif(not native.w8a8_usable(),
+                                                                 reason="w8a8 needs a CPU with AVX-512 and VNNI")),
+    pytest.param("int8", "int16 x int8 matmul", marks=pytest.mark.skipif(
+        not native.int8w_default_a16(), reason="int16 activations need AVX512-VNNI on a CPU with AVX-512, or AVX2"))])
 def test_throughput_of_int8_is_read_against_the_matmul_it_runs(quantization: str, kind: str,
                                                                tiny_model_dir: Callable[[str], str],
                                                                capsys: pytest.CaptureFixture[str]) -> None:
@@ -254,7 +257,7 @@ def test_weight_only_int8_is_read_against_the_int16_gemm_it_runs(monkeypatch: py
 
     monkeypatch.setattr(cpu_features, "fp32_compute_for_bf16", lambda: True)
     cpu = torch.device("cpu")
-    if native.packed_gemm_usable() and native.int8w_a16_usable():
+    if native.int8w_default_a16():
         want = (torch.bfloat16, "int16 x int8 matmul")
         assert matmul_peak_gflops(torch.bfloat16, cpu, m=8, k=64, n=32, seconds=0.01, kind=want[1]) > 0
     else:

@@ -33,8 +33,8 @@ def test_quantize_rows_rounds_each_row_to_its_own_scale() -> None:
 
 @pytest.mark.parametrize("packed", [True, False])
 def test_quantize_int8_packs_where_the_kernel_runs(packed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    if packed and not native.packed_gemm_usable():
-        pytest.skip("the packed GEMM needs the extension and a CPU with AVX-512")
+    if packed and not native.int8w_usable():
+        pytest.skip("the packed GEMM needs the extension and a CPU with AVX-512 or AVX2")
     monkeypatch.setattr(lin, "int8_packed_ok", lambda weight: packed)
     layer = _layer(37, 40, bias=False)
     q, _ = quantize_rows(layer.weight)
@@ -53,8 +53,8 @@ def test_quantize_int8_packs_where_the_kernel_runs(packed: bool, monkeypatch: py
 @pytest.mark.parametrize("packed", [True, False])
 def test_every_path_agrees_with_the_dequantized_matmul(rows: int, dtype: torch.dtype, packed: bool,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    if packed and not native.packed_gemm_usable():
-        pytest.skip("the packed GEMM needs the extension and a CPU with AVX-512")
+    if packed and not native.int8w_usable():
+        pytest.skip("the packed GEMM needs the extension and a CPU with AVX-512 or AVX2")
     monkeypatch.setattr(lin, "int8_packed_ok", lambda weight: packed)
     layer = _layer(96, 64, bias=True, seed=2)
     w = torch.mul(*(lambda q, s: (q.float(), s[:, None]))(*quantize_rows(layer.weight)))
@@ -73,8 +73,8 @@ def test_every_path_agrees_with_the_dequantized_matmul(rows: int, dtype: torch.d
 
 @pytest.mark.parametrize("packed", [True, False])
 def test_int8_embedding_looks_up_and_projects_the_same_rows(packed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    if packed and not native.packed_gemm_usable():
-        pytest.skip("the packed GEMM needs the extension and a CPU with AVX-512")
+    if packed and not native.int8w_usable():
+        pytest.skip("the packed GEMM needs the extension and a CPU with AVX-512 or AVX2")
     import llmserve.layers.embedding as emb_module
 
     monkeypatch.setattr(emb_module, "int8_packed_ok", lambda weight: packed)

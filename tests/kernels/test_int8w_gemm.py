@@ -79,21 +79,30 @@ def _a16_bits(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch
     return (y + bias.float() if bias is not None else y).to(x.dtype)
 
 
-@pytest.mark.skipif(not A16_RUNS, reason="16-bit activations need AVX512-VNNI on a CPU with AVX-512")
-@pytest.mark.parametrize("rows,in_f,out_f", [(1, 576, 960), (2, 101, 33), (3, 1536, 576), (5, 7, 70), (40, 600, 50),
-                                             (487, 70, 90)])
+# the paths that quantize x to int16 on this machine: VNNI (1; AMX-INT8 tiles from 16 rows where the CPU has them) on
+# AVX-512 CPUs, and the AVX2 one (2), which any CPU with AVX2 runs
+A16_PATHS = ([1] if native.int8w_a16_usable() else []) + ([2] if native.int8w_usable() else [])
+
+
+@pytest.mark.skipif(not A16_PATHS, reason="16-bit activations need AVX2 or AVX512-VNNI")
+@pytest.mark.parametrize("rows,in_f,out_f", [(1, 576, 960), (2, 101, 33), (3, 1536, 576), (5, 7, 70), (7, 100, 40),
+                                             (40, 640, 50), (487, 70, 90)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a16_bits_are_the_reference_steps(rows: int, in_f: int, out_f: int, dtype: torch.dtype) -> None:
     """Every 16-bit path (VNNI, AMX-INT8 tiles, AVX2's vpmaddwd) gives exactly _a16_bits: so a model quantized with
     --quantization int8 answers the same on an AVX2-only CPU as on a Xeon, at any batch (tiles of 1-4 rows by 1-2
-    blocks, a padded last group, N past a block, chunks of 256 columns)."""
+    blocks, a padded last group, 100 columns: a last piece of 4 in the AVX2 quantizer, N past a block, chunks of 256
+    columns, 40 rows of 640 columns: AMX-INT8's tiles where the CPU has them)."""
     g = torch.Generator().manual_seed(rows * 7 + in_f)
     x = torch.randn(rows, in_f, generator=g).to(dtype)
     x[-1, -1] = -33.0
     q, scale = quantize_rows(torch.randn(out_f, in_f, generator=g))
     b = torch.randn(out_f, generator=g)
+    packed = native.w8a8_pack(q)
     for bias in (None, b):
-        assert torch.equal(native.int8w_gemm(x, native.w8a8_pack(q), scale, bias), _a16_bits(x, q, scale, bias))
+        want = _a16_bits(x, q, scale, bias)
+        for path in A16_PATHS:
+            assert torch.equal(native.int8w_gemm(x, packed, scale, bias, a16=path), want), path
 
 
 @pytest.mark.skipif(native.packed_gemm_usable(), reason="a CPU with AVX2 but not AVX-512")

@@ -96,10 +96,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_dot_supported", &bf16_dot_supported, "whether bf16_gemm's path=1 runs here (AVX512-BF16)");
   m.def("amx_bf16_supported", &amx_bf16_supported, "whether bf16_gemm's path=2 runs here (AMX-BF16, granted by the OS)");
   m.def("int8w_gemm", &int8w_gemm, "x @ (W * scale)^T (+ bias), int8 weights packed by w8a8_pack: x in int16 per row "
-        "(vpdpwssd, or AMX-INT8 tiles from amx_rows rows: the same bits) or fp32 (FMAs) (CPU, AVX-512)", py::arg("x"),
+        "(vpdpwssd, or AMX-INT8 tiles from amx_rows rows, or vpmaddwd on AVX2: the same bits) or fp32 (FMAs, AVX-512)", py::arg("x"),
         py::arg("packed"), py::arg("scale"), py::arg("bias") = py::none(), py::arg("a16") = -1,
         py::arg("amx_rows") = -1);
   m.def("int8w_supported", &int8w_supported, "whether int8w_gemm runs here (AVX-512, or AVX2 and FMA)");
+  m.def("int8w_default_a16", &int8w_default_a16, "whether int8w_gemm's default quantizes x to int16 here");
   m.def("int8w_a16_supported", &int8w_a16_supported, "whether int8w_gemm can take 16-bit activations (AVX512-VNNI)");
   m.def("quantize_rows_int8", &quantize_rows_int8, "weight [N, K] -> (int8 [N, K], fp32 scales [N]), symmetric per row");
   m.def("w8a8_pack", &w8a8_pack, "int8 [N, K] weight -> the VNNI block layout w8a8_linear reads");

@@ -65,6 +65,7 @@ at::Tensor int8w_gemm(at::Tensor x, at::Tensor packed, at::Tensor scale, c10::op
                       int64_t a16, int64_t amx_rows);
 bool int8w_a16_supported();
 bool int8w_supported();
+bool int8w_default_a16();
 // sampling.cpp
 at::Tensor sample_rows(at::Tensor logits, at::Tensor temperature, at::Tensor top_k, at::Tensor top_p,
                        at::Tensor min_p, at::Tensor u);

@@ -646,9 +646,11 @@ at::Tensor int8w_gemm_a16_amx(const at::Tensor& x, const at::Tensor& packed, int
 // against x's (x0, x2) and bytes 1 and 3 against (x1, x3), two of them and two vpaddd give a lane what two vpdpwssd
 // give it, as an exact int32 sum (a pair cannot overflow: |x| <= 32767). So each 256-column chunk's int32 sum is
 // tile_a16's, and with the same fp32 steps after it (the chunks added in column order, * x's scale, * the weight's
-// scale, + bias, no fused multiply-adds) every output is bit for bit the VNNI path's, at any batch. x is quantized as
-// quantize_row_a16 does (the same division, rounding and clamp; the int32 -> int16 narrowing truncates as
-// vpmovdw does). A packed block's group (64 bytes: 16 outputs x 4 columns) is two 256-bit halves of 8 outputs.
+// scale, + bias, no fused multiply-adds) every output is bit for bit the VNNI path's, at any batch, for finite x (a
+// NaN's place in the max reduction differs: its row's scale may too). x is quantized as quantize_row_a16 does (the
+// same division, rounding and clamp; the int32 -> int16 narrowing truncates as vpmovdw does). A packed block's group
+// (64 bytes: 16 outputs x 4 columns) is two 256-bit halves of 8 outputs. int8w_gemm's a16=2 runs it on any CPU with
+// AVX2 (AVX-512 ones too), so the tests compare its bits with the VNNI path's on one machine.
 // Why: without it a CPU with AVX2 only ran --quantization int8 through torch, dequantizing the weights at every step
 // (slower than fp32), and the native decoder stack, which needs packed linears, not at all. vpmaddwd's 16 products
 // per instruction are twice an fp32 FMA's 8.
@@ -782,15 +784,14 @@ at::Tensor int8w_gemm_a16_avx2(const at::Tensor& x, const at::Tensor& packed, in
   const int8_t* wp = packed.data_ptr<int8_t>();
   const int64_t bb = G * 64;
   X* yp = y.data_ptr<X>();
-  // Tiles of up to 4 rows by 1 block, or of 1-2 rows by 2 blocks (what 16 registers hold): 2 blocks a tile group.
+  // Tiles of up to 4 rows by 1 block, or of 1 row by 2 blocks (what 16 registers hold: 4 accumulators, 8 widened
+  // weights, 2 broadcasts): 2 blocks a tile group.
   for_each_tile_group(M, NB, kChunkRows, kA16Avx2Rows, 2, [&](int64_t) {
     return [&](int64_t m0, int64_t m1, int64_t blk, int nr) {
       for (int64_t i = m0; i < m1; i += kA16Avx2Rows) {
         const int mr = static_cast<int>(std::min<int64_t>(kA16Avx2Rows, m1 - i));
-        if (mr <= 2 && nr == 2) {
-          with_int_constant<1, 2>(mr, [&](auto r) {
-            tile_a16_avx2<decltype(r)::value, 2>(qp, K4, G, wp + blk * bb, bb, i, blk * kBlockRows, N, sp, e, yp);
-          });
+        if (mr == 1 && nr == 2) {
+          tile_a16_avx2<1, 2>(qp, K4, G, wp + blk * bb, bb, i, blk * kBlockRows, N, sp, e, yp);
           continue;
         }
         for (int j = 0; j < nr; ++j)
@@ -818,11 +819,13 @@ bool packed_gemm_supported() { return cpu_has_avx512(); }
 
 // int8w_gemm runs here: AVX-512 (every path), or AVX2 with FMA (16-bit activations only: int8w_gemm_a16_avx2), unless
 // LLMSERVE_INT8W_A16=0 asks for fp32 activations, which only the AVX-512 path has.
+bool int8w_avx2_supported() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 bool int8w_supported() {
-  static const bool ok = packed_gemm_supported() || (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                                                     !env_is_zero("LLMSERVE_INT8W_A16"));
+  static const bool ok = packed_gemm_supported() || (int8w_avx2_supported() && !env_is_zero("LLMSERVE_INT8W_A16"));
   return ok;
 }
+// Whether int8w_gemm's default (a16 < 0) quantizes x to int16 here: VNNI (unless LLMSERVE_INT8W_A16=0), or AVX2 only.
+bool int8w_default_a16() { return packed_gemm_supported() ? a16_default() : int8w_supported(); }
 
 // weight [N, K] bf16 -> [ceil(N / 16), ceil(K / 2), 16, 2] bf16: per block of 16 output rows, the columns in pairs,
 // each pair holding its 2 elements of the 16 rows; zero past N and K.
@@ -858,13 +861,15 @@ at::Tensor bf16_gemm(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<a
 
 // Weight-only int8: x [M, K] fp32 or bf16; packed: w8a8_pack of the int8 weight [N, K]; scale [N] fp32 (the weight is
 // packed * scale per output row); bias [N] (any float dtype) or None -> [M, N] in x's dtype.
-// a16: 1 quantizes x to int16 per row (int8w_gemm_a16, needs int8w_a16_supported()), 0 keeps it in fp32 (FMAs), < 0
-// picks (the former where VNNI is). amx_rows (16-bit activations only): batches of at least this many rows run on
+// a16: 1 quantizes x to int16 per row (int8w_gemm_a16, needs int8w_a16_supported(); on a CPU with AVX2 but not
+// AVX-512, int8w_gemm_a16_avx2), 0 keeps it in fp32 (FMAs, AVX-512 only), < 0 picks (int8w_default_a16()), 2 runs
+// int8w_gemm_a16_avx2 on any CPU with AVX2 (the same bits as 1). amx_rows (16-bit activations only): batches of at least this many rows run on
 // AMX-INT8 tiles where the CPU has them and K is a multiple of 64 (int8w_gemm_a16_amx: the same bits); 0: never; < 0:
 // the kernel's default (kA16AmxDefaultRows).
 at::Tensor int8w_gemm(at::Tensor x, at::Tensor packed, at::Tensor scale, c10::optional<at::Tensor> bias,
                       int64_t a16, int64_t amx_rows) {
-  TORCH_CHECK(int8w_supported(), "int8w_gemm needs a CPU with AVX-512, or AVX2 and FMA");
+  TORCH_CHECK(int8w_supported() || (a16 == 2 && int8w_avx2_supported()),
+              "int8w_gemm needs a CPU with AVX-512, or AVX2 and FMA");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "int8w_gemm: x must be fp32 or bf16 [M, K] on the CPU");
   const int64_t K = x.size(1), N = scale.numel();
@@ -880,7 +885,8 @@ at::Tensor int8w_gemm(at::Tensor x, at::Tensor packed, at::Tensor scale, c10::op
   TORCH_CHECK(a16 <= 0 || int8w_a16_supported() || !packed_gemm_supported(),
               "int8w_gemm: 16-bit activations (a16=1) need a CPU with AVX512-VNNI; "
               "pass a16=0 (fp32 activations) or -1 (whichever runs here)");
-  if (!packed_gemm_supported()) {  // AVX2: 16-bit activations only
+  TORCH_CHECK(a16 != 2 || int8w_avx2_supported(), "int8w_gemm: a16=2 (the AVX2 path) needs a CPU with AVX2 and FMA");
+  if (a16 == 2 || !packed_gemm_supported()) {  // AVX2: 16-bit activations only
     TORCH_CHECK(a16 != 0, "int8w_gemm: fp32 activations (a16=0) need a CPU with AVX-512; pass a16=-1 (whichever runs "
                 "here)");
     if (xc.scalar_type() == at::kBFloat16) return int8w_gemm_a16_avx2<at::BFloat16>(xc, packed, N, e);
