@@ -30,7 +30,8 @@ project's .venv (scripts/setup.sh).
   -h, --help       this message
 
 Environment: PEERS_DIR (as the peers' scripts), VLLM_PORT (18124), LLMSERVE_PORT (18123), READY_TIMEOUT (900 s: a
-compiled vLLM server starts in ~2.5 minutes on 2 cores).
+compiled vLLM server starts in ~2.5 minutes on 2 cores), VLLM_DTYPE (vLLM's dtype offline and served: bfloat16; on a CPU
+without AVX512-BF16 or AMX, float32 is vLLM's best and the fair peer).
 EOF
 }
 
@@ -61,13 +62,15 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 
 if [ $quick = 1 ]; then
-    vllm_flags=(--num-prompts 4 --output-len 16 --enforce-eager --single-output-len 16 --num-iters 1)
+    vllm_flags=(--num-prompts 4 --output-len 16 --enforce-eager --single-output-len 16 --num-iters 1
+                ${VLLM_DTYPE:+--dtype "$VLLM_DTYPE"})
     tp_flags=(--num-prompts 4 --output-len 16)
     lat_flags=(--output-len 16 --num-iters 1)
     gl_flags=(--max-requests 8)
 else
     vllm_flags=()
     tp_flags=()
+    [ -z "${VLLM_DTYPE:-}" ] || vllm_flags=(--dtype "$VLLM_DTYPE")
     lat_flags=(--output-len 128 --num-iters 3)
     gl_flags=()
 fi
