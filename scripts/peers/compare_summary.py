@@ -66,6 +66,12 @@ def mean(d: dict[str, Any] | None, key: str) -> float | None:
     return None if d is None or d.get(key) is None else d[key]["mean"]
 
 
+def _short_dtype(name: str) -> str:
+    """'bfloat16', 'torch.float32' ... -> 'bf16', 'fp32' ..."""
+    name = name.removeprefix("torch.")
+    return {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(name, name)
+
+
 def section3(out: Path) -> list[str]:
     vllm = load(out / "vllm.json")
     docs = [d for d in (load(out / f"llmserve_throughput_{i}.json") for i in (1, 2)) if throughput(d)]
@@ -75,12 +81,15 @@ def section3(out: Path) -> list[str]:
     v_tp = (vllm or {}).get("batch", {}).get("output_tokens_per_s")
     ours = [r["output_tokens_per_s"] for r in runs]
     shares = [r["achieved_gflops"] / p for r, p in zip(runs, peak) if p and r.get("achieved_gflops")]
-    lines = ["| | vLLM-CPU bf16 | llmserve | ratio | target |", "| --- | --- | --- | --- | --- |"]
+    # the dtypes each ran (vLLM's from its JSON: VLLM_DTYPE=float32 on CPUs without bf16 instructions; llmserve's defaults)
+    v_dtype = _short_dtype((vllm or {}).get("dtype", "bfloat16"))
+    l_dtype = _short_dtype(str(docs[0].get("dtype", "bfloat16"))) if docs else "bf16"
+    lines = [f"| | vLLM-CPU {v_dtype} | llmserve | ratio | target |", "| --- | --- | --- | --- | --- |"]
     tp_ok = None if v_tp is None or not ours else min(ours) / v_tp >= 1.4
     count = runs[0]["num_requests"] if runs else (vllm or {}).get("batch", {}).get("num_requests", "?")
     lines.append(f"| {count} requests, output tok/s | {fmt(v_tp)} | {', '.join(fmt(x) for x in ours) or '-'} | "
                  f"{ratios(ours, v_tp)} | >= 1.4x: {met(tp_ok)} |")
-    lines.append(f"| share of the bf16 matmul peak ({', '.join(fmt(p, '.0f') for p in peak if p) or '-'} GFLOP/s) | | "
+    lines.append(f"| share of the {l_dtype} matmul peak ({', '.join(fmt(p, '.0f') for p in peak if p) or '-'} GFLOP/s) | | "
                  f"{', '.join(fmt(100 * s, '.0f') + '%' for s in shares) or '-'} | | >= 65%: "
                  f"{met(None if not shares else min(shares) >= 0.65)} |")
     w = [w8a8["output_tokens_per_s"]] if w8a8 else []

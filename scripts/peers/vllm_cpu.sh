@@ -19,7 +19,7 @@ start time and peak RSS.
   --install-only     install (or check) the vLLM venv and tcmalloc, run nothing
   --embed            embeddings instead (vllm_embed.py: LLM(runner="pooling").embed over the batch prompts, prompt
                      tokens/s, JSON; --vectors FILE saves them): scripts/bench_embeddings.py runs it
-  --serve PORT       run vLLM's OpenAI server (vllm.entrypoints.openai.api_server, $VLLM_DTYPE) on 127.0.0.1:PORT with the
+  --serve PORT       run vLLM's OpenAI server (vllm.entrypoints.openai.api_server, VLLM_DTYPE) on 127.0.0.1:PORT with the
                      same settings, in the foreground, for a client such as guidellm.sh (its start takes ~2.5 minutes
                      on 2 cores; GET /v1/models answers once it is ready)
   --model-dir DIR    model directory (default: $MODEL_DIR, else the embedded SmolLM2's converted directory,
@@ -32,7 +32,8 @@ Driver flags (passed on; defaults are those of `llmserve bench throughput` / `be
   --num-iters N (5)  --warmup N (1)  --skip-batch  --skip-single
 
 Environment: PEERS_DIR, MODEL_DIR, VLLM_VERSION (0.32.0), VLLM_DTYPE (bfloat16: --serve's dtype; the offline driver takes
---dtype; on a CPU without AVX512-BF16 or AMX, float32 is vLLM's best: bf16 ran 30x slower on an AVX2-only Zen 3),
+--dtype; on a CPU without AVX512-BF16 or AMX, bf16 is emulated and float32 is vLLM's best: 4 output tok/s on 4
+requests in bf16 on an AVX2-only Zen 3, 106-127 on 64 in fp32),
 LLMSERVE_PYTHON (the project venv's python),
 PYTHON (the interpreter that creates the vLLM venv, default python3), VLLM_CPU_KVCACHE_SPACE (2),
 VLLM_CPU_OMP_THREADS_BIND (0-(nproc-1)), NO_TCMALLOC=1 to run without tcmalloc.
@@ -113,7 +114,7 @@ settings="VLLM_CPU_KVCACHE_SPACE=$VLLM_CPU_KVCACHE_SPACE VLLM_CPU_OMP_THREADS_BI
 settings+=" LD_PRELOAD=$preload"
 if [ -n "$serve_port" ]; then
     [ -n "$model_dir" ] || model_dir=$("$llmserve_py" "$here/dump_workload.py" --print-model-dir)
-    echo "vllm_cpu: serving $model_dir on 127.0.0.1:$serve_port ($settings)" >&2
+    echo "vllm_cpu: serving $model_dir (${VLLM_DTYPE:-bfloat16}) on 127.0.0.1:$serve_port ($settings)" >&2
     # the `vllm` command fails here (the package's metadata is named vllm-cpu): the module runs the same server
     LD_PRELOAD=$preload exec "$venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$model_dir" \
         --dtype "${VLLM_DTYPE:-bfloat16}" \

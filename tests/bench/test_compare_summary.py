@@ -70,6 +70,22 @@ def test_the_tables_give_ratios_and_say_which_targets_are_met(summary, tmp_path:
     assert "Output tok/s 1.50x vLLM's (target >= 1.4x: met), median TTFT 0.75x (target <= 1x: met)." in text
 
 
+def test_the_dtypes_each_engine_ran_are_named(summary, tmp_path: Path, capsys) -> None:
+    """A CPU without bf16 instructions runs vLLM in fp32 (VLLM_DTYPE) and llmserve's defaults in fp32: the tables say
+    so rather than "bf16"."""
+    _run(tmp_path)
+    assert summary.main([str(tmp_path)]) == 0
+    assert "| | vLLM-CPU bf16 | llmserve |" in capsys.readouterr().out  # files without a dtype: bf16, as before
+    vllm = json.loads((tmp_path / "vllm.json").read_text())
+    _write(tmp_path, "vllm.json", {**vllm, "dtype": "float32"})
+    for i in (1, 2):
+        doc = json.loads((tmp_path / f"llmserve_throughput_{i}.json").read_text())
+        _write(tmp_path, f"llmserve_throughput_{i}.json", {**doc, "dtype": "float32"})
+    assert summary.main([str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "| | vLLM-CPU fp32 | llmserve |" in text and "| share of the fp32 matmul peak (200, 200 GFLOP/s) |" in text
+
+
 def test_missing_runs_leave_dashes(summary, tmp_path: Path, capsys) -> None:
     _write(tmp_path, "llmserve_throughput_1.json", {"matmul_peak_gflops": 200.0, "results": [
         {"num_requests": 4, "output_tokens_per_s": 90.0, "achieved_gflops": 50.0}]})
