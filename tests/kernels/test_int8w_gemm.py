@@ -89,10 +89,10 @@ A16_PATHS = ([1] if native.int8w_a16_usable() else []) + ([2] if native.int8w_us
                                              (40, 640, 50), (487, 70, 90)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a16_bits_are_the_reference_steps(rows: int, in_f: int, out_f: int, dtype: torch.dtype) -> None:
-    """Every 16-bit path (VNNI, AMX-INT8 tiles, AVX2's vpmaddwd) gives exactly _a16_bits: so a model quantized with
-    --quantization int8 answers the same on an AVX2-only CPU as on a Xeon, at any batch (tiles of 1-4 rows by 1-2
-    blocks, a padded last group, 100 columns: a last piece of 4 in the AVX2 quantizer, N past a block, chunks of 256
-    columns, 40 rows of 640 columns: AMX-INT8's tiles where the CPU has them)."""
+    """Every 16-bit path (VNNI, AMX-INT8 tiles, AVX2's vpmaddwd) gives exactly _a16_bits: so the int8 linears of a
+    model quantized with --quantization int8 compute the same on an AVX2-only CPU as on a Xeon, at any batch (tiles of
+    1-4 rows by 1-2 blocks, a padded last group, 100 columns: a last piece of 4 in the AVX2 quantizer, N past a block,
+    chunks of 256 columns, 40 rows of 640 columns: AMX-INT8's tiles where the CPU has them)."""
     g = torch.Generator().manual_seed(rows * 7 + in_f)
     x = torch.randn(rows, in_f, generator=g).to(dtype)
     x[-1, -1] = -33.0
