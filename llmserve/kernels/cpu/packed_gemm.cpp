@@ -463,17 +463,30 @@ LLMSERVE_VNNI16 __attribute__((optimize("no-tree-pre"))) void tile_wide_a16(
   store_tile<MR, NR>(out, i0, n0, N, e, y);
 }
 
-template <typename X>
-at::Tensor int8w_gemm_a16(const at::Tensor& x, const at::Tensor& packed, int64_t N, const Epilogue& e) {
-  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), G = packed.size(1), K4 = G * 4;
-  auto xq = at::empty({M, K4}, x.options().dtype(at::kShort));
-  auto xs = at::empty({M}, x.options().dtype(at::kFloat));
+// x [M, K] -> xq [M, K4] int16 and xs [M] fp32: each row quantized by quantize(row, K, K4, q, s) (quantize_row_a16 or
+// its AVX2 twin), rows in parallel.
+template <typename X, typename Quantize>
+void quantize_rows_a16(const at::Tensor& x, int64_t K4, at::Tensor& xq, at::Tensor& xs, const Quantize& quantize) {
+  const int64_t M = x.size(0), K = x.size(1);
+  xq = at::empty({M, K4}, x.options().dtype(at::kShort));
+  xs = at::empty({M}, x.options().dtype(at::kFloat));
   int16_t* qp = xq.data_ptr<int16_t>();
   float* sp = xs.data_ptr<float>();
   const X* xp = x.data_ptr<X>();
   at::parallel_for(0, M, std::max<int64_t>(1, kSerialElems / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) quantize_row_a16(xp + i * K, K, K4, qp + i * K4, sp + i);
+    for (int64_t i = begin; i < end; ++i) quantize(xp + i * K, K, K4, qp + i * K4, sp + i);
   });
+}
+
+template <typename X>
+at::Tensor int8w_gemm_a16(const at::Tensor& x, const at::Tensor& packed, int64_t N, const Epilogue& e) {
+  const int64_t M = x.size(0), NB = packed.size(0), G = packed.size(1), K4 = G * 4;
+  at::Tensor xq, xs;
+  quantize_rows_a16<X>(x, K4, xq, xs, [](const X* r, int64_t k, int64_t k4, int16_t* q, float* s) {
+    quantize_row_a16(r, k, k4, q, s);
+  });
+  const int16_t* qp = xq.data_ptr<int16_t>();
+  const float* sp = xs.data_ptr<float>();
   auto y = at::empty({M, N}, x.options());
   const int8_t* wp = packed.data_ptr<int8_t>();
   const int64_t bb = G * 64;
@@ -771,15 +784,13 @@ LLMSERVE_AVX2 __attribute__((optimize("no-tree-pre"))) void tile_a16_avx2(const 
 
 template <typename X>
 at::Tensor int8w_gemm_a16_avx2(const at::Tensor& x, const at::Tensor& packed, int64_t N, const Epilogue& e) {
-  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), G = packed.size(1), K4 = G * 4;
-  auto xq = at::empty({M, K4}, x.options().dtype(at::kShort));
-  auto xs = at::empty({M}, x.options().dtype(at::kFloat));
-  int16_t* qp = xq.data_ptr<int16_t>();
-  float* sp = xs.data_ptr<float>();
-  const X* xp = x.data_ptr<X>();
-  at::parallel_for(0, M, std::max<int64_t>(1, kSerialElems / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) quantize_row_a16_avx2(xp + i * K, K, K4, qp + i * K4, sp + i);
+  const int64_t M = x.size(0), NB = packed.size(0), G = packed.size(1), K4 = G * 4;
+  at::Tensor xq, xs;
+  quantize_rows_a16<X>(x, K4, xq, xs, [](const X* r, int64_t k, int64_t k4, int16_t* q, float* s) {
+    quantize_row_a16_avx2(r, k, k4, q, s);
   });
+  const int16_t* qp = xq.data_ptr<int16_t>();
+  const float* sp = xs.data_ptr<float>();
   auto y = at::empty({M, N}, x.options());
   const int8_t* wp = packed.data_ptr<int8_t>();
   const int64_t bb = G * 64;
