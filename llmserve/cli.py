@@ -122,7 +122,8 @@ def response_format_from_args(args: argparse.Namespace) -> Any:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    """Measure the kernel choices of the model's bf16 matmuls on this machine again, cache them, print the table."""
+    """Measure the kernel choices of the model's bf16 and fp32 matmuls on this machine again, cache them, print the
+    table."""
     import torch
 
     from llmserve.kernels import calibrate
@@ -139,8 +140,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         table = calibrate.plan(loaded.model, threads, config.kernel_choice, remeasure=True, dtype=loaded.dtype,
                                rows=calibrate.row_limits(config))
     if table is None:
-        print(f"nothing to tune: the model has no bf16 matmuls or native bf16 attention (dtype {loaded.dtype}; try "
-              "--dtype bfloat16)")
+        print(f"nothing to tune: the model has no bf16 or fp32 matmul with two paths here, nor native bf16 attention "
+              f"(dtype {loaded.dtype})")
         return 0
     print(f"{calibrate.cpu_model()}, {threads} threads, torch {torch.__version__}")
     print(calibrate.report(table))

@@ -12,6 +12,12 @@ Ops with equivalent paths, and their candidates where each can run at all (the C
   row the same result whatever the batch (the engine's tokens never depend on it): ours do by construction; onednn and
   fp32 are candidates for a shape only where a check at calibration finds them so (oneDNN's AMX matmul is not:
   batch_invariant).
+- `fp32_linear:NxK` (an fp32 weight [N, K]: an fp32 model's projections and LM head), where both run:
+  fma     kernels/cpu/packed_gemm.cpp's fp32_gemm on fp32_pack's layout, AVX2 FMAs (CPUs with AVX2 and FMA);
+  onednn  oneDNN's fp32 matmul on its blocked weights (what every fp32 linear ran before; a candidate where
+          batch_invariant finds it so).
+  On a 2-core AMD EPYC Zen 3 (AVX2 only) fma won at 1-128 rows by 1.1-4x and lost by 3-10% at 256-2,048 rows of the
+  MLP's gate/up: fma for every op (BENCHMARKS.md, 2026-12-07).
 - `qblock_linear:NxK:B-bit/G` (a block-quantized weight, GGUF's or AWQ/GPTQ's, of B-bit codes in groups of G columns,
   where the native block kernel runs and the model computes in bf16):
   blocks  kernels/cpu/qblock_gemm.cpp on the blocks as loaded (activations rounded to int8 per block);
@@ -118,7 +124,9 @@ DECODE_ATTENTION = "decode_attention"
 W8A8_LINEAR = "w8a8_linear"
 INT8W_LINEAR = "int8w_linear"
 BF16_KERNELS = ("fma", "dot", "amx", "onednn", "fp32")
-KINDS: dict[str, tuple[str, ...]] = {BF16_LINEAR: BF16_KERNELS, QBLOCK_LINEAR: ("blocks", "blocks_amx") + BF16_KERNELS,
+FP32_LINEAR = "fp32_linear"
+FP32_KERNELS = ("fma", "onednn")
+KINDS: dict[str, tuple[str, ...]] = {BF16_LINEAR: BF16_KERNELS, FP32_LINEAR: FP32_KERNELS, QBLOCK_LINEAR: ("blocks", "blocks_amx") + BF16_KERNELS,
                                      PREFILL_ATTENTION: ("fp32", "dot", "amx"), DECODE_ATTENTION: ("fp32", "dot"),
                                      W8A8_LINEAR: (VNNI, AMX8), INT8W_LINEAR: (VNNI, AMX8)}
 # dequantize_fits: the share of the memory available that a model's dequantized block layers may take
@@ -172,7 +180,9 @@ def row_limits(config: EngineConfig) -> RowLimits:
 
 
 def op_name(weight: torch.Tensor) -> str:
-    return f"{BF16_LINEAR}:{weight.shape[0]}x{weight.shape[1]}"
+    """The op of a bf16 or fp32 weight's matmul: bf16_linear:NxK or fp32_linear:NxK."""
+    kind = FP32_LINEAR if weight.dtype == torch.float32 else BF16_LINEAR
+    return f"{kind}:{weight.shape[0]}x{weight.shape[1]}"
 
 
 def qblock_op(layer: nn.Module) -> str | None:
@@ -239,7 +249,7 @@ def dequantized_bf16(qb: BlockWeight, rows: int = 4096) -> torch.Tensor:
     return w
 
 
-def bf16_weights(model: nn.Module) -> Iterator[torch.Tensor]:
+def matmul_weights(model: nn.Module) -> Iterator[torch.Tensor]:
     """The bf16 CPU weights of the model's linears and LM head (the matmuls a bf16_linear choice applies to). Not an
     embedding whose LM head is int8 (w8a8's head): its bf16 table is only looked up (timing its 49152x576 shape took
     SmolLM2-135M's w8a8 calibration from 2.7 to 7.4 s on a 2-core Xeon, for a choice nothing used)."""
@@ -249,7 +259,7 @@ def bf16_weights(model: nn.Module) -> Iterator[torch.Tensor]:
     for m in model.modules():
         int8_head = isinstance(m, VocabEmbedding) and getattr(m, "head_int8_packed", None) is not None
         w = getattr(m, "weight", None) if isinstance(m, (Linear, VocabEmbedding)) and not int8_head else None
-        if w is not None and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2:
+        if w is not None and w.dtype in (torch.bfloat16, torch.float32) and w.device.type == "cpu" and w.dim() == 2:
             yield w
 
 
@@ -272,6 +282,9 @@ def available(kind: str) -> tuple[str, ...]:
         return ((VNNI, AMX8) if native.w8a8_amx_usable() else (VNNI,)) if native.w8a8_usable() else ()
     if kind == INT8W_LINEAR:  # 16-bit activations (VNNI), on the tiles where AMX-INT8 is
         return ((VNNI, AMX8) if native.w8a8_amx_usable() else (VNNI,)) if native.int8w_a16_usable() else ()
+    if kind == FP32_LINEAR:
+        fma = ("fma",) if native.fp32_gemm_usable() else ()
+        return fma + (("onednn",) if torch.backends.mkldnn.is_available() else ())
     if kind in (PREFILL_ATTENTION, DECODE_ATTENTION):
         names = ("fp32", "dot") if native.bf16_dot_usable() else ("fp32",)
         return names + ("amx",) if kind == PREFILL_ATTENTION and native.prefill_amx_usable() else names
@@ -295,7 +308,7 @@ def runs_shape(name: str, k: int) -> bool:
 
 def bf16_linear_candidates(n: int, k: int, names: tuple[str, ...], w: torch.Tensor | None = None,
                            invariant_only: bool = True, invariant_rows: int = 512) -> list[Candidate]:
-    """Each named path over a bf16 [n, k] weight (w, else random), as Bf16Matmul runs it, where it takes the shape
+    """Each named path over a bf16 [n, k] weight (w, else random), as MeasuredMatmul runs it, where it takes the shape
     (runs_shape) and, for oneDNN's and fp32's, gives rows the same results in any batch up to invariant_rows rows (the
     largest timed; batch_invariant; unless not invariant_only: what the machine can do, bench's peak); inputs made once
     per row count."""
@@ -328,20 +341,47 @@ def bf16_linear_candidates(n: int, k: int, names: tuple[str, ...], w: torch.Tens
     return out
 
 
+def fp32_linear_candidates(n: int, k: int, names: tuple[str, ...], invariant_rows: int = 512) -> list[Candidate]:
+    """Each named path over an fp32 [n, k] weight (random), as MeasuredMatmul runs it: fma (fp32_gemm on fp32_pack's
+    layout) and onednn (its blocked copy), the latter where it gives rows the same results in any batch up to
+    invariant_rows rows (batch_invariant); inputs made once per row count."""
+    from llmserve.layers.linear import onednn_linear, pack_weight
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=gen) * 0.05
+
+    @functools.lru_cache(maxsize=1)
+    def x(rows: int) -> torch.Tensor:
+        return torch.randn(rows, k, generator=gen)
+
+    out = []
+    if "fma" in names:
+        packed = native.fp32_pack(w)
+        out.append(Candidate("fma", lambda r: native.fp32_gemm(x(r), packed, n, None)))
+    if "onednn" in names:
+        run = functools.partial(lambda b, xs: onednn_linear(xs, b, None), pack_weight(w))
+        if batch_invariant(run, k, gen, invariant_rows, torch.float32):
+            out.append(Candidate("onednn", lambda r: run(x(r))))
+        else:
+            log.info("%s:%dx%d: onednn's results for a row change with the batch here: not a candidate", FP32_LINEAR,
+                     n, k)
+    return out
+
+
 # batch_invariant's pieces of a batch of the most rows an op is timed and run at (each cut at that many): each piece's
 # results must equal the batch's
 INVARIANCE_PIECES = ((0, 1), (1, 17), (17, 81), (81, 337), (337, 849))
 
 
 def batch_invariant(run: Callable[[torch.Tensor], torch.Tensor], k: int, gen: torch.Generator,
-                    rows: int = 512) -> bool:
+                    rows: int = 512, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether run (x [M, k] bf16 -> [M, n]) gives each row the same result in batches of 1, 16, 64, 256 and 512 rows
     (each cut at `rows`, the most the op runs at) as in one batch of `rows`: a sample, not a proof (our own kernels are
     invariant by construction; a library's blocking may follow M: oneDNN's AMX matmul on a Xeon 6 207 changed rows'
     results between 64- and 512-row batches). Batches larger than the op's are not checked: the LM head (128 rows at
     most by default) was checked at 512, 0.64 s of a 2-core Xeon's calibration for oneDNN's and fp32's 49152 x 576."""
     rows = max(rows, 1)
-    x = torch.randn(rows, k, generator=gen).bfloat16()
+    x = torch.randn(rows, k, generator=gen).to(dtype)
     whole = run(x)
     return all(torch.equal(run(x[a:min(b, rows)]), whole[a:min(b, rows)]) for a, b in INVARIANCE_PIECES if a < rows)
 
@@ -775,7 +815,7 @@ def head_ops(model: nn.Module) -> set[str]:
     head_weights = {id(getattr(h, "weight", None)) for h in heads}
     linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, Linear) and m.weight is not None}
     of_head, of_others = set(), set()
-    for w in bf16_weights(model):  # (an embedding table only looked up is neither: it is not a matmul)
+    for w in matmul_weights(model):  # (an embedding table only looked up is neither: it is not a matmul)
         if id(w) in head_weights:
             of_head.add(op_name(w))
         elif id(w) in linear_weights:
@@ -787,12 +827,12 @@ def head_ops(model: nn.Module) -> set[str]:
 
 def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dtype: torch.dtype,
          timer: Timer = wall_clock, remeasure: bool = False, rows: RowLimits = RowLimits()) -> ChoiceTable | None:
-    """The choice table for the model's bf16 matmuls, its w8a8 linears (where AMX-INT8 can run them) and, where its
+    """The choice table for the model's bf16 and fp32 matmuls, its w8a8 linears (where AMX-INT8 can run them) and, where its
     attention runs natively, its prefill and decode attention on this machine (None where there is nothing to choose):
     pinned by kernel_choice (else LLMSERVE_KERNEL_CHOICE, else "auto"), read from the cache, or measured now. dtype:
     the model's compute dtype (attention_op). rows: the most rows the engine gives a linear and the LM head in a step;
     each matmul is timed at the powers of two up to its limit (row_buckets)."""
-    shapes = {op_name(w): (w.shape[0], w.shape[1]) for w in bf16_weights(model)}
+    shapes = {op_name(w): (w.shape[0], w.shape[1]) for w in matmul_weights(model)}
     heads = head_ops(model)
 
     def buckets(op: str) -> tuple[int, ...]:
@@ -804,14 +844,19 @@ def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dt
         if name not in available(kind):
             raise InvalidRequestError(f"kernel_choice: {kind}={name} cannot run on this machine; it runs "
                                       f"{', '.join(available(kind))}", param="kernel_choice")
+    if len(available(FP32_LINEAR)) < 2 and FP32_LINEAR not in pins:  # one fp32 path: nothing to choose
+        shapes = {op: nk for op, nk in shapes.items() if not op.startswith(FP32_LINEAR + ":")}
     for op, (_, k) in shapes.items():
-        if not runs_shape(pins.get(BF16_LINEAR, ""), k):
+        if op.startswith(BF16_LINEAR + ":") and not runs_shape(pins.get(BF16_LINEAR, ""), k):
             raise InvalidRequestError(f"kernel_choice: {BF16_LINEAR}={pins[BF16_LINEAR]} cannot run {op} (its columns "
                                       "are not a multiple of 32): pin another kernel, or leave it auto",
                                       param="kernel_choice")
-    names = available(BF16_LINEAR)
-    measure = {op: functools.partial(_measure, op, bf16_linear_candidates, (n, k, names, None, True, buckets(op)[-1]),
-                                     timer, buckets(op))
+    names, fp32_names = available(BF16_LINEAR), available(FP32_LINEAR)
+    measure = {op: functools.partial(_measure, op, fp32_linear_candidates, (n, k, fp32_names, buckets(op)[-1]), timer,
+                                     buckets(op))
+               if op.startswith(FP32_LINEAR + ":") else
+               functools.partial(_measure, op, bf16_linear_candidates, (n, k, names, None, True, buckets(op)[-1]),
+                                 timer, buckets(op))
                for op, (n, k) in shapes.items()}
     blocked = list(qblock_layers(model)) if dtype == torch.bfloat16 else []
     blocks_only = bool(blocked) and not dequantize_fits(blocked)
@@ -863,7 +908,7 @@ def _measure(op: str, make: Callable[..., list[Candidate]], args: tuple, timer: 
         if not candidates:
             why = ("the native kernels did not build: see the warning above" if native.load() is None
                    else "no candidate passed its checks")
-            linear = op.partition(":")[0] in (BF16_LINEAR, QBLOCK_LINEAR)
+            linear = op.partition(":")[0] in (BF16_LINEAR, FP32_LINEAR, QBLOCK_LINEAR)
             log.warning("%s: no measured kernel may run it here (%s): it keeps its default path%s", op, why,
                         " (oneDNN's matmul, whose results for a row may change with the batch)" if linear else "")
             return None

@@ -348,6 +348,24 @@ def int8w_default_a16() -> bool:
     return int8w_usable() and _module.int8w_default_a16()
 
 
+def fp32_pack(weight: torch.Tensor) -> torch.Tensor:
+    """fp32 [N, K] weight -> the block layout fp32_gemm reads: [ceil(N/16), K, 16, 1] fp32, for each 16 output rows
+    each column's 16 elements together (zero padded). Needs fp32_gemm_usable()."""
+    return _module.fp32_pack(weight)
+
+
+def fp32_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] fp32 @ the weight [n, K] (packed by fp32_pack) ^T (+ bias) -> [M, n] fp32 by AVX2 FMAs, each output
+    summed over k in order whatever M (a row's result does not depend on the batch). Needs fp32_gemm_usable()."""
+    return _module.fp32_gemm(x, packed, n, bias)
+
+
+@functools.cache
+def fp32_gemm_usable() -> bool:
+    """Whether fp32_gemm runs here: the extension builds and the CPU has AVX2 and FMA."""
+    return load() is not None and _module.fp32_gemm_supported()
+
+
 @functools.cache
 def packed_gemm_usable() -> bool:
     """Whether the packed GEMMs run here with every path: the extension builds and the CPU has AVX-512 (int8w_gemm's

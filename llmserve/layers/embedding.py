@@ -16,7 +16,7 @@ from llmserve.distributed.state import all_gather_last, all_reduce_, tp_state
 from llmserve.kernels import native
 from llmserve.kernels.choice import OpChoice
 from llmserve.layers.linear import (
-    Bf16Matmul,
+    MeasuredMatmul,
     ShapeMismatch,
     default_weight_loader,
     int8_linear,
@@ -43,7 +43,7 @@ class VocabEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.packed: torch.Tensor | None = None  # oneDNN-blocked copy for logits(), see pack_for_cpu
-        self.bf16: Bf16Matmul | None = None  # a bf16 LM head's measured kernels, see pack_for_cpu
+        self.matmul: MeasuredMatmul | None = None  # a bf16 or fp32 LM head's measured kernel, see pack_for_cpu
         self.qweight: torch.Tensor | None = None  # int8 [vocab, hidden] replacing the weight, see quantize_int8
         self.scale: torch.Tensor | None = None  # fp32 [vocab]
         self.dtype: torch.dtype | None = None  # set by quantize_int8: lookups of the int8 table come back in it
@@ -98,14 +98,14 @@ class VocabEmbedding(nn.Module):
             return int8_linear(hidden, self.qweight, self.scale, None).float()
         if self.head_int8_packed is not None:
             return native.int8w_gemm(hidden, self.head_int8_packed, self.scale, None, amx_rows=self.amx8_rows).float()
-        if self.bf16 is not None:
-            return self.bf16(hidden, None).float()
+        if self.matmul is not None:
+            return self.matmul(hidden, None).float()
         if self.packed is not None:
             return onednn_linear(hidden, self.packed, None).float()
         return F.linear(hidden, self.weight).float()
 
     def pack_for_cpu(self, keep_plain: bool, choice: OpChoice | None = None) -> None:
-        """A packed copy for the LM-head matmul (a bf16 weight with its measured choice: a Bf16Matmul; else
+        """A packed copy for the LM-head matmul (a bf16 or fp32 weight with its measured choice: a MeasuredMatmul; else
         oneDNN-blocked); the plain weight stays if the lookup needs it (tied embeddings): then the vocab matrix is
         held twice. An int8 table stays as it is, and so does an int8 LM head (only the plain weight is dropped where
         the lookup does not need it)."""
@@ -115,8 +115,8 @@ class VocabEmbedding(nn.Module):
             if not keep_plain:
                 self.weight = None
             return
-        if choice is not None and self.weight.dtype == torch.bfloat16:
-            self.bf16 = Bf16Matmul(self.weight, choice)
+        if choice is not None and self.weight.dtype in (torch.bfloat16, torch.float32):
+            self.matmul = MeasuredMatmul(self.weight, choice)
         else:
             self.packed = pack_weight(self.weight)
         if not keep_plain:

@@ -131,7 +131,7 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.qweight: torch.Tensor | None = None  # int8 [out, in] replacing the weight, see quantize_int8
         self.scale: torch.Tensor | None = None  # fp32 [out]: weight ~= qweight * scale[:, None]
-        self.bf16: Bf16Matmul | None = None  # a bf16 weight on CPU in the forms its measured kernels read
+        self.matmul: MeasuredMatmul | None = None  # a bf16 or fp32 weight on CPU in the form its measured kernel reads
         # The int8 weight in w8a8_pack's block layout (no qweight then): w8a8 (quantize_w8a8, with wsum), or weight-only
         # int8 where kernels/cpu/packed_gemm.cpp runs (quantize_int8)
         self.int8_packed: torch.Tensor | None = None
@@ -157,14 +157,14 @@ class Linear(nn.Module):
         """The layer's own product, without adapters."""
         if self.qblocks is not None:
             return self.qblocks.linear(x, self.bias)
-        if self.int8_packed is not None or self.bf16 is not None:
+        if self.int8_packed is not None or self.matmul is not None:
             x2 = x.reshape(-1, self.in_features)  # the packed-weight kernels take [M, K]
             if self.wsum is not None:
                 y = native.w8a8_linear(x2, self.int8_packed, self.scale, self.wsum, self.bias, self.amx8_rows)
             elif self.int8_packed is not None:
                 y = native.int8w_gemm(x2, self.int8_packed, self.scale, self.bias, amx_rows=self.amx8_rows)
             else:
-                y = self.bf16(x2, self.bias)
+                y = self.matmul(x2, self.bias)
             return y.reshape(*x.shape[:-1], self.out_features)
         if self.qweight is not None:
             return int8_linear(x, self.qweight, self.scale, self.bias)
@@ -173,13 +173,13 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def pack_for_cpu(self, choice: OpChoice | None = None) -> None:
-        """Put the weight in the form of the CPU's fastest matmul; the plain one is freed. A bf16 weight with its
-        measured choice (kernels/calibrate.py): a Bf16Matmul. Otherwise a oneDNN-blocked copy. Int8 layers stay as
-        they are."""
+        """Put the weight in the form of the CPU's fastest matmul; the plain one is freed. A bf16 or fp32 weight with
+        its measured choice (kernels/calibrate.py): a MeasuredMatmul. Otherwise a oneDNN-blocked copy. Int8 layers stay
+        as they are."""
         if self.weight is None:
             return
-        if choice is not None and self.weight.dtype == torch.bfloat16:
-            self.bf16 = Bf16Matmul(self.weight, choice)
+        if choice is not None and self.weight.dtype in (torch.bfloat16, torch.float32):
+            self.matmul = MeasuredMatmul(self.weight, choice)
         else:
             self.packed = pack_weight(self.weight)
         self.weight = None
@@ -221,16 +221,18 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
-class Bf16Matmul:
-    """A bf16 weight [N, K] on CPU in the form its chosen kernel reads (kernels/choice.py measured it on this machine,
-    one kernel for every batch size): fma, dot and amx read kernels/cpu/packed_gemm.cpp's layout, onednn its blocked
-    copy, fp32 the plain weight (widened per call)."""
+class MeasuredMatmul:
+    """A bf16 or fp32 weight [N, K] on CPU in the form its chosen kernel reads (kernels/choice.py measured it on this
+    machine, one kernel for every batch size). bf16: fma, dot and amx read kernels/cpu/packed_gemm.cpp's layout
+    (bf16_pack), onednn its blocked copy, fp32 the plain weight (widened per call). fp32: fma reads fp32_pack's layout
+    (AVX2 FMAs), onednn its blocked copy."""
 
     def __init__(self, weight: torch.Tensor, choice: OpChoice, rows: int | None = None) -> None:
         """weight: the plain [N, K] weight; or, with rows = N, one already in bf16_pack's layout for a packed kernel
         (fma, dot, amx): a dequantized block-quantized weight as the native dequantizer writes it (calibrate.unblock)."""
         self.n = weight.shape[0] if rows is None else rows
         self.kernel = choice.kernel
+        self.fp32 = weight.dtype == torch.float32  # fp32 weights: fma is fp32_gemm
         # a dequantized block-quantized weight on amx: (its blocks' native handle, rows): batches of at most that many
         # rows run qblock_linear_amx_dot on the blocks, the tiles' bits from a third of the bytes (models/llama.py)
         self.few: tuple[object, int] | None = None
@@ -238,17 +240,19 @@ class Bf16Matmul:
             assert self.packed, f"a pre-packed weight needs a packed kernel, not {self.kernel}"
             self.weight = weight
         elif self.packed:
-            self.weight = native.bf16_pack(weight)
+            self.weight = native.fp32_pack(weight) if self.fp32 else native.bf16_pack(weight)
         elif self.kernel == "onednn":
             self.weight = pack_weight(weight)
         else:
             self.weight = weight
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [M, K] bf16 -> [M, N] bf16."""
+        """x [M, K] in the weight's dtype -> [M, N] in it."""
         if self.few is not None and x.shape[0] <= self.few[1]:
             return native.qblock_linear_amx_dot(x, self.few[0], bias)
         if self.packed:
+            if self.fp32:
+                return native.fp32_gemm(x, self.weight, self.n, bias)
             return native.bf16_gemm(x, self.weight, self.n, bias, self.kernel)
         if self.kernel == "onednn":
             return onednn_linear(x, self.weight, bias)

@@ -10,8 +10,8 @@ token of a 36-token prompt from 24-26 to 19 ms in w8a8, 47-49 to 43 in bf16.
 It covers the Llama family (Llama, Mistral, Qwen2, Qwen3's per-head q/k norm, InternLM3, Phi-3 with rotary over whole
 heads; not Gemma: `computes`) with: linears in kernels/cpu/packed_gemm.cpp's, kernels/cpu/w8a8_linear.cpp's or
 kernels/cpu/qblock_gemm.cpp's (block-quantized: GGUF, AWQ, GPTQ) layout (bf16 models on AVX-512 CPUs whose measured
-choice is a packed kernel, --quantization w8a8, --quantization int8 on AVX-512 or AVX2 CPUs, and block-quantized
-checkpoints on AVX-512 CPUs), a cache
+choice is a packed kernel, fp32 models on AVX2 CPUs whose measured choice is fp32_gemm, --quantization w8a8,
+--quantization int8 on AVX-512 or AVX2 CPUs, and block-quantized checkpoints on AVX-512 CPUs), a cache
 paged_decode reads, for steps with prefill chunks native prefill attention (AVX-512, head_dim % 16 ==
 0), and the native kernels enabled (not LLMSERVE_ATTENTION=torch, not LLMSERVE_FUSED_OPS=0).
 `LLMSERVE_DECODER_STACK=0` turns it off. Anything else keeps the Python layers, which stay the reference.
@@ -41,7 +41,7 @@ def enabled() -> bool:
 def _linear_args(linear: Linear) -> list[Any] | None:
     """(packed weight, outputs, scale, wsum, bias, path, few-row blocks, few rows[, amx rows]) of a linear the stack
     runs, or None. A bf16 linear runs in the stack where its measured kernel is a packed one (fma, dot or amx:
-    bf16_gemm's path argument; kernels/choice.py). On the amx path, batches of at most `few rows` rows run on the
+    bf16_gemm's path argument; kernels/choice.py), an fp32 one where it is fma (fp32_gemm; path 0). On the amx path, batches of at most `few rows` rows run on the
     blocks (the layer's own where the few-row blocks are None; OpChoice.few_rows). A w8a8 linear's `amx rows`: from
     how many rows its batches run on AMX-INT8 tiles (Linear.amx8_rows)."""
     if linear.qblocks is not None:  # block-quantized (layers/quant_blocks.py), where the native kernel runs
@@ -55,10 +55,10 @@ def _linear_args(linear: Linear) -> list[Any] | None:
                 linear.amx8_rows]
     if linear.int8_packed is not None:  # weight-only int8
         return [linear.int8_packed, linear.out_features, linear.scale, None, linear.bias, 0]
-    if linear.bf16 is not None and linear.bf16.packed:
-        few, few_rows = linear.bf16.few or (None, 0)
-        return [linear.bf16.weight, linear.out_features, None, None, linear.bias,
-                native.BF16_PATHS[linear.bf16.kernel], few, few_rows]
+    if linear.matmul is not None and linear.matmul.packed:
+        few, few_rows = linear.matmul.few or (None, 0)
+        return [linear.matmul.weight, linear.out_features, None, None, linear.bias,
+                native.BF16_PATHS[linear.matmul.kernel], few, few_rows]
     return None
 
 

@@ -26,7 +26,7 @@ from llmserve.kernels import calibrate, native
 from llmserve.kernels.choice import ChoiceTable, OpChoice
 from llmserve.layers.activation import SiluAndMul
 from llmserve.layers.embedding import VocabEmbedding
-from llmserve.layers.linear import Bf16Matmul, Linear, MergedLinear, ShapeMismatch, int8_packed_ok
+from llmserve.layers.linear import Linear, MeasuredMatmul, MergedLinear, ShapeMismatch, int8_packed_ok
 from llmserve.layers.norm import RMSNorm
 from llmserve.layers.rotary import RotaryEmbedding, apply_rotary, rope_config, rotate_
 from llmserve.models import decoder_stack
@@ -346,11 +346,11 @@ class LlamaForCausalLM(nn.Module):
         def pack(module: nn.Module, c: OpChoice | None, **kw: bool) -> None:
             if id(module) in packed:
                 weight, rows = packed.pop(id(module))
-                module.bf16 = Bf16Matmul(weight, c, rows=rows)
+                module.matmul = MeasuredMatmul(weight, c, rows=rows)
             else:
                 module.pack_for_cpu(choice=c, **kw)
-            if id(module) in few and module.bf16 is not None:
-                module.bf16.few = few[id(module)]
+            if id(module) in few and module.matmul is not None:
+                module.matmul.few = few[id(module)]
 
         for module in self.modules():
             if isinstance(module, Linear):

@@ -1,6 +1,6 @@
 """The native decoder stack (kernels/cpu/decoder_stack.cpp) through the whole engine: the steps it runs (decodes, chunked
 prefills, both at once) give the same bits as the Python layers (LLMSERVE_DECODER_STACK=0), batched, windowed,
-preempted, prefix-cached, over 16-bit, int8 and int4 caches, bf16, int8 and GGUF block weights; models and settings it
+preempted, prefix-cached, over 16-bit, int8 and int4 caches, bf16, fp32, int8 and GGUF block weights; models and settings it
 does not cover keep the Python layers."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from llmserve import EngineConfig, GenerationConfig, pipeline
 from llmserve.kernels import native
 from llmserve.models.llama import LlamaModel
 
-# The stack runs packed linears: bf16 ones on AVX-512 CPUs, int8 ones (--quantization int8) on AVX-512 or AVX2 CPUs
+# The stack runs packed linears: bf16 ones on AVX-512 CPUs, int8 ones (--quantization int8) on AVX-512 or AVX2 CPUs,
+# fp32 ones (fp32_gemm) on AVX2 CPUs
 pytestmark = pytest.mark.skipif(not native.int8w_usable(), reason="the decoder stack needs the native kernels and a CPU "
                                 "with AVX-512 or AVX2")
 needs_bf16_stack = pytest.mark.skipif(not native.packed_gemm_usable(), reason="bf16 linears run in the stack on CPUs "
@@ -200,8 +201,28 @@ def test_preempted_requests_come_back_the_same(tiny_model_dir, monkeypatch, engi
                      **engine)
 
 
+needs_fp32_stack = pytest.mark.skipif(not native.fp32_gemm_usable(), reason="fp32 linears run in the stack on fp32_gemm "
+                                      "(AVX2 and FMA)")
+FP32_FMA = {"dtype": "float32", "kernel_choice": "fp32_linear=fma"}
+
+
+@needs_fp32_stack
+@pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen2", "mistral", "qwen3"])  # biases, windows, q/k norm
+@pytest.mark.parametrize("kv", ["auto", "int8", "int4"])
+def test_fp32_stack_gives_the_python_layers_bits(tiny_model_dir, monkeypatch, arch: str, kv: str) -> None:
+    """An fp32 model whose measured linear kernel is fp32_gemm (pinned here) runs its decode steps in the stack, on an
+    AVX2 CPU too (int8 and int4 caches there keep the Python layers: their decode kernels need AVX-512)."""
+    stack = kv == "auto" or native.int8_kv_decode_usable()
+    _check_same_bits(tiny_model_dir(arch), monkeypatch, stack, kv_cache_dtype=kv, **FP32_FMA)
+
+
+@needs_fp32_stack
+def test_preempted_fp32_requests_come_back_the_same(tiny_model_dir, monkeypatch) -> None:
+    _check_same_bits(tiny_model_dir("llama"), monkeypatch, True, num_blocks=14, enable_prefix_caching=False, **FP32_FMA)
+
+
 @pytest.mark.parametrize(("arch", "engine"), [
-    ("llama", {"dtype": "float32"}),  # fp32 linears run in oneDNN
+    ("llama", {"dtype": "float32", "kernel_choice": "fp32_linear=onednn"}),  # fp32 linears in oneDNN
     ("llama", {"dtype": "float16", "quantization": "int8"}),  # int8 weights under fp16: the torch paths
 ])
 def test_uncovered_models_keep_the_python_layers(tiny_model_dir, monkeypatch, arch: str, engine: dict) -> None:
@@ -240,9 +261,12 @@ def test_the_stack_refuses_what_it_cannot_run() -> None:
     with pytest.raises(RuntimeError, match="qkv has 96 outputs, expected 128"):
         stack.add_layer(norm, norm, lin(96, 64), lin(64, 64), lin(256, 64), lin(64, 128), None, None, cache, cache, None,
                         None, -1)
-    with pytest.raises(RuntimeError, match="bf16_pack'ed or w8a8_pack'ed"):
-        stack.add_layer(norm, norm, [torch.zeros(8, 32, 16, 2), 128, None, None, None, 0], lin(64, 64), lin(256, 64),
-                        lin(64, 128), None, None, cache, cache, None, None, -1)
+    with pytest.raises(RuntimeError, match="bf16_pack'ed, fp32_pack'ed or w8a8_pack'ed"):
+        stack.add_layer(norm, norm, [torch.zeros(8, 32, 16, 2, dtype=torch.int32), 128, None, None, None, 0],
+                        lin(64, 64), lin(256, 64), lin(64, 128), None, None, cache, cache, None, None, -1)
+    with pytest.raises(RuntimeError, match="fp32 qkv takes path 0"):
+        stack.add_layer(norm, norm, [native.fp32_pack(torch.randn(128, 64)), 128, None, None, None, 1], lin(64, 64),
+                        lin(256, 64), lin(64, 128), None, None, cache, cache, None, None, -1)
     with pytest.raises(RuntimeError, match="come together"):
         stack.add_layer(norm, norm, lin(128, 64), lin(64, 64), lin(256, 64), lin(64, 128), norm[:16], None, cache, cache,
                         None, None, -1)

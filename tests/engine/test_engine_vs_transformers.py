@@ -8,6 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from llmserve import EngineConfig, GenerationConfig, pipeline
+from llmserve.kernels import native
+from llmserve.layers.linear import Linear
 
 ARCHS = ["llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "internlm3",
          "mixtral", "qwen2-moe", "qwen3-moe"]
@@ -99,6 +101,29 @@ def test_greedy_batch_matches_transformers(arch, mode, tiny_model_dir, expected)
             assert engine.kv.prefix_stats.hit_tokens == sum((n - 1) // 4 * 4 for n in PROMPT_LENS) == 124
         engine.kv.check_invariants()
         assert engine.kv.usage().in_use == 0
+
+
+# An fp32 model's linears run the kernel measured fastest on the machine (kernels/calibrate.py, fp32_linear): each
+# pinned here, so both are checked whatever this machine would measure
+FP32_KERNELS = [pytest.param("fma", marks=pytest.mark.skipif(not native.fp32_gemm_usable(),
+                                                            reason="fp32_gemm needs AVX2 and FMA")),
+                pytest.param("onednn", marks=pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                                               reason="needs oneDNN"))]
+
+
+@pytest.mark.parametrize("kernel", FP32_KERNELS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_each_fp32_kernel_matches_transformers(arch, kernel, tiny_model_dir, expected):
+    """Batched, every prompt chunked, preempted (a pool of 16 blocks of 4 tokens), on one fp32 linear kernel."""
+    config = EngineConfig(dtype="float32", kernel_choice=f"fp32_linear={kernel}", max_prefill_token_num=7,
+                          num_blocks=16, block_size=4)
+    with pipeline(tiny_model_dir(arch), backend_config=config) as pipe:
+        out = pipe([{"input_ids": p} for p in prompts()], gen_config=GREEDY)
+        engine = pipe.engine
+        assert [r.token_ids for r in out] == expected[arch]
+        assert engine.scheduler.num_preemptions > 0
+        linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear) and m.matmul is not None]
+        assert linears and {m.matmul.kernel for m in linears} == {kernel}
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -1,6 +1,6 @@
 """bf16 GEMM (kernels/cpu/packed_gemm.cpp, amx_gemm.cpp), by fp32 FMAs, AVX512-BF16 dot products and AMX tiles over the
 same packed weight: the fp32-summed product rounded once to bf16, at any batch size, and the layers that use it
-(Bf16Matmul, whichever kernel the measured choice gives each batch size)."""
+(MeasuredMatmul, whichever kernel the measured choice gives each batch size)."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def test_linear_and_lm_head_run_the_chosen_kernel_and_keep_only_its_form(kernel:
     layer.weight.data, layer.bias.data = torch.randn(40, 96, generator=g).bfloat16(), torch.randn(40).bfloat16()
     w = layer.weight.detach().float()
     layer.pack_for_cpu(pinned(kernel))
-    m = layer.bf16
+    m = layer.matmul
     assert m is not None and layer.weight is None and layer.packed is None
     # only the form the choice reads: fma, dot and amx share the packed layout
     assert m.weight.dim() == (4 if kernel in native.BF16_PATHS else 2) and m.kernel == kernel
@@ -128,7 +128,7 @@ def test_linear_and_lm_head_run_the_chosen_kernel_and_keep_only_its_form(kernel:
     head.weight.data = torch.randn(300, 64, generator=g).bfloat16()
     table = head.weight.detach().float()
     head.pack_for_cpu(keep_plain=True, choice=pinned(kernel))  # tied: the lookup keeps the plain table
-    assert head.bf16 is not None and head.packed is None and head.weight is not None
+    assert head.matmul is not None and head.packed is None and head.weight is not None
     h = torch.randn(rows, 64, generator=g).bfloat16()
     logits = head.logits(h)
     assert logits.dtype == torch.float32 and logits.shape == (rows, 300)
@@ -155,9 +155,9 @@ def test_one_kernel_runs_every_batch_size(kernel: str, monkeypatch: pytest.Monke
     for rows in (1, 4, 5, 600):
         layer(torch.randn(rows, 32).bfloat16())
     assert ran == [kernel] * 4
-    assert layer.bf16.packed == (kernel in native.BF16_PATHS)
+    assert layer.matmul.packed == (kernel in native.BF16_PATHS)
     layer.pack_for_cpu()  # a second call is a no-op: the plain weight is gone
-    assert layer.bf16.kernel == kernel
+    assert layer.matmul.kernel == kernel
 
 
 def test_dot_refuses_where_the_cpu_lacks_it() -> None:

@@ -149,7 +149,7 @@ def test_blocks_or_their_dequantized_weights_by_measurement(q4_1_gguf: str, winn
         if winner.startswith("blocks"):
             assert m.qblocks is not None and m.qblocks.amx == (winner == "blocks_amx")
             continue
-        assert m.qblocks is None and m.bf16 is not None and m.bf16.kernel == "fma"
+        assert m.qblocks is None and m.matmul is not None and m.matmul.kernel == "fma"
     if not winner.startswith("blocks"):
         x = torch.randn(3, head.hidden_size).bfloat16()
         torch.testing.assert_close(head.logits(x), (x.float() @ before[id(head)].float().T).bfloat16().float(),
@@ -190,13 +190,13 @@ def test_amx_block_ops_measure_up_to_how_many_rows_the_blocks_stand_in(q4_1_gguf
     head = model.logits_head()
     model.pack_for_cpu(table)
     for m in layers:
-        assert m.qblocks is None and m.bf16.kernel == "amx" and m.bf16.few is not None and m.bf16.few[1] == 2
-    blocks = head.bf16.few
+        assert m.qblocks is None and m.matmul.kernel == "amx" and m.matmul.few is not None and m.matmul.few[1] == 2
+    blocks = head.matmul.few
     for rows in (1, 2, 3):
         x = torch.randn(rows, head.hidden_size).bfloat16()
-        head.bf16.few = blocks
+        head.matmul.few = blocks
         got = head.logits(x)
-        head.bf16.few = None
+        head.matmul.few = None
         assert torch.equal(got, head.logits(x))
     choice._measured.clear()  # a new process, the same model: the cache has the rows
     model = load_model(q4_1_gguf, EngineConfig(dtype="bfloat16")).model
@@ -258,7 +258,7 @@ def test_blocks_and_amx_are_chosen_between_as_their_plans_run(q4_1_gguf: str, mo
         if m is model.logits_head():
             assert m.qblocks is not None and m.qblocks.native.amx8_rows == 1
         else:
-            assert m.qblocks is None and m.bf16.kernel == "amx" and m.bf16.few[1] == 4
+            assert m.qblocks is None and m.matmul.kernel == "amx" and m.matmul.few[1] == 4
     choice._measured.clear()  # a new process, the same model
     model = load_model(q4_1_gguf, EngineConfig(dtype="bfloat16")).model
     again = calibrate.plan(model, 2, dtype=BF16, timer=lambda name, rows, fn: pytest.fail("measured again"))

@@ -167,7 +167,7 @@ def test_w8a8_lm_head_is_weight_only_int8(tiny_model_dir, arch: str) -> None:
                                                                      num_blocks=32)) as pipe:
         model = pipe.engine.runner.model
         head = model.model.embed_tokens if model.lm_head is None else model.lm_head
-        assert head.head_int8_packed is not None and head.bf16 is None and head.packed is None
+        assert head.head_int8_packed is not None and head.matmul is None and head.packed is None
         # the lookup of a tied table keeps the plain weight; an untied head drops it
         assert (head.weight is not None) == (model.lm_head is None)
         hidden = torch.randn(3, model.config.hidden_size).bfloat16()

@@ -45,7 +45,7 @@ def test_without_a_choice_weights_are_onednn_blocked_and_the_plain_one_freed(fp3
     layer = _bf16_layer(bias)
     w = layer.weight.detach().float()
     layer.pack_for_cpu()
-    assert layer.packed is not None and layer.weight is None and layer.bf16 is None
+    assert layer.packed is not None and layer.weight is None and layer.matmul is None
     x = torch.randn(100, 96, generator=torch.Generator().manual_seed(1)).bfloat16()
     want = x.float() @ w.T + (layer.bias.float() if bias else 0)
     torch.testing.assert_close(layer(x).float(), want, rtol=1e-2, atol=1e-2)

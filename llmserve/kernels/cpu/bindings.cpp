@@ -101,6 +101,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("amx_rows") = -1);
   m.def("int8w_supported", &int8w_supported, "whether int8w_gemm runs here (AVX-512, or AVX2 and FMA)");
   m.def("int8w_default_a16", &int8w_default_a16, "whether int8w_gemm's default quantizes x to int16 here");
+  m.def("fp32_gemm_supported", &fp32_gemm_supported, "whether fp32_gemm runs here (AVX2 and FMA)");
+  m.def("fp32_pack", &fp32_pack, "fp32 [N, K] weight -> the block layout fp32_gemm reads");
+  m.def("fp32_gemm", &fp32_gemm, "x @ W^T (+ bias), fp32 weights packed by fp32_pack, fp32 FMAs on AVX2 (CPU)",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
   m.def("int8w_a16_supported", &int8w_a16_supported, "whether int8w_gemm can take 16-bit activations (AVX512-VNNI)");
   m.def("quantize_rows_int8", &quantize_rows_int8, "weight [N, K] -> (int8 [N, K], fp32 scales [N]), symmetric per row");
   m.def("w8a8_pack", &w8a8_pack, "int8 [N, K] weight -> the VNNI block layout w8a8_linear reads");

@@ -7,7 +7,7 @@
 // views, checks, about 15 ops per layer over 30 layers) on a 2-core CPU. Here the layers run without the interpreter,
 // and without holding the GIL, so a server's event loop keeps running during the step.
 //
-// Only what the kernels cover is built here (llmserve/models/decoder_stack.py decides): bf16 or int8 packed linears,
+// Only what the kernels cover is built here (llmserve/models/decoder_stack.py decides): bf16, fp32 or int8 packed linears,
 // no per-head q/k norm, a cache paged_decode reads (and prefill_attention, for steps with prefill chunks).
 
 #include <torch/extension.h>
@@ -23,8 +23,9 @@
 
 namespace {
 
-// One projection: bf16 weights in bf16_pack's layout (bf16_gemm), or int8 in w8a8_pack's, with int8 activations
-// (w8a8_linear, given the weight's row sums) or weight-only (int8w_gemm), or block-quantized (qblock_linear).
+// One projection: bf16 weights in bf16_pack's layout (bf16_gemm), fp32 in fp32_pack's (fp32_gemm), or int8 in
+// w8a8_pack's, with int8 activations (w8a8_linear, given the weight's row sums) or weight-only (int8w_gemm), or
+// block-quantized (qblock_linear).
 struct StackLinear {
   std::optional<QBlockWeight> blocks;
   torch::Tensor packed;
@@ -60,6 +61,7 @@ struct StackLinear {
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (const QBlockWeight* f = few_blocks(x)) return qblock_linear_amx_dot(x, *f, bias);
     if (blocks.has_value()) return path == 2 ? qblock_linear_amx(x, *blocks, bias) : qblock_linear(x, *blocks, bias, -1);
+    if (packed.scalar_type() == at::kFloat) return fp32_gemm(x, packed, n, bias);
     if (packed.scalar_type() != at::kChar) return bf16_gemm(x, packed, n, bias, path);
     return wsum.has_value() ? w8a8_linear(x, packed, scale, *wsum, bias, amx_rows) : int8w_gemm(x, packed, scale, bias, -1, amx_rows);
   }
@@ -229,8 +231,11 @@ class DecoderStack {
     l.packed = args[0].cast<torch::Tensor>();
     TORCH_CHECK(expected_n < 0 || l.n == expected_n, "DecoderStack: ", what, " has ", l.n, " outputs, expected ",
                 expected_n);
-    TORCH_CHECK(l.packed.scalar_type() == at::kChar || l.packed.scalar_type() == at::kBFloat16,
-                "DecoderStack: ", what, " must be bf16_pack'ed or w8a8_pack'ed");
+    TORCH_CHECK(l.packed.scalar_type() == at::kChar || l.packed.scalar_type() == at::kBFloat16 ||
+                    l.packed.scalar_type() == at::kFloat,
+                "DecoderStack: ", what, " must be bf16_pack'ed, fp32_pack'ed or w8a8_pack'ed");
+    TORCH_CHECK(l.packed.scalar_type() != at::kFloat || (l.path == 0 && fp32_gemm_supported()),
+                "DecoderStack: fp32 ", what, " takes path 0 on a CPU with AVX2 and FMA");
     if (l.packed.scalar_type() == at::kChar) {
       TORCH_CHECK(!args[2].is_none(), "DecoderStack: int8 ", what, " needs its scale");
       l.scale = args[2].cast<torch::Tensor>();

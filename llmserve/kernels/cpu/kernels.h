@@ -64,6 +64,10 @@ void amx_store_pair(const float* c, int64_t rows, int64_t p, int64_t N, const fl
 at::Tensor int8w_gemm(at::Tensor x, at::Tensor packed, at::Tensor scale, c10::optional<at::Tensor> bias,
                       int64_t a16, int64_t amx_rows);
 bool int8w_a16_supported();
+// fp32 weights (AVX2 and FMA): fp32_pack's layout [N/16][K][16], fp32 x -> fp32 y
+bool fp32_gemm_supported();
+at::Tensor fp32_pack(at::Tensor weight);
+at::Tensor fp32_gemm(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias);
 bool int8w_supported();
 bool int8w_default_a16();
 // sampling.cpp

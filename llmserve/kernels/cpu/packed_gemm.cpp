@@ -816,6 +816,94 @@ at::Tensor int8w_gemm_a16_avx2(const at::Tensor& x, const at::Tensor& packed, in
   return y;
 }
 
+// ---- fp32 weights on CPUs with AVX2 and FMA (fp32_gemm: an fp32 model's linears, where measured faster) ----
+// fp32_pack's layout is the bf16 one with one column per lane: [N/16][K][16], each block one contiguous stream of K
+// rows of its 16 outputs (two 8-lane halves). A register tile is MR rows of x by NB blocks: each k loads the blocks'
+// halves once and multiplies each with x[i, k] broadcast, an FMA into lanes that hold one output each, so every output
+// is summed over k in order from 0 (then + bias) whatever the tile, the batch or the thread: a row's result does not
+// depend on the other rows. Tiles: 6 rows x 1 block (12 accumulators, 2 weights, 1 broadcast: AVX2's 16 registers,
+// the classic 6 x 16 shape) for chunks of 3 rows and more; 2 x 2 and 1 x 4 (8 accumulators) for one or two rows,
+// where the weights stream from memory. Every tile prefetches its blocks ahead: on the Zen 3 below, prefetching only
+// in the 1-2 row tiles left 4-32 rows at 26-93 GFLOP/s, prefetching in all 36-121.
+// Why: an fp32 model's linears ran in oneDNN, whose one-row products read the weights at 12-14 GB/s on a 2-core AMD
+// EPYC Zen 3 (AVX2 only; 24-30 GB/s from memory). SmolLM2-135M's 30 decoders and LM head (538 MB), best of 5, this
+// kernel against oneDNN's blocked matmul: 1 row 22-29 against 45 ms, 4 rows 27-31 against 54, 16 rows 48 against 77,
+// 64 rows 131 against 188, 256-1,024 rows 159-160 GFLOP/s against 119-131 (the FMA peak measured 161). Which of the
+// two runs is measured on the running machine (kernels/calibrate.py's fp32_linear), never assumed from the flags.
+constexpr int kF32Rows = 6;
+constexpr int kF32Blocks = 4;
+
+template <int MR, int NB>
+LLMSERVE_AVX2 __attribute__((optimize("no-tree-pre"))) void tile_f32_avx2(const float* x, int64_t ldx, int64_t K,
+                                                                         const float* w, int64_t block_elems,
+                                                                         int64_t i0, int64_t n0, int64_t N,
+                                                                         const float* bias, float* y) {
+  constexpr int NH = 2 * NB;
+  __m256 acc[MR][NH];
+  _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i)
+    _Pragma("GCC unroll 8") for (int h = 0; h < NH; ++h) acc[i][h] = _mm256_setzero_ps();
+  const float* xr[MR];
+  _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) xr[i] = x + (i0 + i) * ldx;
+  _Pragma("GCC unroll 2") for (int64_t k = 0; k < K; ++k) {
+    _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j)
+      _mm_prefetch(reinterpret_cast<const char*>(w + j * block_elems + k * 16) + kPrefetchBytes, _MM_HINT_T0);
+    __m256 wv[NH];
+    _Pragma("GCC unroll 8") for (int h = 0; h < NH; ++h)
+      wv[h] = _mm256_loadu_ps(w + (h / 2) * block_elems + k * 16 + (h % 2) * 8);
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {
+      const __m256 b = _mm256_broadcast_ss(xr[i] + k);
+      _Pragma("GCC unroll 8") for (int h = 0; h < NH; ++h) acc[i][h] = _mm256_fmadd_ps(b, wv[h], acc[i][h]);
+    }
+  }
+  _Pragma("GCC unroll 8") for (int h = 0; h < NH; ++h) {
+    const int64_t n = n0 + h * 8;
+    if (n >= N) break;
+    const int64_t lanes = std::min<int64_t>(8, N - n);
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {
+      float* out = y + (i0 + i) * N + n;
+      if (lanes == 8) {
+        _mm256_storeu_ps(out, bias != nullptr ? _mm256_add_ps(acc[i][h], _mm256_loadu_ps(bias + n)) : acc[i][h]);
+        continue;
+      }
+      alignas(32) float r[8];
+      _mm256_store_ps(r, acc[i][h]);
+      for (int64_t l = 0; l < lanes; ++l) out[l] = bias != nullptr ? r[l] + bias[n + l] : r[l];
+    }
+  }
+}
+
+at::Tensor fp32_gemm_avx2(const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* bias) {
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), be = K * kBlockRows;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  auto y = at::empty({M, N}, x.options());
+  float* yp = y.data_ptr<float>();
+  for_each_tile_group(M, NB, kChunkRows, kF32Rows, kF32Blocks, [&](int64_t) {
+    return [&](int64_t m0, int64_t m1, int64_t blk, int nr) {
+      if (m1 - m0 <= 2) {  // one or two rows: tiles across the blocks, which stream from memory
+        if (m1 - m0 == 2) {
+          int j = 0;
+          for (; j + 2 <= nr; j += 2)
+            tile_f32_avx2<2, 2>(xp, K, K, wp + (blk + j) * be, be, m0, (blk + j) * kBlockRows, N, bias, yp);
+          if (j < nr) tile_f32_avx2<2, 1>(xp, K, K, wp + (blk + j) * be, be, m0, (blk + j) * kBlockRows, N, bias, yp);
+          return;
+        }
+        with_int_constant<1, kF32Blocks>(nr, [&](auto nb) {
+          tile_f32_avx2<1, decltype(nb)::value>(xp, K, K, wp + blk * be, be, m0, blk * kBlockRows, N, bias, yp);
+        });
+        return;
+      }
+      for (int j = 0; j < nr; ++j)  // a block's weights stay in cache while the chunk's rows go past them
+        for (int64_t i = m0; i < m1; i += kF32Rows)
+          with_int_constant<1, kF32Rows>(static_cast<int>(std::min<int64_t>(kF32Rows, m1 - i)), [&](auto r) {
+            tile_f32_avx2<decltype(r)::value, 1>(xp, K, K, wp + (blk + j) * be, be, i, (blk + j) * kBlockRows, N,
+                                                 bias, yp);
+          });
+    };
+  });
+  return y;
+}
+
 // bias [N] (any float dtype) -> contiguous fp32 in holder, or nullptr without one
 const float* fp32_bias(const c10::optional<at::Tensor>& bias, int64_t N, const char* what, at::Tensor& holder) {
   if (!bias.has_value()) return nullptr;
@@ -868,6 +956,30 @@ at::Tensor bf16_gemm(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<a
   TORCH_CHECK(path == 0 || bf16_dot_supported(), "bf16_gemm: the dot path needs a CPU with AVX512-BF16");
   if (path == 1) return packed_gemm_dot(x.contiguous(), packed, N, e);
   return packed_gemm<Bf16Weights, at::BFloat16>(x.contiguous(), packed, N, e);
+}
+
+bool fp32_gemm_supported() { return int8w_avx2_supported(); }
+
+// weight [N, K] fp32 -> [ceil(N / 16), K, 16, 1] fp32: per block of 16 output rows, each column's 16 elements
+// together; zero past N.
+at::Tensor fp32_pack(at::Tensor weight) {
+  return pack_weight_blocks<float>(weight, at::kFloat, 1, "fp32_pack: weight must be fp32 [N, K] on the CPU");
+}
+
+// x [M, K] fp32; packed: fp32_pack of the weight [N, K]; n: N; bias [N] (any float dtype) or None -> [M, N] fp32, each
+// output summed over k in order with FMAs (then + bias), whatever M. Needs fp32_gemm_supported() (AVX2 and FMA).
+at::Tensor fp32_gemm(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(fp32_gemm_supported(), "fp32_gemm needs a CPU with AVX2 and FMA");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "fp32_gemm: x must be fp32 [M, K] on the CPU");
+  const int64_t K = x.size(1), N = n;
+  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 4 && packed.is_contiguous() &&
+                  packed.size(2) == kBlockRows && packed.size(3) == 1,
+              "fp32_gemm: packed must be fp32_pack's contiguous fp32 [N / 16, K, 16, 1]");
+  TORCH_CHECK(N > 0 && packed.size(0) == (N + kBlockRows - 1) / kBlockRows && packed.size(1) == K,
+              "fp32_gemm: packed weight ", packed.sizes(), " does not fit x's ", K, " columns and ", N, " outputs");
+  at::Tensor b;
+  return fp32_gemm_avx2(x.contiguous(), packed, N, fp32_bias(bias, N, "fp32_gemm", b));
 }
 
 // Weight-only int8: x [M, K] fp32 or bf16; packed: w8a8_pack of the int8 weight [N, K]; scale [N] fp32 (the weight is
