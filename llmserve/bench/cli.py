@@ -199,10 +199,12 @@ def peak_matmul_kind(dtype: torch.dtype, device: torch.device,
       whose products run at up to twice the fp32 FMA rate (read against the fp32 peak the fraction passed 100%).
     - bf16 on CPU: the fastest bf16 matmul this machine runs (BF16_MATMUL: the best of torch's and the packed
       kernels' paths; on a Xeon without AMX torch's bf16 matmul ran at half the packed FMA path's speed, and read
-      against it the fraction passed 100%)."""
+      against it the fraction passed 100%).
+    - fp32 on CPU: the fastest fp32 matmul this machine runs (FP32_MATMUL: torch's, oneDNN's blocked and the packed
+      fp32_gemm; on an AVX2 Zen 3 torch's measured 113 GFLOP/s where the packed kernel reached 140-160)."""
     import torch
 
-    from llmserve.bench.throughput import BF16_MATMUL, INT8_MATMUL, INT16_INT8_MATMUL
+    from llmserve.bench.throughput import BF16_MATMUL, FP32_MATMUL, INT8_MATMUL, INT16_INT8_MATMUL
 
     if quantization == "w8a8":
         return dtype, INT8_MATMUL
@@ -213,6 +215,8 @@ def peak_matmul_kind(dtype: torch.dtype, device: torch.device,
             return dtype, INT16_INT8_MATMUL
     if dtype == torch.bfloat16 and device.type == "cpu":
         return dtype, BF16_MATMUL
+    if dtype == torch.float32 and device.type == "cpu":
+        return dtype, FP32_MATMUL
     return dtype, "matmul"
 
 

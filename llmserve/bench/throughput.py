@@ -128,6 +128,7 @@ def peak_device_mb(device: torch.device) -> float | None:
 INT8_MATMUL = "int8 matmul"  # s8 x s8 -> s32, what w8a8 linears run
 INT16_INT8_MATMUL = "int16 x int8 matmul"  # native.int8w_gemm with x rounded to int16, what weight-only int8 runs
 BF16_MATMUL = "bf16 matmul"  # the fastest of the bf16 linear's paths here (kernels/calibrate.py's candidates)
+FP32_MATMUL = "fp32 matmul"  # the fastest of torch's and the fp32 linear's paths here (fp32_linear's candidates)
 
 
 def matmul_peak_gflops(dtype: torch.dtype, device: torch.device, m: int = 256, k: int = 576, n: int = 1536,
@@ -136,6 +137,12 @@ def matmul_peak_gflops(dtype: torch.dtype, device: torch.device, m: int = 256, k
     bench.cli.peak_matmul_kind names it): INT8_MATMUL or INT16_INT8_MATMUL (GOP/s), otherwise a matmul in dtype."""
     if kind == BF16_MATMUL:
         return max(_bf16_path_gflops(name, m, k, n, seconds) for name in _bf16_paths())
+    if kind == FP32_MATMUL:
+        from llmserve.kernels.calibrate import FP32_LINEAR, available, fp32_linear_candidates
+
+        torch_peak = matmul_peak_gflops(torch.float32, device, m, k, n, seconds / 2)
+        paths = fp32_linear_candidates(n, k, available(FP32_LINEAR), invariant_only=False)
+        return max([torch_peak] + [_gflops(lambda c=c: c.run(m), 2 * m * k * n, device, seconds / 2) for c in paths])
     if kind == INT16_INT8_MATMUL:
         from llmserve.kernels import native
 

@@ -341,10 +341,12 @@ def bf16_linear_candidates(n: int, k: int, names: tuple[str, ...], w: torch.Tens
     return out
 
 
-def fp32_linear_candidates(n: int, k: int, names: tuple[str, ...], invariant_rows: int = 512) -> list[Candidate]:
+def fp32_linear_candidates(n: int, k: int, names: tuple[str, ...], invariant_rows: int = 512,
+                           invariant_only: bool = True) -> list[Candidate]:
     """Each named path over an fp32 [n, k] weight (random), as MeasuredMatmul runs it: fma (fp32_gemm on fp32_pack's
     layout) and onednn (its blocked copy), the latter where it gives rows the same results in any batch up to
-    invariant_rows rows (batch_invariant); inputs made once per row count."""
+    invariant_rows rows (batch_invariant; unless not invariant_only: what the machine can do, bench's peak); inputs
+    made once per row count."""
     from llmserve.layers.linear import onednn_linear, pack_weight
 
     gen = torch.Generator().manual_seed(0)
@@ -360,7 +362,7 @@ def fp32_linear_candidates(n: int, k: int, names: tuple[str, ...], invariant_row
         out.append(Candidate("fma", lambda r: native.fp32_gemm(x(r), packed, n, None)))
     if "onednn" in names:
         run = functools.partial(lambda b, xs: onednn_linear(xs, b, None), pack_weight(w))
-        if batch_invariant(run, k, gen, invariant_rows, torch.float32):
+        if not invariant_only or batch_invariant(run, k, gen, invariant_rows, torch.float32):
             out.append(Candidate("onednn", lambda r: run(x(r))))
         else:
             log.info("%s:%dx%d: onednn's results for a row change with the batch here: not a candidate", FP32_LINEAR,

@@ -234,17 +234,19 @@ def test_decoder_stack_timers_are_credited_to_their_phases() -> None:
     assert 0.02 - 0.007 <= s["other model ops"] < 0.5 and prof.total() >= 0.02
 
 
-def test_bf16_is_read_against_the_fastest_bf16_matmul_here() -> None:
+def test_bf16_and_fp32_are_read_against_the_fastest_matmul_of_their_dtype_here() -> None:
     """bf16 runs on CPU are read against the best of the bf16 linear's paths (torch's oneDNN matmul and the packed
     kernels): on a Xeon without AMX torch's bf16 matmul ran at half the packed FMA path's rate."""
     from llmserve.bench.cli import peak_matmul_kind
-    from llmserve.bench.throughput import BF16_MATMUL, matmul_peak_gflops
+    from llmserve.bench.throughput import BF16_MATMUL, FP32_MATMUL, matmul_peak_gflops
 
     cpu = torch.device("cpu")
     assert peak_matmul_kind(torch.bfloat16, cpu) == (torch.bfloat16, BF16_MATMUL)
-    assert peak_matmul_kind(torch.float32, cpu) == (torch.float32, "matmul")
+    assert peak_matmul_kind(torch.float32, cpu) == (torch.float32, FP32_MATMUL)
+    assert peak_matmul_kind(torch.float32, torch.device("cuda")) == (torch.float32, "matmul")
     assert peak_matmul_kind(torch.bfloat16, cpu, "w8a8") == (torch.bfloat16, "int8 matmul")
     assert matmul_peak_gflops(torch.bfloat16, cpu, m=8, k=64, n=32, seconds=0.02, kind=BF16_MATMUL) > 0
+    assert matmul_peak_gflops(torch.float32, cpu, m=8, k=64, n=32, seconds=0.02, kind=FP32_MATMUL) > 0
 
 
 def test_weight_only_int8_is_read_against_the_int16_gemm_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
