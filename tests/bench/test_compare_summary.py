@@ -86,6 +86,18 @@ def test_the_dtypes_each_engine_ran_are_named(summary, tmp_path: Path, capsys) -
     assert "| | vLLM-CPU fp32 | llmserve |" in text and "| share of the fp32 matmul peak (200, 200 GFLOP/s) |" in text
 
 
+def test_weight_only_int8_stands_in_where_w8a8_does_not_run(summary, tmp_path: Path, capsys) -> None:
+    """compare.sh runs --quantization int8 on a CPU without AVX-512 VNNI (w8a8 is refused there): its row is named
+    for what ran, with no w8a8 target."""
+    _run(tmp_path)
+    (tmp_path / "llmserve_w8a8.json").unlink()
+    _write(tmp_path, "llmserve_int8.json", {"results": [{"num_requests": 64, "output_tokens_per_s": 250.0}]})
+    assert summary.main([str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "| weight-only int8 (w8a8 needs AVX-512 VNNI), output tok/s | | 250.0 | 1.25x | |" in text
+    assert "| w8a8, output tok/s |" not in text
+
+
 def test_missing_runs_leave_dashes(summary, tmp_path: Path, capsys) -> None:
     _write(tmp_path, "llmserve_throughput_1.json", {"matmul_peak_gflops": 200.0, "results": [
         {"num_requests": 4, "output_tokens_per_s": 90.0, "achieved_gflops": 50.0}]})

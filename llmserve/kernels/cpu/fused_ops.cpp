@@ -12,7 +12,7 @@
 // fp32 and bf16 run 16 lanes at a time on AVX-512 CPUs (the same roundings, vectorised: the scalar loops
 // below convert bf16 one element at a time and measured ~2 ns per element, so at 256 tokens one
 // add+RMSNorm took 465 us and one rotary 604 us, ~3.3 s of a 64-request throughput run); fp16, and CPUs
-// without AVX-512, take the scalar loops.
+// without AVX-512, take the scalar loops, but for fp32 SiLU * up on AVX2 (8 lanes: silu_mul_row8).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -20,6 +20,7 @@
 #include "float_types.h"  // dispatch_float
 
 #include "avx512_math.h"  // LLMSERVE_AVX512, cpu_has_avx512, loadu16 / storeu16, bf16_bits, tail_mask16
+#include "avx2_math.h"    // silu256 (LLMSERVE_AVX2: builds with AVX2 and FMA)
 
 #include <algorithm>
 #include <cmath>
@@ -140,6 +141,31 @@ LLMSERVE_AVX512 void silu_mul_row16(const T* gate, const T* up, T* out, int64_t 
   }
 }
 
+#ifdef LLMSERVE_AVX2
+// One fp32 row of silu(gate) * up, 8 lanes at a time (silu256), for CPUs with AVX2 but not AVX-512; the tail through a
+// zero-padded vector, so every element takes the same operations. Why: the scalar loop's libm expf took 4 us a row of
+// SmolLM2's 1,536 (2.6 ns an element) on an AVX2-only Zen 3: 0.42 ms a layer at 64 rows, 12.7 ms of a 64-request
+// decode step over 30 layers.
+void silu_mul_row8(const float* gate, const float* up, float* out, int64_t I) {
+  int64_t i = 0;
+  for (; i + 32 <= I; i += 32) {  // four vectors a pass: exp256 is a chain of dependent operations
+    __m256 g[4];
+    _Pragma("GCC unroll 4") for (int u = 0; u < 4; ++u) g[u] = silu256(_mm256_loadu_ps(gate + i + 8 * u));
+    _Pragma("GCC unroll 4") for (int u = 0; u < 4; ++u)
+      _mm256_storeu_ps(out + i + 8 * u, _mm256_mul_ps(g[u], _mm256_loadu_ps(up + i + 8 * u)));
+  }
+  for (; i < I; i += 8) {
+    const int64_t n = std::min<int64_t>(8, I - i);
+    alignas(32) float gv[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, uv[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    std::copy(gate + i, gate + i + n, gv);
+    std::copy(up + i, up + i + n, uv);
+    alignas(32) float ov[8];
+    _mm256_store_ps(ov, _mm256_mul_ps(silu256(_mm256_load_ps(gv)), _mm256_load_ps(uv)));
+    std::copy(ov, ov + n, out + i);
+  }
+}
+#endif
+
 // out[t] = silu(x[t, :I]) * x[t, I:], per row: torch's F.silu(gate) * up, silu rounded to T before the product.
 template <typename T>
 void silu_mul_impl(const T* x, T* out, int64_t n_tok, int64_t I) {
@@ -151,6 +177,12 @@ void silu_mul_impl(const T* x, T* out, int64_t n_tok, int64_t I) {
         return;
       }
     }
+#ifdef LLMSERVE_AVX2
+    if constexpr (std::is_same_v<T, float>) {  // (AVX-512 CPUs took the 16-lane path above)
+      for (int64_t t = begin; t < end; ++t) silu_mul_row8(x + t * 2 * I, x + t * 2 * I + I, out + t * I, I);
+      return;
+    }
+#endif
     for (int64_t t = begin; t < end; ++t) {
       const T* g = x + t * 2 * I;
       const T* u = g + I;

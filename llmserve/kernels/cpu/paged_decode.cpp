@@ -29,10 +29,7 @@
 #include "float_types.h"  // dispatch_float
 #include "work_queue.h"   // parallel_units
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define LLMSERVE_AVX2 1
-#endif
+#include "avx2_math.h"     // exp256 (and LLMSERVE_AVX2 where the build has AVX2 and FMA)
 
 #include <algorithm>
 #include <cmath>
@@ -84,25 +81,6 @@ inline void axpy(float a, const T* __restrict x, float* __restrict y, int64_t d)
 }
 
 #ifdef LLMSERVE_AVX2
-// exp for x <= 0 (logits minus their running max), Cephes polynomial: ~2 ulp, 8 lanes at a time.
-// Why: libm expf per score was a large share of the kernel's time.
-inline __m256 exp256(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));  // below this exp underflows; result ~1e-38, harmless
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // x - n*ln2, split for precision
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 inline float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
