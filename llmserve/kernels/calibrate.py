@@ -126,7 +126,8 @@ INT8W_LINEAR = "int8w_linear"
 BF16_KERNELS = ("fma", "dot", "amx", "onednn", "fp32")
 FP32_LINEAR = "fp32_linear"
 FP32_KERNELS = ("fma", "onednn")
-KINDS: dict[str, tuple[str, ...]] = {BF16_LINEAR: BF16_KERNELS, FP32_LINEAR: FP32_KERNELS, QBLOCK_LINEAR: ("blocks", "blocks_amx") + BF16_KERNELS,
+KINDS: dict[str, tuple[str, ...]] = {BF16_LINEAR: BF16_KERNELS, FP32_LINEAR: FP32_KERNELS,
+                                     QBLOCK_LINEAR: ("blocks", "blocks_amx") + BF16_KERNELS,
                                      PREFILL_ATTENTION: ("fp32", "dot", "amx"), DECODE_ATTENTION: ("fp32", "dot"),
                                      W8A8_LINEAR: (VNNI, AMX8), INT8W_LINEAR: (VNNI, AMX8)}
 # dequantize_fits: the share of the memory available that a model's dequantized block layers may take
@@ -250,9 +251,10 @@ def dequantized_bf16(qb: BlockWeight, rows: int = 4096) -> torch.Tensor:
 
 
 def matmul_weights(model: nn.Module) -> Iterator[torch.Tensor]:
-    """The bf16 CPU weights of the model's linears and LM head (the matmuls a bf16_linear choice applies to). Not an
-    embedding whose LM head is int8 (w8a8's head): its bf16 table is only looked up (timing its 49152x576 shape took
-    SmolLM2-135M's w8a8 calibration from 2.7 to 7.4 s on a 2-core Xeon, for a choice nothing used)."""
+    """The bf16 and fp32 CPU weights of the model's linears and LM head (the matmuls a bf16_linear or fp32_linear
+    choice applies to: op_name). Not an embedding whose LM head is int8 (w8a8's head): its table is only looked up
+    (timing its 49152x576 shape took SmolLM2-135M's w8a8 calibration from 2.7 to 7.4 s on a 2-core Xeon, for a choice
+    nothing used)."""
     from llmserve.layers.embedding import VocabEmbedding
     from llmserve.layers.linear import Linear
 
@@ -377,7 +379,7 @@ INVARIANCE_PIECES = ((0, 1), (1, 17), (17, 81), (81, 337), (337, 849))
 
 def batch_invariant(run: Callable[[torch.Tensor], torch.Tensor], k: int, gen: torch.Generator,
                     rows: int = 512, dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether run (x [M, k] bf16 -> [M, n]) gives each row the same result in batches of 1, 16, 64, 256 and 512 rows
+    """Whether run (x [M, k] of dtype -> [M, n]) gives each row the same result in batches of 1, 16, 64, 256 and 512 rows
     (each cut at `rows`, the most the op runs at) as in one batch of `rows`: a sample, not a proof (our own kernels are
     invariant by construction; a library's blocking may follow M: oneDNN's AMX matmul on a Xeon 6 207 changed rows'
     results between 64- and 512-row batches). Batches larger than the op's are not checked: the LM head (128 rows at
@@ -829,9 +831,9 @@ def head_ops(model: nn.Module) -> set[str]:
 
 def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dtype: torch.dtype,
          timer: Timer = wall_clock, remeasure: bool = False, rows: RowLimits = RowLimits()) -> ChoiceTable | None:
-    """The choice table for the model's bf16 and fp32 matmuls, its w8a8 linears (where AMX-INT8 can run them) and, where its
-    attention runs natively, its prefill and decode attention on this machine (None where there is nothing to choose):
-    pinned by kernel_choice (else LLMSERVE_KERNEL_CHOICE, else "auto"), read from the cache, or measured now. dtype:
+    """The choice table for the model's bf16 and fp32 matmuls (fp32: where both of its paths run), its w8a8 linears
+    (where AMX-INT8 can run them) and, where its attention runs natively, its prefill and decode attention on this
+    machine (None where there is nothing to choose): pinned by kernel_choice (else LLMSERVE_KERNEL_CHOICE, else "auto"), read from the cache, or measured now. dtype:
     the model's compute dtype (attention_op). rows: the most rows the engine gives a linear and the LM head in a step;
     each matmul is timed at the powers of two up to its limit (row_buckets)."""
     shapes = {op_name(w): (w.shape[0], w.shape[1]) for w in matmul_weights(model)}

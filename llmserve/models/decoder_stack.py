@@ -41,9 +41,10 @@ def enabled() -> bool:
 def _linear_args(linear: Linear) -> list[Any] | None:
     """(packed weight, outputs, scale, wsum, bias, path, few-row blocks, few rows[, amx rows]) of a linear the stack
     runs, or None. A bf16 linear runs in the stack where its measured kernel is a packed one (fma, dot or amx:
-    bf16_gemm's path argument; kernels/choice.py), an fp32 one where it is fma (fp32_gemm; path 0). On the amx path, batches of at most `few rows` rows run on the
-    blocks (the layer's own where the few-row blocks are None; OpChoice.few_rows). A w8a8 linear's `amx rows`: from
-    how many rows its batches run on AMX-INT8 tiles (Linear.amx8_rows)."""
+    bf16_gemm's path argument; kernels/choice.py), an fp32 one where it is fma (fp32_gemm; path 0). On the amx path,
+    batches of at most `few rows` rows run on the blocks (the layer's own where the few-row blocks are None;
+    OpChoice.few_rows). A w8a8 linear's `amx rows`: from how many rows its batches run on AMX-INT8 tiles
+    (Linear.amx8_rows)."""
     if linear.qblocks is not None:  # block-quantized (layers/quant_blocks.py), where the native kernel runs
         qb = linear.qblocks
         if qb.native is None or qb.perm is not None:  # (act-order: the stack would not gather x)

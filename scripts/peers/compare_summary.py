@@ -163,7 +163,8 @@ def tunes(out: Path) -> list[str]:
         line = next((x for x in path.read_text().splitlines() if x.startswith("kernel choice: ")), None)
         if line is None:
             continue
-        text = re.sub(r" \(measured in [0-9.]+ s\)$", "", line[len("kernel choice: "):])
+        # (how long it took, and a note that a disturbed measurement was not cached: not part of the choice)
+        text = re.sub(r" \(measured in [0-9.]+ s[^()]*\)$", "", line[len("kernel choice: "):])
         choices = {}
         for group in re.split(r"; (?=[a-z_0-9]+:)", text):  # "op, op: choice" groups
             ops, _, choice = group.partition(": ")  # (an op's name has colons, never a colon and a space)

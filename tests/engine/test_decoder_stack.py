@@ -1,7 +1,7 @@
 """The native decoder stack (kernels/cpu/decoder_stack.cpp) through the whole engine: the steps it runs (decodes, chunked
 prefills, both at once) give the same bits as the Python layers (LLMSERVE_DECODER_STACK=0), batched, windowed,
-preempted, prefix-cached, over 16-bit, int8 and int4 caches, bf16, fp32, int8 and GGUF block weights; models and settings it
-does not cover keep the Python layers."""
+preempted, prefix-cached, over 16-bit, int8 and int4 caches, bf16, fp32, int8 and GGUF block weights; models and
+settings it does not cover keep the Python layers."""
 
 from __future__ import annotations
 

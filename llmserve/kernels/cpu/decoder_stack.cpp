@@ -7,8 +7,8 @@
 // views, checks, about 15 ops per layer over 30 layers) on a 2-core CPU. Here the layers run without the interpreter,
 // and without holding the GIL, so a server's event loop keeps running during the step.
 //
-// Only what the kernels cover is built here (llmserve/models/decoder_stack.py decides): bf16, fp32 or int8 packed linears,
-// no per-head q/k norm, a cache paged_decode reads (and prefill_attention, for steps with prefill chunks).
+// Only what the kernels cover is built here (llmserve/models/decoder_stack.py decides): bf16, fp32 or int8 packed
+// linears, no per-head q/k norm, a cache paged_decode reads (and prefill_attention, for steps with prefill chunks).
 
 #include <torch/extension.h>
 #include <pybind11/stl.h>
