@@ -250,8 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_structured_flags(gen)
     gen.set_defaults(func=_cmd_generate)
 
-    tune = sub.add_parser("tune", help="time the CPU kernels the model's bf16 matmuls may take, at each batch size, "
-                                       "on this machine; cache and print the choice (serve and the rest reuse it)")
+    tune = sub.add_parser("tune", help="time the CPU kernels the model's bf16 and fp32 matmuls may take, at each "
+                                       "batch size, on this machine; cache and print the choice (serve and the rest "
+                                       "reuse it)")
     add_model_argument(tune)
     add_model_flags(tune, log_level="WARNING")
     tune.set_defaults(func=_cmd_tune)

@@ -408,7 +408,7 @@ class EngineConfig:
     kernel_choice: str = _f("auto", "CPU kernels of the model's matmuls and attention: auto times the candidates at the first "
                                     "start (cached under ~/.cache/llmserve/tuning; `llmserve tune` measures again), "
                                     "or pin for A/B runs: bf16_linear=fma|dot|amx|onednn|fp32, "
-                                    "qblock_linear=blocks|blocks_amx|fma|dot|amx|onednn|fp32 (block-quantized weights: kept, or "
+                                    "fp32_linear=fma|onednn, qblock_linear=blocks|blocks_amx|fma|dot|amx|onednn|fp32 (block-quantized weights: kept, or "
                                     "dequantized to bf16 for that kernel; blocks_amx: kept, on AMX tiles), "
                                     "prefill_attention=fp32|dot|amx, decode_attention=fp32|dot, and for int8 weights "
                                     "w8a8_linear=vnni|amx8, int8w_linear=vnni|amx8 (from how many rows AMX-INT8 tiles "

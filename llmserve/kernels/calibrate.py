@@ -252,15 +252,17 @@ def dequantized_bf16(qb: BlockWeight, rows: int = 4096) -> torch.Tensor:
 
 def matmul_weights(model: nn.Module) -> Iterator[torch.Tensor]:
     """The bf16 and fp32 CPU weights of the model's linears and LM head (the matmuls a bf16_linear or fp32_linear
-    choice applies to: op_name). Not an embedding whose LM head is int8 (w8a8's head): its table is only looked up
-    (timing its 49152x576 shape took SmolLM2-135M's w8a8 calibration from 2.7 to 7.4 s on a 2-core Xeon, for a choice
-    nothing used)."""
+    choice applies to: op_name). Not an embedding that is only looked up: an untied model's input table, or one whose
+    LM head is int8 (w8a8's head) (timing its 49152x576 shape took SmolLM2-135M's w8a8 calibration from 2.7 to 7.4 s on
+    a 2-core Xeon, for a choice nothing used)."""
     from llmserve.layers.embedding import VocabEmbedding
     from llmserve.layers.linear import Linear
 
+    heads = {id(m.logits_head()) for m in model.modules() if hasattr(m, "logits_head")}
     for m in model.modules():
         int8_head = isinstance(m, VocabEmbedding) and getattr(m, "head_int8_packed", None) is not None
-        w = getattr(m, "weight", None) if isinstance(m, (Linear, VocabEmbedding)) and not int8_head else None
+        matmul = isinstance(m, Linear) or (isinstance(m, VocabEmbedding) and id(m) in heads and not int8_head)
+        w = getattr(m, "weight", None) if matmul else None
         if w is not None and w.dtype in (torch.bfloat16, torch.float32) and w.device.type == "cpu" and w.dim() == 2:
             yield w
 
@@ -812,7 +814,8 @@ def key(ops: list[str], threads: int, blocks_only: bool = False, rows: RowLimits
 
 
 def head_ops(model: nn.Module) -> set[str]:
-    """The bf16 and block-quantized ops only the LM head runs (whose rows are the sampled ones: RowLimits.head)."""
+    """The bf16, fp32 and block-quantized ops only the LM head runs (whose rows are the sampled ones:
+    RowLimits.head)."""
     from llmserve.layers.linear import Linear
 
     heads = [m.logits_head() for m in model.modules() if hasattr(m, "logits_head")]

@@ -309,8 +309,8 @@ class LlamaForCausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def pack_for_cpu(self, choices: ChoiceTable | None = None) -> None:
-        """Switch every matmul to its CPU form (after load_weights; see layers.linear): bf16 weights to the kernels
-        measured fastest on this machine (choices, kernels/calibrate.py), the rest to oneDNN-blocked weights. A layer on
+        """Switch every matmul to its CPU form (after load_weights; see layers.linear): bf16 and fp32 weights to the
+        kernels measured fastest on this machine (choices, kernels/calibrate.py), the rest to oneDNN-blocked weights. A layer on
         block-quantized weights stays on them unless its measured choice is a bf16 kernel over the dequantized weight."""
         few: dict[int, tuple[object, int]] = {}  # id(module): (its blocks, up to how many rows they run)
         packed: dict[int, tuple[torch.Tensor, int]] = {}  # id(module): (its dequantized weight in bf16_pack's layout, rows)

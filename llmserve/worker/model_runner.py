@@ -129,7 +129,8 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
                  cpu: CpuOptions | None = None, kv_cache_dtype: str = "auto",
                  graphs: GraphOptions | None = None) -> None:
-        self.kernel_choices: ChoiceTable | None = None  # the measured (or cached, or pinned) kernels of bf16 matmuls
+        # the measured (or cached, or pinned) kernels of bf16 and fp32 matmuls (and bf16 attention)
+        self.kernel_choices: ChoiceTable | None = None
         # native prefill and decode attention by AVX512-BF16 dot products: their measured kernels (else fp32 FMAs)
         self.prefill_kernel, self.decode_dot = "fp32", False
         if loaded.device.type == "cpu":

@@ -19,10 +19,8 @@ BF16 = torch.bfloat16
 
 
 @pytest.fixture(autouse=True)
-def fresh_cache(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv(calibrate.ENV, raising=False)
-    monkeypatch.setattr(choice, "_measured", {})
+def fresh_cache(fresh_tuning_cache) -> None:  # (conftest.py)
+    pass
 
 
 @pytest.fixture
@@ -40,7 +38,7 @@ def test_a_fake_timer_decides_every_op_of_the_model(bf16_model) -> None:
         return {"fma": 1.0 if small else 9.0, "fp32": 9.0 if small else 0.5}.get(name, 5.0)
 
     table = calibrate.plan(bf16_model, 2, dtype=BF16, timer=timer)
-    shapes = {calibrate.op_name(w) for w in calibrate.bf16_weights(bf16_model)}
+    shapes = {calibrate.op_name(w) for w in calibrate.matmul_weights(bf16_model)}
     attention = calibrate.attention_op(bf16_model, calibrate.PREFILL_ATTENTION, BF16)
     decode = calibrate.attention_op(bf16_model, calibrate.DECODE_ATTENTION, BF16)
     assert set(table.ops) == shapes | {op for op in (attention, decode) if op}
@@ -86,9 +84,12 @@ def test_an_amx_attention_pin_is_refused_where_head_dim_is_no_whole_tile(bf16_mo
         calibrate.plan(bf16_model, 2, "prefill_attention=amx", dtype=BF16)
 
 
-def test_an_fp32_model_has_nothing_to_choose(tiny_model_dir: Callable[[str], str]) -> None:
+def test_an_fp32_model_chooses_only_its_linears(tiny_model_dir: Callable[[str], str]) -> None:
+    """Its matmuls are fp32_linear ops (the packed fp32_gemm against oneDNN: tests/kernels/test_fp32_linear_choice.py);
+    its attention has no choice (the native attention's choices are a bf16 model's)."""
     model = load_model(tiny_model_dir("llama"), EngineConfig(dtype="float32")).model
-    assert calibrate.plan(model, 2, dtype=torch.float32) is None
+    table = calibrate.plan(model, 2, dtype=torch.float32, timer=lambda name, rows, fn: 1.0)
+    assert table.ops and all(op.startswith("fp32_linear:") for op in table.ops)
     assert calibrate.attention_op(model, calibrate.PREFILL_ATTENTION, torch.float32) is None
 
 
@@ -108,7 +109,7 @@ def test_a_bf16_model_on_quantized_blocks_still_chooses_its_attention(q4_1_gguf:
     """Its attention runs in bf16 like any bf16 model's: the choice is measured though no linear is bf16 (it was
     skipped when the model's dtype was read from its linears)."""
     model = load_model(q4_1_gguf, EngineConfig(dtype="bfloat16")).model
-    assert next(calibrate.bf16_weights(model), None) is None
+    assert next(calibrate.matmul_weights(model), None) is None
     table = calibrate.plan(model, 2, dtype=BF16, timer=lambda name, rows, fn: 1.0 if name == "dot" else 2.0)
     ops = {calibrate.attention_op(model, kind, BF16)
            for kind in (calibrate.PREFILL_ATTENTION, calibrate.DECODE_ATTENTION)}
@@ -725,7 +726,7 @@ def test_a_w8a8_models_int8_head_is_not_timed_as_a_bf16_matmul(tiny_model_dir: C
     model = load_model(tiny_model_dir("llama-tied"), EngineConfig(dtype="bfloat16", quantization="w8a8")).model
     head = model.logits_head()
     assert head.head_int8_packed is not None and head.weight is not None  # int8 logits, bf16 lookups
-    assert not any(w is head.weight for w in calibrate.bf16_weights(model))
+    assert not any(w is head.weight for w in calibrate.matmul_weights(model))
     table = calibrate.plan(model, 2, dtype=BF16, timer=lambda name, rows, fn: 1.0)
     vocab = f"bf16_linear:{head.weight.shape[0]}x{head.weight.shape[1]}"
     assert table is None or vocab not in table.ops

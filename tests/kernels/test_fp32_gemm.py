@@ -15,8 +15,8 @@ pytestmark = pytest.mark.skipif(not native.fp32_gemm_usable(),
 def _fma_in_order(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The kernel's arithmetic, step by step: each output acc = fma(x[k], w[k], acc) for k = 0, 1, ... from 0, rounded
     to fp32 at every step, then + bias in fp32. An fp32 product is exact in fp64 and the sum is rounded to fp64 and then
-    to fp32 (a double rounding that differs from one rounding only at exact fp32 midpoints: fixed seeds make the
-    comparison deterministic)."""
+    to fp32 (a double rounding that differs from one rounding only where the fp64 sum lands exactly on a midpoint of
+    two fp32 values: fixed seeds make the comparison deterministic)."""
     acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32)
     xd, wd = x.double(), w.double()
     for k in range(x.shape[1]):
@@ -26,7 +26,8 @@ def _fma_in_order(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -
 
 # every tile (1 row x 1-4 blocks, 2 x 1-2, 3-6 x 1), N not a multiple of 16, K of any width, more rows than a work
 # chunk (240)
-@pytest.mark.parametrize("rows,in_f,out_f", [(1, 576, 960), (1, 5, 1), (1, 17, 40), (2, 101, 33), (2, 64, 48),
+@pytest.mark.parametrize("rows,in_f,out_f", [(1, 576, 960), (1, 5, 1), (1, 17, 40), (1, 20, 30), (1, 9, 32),
+                                             (1, 33, 50), (2, 101, 33), (2, 64, 48), (2, 30, 16),
                                              (3, 1536, 20), (4, 37, 17), (5, 64, 16), (6, 7, 70), (13, 202, 100),
                                              (250, 70, 90)])
 @pytest.mark.parametrize("bias", [False, True])

@@ -11,7 +11,7 @@ import torch
 
 from llmserve import EngineConfig
 from llmserve.errors import InvalidRequestError
-from llmserve.kernels import calibrate, choice, native
+from llmserve.kernels import calibrate, native
 from llmserve.kernels.choice import pinned
 from llmserve.layers.embedding import VocabEmbedding
 from llmserve.layers.linear import Linear
@@ -23,10 +23,8 @@ FP32 = torch.float32
 
 
 @pytest.fixture(autouse=True)
-def fresh_cache(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv(calibrate.ENV, raising=False)
-    monkeypatch.setattr(choice, "_measured", {})
+def fresh_cache(fresh_tuning_cache) -> None:  # (conftest.py)
+    pass
 
 
 @pytest.fixture
@@ -131,3 +129,12 @@ def test_linear_and_head_on_the_packed_kernel(rows: int) -> None:
     assert head.weight is None and head.packed is None and head.matmul.packed
     h = torch.randn(rows, 64, generator=g)
     torch.testing.assert_close(head.logits(h), h @ table.T, rtol=1e-5, atol=1e-5)
+
+
+def test_an_untied_models_input_table_is_no_matmul(tiny_model_dir: Callable[[str], str]) -> None:
+    """Only looked up: timing it at a decoder linear's row counts (up to 2,048) would choose for nothing."""
+    model = load_model(tiny_model_dir("llama"), EngineConfig(dtype="float32")).model
+    assert model.lm_head is not None  # untied
+    weights = list(calibrate.matmul_weights(model))
+    assert any(w is model.lm_head.weight for w in weights)
+    assert not any(w is model.model.embed_tokens.weight for w in weights)
