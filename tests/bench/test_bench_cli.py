@@ -105,7 +105,7 @@ def test_throughput_json_counts_the_workload_and_profiles_every_step(tiny_model_
                "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0
-    assert (out["dtype"], out["matmul_peak_kind"]) == ("float32", "matmul") and out["matmul_peak_gflops"] > 0
+    assert (out["dtype"], out["matmul_peak_kind"]) == ("float32", "fp32 matmul") and out["matmul_peak_gflops"] > 0
     [r] = out["results"]
     assert (r["engine"], r["num_requests"], r["output_tokens"]) == ("llmserve", 6, 30)  # ignore_eos: 6 x 5
     assert 6 * 20 <= r["prompt_tokens"] <= 6 * 60 and r["gflop"] > 0 and r["elapsed_s"] > 0
