@@ -233,6 +233,8 @@ class MeasuredMatmul:
         self.n = weight.shape[0] if rows is None else rows
         self.kernel = choice.kernel
         self.fp32 = weight.dtype == torch.float32  # fp32 weights: fma is fp32_gemm
+        # whether the weight is in packed_gemm.cpp's layout, which the native decoder stack runs (read on every call)
+        self.packed = self.kernel in native.BF16_PATHS
         # a dequantized block-quantized weight on amx: (its blocks' native handle, rows): batches of at most that many
         # rows run qblock_linear_amx_dot on the blocks, the tiles' bits from a third of the bytes (models/llama.py)
         self.few: tuple[object, int] | None = None
@@ -257,11 +259,6 @@ class MeasuredMatmul:
         if self.kernel == "onednn":
             return onednn_linear(x, self.weight, bias)
         return fp32_linear(x, self.weight, bias)
-
-    @property
-    def packed(self) -> bool:
-        """Whether the weight is in packed_gemm.cpp's layout, which the native decoder stack runs."""
-        return self.kernel in native.BF16_PATHS
 
 
 def int8_packed_ok(weight: torch.Tensor) -> bool:

@@ -14,13 +14,9 @@ from llmserve.errors import InvalidRequestError
 from llmserve.kernels import calibrate, choice, native
 from llmserve.models.loader import load_model
 
-pytestmark = pytest.mark.skipif(not native.packed_gemm_usable(), reason="needs the extension and AVX-512")
+pytestmark = [pytest.mark.skipif(not native.packed_gemm_usable(), reason="needs the extension and AVX-512"),
+              pytest.mark.usefixtures("fresh_tuning_cache")]  # (conftest.py)
 BF16 = torch.bfloat16
-
-
-@pytest.fixture(autouse=True)
-def fresh_cache(fresh_tuning_cache) -> None:  # (conftest.py)
-    pass
 
 
 @pytest.fixture

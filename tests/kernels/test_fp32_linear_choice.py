@@ -17,14 +17,11 @@ from llmserve.layers.embedding import VocabEmbedding
 from llmserve.layers.linear import Linear
 from llmserve.models.loader import load_model
 
-pytestmark = pytest.mark.skipif(not native.fp32_gemm_usable() or not torch.backends.mkldnn.is_available(),
-                                reason="needs the extension on a CPU with AVX2 and FMA, and oneDNN")
+pytestmark = [pytest.mark.skipif(not native.fp32_gemm_usable() or not torch.backends.mkldnn.is_available(),
+                                reason="needs the extension on a CPU with AVX2 and FMA, and oneDNN"),
+              pytest.mark.usefixtures("fresh_tuning_cache")]  # (conftest.py)
+
 FP32 = torch.float32
-
-
-@pytest.fixture(autouse=True)
-def fresh_cache(fresh_tuning_cache) -> None:  # (conftest.py)
-    pass
 
 
 @pytest.fixture
