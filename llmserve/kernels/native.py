@@ -433,11 +433,13 @@ def qblock_weight(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor 
     return _module.QBlockWeight(codes, scales, mins, n, k, bits, group, zero)
 
 
-def qblock_linear(x: torch.Tensor, weight: object, bias: torch.Tensor | None, vnni: bool | None = None) -> torch.Tensor:
+def qblock_linear(x: torch.Tensor, weight: object, bias: torch.Tensor | None, vnni: bool | int | None = None) -> torch.Tensor:
     """x [M, K] (fp32/bf16) @ the block-quantized weight [n, K] ^T (+ bias) -> [M, n] in x's dtype. vnni (default:
-    where qblock_vnni_usable()): x quantized to int8 per block of 32 and exact int32 block sums (batches of the
-    weight's amx8_rows rows and more on AMX-INT8 tiles where qblock_amx8_usable(), the same bits; vnni=2: VNNI alone);
-    else fp32 FMAs on the widened codes. Either way a row's result does not depend on the other rows. Needs qblock_usable()."""
+    where qblock_vnni_usable(), or on a CPU with AVX2 and no AVX-512): x quantized to int8 per block of 32 and exact
+    int32 block sums (batches of the weight's amx8_rows rows and more on AMX-INT8 tiles where qblock_amx8_usable(), the
+    same bits; vnni=2: VNNI alone; without AVX-512, and with vnni=3 where qblock_avx2_usable(), the AVX2 kernel: the same
+    bits again); else (vnni=False, where qblock_fma_usable()) fp32 FMAs on the widened codes. Either way a row's result
+    does not depend on the other rows. Needs qblock_usable()."""
     return _module.qblock_linear(x, weight, bias, -1 if vnni is None else int(vnni))
 
 
@@ -487,8 +489,27 @@ def gguf_nibbles(raw: torch.Tensor, offset: int, size: int) -> torch.Tensor:
 
 @functools.cache
 def qblock_usable() -> bool:
-    """Whether qblock_linear runs here: the extension builds and the CPU has AVX-512."""
+    """Whether qblock_linear runs here: the extension builds and the CPU has AVX-512, or AVX2 and FMA (int8
+    activations only)."""
     return load() is not None and _module.qblock_linear_supported()
+
+
+@functools.cache
+def qblock_fma_usable() -> bool:
+    """Whether qblock_linear's fp32-FMA path (vnni=False) runs here (AVX-512)."""
+    return qblock_usable() and _module.qblock_fma_supported()
+
+
+@functools.cache
+def qblock_avx2_usable() -> bool:
+    """Whether qblock_linear's AVX2 kernel runs here (vnni=3; the int8 path of CPUs without AVX-512)."""
+    return qblock_usable() and _module.qblock_avx2_supported()
+
+
+@functools.cache
+def qblock_int8_usable() -> bool:
+    """Whether qblock_linear's int8-activation product runs here: VNNI, or the AVX2 kernel (the same bits)."""
+    return qblock_vnni_usable() or qblock_avx2_usable()
 
 
 @functools.cache

@@ -1,7 +1,8 @@
 """kernels/cpu/qblock_gemm.cpp against torch, for 4-, 5-, 6- and 8-bit codes in groups of 16, 32 and 64: the packed
 layout (native packing = torch packing, the high-bit planes where the header says, unpacking = the codes, row
-lookups), the int8-activation (VNNI) product against the same arithmetic in float64, the FMA path against fp32, both
-against the unquantized-activation product, and a row's result independent of its batch."""
+lookups), the int8-activation product (VNNI, or AVX2's maddubs kernel) against the same arithmetic in float64, the
+FMA path (AVX-512) against fp32, both against the unquantized-activation product, a row's result independent of its
+batch, and the AVX2 kernel's bits equal to VNNI's where a CPU has both."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from llmserve.kernels import native
 from llmserve.layers import quant_blocks as qb
 
-pytestmark = pytest.mark.skipif(not native.qblock_usable(), reason="needs the native kernels on an AVX-512 CPU")
+pytestmark = pytest.mark.skipif(not native.qblock_usable(), reason="needs the native kernels (AVX-512, or AVX2)")
 
 # (bits, group, zero, mins, scale dtype): Q4_0, Q4_1, Q8_0, AWQ/GPTQ-like (group 64, fp32 mins), Q5_K, Q6_K, and
 # groups of 16 with fp16 scales (widened at packing) and with mins
@@ -104,16 +105,20 @@ def test_kernel_matches_reference(fmt: str, m: int, dtype: torch.dtype) -> None:
     bias = torch.randn(n)
     exact = x.double() @ dense.double().T + bias.double()
     scale = exact.abs().max().item()
-    y = native.qblock_linear(x, w.native, bias, vnni=True) if native.qblock_vnni_usable() else None
+    y = native.qblock_linear(x, w.native, bias, vnni=True) if native.qblock_int8_usable() else None
     if y is not None:
         # int8 activations: the same arithmetic in float64 to fp32 rounding (bf16 output: its rounding)...
         tol = 1e-5 if dtype == torch.float32 else 8e-3
         torch.testing.assert_close(y.double(), _int8_reference(x, dense) + bias.double(), atol=tol * scale, rtol=0)
         # ... within 2% of the largest output from the unquantized product
         assert (y.double() - exact).abs().max().item() <= 0.02 * scale
-    y_fma = native.qblock_linear(x, w.native, bias, vnni=False)
     tol = 1e-5 if dtype == torch.float32 else 8e-3
-    torch.testing.assert_close(y_fma.double(), exact, atol=tol * scale, rtol=0)
+    if native.qblock_fma_usable():
+        y_fma = native.qblock_linear(x, w.native, bias, vnni=False)
+        torch.testing.assert_close(y_fma.double(), exact, atol=tol * scale, rtol=0)
+    else:
+        with pytest.raises(RuntimeError, match="needs AVX-512"):
+            native.qblock_linear(x, w.native, bias, vnni=False)
     # the torch reference (CUDA's path): the dequantized weight in one matmul
     torch.testing.assert_close(qb.reference_linear(x, w, bias).double(), exact, atol=tol * scale, rtol=0)
 
@@ -121,13 +126,44 @@ def test_kernel_matches_reference(fmt: str, m: int, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("vnni", [True, False])
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q5_k", "q6_k"])
 def test_rows_do_not_depend_on_the_batch(fmt: str, vnni: bool) -> None:
-    if vnni and not native.qblock_vnni_usable():
-        pytest.skip("no AVX512-VNNI")
+    if not (native.qblock_int8_usable() if vnni else native.qblock_fma_usable()):
+        pytest.skip("no int8 kernel here" if vnni else "the FMA path needs AVX-512")
     w = qb.BlockWeight(_weight(fmt, 80, 160))
     x = torch.randn(64, 160).bfloat16()
     whole = native.qblock_linear(x, w.native, None, vnni=vnni)
     for rows in ([0], [5, 6, 7], list(range(13, 30))):
         assert torch.equal(native.qblock_linear(x[rows], w.native, None, vnni=vnni), whole[rows])
+
+
+@pytest.mark.skipif(not native.qblock_avx2_usable(), reason="needs AVX2")
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_avx2_kernel_gives_the_int8_arithmetic(fmt: str, dtype: torch.dtype) -> None:
+    """The AVX2 kernel (vnni=3; the int8 path of CPUs without AVX-512): exact int32 block sums (vpmaddubsw's int16
+    steps never saturate: 4-bit codes eight products a sum, 5-bit four, 6-bit two, 8-bit codes as two nibbles) and
+    tile_vnni's fp32 steps. Where VNNI runs too, every output is its bit for bit; everywhere, the float64 arithmetic to
+    fp32 rounding, and a row's result does not depend on its batch. Shapes: a last tile of 5 outputs (one half of 8
+    lanes), 53 and 600 outputs, rows 1-2 (the streaming tiles), 3, 17 and 300 (register tiles of 4, partial ones,
+    more than one 240-row chunk); codes at their extremes (the largest int16 sums) and random."""
+    for n, k, rows in [(5, 64, (1, 3)), (53, 192, (1, 2, 3, 17)), (600, 256, (300,))]:
+        t = _weight(fmt, n, k, seed=n)
+        extreme = _weight(fmt, n, k, seed=n)
+        extreme.codes.fill_(2 ** t.bits - 1)
+        for tensor in (t, extreme):
+            w = qb.BlockWeight(tensor)
+            bias = torch.randn(n)
+            for m in rows:
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+                if tensor is extreme:  # rows of activations all 127 or all -127 after rounding: the largest sums
+                    x = torch.ones(m, k, dtype=dtype)
+                    x[1::2] = -1
+                y = native.qblock_linear(x, w.native, bias, vnni=3)
+                if native.qblock_vnni_usable():
+                    assert torch.equal(y, native.qblock_linear(x, w.native, bias, vnni=2)), (fmt, n, m)
+                want = _int8_reference(x, tensor.dequantize()) + bias.double()
+                tol = 1e-5 if dtype == torch.float32 else 8e-3
+                torch.testing.assert_close(y.double(), want, atol=tol * want.abs().max().item(), rtol=0)
+                assert torch.equal(native.qblock_linear(x[-1:], w.native, bias, vnni=3), y[-1:])
 
 
 @pytest.mark.skipif(not native.qblock_amx8_usable(), reason="needs AMX-INT8")

@@ -100,6 +100,9 @@ struct QBlockWeight {
   int64_t wide_rows = int64_t{1} << 62;
 };
 bool qblock_linear_supported();
+// qblock_linear's fp32-FMA path (vnni=0: AVX-512) and its AVX2 kernel (vnni=3; the int8 path without AVX-512)
+bool qblock_fma_supported();
+bool qblock_avx2_supported();
 at::Tensor qblock_linear(at::Tensor x, const QBlockWeight& weight, c10::optional<at::Tensor> bias,
                          int64_t vnni);
 // bf16 x on AMX tiles, each tile of the weight dequantized to bf16 as it is read (amx_bf16_supported())

@@ -32,6 +32,7 @@
 
 #include "aligned.h"       // AlignedVector
 #include "amx_tiles.h"     // TileConfig, load_tile_config
+#include "avx2_math.h"    // LLMSERVE_AVX2 where the build has AVX2 and FMA
 #include "avx512_math.h"  // LLMSERVE_AVX512, masked loads and stores, for_each_tile
 #include "kernels.h"
 #include "work_queue.h"   // parallel_units
@@ -719,9 +720,328 @@ std::function<void(const Weight&, int64_t, uint16_t*)> tile_dequantizer(const QB
   return f;
 }
 
+// ---- The int8-activation product on CPUs with AVX2 and FMA (no AVX-512: qblock_linear's path there) ----
+// Without vpdpbusd, vpmaddubsw multiplies a vector's unsigned code bytes by the row's 4 signed bytes (broadcast) and
+// adds each pair into an int16; vpmaddwd by ones then adds the pairs into the lane's int32: per lane, what vpdpbusd
+// gives. The int16 steps cannot saturate with codes under 8 bits: a pair is at most 2 * 63 * 127 = 16002, so up to
+// two (6-bit), four (5-bit: 7874 each) or eight (4-bit: 3810 each) of them are summed in int16 before widening.
+// 8-bit codes are split into their nibbles (q = 16 hi + lo, each product a 4-bit one) and put together in int32. So
+// each block's sums are tile_vnni's exact int32 sums, and with its very fp32 operations after them, in its order,
+// every output is the VNNI kernel's bit for bit (x quantized as quantize_row does), at any batch. A tile's 16 outputs
+// are two halves of 8 lanes: bytes 0-31 and 32-63 of each of its 64-byte vectors.
+// Why: without it a CPU with AVX2 only dequantized a GGUF's blocks to fp32 at load, and a decode step read 538 MB of
+// SmolLM2-135M's weights from memory against its Q4_1 blocks' ~75 MB.
+#if defined(LLMSERVE_AVX2)
+constexpr int kAvx2Rows = 4;  // rows of x per register tile (8 accumulators: 4 rows x 2 halves)
+
+bool avx2_supported() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c");
+  return ok;
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m256 load_scale8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_scale8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// d and m of tile t, group g, outputs 8 h .. 8 h + 7 (group_scales' half)
+template <typename S>
+inline void group_scales8(const Weight& w, int64_t t, int64_t g, int h, __m256& d, __m256& m) {
+  const int64_t at = (t * w.KG + g) * kTileRows + 8 * h;
+  d = load_scale8(static_cast<const S*>(w.scales) + at);
+  m = w.mins != nullptr ? load_scale8(static_cast<const S*>(w.mins) + at)
+                        : _mm256_mul_ps(d, _mm256_set1_ps(-static_cast<float>(w.zero)));
+}
+
+inline int32_t hsum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// quantize_row in 8 lanes: the same max, scale, division-free rounding (vcvtps2dq, nearest even), saturation and sums.
+template <bool G16, typename T>
+void quantize_row_avx2(const T* x, int64_t KB, int8_t* q, float* dx, float* sx) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < KB; ++b) {
+    __m256 v[4];
+    for (int j = 0; j < 4; ++j) v[j] = load8(x + b * kBlock + 8 * j);
+    const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
+                                    _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mx);
+    float amax = lanes[0];
+    for (int j = 1; j < 8; ++j) amax = std::max(amax, lanes[j]);
+    const float d = amax / 127.f;
+    const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+    __m256i n[4];
+    for (int j = 0; j < 4; ++j) n[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+    // packs interleave 128-bit lanes: dword l of the result is columns 4 order[l] .. + 3
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock), _mm256_permutevar8x32_epi32(p, order));
+    dx[b] = d;
+    // the sums of the saturated values, as quantize_row's (|n| <= 127 here, so n's own)
+    const int32_t lo = hsum8(_mm256_add_epi32(n[0], n[1])), hi = hsum8(_mm256_add_epi32(n[2], n[3]));
+    if constexpr (G16) {
+      sx[2 * b] = static_cast<float>(lo);
+      sx[2 * b + 1] = static_cast<float>(hi);
+    } else {
+      sx[b] = static_cast<float>(lo + hi);
+    }
+  }
+}
+
+template <int S>
+inline __m256i shift16_avx2(__m256i x) {
+  if constexpr (S > 0) return _mm256_slli_epi16(x, S);
+  else if constexpr (S < 0) return _mm256_srli_epi16(x, -S);
+  else return x;
+}
+
+// add_high_bits in 8 lanes (or and and for vpternlogd)
+template <int HB, int PER, int... U>
+inline void add_high_bits_avx2(const __m256i* hi, __m256i field, __m256i* v, std::integer_sequence<int, U...>) {
+  ((v[U] = _mm256_or_si256(v[U], _mm256_and_si256(shift16_avx2<4 - HB * (U % PER)>(hi[U / PER]), field))), ...);
+}
+
+// unpack_codes' 8 vectors, half h (lanes 8 h .. 8 h + 7). 8-bit codes come as they are.
+template <int BITS>
+inline void unpack_half(const uint8_t* c, int h, __m256i* v) {
+  auto load = [&](int64_t off) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + off + 32 * h)); };
+  if constexpr (BITS == 8) {
+    _Pragma("GCC unroll 8") for (int k = 0; k < 8; ++k) v[k] = load(64 * k);
+  } else {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j) {
+      const __m256i raw = load(64 * j);
+      v[2 * j] = _mm256_and_si256(raw, low);
+      v[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    }
+    if constexpr (BITS > 4) {
+      constexpr int HB = BITS - 4, PER = 8 / HB;
+      const __m256i field = _mm256_set1_epi8(static_cast<char>(((1 << HB) - 1) << 4));
+      const __m256i hi[2] = {load(256), HB == 2 ? load(320) : _mm256_setzero_si256()};
+      add_high_bits_avx2<HB, PER>(hi, field, v, std::make_integer_sequence<int, 8>{});
+    }
+  }
+}
+
+// the int32 sums of one row's block against one half's code vectors: s0 over columns 0-31 (G16: 0-15, s1 16-31)
+template <int BITS, bool G16>
+inline void block_sums(const __m256i* v, const int32_t* xq, __m256i& s0, __m256i& s1) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  auto dot = [&](__m256i codes, int k) { return _mm256_maddubs_epi16(codes, _mm256_set1_epi32(xq[k])); };
+  auto widen = [&](__m256i s16) { return _mm256_madd_epi16(s16, ones); };
+  auto add = [](__m256i a, __m256i b) { return _mm256_add_epi16(a, b); };
+  if constexpr (BITS == 8) {  // q = 16 hi + lo
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256i lo[2], hi[2];
+    _Pragma("GCC unroll 2") for (int half = 0; half < 2; ++half) {
+      __m256i l = _mm256_setzero_si256(), u = _mm256_setzero_si256();
+      _Pragma("GCC unroll 4") for (int k = 4 * half; k < 4 * half + 4; ++k) {
+        l = add(l, dot(_mm256_and_si256(v[k], low), k));
+        u = add(u, dot(_mm256_and_si256(_mm256_srli_epi16(v[k], 4), low), k));
+      }
+      lo[half] = l, hi[half] = u;
+    }
+    if constexpr (G16) {
+      s0 = _mm256_add_epi32(_mm256_slli_epi32(widen(hi[0]), 4), widen(lo[0]));
+      s1 = _mm256_add_epi32(_mm256_slli_epi32(widen(hi[1]), 4), widen(lo[1]));
+    } else {
+      s0 = _mm256_add_epi32(_mm256_slli_epi32(widen(add(hi[0], hi[1])), 4), widen(add(lo[0], lo[1])));
+    }
+  } else if constexpr (BITS == 6) {  // two products a widening
+    const __m256i a = _mm256_add_epi32(widen(add(dot(v[0], 0), dot(v[1], 1))), widen(add(dot(v[2], 2), dot(v[3], 3))));
+    const __m256i b = _mm256_add_epi32(widen(add(dot(v[4], 4), dot(v[5], 5))), widen(add(dot(v[6], 6), dot(v[7], 7))));
+    if constexpr (G16) s0 = a, s1 = b;
+    else s0 = _mm256_add_epi32(a, b);
+  } else {  // 4 and 5 bits: four products a widening (4 bits without group 16: all eight)
+    const __m256i a = add(add(dot(v[0], 0), dot(v[1], 1)), add(dot(v[2], 2), dot(v[3], 3)));
+    const __m256i b = add(add(dot(v[4], 4), dot(v[5], 5)), add(dot(v[6], 6), dot(v[7], 7)));
+    if constexpr (G16) s0 = widen(a), s1 = widen(b);
+    else if constexpr (BITS == 4) s0 = widen(add(a, b));
+    else s0 = _mm256_add_epi32(widen(a), widen(b));
+  }
+}
+
+// y[i0 : i0 + MR, tile t's 16 outputs) as tile_vnni<MR, 1, ...> computes them, in two halves of 8 lanes.
+template <int MR, int BITS, bool G16, typename S, typename T>
+__attribute__((optimize("no-tree-pre", "no-tree-reassoc"))) void tile_avx2(const Act& a, const Weight& w, int64_t i0, int64_t t,
+                                                        int64_t N, const float* bias, T* y) {
+  __m256 acc[MR][2];
+  _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.KB; ++b) {
+    const int64_t g = G16 ? 2 * b : b / w.blocks_per_group;
+    const uint8_t* c = w.codes + (t * a.KB + b) * w.bytes;
+    if (MR <= 2)
+      for (int64_t off = 0; off < w.bytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(c + off + kPrefetchBytes), _MM_HINT_T0);
+    __m256i v[2][8];
+    __m256 d[2], m[2], d1[2], m1[2];
+    _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {
+      unpack_half<BITS>(c, h, v[h]);
+      group_scales8<S>(w, t, g, h, d[h], m[h]);
+      if constexpr (G16) group_scales8<S>(w, t, g + 1, h, d1[h], m1[h]);
+    }
+    _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i) {
+      const int64_t row = i0 + i;
+      const int32_t* xq = reinterpret_cast<const int32_t*>(a.q + row * a.K + b * kBlock);
+      const int64_t at = row * a.KB + b;
+      _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {
+        __m256i s0, s1;
+        block_sums<BITS, G16>(v[h], xq, s0, s1);
+        __m256 u;
+        if constexpr (G16) {
+          u = _mm256_fmadd_ps(m[h], _mm256_set1_ps(a.sx[2 * at]), _mm256_mul_ps(d[h], _mm256_cvtepi32_ps(s0)));
+          u = _mm256_fmadd_ps(d1[h], _mm256_cvtepi32_ps(s1), _mm256_fmadd_ps(m1[h], _mm256_set1_ps(a.sx[2 * at + 1]), u));
+        } else {
+          u = _mm256_fmadd_ps(m[h], _mm256_set1_ps(a.sx[at]), _mm256_mul_ps(d[h], _mm256_cvtepi32_ps(s0)));
+        }
+        acc[i][h] = _mm256_fmadd_ps(u, _mm256_set1_ps(a.dx[at]), acc[i][h]);
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    const int64_t n = t * kTileRows + 8 * h, lanes = std::min<int64_t>(8, N - n);  // (none past n)
+    for (int i = 0; i < MR && lanes > 0; ++i) {
+      alignas(32) float r[8];
+      _mm256_store_ps(r, acc[i][h]);
+      T* out = y + (i0 + i) * N + n;
+      for (int64_t l = 0; l < lanes; ++l)  // + bias as store_rows adds it; c10::BFloat16: nearest even, NaN 0x7FC0
+        out[l] = static_cast<T>(bias != nullptr ? r[l] + bias[n + l] : r[l]);
+    }
+  }
+}
+
+// *p in every lane, loaded where it is used: volatile, so that GCC neither shares one broadcast between the
+// halves' products nor hoists them, which held more vectors than there are registers (spilled and reloaded).
+inline __m256i bcast_at(const int32_t* p) {
+  __m256i r;
+  asm volatile("vpbroadcastd %1, %0" : "=x"(r) : "m"(*p));
+  return r;
+}
+
+// tile_avx2 for 4-bit codes in groups of 32 or more (Q4_0, Q4_1, Q4_K, AWQ, GPTQ), the same bits: each block's
+// eight products a lane sum in one int16 vector per row and half, the codes unpacked a 32-byte chunk at a time
+// and every row's products taken from them while they are in registers; the fp32 accumulators wait in memory (one
+// load and store a block). Why: tile_avx2 holds a block's 16 code vectors at once, more than AVX2's 16 registers
+// with the rows' sums, and its spills reloaded a vector for every product (SmolLM2's 30 Q4_1 decoder layers at 64
+// rows, 2-core Zen 3: 84-92 ms, 1.15x the fp32 kernel over the dequantized weights; this one 71 ms against fp32's
+// 92, and 283 against 352 at 256 rows, in a noisy hour). no-tree-reassoc: GCC otherwise rebalanced each sum's chain
+// of adds into a tree, which needs every product live at once (spilled: 88 -> 48 vector moves in the 4-row tile).
+template <int MR, typename S, typename T>
+__attribute__((optimize("no-tree-pre", "no-tree-reassoc"))) void tile_avx2_q4(const Act& a, const Weight& w, int64_t i0, int64_t t,
+                                                           int64_t N, const float* bias, T* y) {
+  alignas(32) float acc[MR][2][8] = {};
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < a.KB; ++b) {
+    const int64_t g = b / w.blocks_per_group;
+    const uint8_t* c = w.codes + (t * a.KB + b) * w.bytes;
+    if (MR <= 2)
+      _Pragma("GCC unroll 4") for (int64_t off = 0; off < 256; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(c + off + kPrefetchBytes), _MM_HINT_T0);
+    const int32_t* xq[MR];
+    _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i)
+      xq[i] = reinterpret_cast<const int32_t*>(a.q + (i0 + i) * a.K + b * kBlock);
+    __m256i s16[MR][2];
+    _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i) s16[i][0] = s16[i][1] = _mm256_setzero_si256();
+    _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j)
+      _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {
+        __m256i raw;  // loaded here too (volatile), or GCC hoists the 8 loads and spills what they unpack
+        asm volatile("vmovdqu %1, %0" : "=x"(raw) : "m"(*reinterpret_cast<const __m256i*>(c + 64 * j + 32 * h)));
+        const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i) {
+          s16[i][h] = _mm256_add_epi16(s16[i][h], _mm256_maddubs_epi16(lo, bcast_at(xq[i] + 2 * j)));
+          s16[i][h] = _mm256_add_epi16(s16[i][h], _mm256_maddubs_epi16(hi, bcast_at(xq[i] + 2 * j + 1)));
+        }
+      }
+    _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {
+      __m256 d, m;
+      group_scales8<S>(w, t, g, h, d, m);
+      _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i) {
+        const int64_t at = (i0 + i) * a.KB + b;
+        const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i][h], ones));
+        const __m256 u = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sx[at]), _mm256_mul_ps(d, s));
+        _mm256_store_ps(acc[i][h], _mm256_fmadd_ps(u, _mm256_set1_ps(a.dx[at]), _mm256_load_ps(acc[i][h])));
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    const int64_t n = t * kTileRows + 8 * h, lanes = std::min<int64_t>(8, N - n);  // (none past n)
+    for (int i = 0; i < MR && lanes > 0; ++i) {
+      T* out = y + (i0 + i) * N + n;
+      for (int64_t l = 0; l < lanes; ++l)  // + bias as store_rows adds it; c10::BFloat16: nearest even, NaN 0x7FC0
+        out[l] = static_cast<T>(bias != nullptr ? acc[i][h][l] + bias[n + l] : acc[i][h][l]);
+    }
+  }
+}
+
+template <typename T, typename S, int BITS, bool G16>
+void run_avx2(const at::Tensor& x, const Weight& w, int64_t N, int64_t NT, const float* bias, T* yp) {
+  const int64_t M = x.size(0), K = x.size(1), KB = K / kBlock;
+  constexpr int64_t kSums = G16 ? 2 : 1;
+  const T* xp = x.data_ptr<T>();
+  auto dx = at::empty({M, KB}, x.options().dtype(at::kFloat));
+  auto sx = at::empty({M, KB * kSums}, x.options().dtype(at::kFloat));
+  auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
+  float* dxp = dx.data_ptr<float>();
+  float* sxp = sx.data_ptr<float>();
+  int8_t* qp = xq.data_ptr<int8_t>();
+  at::parallel_for(0, M, std::max<int64_t>(1, kSerialElems / K), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) quantize_row_avx2<G16>(xp + i * K, KB, qp + i * K, dxp + i * KB, sxp + i * KB * kSums);
+  });
+  const Act a{qp, dxp, sxp, K, KB};
+  auto tile = [&](auto mr, auto, int64_t i, int64_t t) {
+    if constexpr (BITS == 4 && !G16) tile_avx2_q4<decltype(mr)::value, S, T>(a, w, i, t, N, bias, yp);
+    else tile_avx2<decltype(mr)::value, BITS, G16, S, T>(a, w, i, t, N, bias, yp);
+  };
+  if (M <= 2) for_each_tile<2, 1>(M, NT, kChunkRows, tile);
+  else for_each_tile<kAvx2Rows, 1>(M, NT, kChunkRows, tile);
+}
+#else
+bool avx2_supported() { return false; }
+#endif
+
+// dequantize_row without vectors (CPUs without AVX-512): the same values, d * q then + m in fp32
+template <int BITS, bool G16, typename S>
+void dequantize_row_scalar(const Weight& w, int64_t id, float* out) {
+  const int64_t t = id / kTileRows, r = id % kTileRows;
+  const S* scales = static_cast<const S*>(w.scales);
+  const S* mins = static_cast<const S*>(w.mins);
+  for (int64_t b = 0; b < w.KB; ++b) {
+    const uint8_t* c = w.codes + (t * w.KB + b) * w.bytes;
+    const int64_t g = G16 ? 2 * b : b / w.blocks_per_group;
+    for (int j = 0; j < kBlock; ++j) {
+      const int v = j / 4, i = j % 4;
+      int q;
+      if constexpr (BITS == 8) {
+        q = c[64 * v + 4 * r + i];
+      } else {
+        q = (c[64 * (v / 2) + 4 * r + i] >> (4 * (v % 2))) & 15;
+        if constexpr (BITS == 5) q |= ((c[256 + 4 * r + i] >> v) & 1) << 4;
+        if constexpr (BITS == 6) q |= ((c[256 + 64 * (v / 4) + 4 * r + i] >> (2 * (v % 4))) & 3) << 4;
+      }
+      const int64_t at = (t * w.KG + (G16 && v >= 4 ? g + 1 : g)) * kTileRows + r;
+      const float d = static_cast<float>(scales[at]);
+      const float m = mins != nullptr ? static_cast<float>(mins[at]) : d * -static_cast<float>(w.zero);
+      out[b * kBlock + j] = d * static_cast<float>(q) + m;
+    }
+  }
+}
+
 }  // namespace
 
-bool qblock_linear_supported() { return cpu_has_avx512(); }
+bool qblock_linear_supported() { return cpu_has_avx512() || avx2_supported(); }
+bool qblock_fma_supported() { return cpu_has_avx512(); }
+bool qblock_avx2_supported() { return avx2_supported(); }
 
 // x [M, K] bf16 @ the block-quantized weight ^T (+ bias) -> [M, n] bf16 on AMX tiles (amx_gemm.cpp's driver), each
 // tile's weights dequantized (dequantize_tile) once per work item of up to 256 rows: the result is bf16_gemm's amx path
@@ -816,7 +1136,7 @@ at::Tensor qblock_dequantize_bf16(const QBlockWeight& qw) {
 }
 
 at::Tensor qblock_rows(const QBlockWeight& qw, at::Tensor ids) {
-  TORCH_CHECK(cpu_has_avx512(), "qblock_rows needs AVX-512");
+  TORCH_CHECK(qblock_linear_supported(), "qblock_rows needs AVX-512 or AVX2");
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.device().is_cpu(), "qblock_rows: ids [R] int64");
   const auto idc = ids.contiguous();
   const int64_t R = idc.size(0), K = qw.k;
@@ -831,7 +1151,10 @@ at::Tensor qblock_rows(const QBlockWeight& qw, at::Tensor ids) {
     constexpr bool G = decltype(g16)::value;
     using S = decltype(s);
     at::parallel_for(0, R, std::max<int64_t>(1, kSerialElems / K), [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) dequantize_row<B, G, S>(w, ip[i], op + i * K);
+      for (int64_t i = begin; i < end; ++i) {
+        if (cpu_has_avx512()) dequantize_row<B, G, S>(w, ip[i], op + i * K);
+        else dequantize_row_scalar<B, G, S>(w, ip[i], op + i * K);
+      }
     });
   });
   return out;
@@ -840,17 +1163,22 @@ at::Tensor qblock_rows(const QBlockWeight& qw, at::Tensor ids) {
 bool qblock_vnni_supported() { return vnni_supported(); }
 
 // x [M, K] fp32 or bf16 (K = the weight's columns) @ the block-quantized weight [n, K] ^T (+ bias) -> [M, n] in x's
-// dtype. vnni: 1 int8 activations (needs qblock_vnni_supported()), 0 fp32 FMAs, < 0 the former where VNNI is; with
-// int8 activations, batches of 16 rows and more run on AMX-INT8 tiles where the CPU has them (the same bits), except
-// with 2 (VNNI alone: for tests and timings).
+// dtype. vnni: 1 int8 activations (VNNI, or without AVX-512 the AVX2 kernel: the same bits), 0 fp32 FMAs (AVX-512
+// only), < 0 int8 activations where VNNI or AVX2 alone is, else fp32 FMAs; with int8 activations, batches of 16 rows
+// and more run on AMX-INT8 tiles where the CPU has them (the same bits), except with 2 (VNNI alone: for tests and
+// timings); 3 the AVX2 kernel on any CPU with AVX2 (the tests compare its bits with VNNI's).
 at::Tensor qblock_linear(at::Tensor x, const QBlockWeight& qw, c10::optional<at::Tensor> bias, int64_t vnni) {
-  TORCH_CHECK(qblock_linear_supported(), "qblock_linear needs a CPU with AVX-512");
+  TORCH_CHECK(qblock_linear_supported(), "qblock_linear needs a CPU with AVX-512, or AVX2 and FMA");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "qblock_linear: x must be [M, K] on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "qblock_linear: x fp32 or bf16");
   TORCH_CHECK(x.size(1) == qw.k, "qblock_linear: x has ", x.size(1), " columns, the weight ", qw.k);
-  TORCH_CHECK(vnni >= -1 && vnni <= 2, "qblock_linear: vnni -1 (auto), 0, 1 or 2, got ", vnni);
+  TORCH_CHECK(vnni >= -1 && vnni <= 3, "qblock_linear: vnni -1 (auto), 0, 1, 2 or 3, got ", vnni);
+  // the AVX2 kernel: asked for, or the int8 path where AVX-512 is not
+  const bool use_avx2 = vnni == 3 || (!cpu_has_avx512() && vnni != 0);
+  TORCH_CHECK(!use_avx2 || avx2_supported(), "qblock_linear: vnni=3 needs AVX2 and FMA");
+  TORCH_CHECK(vnni != 0 || cpu_has_avx512(), "qblock_linear: vnni=0 (fp32 FMAs) needs AVX-512");
   const bool use_vnni = vnni < 0 ? vnni_supported() : vnni > 0;
-  TORCH_CHECK(!use_vnni || vnni_supported(), "qblock_linear: vnni=1 needs AVX512-VNNI");
+  TORCH_CHECK(use_avx2 || !use_vnni || vnni_supported(), "qblock_linear: vnni=1 needs AVX512-VNNI");
   at::Tensor b;
   const float* bp = bias_fp32(bias, qw.n, "qblock_linear", b);
   const auto xc = x.contiguous();
@@ -863,6 +1191,17 @@ at::Tensor qblock_linear(at::Tensor x, const QBlockWeight& qw, c10::optional<at:
     auto with_bits = [&](auto s, auto g16) {
       using S = decltype(s);
       constexpr bool G16 = decltype(g16)::value;
+#if defined(LLMSERVE_AVX2)
+      if (use_avx2) {
+        const int64_t NT = qw.codes.size(0);
+        switch (qw.bits) {
+          case 4: return run_avx2<T, S, 4, G16>(xc, w, qw.n, NT, bp, yp);
+          case 5: return run_avx2<T, S, 5, G16>(xc, w, qw.n, NT, bp, yp);
+          case 6: return run_avx2<T, S, 6, G16>(xc, w, qw.n, NT, bp, yp);
+          default: return run_avx2<T, S, 8, G16>(xc, w, qw.n, NT, bp, yp);
+        }
+      }
+#endif
       switch (qw.bits) {
         case 4: return run<T, S, 4, G16>(xc, qw, w, bp, use_vnni, vnni != 2, yp);
         case 5: return run<T, S, 5, G16>(xc, qw, w, bp, use_vnni, vnni != 2, yp);
