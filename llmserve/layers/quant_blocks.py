@@ -17,8 +17,8 @@ GPTQ act-order weights keep their columns sorted by group (`perm`, see models/aw
 columns as everywhere else, and a linear gathers x's columns by perm before the kernel. Only linears: `rows` (an
 embedding lookup) reads the stored order.
 
-What a linear runs: where the native kernel runs (a CPU with AVX-512; int8 activations per block of 32 with VNNI),
-that; on CUDA, kernels/triton/qblock.py's GEMM, which reads the same packed tensors and dequantizes tiles in
+What a linear runs: where the native kernel runs (a CPU with AVX-512, int8 activations per block of 32 with VNNI;
+or AVX2 and FMA, the same int8 arithmetic on vpmaddubsw), that; on CUDA, kernels/triton/qblock.py's GEMM, which reads the same packed tensors and dequantizes tiles in
 registers (4 and 8 bits, groups of multiples of 32; LLMSERVE_QBLOCK_TRITON=0 pins the reference, for A/B runs);
 elsewhere (other CPUs, CUDA without triton) the reference path dequantizes the whole weight at each call and
 multiplies in torch: correct, not fast. Nothing in fp32 or bf16 is held between calls on any of them.

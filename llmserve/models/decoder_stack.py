@@ -11,7 +11,7 @@ It covers the Llama family (Llama, Mistral, Qwen2, Qwen3's per-head q/k norm, In
 heads; not Gemma: `computes`) with: linears in kernels/cpu/packed_gemm.cpp's, kernels/cpu/w8a8_linear.cpp's or
 kernels/cpu/qblock_gemm.cpp's (block-quantized: GGUF, AWQ, GPTQ) layout (bf16 models on AVX-512 CPUs whose measured
 choice is a packed kernel, fp32 models on AVX2 CPUs whose measured choice is fp32_gemm, --quantization w8a8,
---quantization int8 on AVX-512 or AVX2 CPUs, and block-quantized checkpoints on AVX-512 CPUs), a cache
+--quantization int8 on AVX-512 or AVX2 CPUs, and block-quantized checkpoints on AVX-512 or AVX2 CPUs), a cache
 paged_decode reads, for steps with prefill chunks native prefill attention (AVX-512, head_dim % 16 ==
 0), and the native kernels enabled (not LLMSERVE_ATTENTION=torch, not LLMSERVE_FUSED_OPS=0).
 `LLMSERVE_DECODER_STACK=0` turns it off. Anything else keeps the Python layers, which stay the reference.

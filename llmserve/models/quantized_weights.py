@@ -2,12 +2,12 @@
 models/gguf_loader.py), AWQ and GPTQ (config.json's quantization_config, see models/awq_gptq.py).
 
 Which layers run on their blocks (layers/quant_blocks.py) and which are dequantized at load:
-- AWQ / GPTQ: every quantized linear runs on its blocks, on any device (the native kernel on AVX-512 CPUs, the Triton
+- AWQ / GPTQ: every quantized linear runs on its blocks, on any device (the native kernel on AVX-512 or AVX2 CPUs, the Triton
   kernel kernels/triton/qblock.py on CUDA, the torch reference elsewhere). There is nothing else to run:
   --quantization int8 / w8a8 are refused; --quantization awq / gptq (vLLM's flag, LMDeploy's model_format) only
   check that the checkpoint is of that method (check_checkpoint_method).
 - GGUF: its Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K linears, and the embedding / LM head, run on their blocks by
-  default where the native kernel runs (a CPU with AVX-512): faster and smaller than dequantized weights. The
+  default where the native kernel runs (a CPU with AVX-512, or AVX2 and FMA): faster and smaller than dequantized weights. The
   dequantized weights (the cache's fp32 copy, exactly gguf.quants' values, in the model dtype: as before) instead
   where the user asks --quantization int8 / w8a8 (which quantize those), dtype float32 (the exact reference: the
   kernel rounds activations to int8), LLMSERVE_GGUF_NATIVE=0, on CUDA (the Triton kernel could run 4/8-bit blocks,

@@ -112,7 +112,7 @@ def test_w8a8_tiles_in_the_stack_give_vnnis_bits_in_the_python_layers(tiny_model
     assert ids == ref_ids and lps == ref_lps
 
 
-@pytest.mark.skipif(not native.qblock_usable(), reason="GGUF blocks run natively on AVX-512 CPUs")
+@pytest.mark.skipif(not native.qblock_usable(), reason="GGUF blocks run natively on AVX-512 or AVX2 CPUs")
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q5_K", "Q6_K"])  # 4-bit; 5-bit; 6-bit in groups of 16
 @pytest.mark.parametrize("kernel", ["blocks", "blocks_amx", "amx"])  # int8 activations; AMX on the blocks; dequantized
 def test_gguf_block_stacks_give_the_python_layers_bits(tmp_path, monkeypatch, qtype: str, kernel: str) -> None:

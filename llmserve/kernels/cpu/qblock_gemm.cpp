@@ -929,47 +929,59 @@ inline __m256i bcast_at(const int32_t* p) {
   return r;
 }
 
-// tile_avx2 for 4-bit codes in groups of 32 or more (Q4_0, Q4_1, Q4_K, AWQ, GPTQ), the same bits: each block's
-// eight products a lane sum in one int16 vector per row and half, the codes unpacked a 32-byte chunk at a time
-// and every row's products taken from them while they are in registers; the fp32 accumulators wait in memory (one
-// load and store a block). Why: tile_avx2 holds a block's 16 code vectors at once, more than AVX2's 16 registers
-// with the rows' sums, and its spills reloaded a vector for every product (SmolLM2's 30 Q4_1 decoder layers at 64
-// rows, 2-core Zen 3: 84-92 ms, 1.15x the fp32 kernel over the dequantized weights; this one 71 ms against fp32's
-// 92, and 283 against 352 at 256 rows, in a noisy hour). no-tree-reassoc: GCC otherwise rebalanced each sum's chain
-// of adds into a tree, which needs every product live at once (spilled: 88 -> 48 vector moves in the 4-row tile).
-template <int MR, typename S, typename T>
-__attribute__((optimize("no-tree-pre", "no-tree-reassoc"))) void tile_avx2_q4(const Act& a, const Weight& w, int64_t i0, int64_t t,
-                                                           int64_t N, const float* bias, T* y) {
+// tile_avx2 for 4- and 8-bit codes in groups of 32 or more (Q4_0, Q4_1, Q4_K, Q8_0, AWQ, GPTQ), the same bits, one
+// half of the tile at a time: the codes unpacked a 32-byte vector at a time (4-bit: its low and high nibbles, two
+// products; 8-bit: its nibbles against the same 4 bytes of x) and every row's products taken from them while they are
+// in registers, each row's sums in int16 (8-bit: one vector a nibble), the fp32 accumulators in memory (a load and a
+// store a block and half). Why: tile_avx2 holds a block's 16 code vectors at once, more than AVX2's 16 registers with
+// the rows' sums, and its spills reloaded a vector for every product. no-tree-reassoc: GCC otherwise rebalanced each
+// sum's chain of adds into a tree, which needs every product live at once (spilled: 88 -> 48 vector moves in a 4-row
+// tile). Measured on a 2-core Zen 3 (SmolLM2's 30 Q4_1 decoder layers; a noisy VM, variants alternated in one process,
+// best of 3 x 3): 1 row 5.5 ms against tile_avx2's 5.0, 64 rows 95 against 104, 256 rows 423 against 419, so even
+// within the noise; the fp32 kernel over the dequantized weights took 18-21, 92-145 and 350-440 in the same hour. A
+// Q8_0 49152 x 576 LM head: 44 against 46 ms at 64 rows, where fp32 FMAs over its dequantized weight took 32: AVX2 has
+// no int8 product that fits 8-bit codes in one instruction (vpmaddubsw's int16 pairs saturate), so the nibbles take two.
+template <int MR, int BITS, typename S, typename T>
+__attribute__((optimize("no-tree-pre", "no-tree-reassoc"))) void tile_avx2_stream(const Act& a, const Weight& w,
+                                                                                   int64_t i0, int64_t t, int64_t N,
+                                                                                   const float* bias, T* y) {
+  static_assert(BITS == 4 || BITS == 8, "4- or 8-bit codes");
   alignas(32) float acc[MR][2][8] = {};
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < a.KB; ++b) {
     const int64_t g = b / w.blocks_per_group;
     const uint8_t* c = w.codes + (t * a.KB + b) * w.bytes;
     if (MR <= 2)
-      _Pragma("GCC unroll 4") for (int64_t off = 0; off < 256; off += 64)
+      _Pragma("GCC unroll 8") for (int64_t off = 0; off < BITS * 64; off += 64)
         _mm_prefetch(reinterpret_cast<const char*>(c + off + kPrefetchBytes), _MM_HINT_T0);
     const int32_t* xq[MR];
     _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i)
       xq[i] = reinterpret_cast<const int32_t*>(a.q + (i0 + i) * a.K + b * kBlock);
-    __m256i s16[MR][2];
-    _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i) s16[i][0] = s16[i][1] = _mm256_setzero_si256();
-    _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j)
-      _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {
-        __m256i raw;  // loaded here too (volatile), or GCC hoists the 8 loads and spills what they unpack
+    _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {
+      __m256i s16[MR], t16[MR];  // 8-bit: the low nibbles' sums, the high nibbles'
+      _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i) s16[i] = t16[i] = _mm256_setzero_si256();
+      _Pragma("GCC unroll 8") for (int j = 0; j < BITS; ++j) {  // 4-bit: 4 vectors (8 nibble planes); 8-bit: 8
+        __m256i raw;  // loaded here (volatile), or GCC hoists the loads and spills what they unpack
         asm volatile("vmovdqu %1, %0" : "=x"(raw) : "m"(*reinterpret_cast<const __m256i*>(c + 64 * j + 32 * h)));
         const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
         _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i) {
-          s16[i][h] = _mm256_add_epi16(s16[i][h], _mm256_maddubs_epi16(lo, bcast_at(xq[i] + 2 * j)));
-          s16[i][h] = _mm256_add_epi16(s16[i][h], _mm256_maddubs_epi16(hi, bcast_at(xq[i] + 2 * j + 1)));
+          if constexpr (BITS == 4) {  // vector j's low nibbles are columns 8j .. 8j + 3's, its high ones 8j + 4 ..
+            s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(lo, bcast_at(xq[i] + 2 * j)));
+            s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(hi, bcast_at(xq[i] + 2 * j + 1)));
+          } else {
+            const __m256i xb = bcast_at(xq[i] + j);
+            s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(lo, xb));
+            t16[i] = _mm256_add_epi16(t16[i], _mm256_maddubs_epi16(hi, xb));
+          }
         }
       }
-    _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {
       __m256 d, m;
       group_scales8<S>(w, t, g, h, d, m);
       _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i) {
         const int64_t at = (i0 + i) * a.KB + b;
-        const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i][h], ones));
-        const __m256 u = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sx[at]), _mm256_mul_ps(d, s));
+        __m256i si = _mm256_madd_epi16(s16[i], ones);
+        if constexpr (BITS == 8) si = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(t16[i], ones), 4), si);
+        const __m256 u = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sx[at]), _mm256_mul_ps(d, _mm256_cvtepi32_ps(si)));
         _mm256_store_ps(acc[i][h], _mm256_fmadd_ps(u, _mm256_set1_ps(a.dx[at]), _mm256_load_ps(acc[i][h])));
       }
     }
@@ -1000,8 +1012,9 @@ void run_avx2(const at::Tensor& x, const Weight& w, int64_t N, int64_t NT, const
   });
   const Act a{qp, dxp, sxp, K, KB};
   auto tile = [&](auto mr, auto, int64_t i, int64_t t) {
-    if constexpr (BITS == 4 && !G16) tile_avx2_q4<decltype(mr)::value, S, T>(a, w, i, t, N, bias, yp);
-    else tile_avx2<decltype(mr)::value, BITS, G16, S, T>(a, w, i, t, N, bias, yp);
+    constexpr int MR = decltype(mr)::value;
+    if constexpr ((BITS == 4 || BITS == 8) && !G16) tile_avx2_stream<MR, BITS, S, T>(a, w, i, t, N, bias, yp);
+    else tile_avx2<MR, BITS, G16, S, T>(a, w, i, t, N, bias, yp);
   };
   if (M <= 2) for_each_tile<2, 1>(M, NT, kChunkRows, tile);
   else for_each_tile<kAvx2Rows, 1>(M, NT, kChunkRows, tile);
