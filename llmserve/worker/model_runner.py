@@ -251,7 +251,9 @@ class ModelRunner:
         else:
             on_device = None
             if prev is not None:
-                on_device = prev[0].tokens.index_select(0, torch.tensor(prev[1], device=prev[0].tokens.device))
+                # (int64 even when empty: a step whose decodes all left, only new prompts, gives no rows)
+                rows = torch.tensor(prev[1], dtype=torch.long, device=prev[0].tokens.device)
+                on_device = prev[0].tokens.index_select(0, rows)
             spans = [Span([i], p, t, 1, mrope=m, lora=r.lora) for i, p, t, m, r in
                      zip(ids, positions, block_tables, mrope, requests, strict=True)]
             for r, num, table in prompts:
