@@ -127,7 +127,7 @@ BF16_KERNELS = ("fma", "dot", "amx", "onednn", "fp32")
 FP32_LINEAR = "fp32_linear"
 FP32_KERNELS = ("fma", "onednn")
 KINDS: dict[str, tuple[str, ...]] = {BF16_LINEAR: BF16_KERNELS, FP32_LINEAR: FP32_KERNELS,
-                                     QBLOCK_LINEAR: ("blocks", "blocks_amx") + BF16_KERNELS,
+                                     QBLOCK_LINEAR: ("blocks", "blocks_amx", "blocks_fma") + BF16_KERNELS,
                                      PREFILL_ATTENTION: ("fp32", "dot", "amx"), DECODE_ATTENTION: ("fp32", "dot"),
                                      W8A8_LINEAR: (VNNI, AMX8), INT8W_LINEAR: (VNNI, AMX8)}
 # dequantize_fits: the share of the memory available that a model's dequantized block layers may take
@@ -292,7 +292,11 @@ def available(kind: str) -> tuple[str, ...]:
     if kind in (PREFILL_ATTENTION, DECODE_ATTENTION):
         names = ("fp32", "dot") if native.bf16_dot_usable() else ("fp32",)
         return names + ("amx",) if kind == PREFILL_ATTENTION and native.prefill_amx_usable() else names
-    names = (["blocks"] + (["blocks_amx"] if native.qblock_amx_usable() else [])) if kind == QBLOCK_LINEAR else []
+    names = []
+    if kind == QBLOCK_LINEAR:
+        names = ["blocks"] + (["blocks_amx"] if native.qblock_amx_usable() else [])
+        if native.qblock_int8_usable() and native.qblock_fma_usable():  # two numerics for the blocks: measured
+            names.append("blocks_fma")
     if native.packed_gemm_usable():
         names.append("fma")
         if native.bf16_dot_usable():
@@ -392,20 +396,25 @@ def batch_invariant(run: Callable[[torch.Tensor], torch.Tensor], k: int, gen: to
     return all(torch.equal(run(x[a:min(b, rows)]), whole[a:min(b, rows)]) for a, b in INVARIANCE_PIECES if a < rows)
 
 
-def qblock_linear_candidates(layer: nn.Module, names: tuple[str, ...], invariant_rows: int = 512) -> list[Candidate]:
-    """blocks: the layer's own blocks in the native kernel; the other names: the bf16_linear paths over its dequantized
-    weight."""
+def qblock_linear_candidates(layer: nn.Module, names: tuple[str, ...], invariant_rows: int = 512,
+                             dtype: torch.dtype = torch.bfloat16) -> list[Candidate]:
+    """blocks: the layer's own blocks in the native kernel (int8 activations where they run; blocks_fma: fp32 FMAs on
+    the codes); the other names: the bf16_linear paths over its dequantized weight. dtype: x's (the model's)."""
     qb = layer.qblocks
     gen = torch.Generator().manual_seed(0)
 
     @functools.lru_cache(maxsize=1)
     def x(rows: int) -> torch.Tensor:
-        return torch.randn(rows, qb.k, generator=gen).bfloat16()
+        return torch.randn(rows, qb.k, generator=gen).to(dtype)
 
-    out = [Candidate("blocks", lambda r: native.qblock_linear(x(r), qb.native, None))] if "blocks" in names else []
+    out = []  # blocks: what the kernel runs by default (int8 where it can), whatever qb.native.fma says
+    for name, vnni in (("blocks", 1 if native.qblock_int8_usable() else 0), ("blocks_fma", 0)):
+        if name in names:
+            out.append(Candidate(name, functools.partial(lambda r, v: native.qblock_linear(x(r), qb.native, None, v),
+                                                         v=vnni)))
     if "blocks_amx" in names:
         out.append(Candidate("blocks_amx", lambda r: native.qblock_linear_amx(x(r), qb.native, None)))
-    others = tuple(name for name in names if name not in ("blocks", "blocks_amx"))
+    others = tuple(name for name in names if name not in ("blocks", "blocks_amx", "blocks_fma"))
     if others:
         out += bf16_linear_candidates(qb.n, qb.k, others, dequantized_bf16(qb), invariant_rows=invariant_rows)
     return out
@@ -546,7 +555,8 @@ def add_cold_times(model: nn.Module, table: ChoiceTable, timer: Timer = wall_clo
     layers = []
     for layer in qblock_layers(model):
         c = table.ops.get(qblock_op(layer))
-        if c is not None and not c.pinned and "blocks" in c.seconds and set(c.seconds) - {"blocks", "blocks_amx"}:
+        if c is not None and not c.pinned and "blocks" in c.seconds and \
+                set(c.seconds) - {"blocks", "blocks_amx", "blocks_fma"}:
             layers.append(layer)
     if not layers:
         return table
@@ -867,8 +877,18 @@ def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dt
                for op, (n, k) in shapes.items()}
     blocked = list(qblock_layers(model)) if dtype == torch.bfloat16 else []
     blocks_only = bool(blocked) and not dequantize_fits(blocked)
+    if dtype == torch.float32 and "blocks_fma" in available(QBLOCK_LINEAR):
+        # an fp32 model's blocks: int8 activations or fp32 FMAs on the codes (never a bf16 copy of its weights)
+        if pins.get(QBLOCK_LINEAR, "blocks") not in ("blocks", "blocks_fma"):
+            raise InvalidRequestError(f"kernel_choice: {QBLOCK_LINEAR}={pins[QBLOCK_LINEAR]} is a bf16 path; an fp32 "
+                                      "model's blocks run blocks or blocks_fma", param="kernel_choice")
+        for layer in qblock_layers(model):  # the first layer of each op stands for it
+            op = qblock_op(layer)
+            measure.setdefault(op, functools.partial(_measure, op, qblock_linear_candidates,
+                                                     (layer, ("blocks", "blocks_fma"), buckets(op)[-1], dtype),
+                                                     timer, buckets(op)))
     if blocked:
-        qnames = available(QBLOCK_LINEAR)
+        qnames = tuple(name for name in available(QBLOCK_LINEAR) if name != "blocks_fma")  # (measured for fp32)
         if not blocks_only:  # blocks_amx computes amx's bits, and is not faster timed hot: amx stands for both
             qnames = tuple(name for name in qnames if name != "blocks_amx")
         else:  # the candidates that keep the blocks

@@ -435,11 +435,12 @@ def qblock_weight(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor 
 
 def qblock_linear(x: torch.Tensor, weight: object, bias: torch.Tensor | None, vnni: bool | int | None = None) -> torch.Tensor:
     """x [M, K] (fp32/bf16) @ the block-quantized weight [n, K] ^T (+ bias) -> [M, n] in x's dtype. vnni (default:
-    where qblock_vnni_usable(), or on a CPU with AVX2 and no AVX-512): x quantized to int8 per block of 32 and exact
-    int32 block sums (batches of the weight's amx8_rows rows and more on AMX-INT8 tiles where qblock_amx8_usable(), the
-    same bits; vnni=2: VNNI alone; without AVX-512, and with vnni=3 where qblock_avx2_usable(), the AVX2 kernel: the same
-    bits again); else (vnni=False, where qblock_fma_usable()) fp32 FMAs on the widened codes. Either way a row's result
-    does not depend on the other rows. Needs qblock_usable()."""
+    where qblock_int8_usable() and the weight's measured `fma` is not set): x quantized to int8 per block of 32 and
+    exact int32 block sums (batches of the weight's amx8_rows rows and more on AMX-INT8 tiles where
+    qblock_amx8_usable(), the same bits; vnni=2: VNNI alone; without AVX-512, and with vnni=3 where
+    qblock_avx2_usable(), the AVX2 kernel: the same bits again); else (vnni=False) fp32 FMAs on the widened codes
+    (without AVX-512, and with vnni=4 where qblock_avx2_usable(), the AVX2 FMA kernel: the same bits). Either way a
+    row's result does not depend on the other rows. Needs qblock_usable()."""
     return _module.qblock_linear(x, weight, bias, -1 if vnni is None else int(vnni))
 
 
@@ -496,7 +497,7 @@ def qblock_usable() -> bool:
 
 @functools.cache
 def qblock_fma_usable() -> bool:
-    """Whether qblock_linear's fp32-FMA path (vnni=False) runs here (AVX-512)."""
+    """Whether qblock_linear's fp32-FMA path (vnni=False) runs here (AVX-512, or AVX2 and FMA)."""
     return qblock_usable() and _module.qblock_fma_supported()
 
 

@@ -321,8 +321,10 @@ class LlamaForCausalLM(nn.Module):
             blocks_op = calibrate.qblock_op(module)
             if blocks_op is not None:
                 c = choices.ops.get(blocks_op)
-                if c is None or c.kernel in ("blocks", "blocks_amx"):
+                if c is None or c.kernel in ("blocks", "blocks_amx", "blocks_fma"):
                     module.qblocks.amx = c is not None and c.kernel == "blocks_amx"
+                    # fp32 FMAs on the codes, else int8 activations where they run (the same for every batch)
+                    module.qblocks.native.fma = c is not None and c.kernel == "blocks_fma"
                     module.qblocks.few_rows = c.few_rows if module.qblocks.amx else 0
                     if c is not None and c.amx8_rows is not None:  # measured: from how many rows AMX-INT8 runs
                         module.qblocks.native.amx8_rows = c.amx8_rows or calibrate.AMX8_NEVER

@@ -89,17 +89,6 @@ def test_an_fp32_model_chooses_only_its_linears(tiny_model_dir: Callable[[str], 
     assert calibrate.attention_op(model, calibrate.PREFILL_ATTENTION, torch.float32) is None
 
 
-@pytest.fixture
-def q4_1_gguf(tmp_path) -> str:
-    """A tiny Llama as a Q4_1 GGUF: in bf16 its linears, embedding and LM head all run on their blocks (no bf16 weight)."""
-    import gguf
-
-    from tests.tiny_models import make_hf_model, write_tiny_gguf
-
-    hf = make_hf_model("llama", vocab_size=300, hidden_size=64, intermediate_size=128)
-    return write_tiny_gguf(hf, tmp_path / "tiny.Q4_1.gguf", gguf.GGMLQuantizationType.Q4_1)
-
-
 @pytest.mark.skipif(not native.qblock_usable(), reason="the blocks need the native kernel")
 def test_a_bf16_model_on_quantized_blocks_still_chooses_its_attention(q4_1_gguf: str) -> None:
     """Its attention runs in bf16 like any bf16 model's: the choice is measured though no linear is bf16 (it was

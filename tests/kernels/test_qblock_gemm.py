@@ -113,12 +113,9 @@ def test_kernel_matches_reference(fmt: str, m: int, dtype: torch.dtype) -> None:
         # ... within 2% of the largest output from the unquantized product
         assert (y.double() - exact).abs().max().item() <= 0.02 * scale
     tol = 1e-5 if dtype == torch.float32 else 8e-3
-    if native.qblock_fma_usable():
-        y_fma = native.qblock_linear(x, w.native, bias, vnni=False)
-        torch.testing.assert_close(y_fma.double(), exact, atol=tol * scale, rtol=0)
-    else:
-        with pytest.raises(RuntimeError, match="needs AVX-512"):
-            native.qblock_linear(x, w.native, bias, vnni=False)
+    assert native.qblock_fma_usable()  # (wherever the kernel runs: AVX-512, or AVX2 and FMA)
+    y_fma = native.qblock_linear(x, w.native, bias, vnni=False)
+    torch.testing.assert_close(y_fma.double(), exact, atol=tol * scale, rtol=0)
     # the torch reference (CUDA's path): the dequantized weight in one matmul
     torch.testing.assert_close(qb.reference_linear(x, w, bias).double(), exact, atol=tol * scale, rtol=0)
 
@@ -126,8 +123,8 @@ def test_kernel_matches_reference(fmt: str, m: int, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("vnni", [True, False])
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q5_k", "q6_k"])
 def test_rows_do_not_depend_on_the_batch(fmt: str, vnni: bool) -> None:
-    if not (native.qblock_int8_usable() if vnni else native.qblock_fma_usable()):
-        pytest.skip("no int8 kernel here" if vnni else "the FMA path needs AVX-512")
+    if vnni and not native.qblock_int8_usable():
+        pytest.skip("no int8 kernel here")
     w = qb.BlockWeight(_weight(fmt, 80, 160))
     x = torch.randn(64, 160).bfloat16()
     whole = native.qblock_linear(x, w.native, None, vnni=vnni)
@@ -164,6 +161,50 @@ def test_avx2_kernel_gives_the_int8_arithmetic(fmt: str, dtype: torch.dtype) -> 
                 tol = 1e-5 if dtype == torch.float32 else 8e-3
                 torch.testing.assert_close(y.double(), want, atol=tol * want.abs().max().item(), rtol=0)
                 assert torch.equal(native.qblock_linear(x[-1:], w.native, bias, vnni=3), y[-1:])
+
+
+@pytest.mark.skipif(not native.qblock_avx2_usable(), reason="needs AVX2")
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_avx2_fma_kernel_gives_the_fp32_arithmetic(fmt: str, dtype: torch.dtype) -> None:
+    """The AVX2 FMA kernel (vnni=4; vnni=0 on CPUs without AVX-512): x unrounded, fp32 FMAs on the widened codes in
+    tile_fma's order. Where AVX-512 runs too, every output is its FMA kernel's bit for bit; everywhere, the float64
+    product of x and the dequantized weight to fp32 rounding, and a row's result does not depend on its batch. The
+    shapes of test_avx2_kernel_gives_the_int8_arithmetic, codes at their largest and random."""
+    avx512 = native.packed_gemm_usable()
+    for n, k, rows in [(5, 64, (1, 3)), (53, 192, (1, 2, 3, 17)), (600, 256, (300,))]:
+        t = _weight(fmt, n, k, seed=n)
+        extreme = _weight(fmt, n, k, seed=n)
+        extreme.codes.fill_(2 ** t.bits - 1)
+        for tensor in (t, extreme):
+            w = qb.BlockWeight(tensor)
+            bias = torch.randn(n)
+            for m in rows:
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+                y = native.qblock_linear(x, w.native, bias, vnni=4)
+                if avx512:  # (vnni=0 runs the AVX-512 kernel there, this one elsewhere)
+                    assert torch.equal(y, native.qblock_linear(x, w.native, bias, vnni=0)), (fmt, n, m)
+                want = x.double() @ tensor.dequantize().double().T + bias.double()
+                tol = 2e-6 if dtype == torch.float32 else 8e-3
+                torch.testing.assert_close(y.double(), want, atol=tol * want.abs().max().item(), rtol=0)
+                assert torch.equal(native.qblock_linear(x[-1:], w.native, bias, vnni=4), y[-1:])
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "g16_q5_mins"])
+def test_the_weights_measured_path_runs_by_default(fmt: str) -> None:
+    """QBlockWeight.fma (set from calibration's blocks_fma): the default call (vnni=None) runs fp32 FMAs on the codes,
+    else int8 activations where they run; an explicit vnni still chooses."""
+    w = qb.BlockWeight(_weight(fmt, 40, 96))
+    x = torch.randn(6, 96)
+    fma = native.qblock_linear(x, w.native, None, vnni=0)
+    int8 = native.qblock_linear(x, w.native, None, vnni=1) if native.qblock_int8_usable() else fma
+    assert w.native.fma is False
+    assert torch.equal(native.qblock_linear(x, w.native, None), int8)
+    w.native.fma = True
+    assert torch.equal(native.qblock_linear(x, w.native, None), fma)
+    if native.qblock_int8_usable():
+        assert not torch.equal(fma, int8)  # (two numerics: x rounded to int8 per block, or not)
+        assert torch.equal(native.qblock_linear(x, w.native, None, vnni=1), int8)
 
 
 @pytest.mark.skipif(not native.qblock_amx8_usable(), reason="needs AMX-INT8")

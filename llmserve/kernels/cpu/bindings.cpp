@@ -47,7 +47,9 @@ static void bind_qblocks(py::module_& m) {
       .def_readwrite("amx8_rows", &QBlockWeight::amx8_rows,
                      "from this many rows qblock_linear's int8 activations run on AMX-INT8 tiles (the same bits)")
       .def_readwrite("wide_rows", &QBlockWeight::wide_rows,
-                     "from this many rows qblock_linear's VNNI kernel widens a work unit's codes once (the same bits)");
+                     "from this many rows qblock_linear's VNNI kernel widens a work unit's codes once (the same bits)")
+      .def_readwrite("fma", &QBlockWeight::fma,
+                     "qblock_linear's auto path runs fp32 FMAs on the codes, not int8 activations (measured)");
   m.def("qblock_linear", &qblock_linear, "x @ W^T (+ bias) over a QBlockWeight (CPU, AVX-512 or AVX2; int8 activations "
         "per block of 32)", py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("vnni") = -1);
   m.def("qblock_linear_amx", &qblock_linear_amx, "x @ W^T (+ bias) over a QBlockWeight on AMX tiles, its tiles "
@@ -62,7 +64,8 @@ static void bind_qblocks(py::module_& m) {
   m.def("qblock_rows", &qblock_rows, "fp32 rows [R, K] of a QBlockWeight, exactly the format's values (AVX-512 or AVX2)",
         py::arg("weight"), py::arg("ids"));
   m.def("qblock_linear_supported", &qblock_linear_supported, "whether qblock_linear runs here (AVX-512, or AVX2)");
-  m.def("qblock_fma_supported", &qblock_fma_supported, "whether qblock_linear's fp32-FMA path (vnni=0) runs here");
+  m.def("qblock_fma_supported", &qblock_fma_supported,
+        "whether qblock_linear's fp32-FMA path (vnni=0) runs here (AVX-512, or AVX2 and FMA)");
   m.def("qblock_avx2_supported", &qblock_avx2_supported, "whether qblock_linear's AVX2 kernel (vnni=3) runs here");
   m.def("qblock_vnni_supported", &qblock_vnni_supported, "whether qblock_linear's int8 path runs here (AVX512-VNNI)");
   m.def("qblock_amx8_supported", &amx_int8_supported, "whether qblock_linear's int8 path runs batches on AMX-INT8 "

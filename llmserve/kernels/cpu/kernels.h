@@ -98,9 +98,13 @@ struct QBlockWeight {
   // go past them, rather than in every register tile (4-, 5- and 6-bit codes; the same bits): measured per op at
   // calibration (add_wide_rows); never (2^62) where nothing measured it.
   int64_t wide_rows = int64_t{1} << 62;
+  // qblock_linear's auto path (vnni=-1) runs fp32 FMAs on the widened codes rather than int8 activations (a choice
+  // between two numerics, one for every batch size: measured per op at calibration, kernels/calibrate.py's blocks_fma).
+  bool fma = false;
 };
 bool qblock_linear_supported();
-// qblock_linear's fp32-FMA path (vnni=0: AVX-512) and its AVX2 kernel (vnni=3; the int8 path without AVX-512)
+// qblock_linear's fp32-FMA path (vnni=0: AVX-512, or AVX2 and FMA) and its AVX2 int8 kernel (vnni=3; the int8 path
+// without AVX-512)
 bool qblock_fma_supported();
 bool qblock_avx2_supported();
 at::Tensor qblock_linear(at::Tensor x, const QBlockWeight& weight, c10::optional<at::Tensor> bias,

@@ -1019,6 +1019,174 @@ void run_avx2(const at::Tensor& x, const Weight& w, int64_t N, int64_t NT, const
   if (M <= 2) for_each_tile<2, 1>(M, NT, kChunkRows, tile);
   else for_each_tile<kAvx2Rows, 1>(M, NT, kChunkRows, tile);
 }
+
+// ---- qblock_linear's fp32-FMA product (vnni=0) on CPUs with AVX2 and FMA: tile_fma's bits ----
+// x stays fp32 (bf16 widened) and each block's products are fp32 FMAs on the widened codes, in tile_fma's order:
+// per block, s = the FMAs over its 32 columns in order (G16: s over 0-15, s1 over 16-31), then t = m * sx + d * s
+// (G16: + m1 * sx1 + d1 * s1, as tile_fma chains them) added to the output's sum; sx the block's fp32 sum of x, added
+// in _mm512_reduce_add_ps's order. So every output is the AVX-512 FMA kernel's bit for bit, at any batch. A tile's 16
+// outputs are two halves of 8 lanes, one at a time.
+// Why: on AVX2 the int8 product of 8-bit codes takes two vpmaddubsw (their nibbles) and its int16 sums, no faster
+// than fp32 FMAs from 64 rows: a Q8_0 49152 x 576 LM head at 64 rows took 44-52 ms on the int8 kernel against 32 for
+// fp32 FMAs over its dequantized weight (a 2-core Zen 3), which the blocks cannot keep beside them (113 MB). Which of
+// the two a block op runs is measured per op at calibration (kernels/calibrate.py: blocks, blocks_fma) and kept in
+// QBlockWeight::fma; both paths give each row the same result whatever its batch.
+
+// _mm512_reduce_add_ps(v) of v = (a, b) (a lanes 0-7, b lanes 8-15) in GCC's order: the halves added, then the
+// 128-bit halves, then lanes 2 apart, then the last two.
+inline float reduce_add16(__m256 a, __m256 b) {
+  const __m256 t3 = _mm256_add_ps(b, a);
+  const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+  const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_shuffle_ps(t8, t8, 1));
+}
+
+// widen_row in 8 lanes: x's row in fp32 (where T is bf16) and its blocks' sums (G16: their halves'), widen_row's bits.
+template <bool G16, typename T>
+void widen_row_avx2(const T* x, int64_t KB, float* xf, float* sx) {
+  for (int64_t b = 0; b < KB; ++b) {
+    __m256 v[4];
+    for (int j = 0; j < 4; ++j) v[j] = load8(x + b * kBlock + 8 * j);
+    if constexpr (!std::is_same_v<T, float>)
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(xf + b * kBlock + 8 * j, v[j]);
+    if constexpr (G16) {
+      sx[2 * b] = reduce_add16(v[0], v[1]);
+      sx[2 * b + 1] = reduce_add16(v[2], v[3]);
+    } else {
+      sx[b] = reduce_add16(_mm256_add_ps(v[0], v[2]), _mm256_add_ps(v[1], v[3]));
+    }
+  }
+}
+
+// Code vector k (columns 4k .. 4k + 3 of each output) of half h of a block's codes at c: unpack_half's v[k] alone.
+template <int BITS>
+inline __m256i code_vector(const uint8_t* c, int h, int k) {
+  auto load = [&](int64_t off) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + off + 32 * h)); };
+  if constexpr (BITS == 8) {
+    return load(64 * k);
+  } else {
+    const __m256i low = _mm256_set1_epi8(0x0F), raw = load(64 * (k / 2));
+    __m256i v = k % 2 == 0 ? _mm256_and_si256(raw, low) : _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    if constexpr (BITS > 4) {
+      constexpr int HB = BITS - 4, PER = 8 / HB;
+      const __m256i field = _mm256_set1_epi8(static_cast<char>(((1 << HB) - 1) << 4));
+      const __m256i hi = load(256 + 64 * (k / PER));
+      const int shift = 4 - HB * (k % PER);  // as add_high_bits_avx2 places them (a constant once k is unrolled)
+      const __m256i shifted = shift >= 0 ? _mm256_slli_epi16(hi, shift) : _mm256_srli_epi16(hi, -shift);
+      v = _mm256_or_si256(v, _mm256_and_si256(shifted, field));
+    }
+    return v;
+  }
+}
+
+// Byte j of each 32-bit lane, zero-extended (vpshufb's control: byte 4l + j into lane l's low byte, zeros elsewhere).
+alignas(32) constexpr uint8_t kByteOfLane[4][32] = {
+#define LLMSERVE_LANE_BYTE(j) \
+  {j, 128, 128, 128, 4 + j, 128, 128, 128, 8 + j, 128, 128, 128, 12 + j, 128, 128, 128, \
+   j, 128, 128, 128, 4 + j, 128, 128, 128, 8 + j, 128, 128, 128, 12 + j, 128, 128, 128}
+    LLMSERVE_LANE_BYTE(0), LLMSERVE_LANE_BYTE(1), LLMSERVE_LANE_BYTE(2), LLMSERVE_LANE_BYTE(3)
+#undef LLMSERVE_LANE_BYTE
+};
+
+// y[i0 : i0 + MR, tile t's 16 outputs) as tile_fma computes them. Both halves of the tile's lanes at once, so that
+// each row keeps two independent chains of FMAs (2 MR in flight: the FMA's latency is hidden from 4 rows); a code
+// vector's 4 columns are picked by vpshufb (2 instructions a column with the conversion, shared by the MR rows), and
+// the outputs' sums stay in memory (a load and a store a block). Group 16 parks each row's first half-block term in
+// memory while the same registers sum the second half. Why two halves, vpshufb: the first version, one half at a
+// time with shift-and-mask unpacking (4 chains at 4 rows, 3 instructions a column), took 52.7 ms for a Q8_0 49152 x
+// 576 LM head at 64 rows, against 31.0 for fp32_gemm over its dequantized weight (a 2-core Zen 3).
+template <int MR, int BITS, bool G16, typename S, typename T>
+__attribute__((optimize("no-tree-pre", "no-tree-reassoc"))) void tile_fma_avx2(const float* xf, const Act& a,
+                                                                                const Weight& w, int64_t i0, int64_t t,
+                                                                                int64_t N, const float* bias, T* y) {
+  alignas(32) float acc[MR][2][8] = {};
+  alignas(32) float first[G16 ? MR : 1][2][8];  // G16: the block's columns 0-15 term, m sx + d s
+  for (int64_t b = 0; b < a.KB; ++b) {
+    const int64_t g = G16 ? 2 * b : b / w.blocks_per_group;
+    const uint8_t* c = w.codes + (t * a.KB + b) * w.bytes;
+    if (MR <= 2)
+      for (int64_t off = 0; off < w.bytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(c + off + kPrefetchBytes), _MM_HINT_T0);
+    const float* xr[MR];
+    _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i) xr[i] = xf + (i0 + i) * a.K + b * kBlock;
+    __m256 s[MR][2];
+    _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i) s[i][0] = s[i][1] = _mm256_setzero_ps();
+    // the block's term for its group g2 (G16: its half from column 16 j) added to `base` per row and half
+    auto term = [&](int64_t g2, int j, auto&& use) {
+      _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {
+        __m256 d, m;
+        group_scales8<S>(w, t, g2, h, d, m);
+        _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i) {
+          const int64_t at = ((i0 + i) * a.KB + b) * (G16 ? 2 : 1) + j;
+          use(i, h, d, m, _mm256_set1_ps(a.sx[at]));
+        }
+      }
+    };
+    _Pragma("GCC unroll 8") for (int k = 0; k < 8; ++k) {
+      const __m256i v0 = code_vector<BITS>(c, 0, k), v1 = code_vector<BITS>(c, 1, k);
+      _Pragma("GCC unroll 4") for (int cc = 0; cc < 4; ++cc) {
+        const __m256i sel = _mm256_load_si256(reinterpret_cast<const __m256i*>(kByteOfLane[cc]));
+        const __m256 q0 = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(v0, sel));
+        const __m256 q1 = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(v1, sel));
+        _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i) {
+          const __m256 xv = _mm256_broadcast_ss(xr[i] + 4 * k + cc);
+          s[i][0] = _mm256_fmadd_ps(q0, xv, s[i][0]);
+          s[i][1] = _mm256_fmadd_ps(q1, xv, s[i][1]);
+        }
+      }
+      if constexpr (G16) {
+        if (k == 3) {  // columns 0-15 done: m sx + d s parked, the registers sum columns 16-31
+          term(g, 0, [&](int i, int h, __m256 d, __m256 m, __m256 sx) {
+            _mm256_store_ps(first[i][h], _mm256_fmadd_ps(m, sx, _mm256_mul_ps(d, s[i][h])));
+            s[i][h] = _mm256_setzero_ps();
+          });
+        }
+      }
+    }
+    if constexpr (G16) {
+      term(g + 1, 1, [&](int i, int h, __m256 d1, __m256 m1, __m256 sx1) {
+        const __m256 u = _mm256_fmadd_ps(d1, s[i][h], _mm256_fmadd_ps(m1, sx1, _mm256_load_ps(first[i][h])));
+        _mm256_store_ps(acc[i][h], _mm256_add_ps(_mm256_load_ps(acc[i][h]), u));
+      });
+    } else {
+      term(g, 0, [&](int i, int h, __m256 d, __m256 m, __m256 sx) {
+        const __m256 u = _mm256_fmadd_ps(m, sx, _mm256_mul_ps(d, s[i][h]));
+        _mm256_store_ps(acc[i][h], _mm256_add_ps(_mm256_load_ps(acc[i][h]), u));
+      });
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    const int64_t n = t * kTileRows + 8 * h, lanes = std::min<int64_t>(8, N - n);  // (none past n)
+    for (int i = 0; i < MR && lanes > 0; ++i) {
+      T* out = y + (i0 + i) * N + n;
+      for (int64_t l = 0; l < lanes; ++l)  // + bias as store_rows adds it; c10::BFloat16: nearest even, NaN 0x7FC0
+        out[l] = static_cast<T>(bias != nullptr ? acc[i][h][l] + bias[n + l] : acc[i][h][l]);
+    }
+  }
+}
+
+template <typename T, typename S, int BITS, bool G16>
+void run_fma_avx2(const at::Tensor& x, const Weight& w, int64_t N, int64_t NT, const float* bias, T* yp) {
+  const int64_t M = x.size(0), K = x.size(1), KB = K / kBlock;
+  constexpr int64_t kSums = G16 ? 2 : 1;
+  const T* xp = x.data_ptr<T>();
+  auto sx = at::empty({M, KB * kSums}, x.options().dtype(at::kFloat));
+  // fp32 x is read in place; bf16 x is widened into xw
+  const at::Tensor xw = std::is_same_v<T, float> ? at::Tensor() : at::empty({M, K}, x.options().dtype(at::kFloat));
+  float* sxp = sx.data_ptr<float>();
+  float* xwp = std::is_same_v<T, float> ? nullptr : xw.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, kSerialElems / K), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      widen_row_avx2<G16>(xp + i * K, KB, xwp == nullptr ? nullptr : xwp + i * K, sxp + i * KB * kSums);
+  });
+  const float* xf = xwp == nullptr ? reinterpret_cast<const float*>(xp) : xwp;
+  const Act a{nullptr, nullptr, sxp, K, KB};
+  auto tile = [&](auto mr, auto, int64_t i, int64_t t) {
+    tile_fma_avx2<decltype(mr)::value, BITS, G16, S, T>(xf, a, w, i, t, N, bias, yp);
+  };
+  if (M <= 2) for_each_tile<2, 1>(M, NT, kChunkRows, tile);
+  else for_each_tile<kAvx2Rows, 1>(M, NT, kChunkRows, tile);
+}
 #else
 bool avx2_supported() { return false; }
 #endif
@@ -1053,7 +1221,7 @@ void dequantize_row_scalar(const Weight& w, int64_t id, float* out) {
 }  // namespace
 
 bool qblock_linear_supported() { return cpu_has_avx512() || avx2_supported(); }
-bool qblock_fma_supported() { return cpu_has_avx512(); }
+bool qblock_fma_supported() { return cpu_has_avx512() || avx2_supported(); }
 bool qblock_avx2_supported() { return avx2_supported(); }
 
 // x [M, K] bf16 @ the block-quantized weight ^T (+ bias) -> [M, n] bf16 on AMX tiles (amx_gemm.cpp's driver), each
@@ -1176,20 +1344,22 @@ at::Tensor qblock_rows(const QBlockWeight& qw, at::Tensor ids) {
 bool qblock_vnni_supported() { return vnni_supported(); }
 
 // x [M, K] fp32 or bf16 (K = the weight's columns) @ the block-quantized weight [n, K] ^T (+ bias) -> [M, n] in x's
-// dtype. vnni: 1 int8 activations (VNNI, or without AVX-512 the AVX2 kernel: the same bits), 0 fp32 FMAs (AVX-512
-// only), < 0 int8 activations where VNNI or AVX2 alone is, else fp32 FMAs; with int8 activations, batches of 16 rows
-// and more run on AMX-INT8 tiles where the CPU has them (the same bits), except with 2 (VNNI alone: for tests and
-// timings); 3 the AVX2 kernel on any CPU with AVX2 (the tests compare its bits with VNNI's).
+// dtype. vnni: 1 int8 activations (VNNI, or without AVX-512 the AVX2 kernel: the same bits), 0 fp32 FMAs (AVX-512,
+// else the AVX2 FMA kernel: the same bits), < 0 the weight's measured path (qw.fma: fp32 FMAs) else int8 activations
+// where VNNI or AVX2 alone is, else fp32 FMAs; with int8 activations, batches of 16 rows and more run on AMX-INT8
+// tiles where the CPU has them (the same bits), except with 2 (VNNI alone: for tests and timings); 3 the AVX2 int8
+// kernel and 4 the AVX2 FMA kernel on any CPU with AVX2 (the tests compare their bits with AVX-512's).
 at::Tensor qblock_linear(at::Tensor x, const QBlockWeight& qw, c10::optional<at::Tensor> bias, int64_t vnni) {
   TORCH_CHECK(qblock_linear_supported(), "qblock_linear needs a CPU with AVX-512, or AVX2 and FMA");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "qblock_linear: x must be [M, K] on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "qblock_linear: x fp32 or bf16");
   TORCH_CHECK(x.size(1) == qw.k, "qblock_linear: x has ", x.size(1), " columns, the weight ", qw.k);
-  TORCH_CHECK(vnni >= -1 && vnni <= 3, "qblock_linear: vnni -1 (auto), 0, 1, 2 or 3, got ", vnni);
-  // the AVX2 kernel: asked for, or the int8 path where AVX-512 is not
-  const bool use_avx2 = vnni == 3 || (!cpu_has_avx512() && vnni != 0);
-  TORCH_CHECK(!use_avx2 || avx2_supported(), "qblock_linear: vnni=3 needs AVX2 and FMA");
-  TORCH_CHECK(vnni != 0 || cpu_has_avx512(), "qblock_linear: vnni=0 (fp32 FMAs) needs AVX-512");
+  TORCH_CHECK(vnni >= -1 && vnni <= 4, "qblock_linear: vnni -1 (auto), 0, 1, 2, 3 or 4, got ", vnni);
+  if (vnni < 0 && qw.fma) vnni = 0;  // measured at calibration: fp32 FMAs for this weight
+  // the AVX2 kernels: asked for, or where AVX-512 is not
+  const bool use_avx2 = vnni >= 3 || !cpu_has_avx512();
+  TORCH_CHECK(!use_avx2 || avx2_supported(), "qblock_linear: vnni=", vnni, " needs AVX2 and FMA");
+  const bool fma_avx2 = use_avx2 && (vnni == 0 || vnni == 4);
   const bool use_vnni = vnni < 0 ? vnni_supported() : vnni > 0;
   TORCH_CHECK(use_avx2 || !use_vnni || vnni_supported(), "qblock_linear: vnni=1 needs AVX512-VNNI");
   at::Tensor b;
@@ -1205,6 +1375,15 @@ at::Tensor qblock_linear(at::Tensor x, const QBlockWeight& qw, c10::optional<at:
       using S = decltype(s);
       constexpr bool G16 = decltype(g16)::value;
 #if defined(LLMSERVE_AVX2)
+      if (fma_avx2) {
+        const int64_t NT = qw.codes.size(0);
+        switch (qw.bits) {
+          case 4: return run_fma_avx2<T, S, 4, G16>(xc, w, qw.n, NT, bp, yp);
+          case 5: return run_fma_avx2<T, S, 5, G16>(xc, w, qw.n, NT, bp, yp);
+          case 6: return run_fma_avx2<T, S, 6, G16>(xc, w, qw.n, NT, bp, yp);
+          default: return run_fma_avx2<T, S, 8, G16>(xc, w, qw.n, NT, bp, yp);
+        }
+      }
       if (use_avx2) {
         const int64_t NT = qw.codes.size(0);
         switch (qw.bits) {
