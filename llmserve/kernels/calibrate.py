@@ -19,7 +19,14 @@ Ops with equivalent paths, and their candidates where each can run at all (the C
   On a 2-core AMD EPYC Zen 3 (AVX2 only) fma won at 1-128 rows by 1.1-4x and lost by 3-10% at 256-2,048 rows of the
   MLP's gate/up: fma for every op (BENCHMARKS.md, 2026-12-07).
 - `qblock_linear:NxK:B-bit/G` (a block-quantized weight, GGUF's or AWQ/GPTQ's, of B-bit codes in groups of G columns,
-  where the native block kernel runs and the model computes in bf16):
+  where the native block kernel runs). An fp32 model's (a GGUF's blocks where the compute dtype is fp32: CPUs
+  without AVX512-BF16), where both of the kernel's numerics run (VNNI or AVX2 beside the FMAs), chooses between
+  blocks  kernels/cpu/qblock_gemm.cpp on the blocks as loaded, activations rounded to int8 per block, and
+  blocks_fma  the same blocks with x unrounded, fp32 FMAs on the widened codes (QBlockWeight.fma); one of the two for
+          every batch size, so a row's result never depends on its batch. On a 2-core Zen 3 (AVX2 only) the Q8_0 LM
+          head took 1.2 against 1.6 ms at 1 row and 53 against 40 ms at 64 (two vpmaddubsw a product for 8-bit codes):
+          blocks_fma for the head, blocks for the Q4_1 decoder layers (BENCHMARKS.md, 2026-12-08).
+  A bf16 model's (its compute dtype bf16):
   blocks  kernels/cpu/qblock_gemm.cpp on the blocks as loaded (activations rounded to int8 per block);
   blocks_amx  the blocks kept, each tile dequantized to bf16 as it is read, on AMX tiles (qblock_linear_amx): bit for
           bit amx over the dequantized weight, reading the blocks' bytes. A candidate only where the dequantized
