@@ -41,9 +41,11 @@ def native_enabled(x: torch.Tensor) -> bool:
 
 
 def native_prefill(q: torch.Tensor, k: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether prefill attention runs in the native kernel for these tensors (AVX-512, head_dim % 16 == 0)."""
+    """Whether prefill attention runs in the native kernel for these tensors (AVX-512, or AVX2 over a float cache;
+    head_dim % 16 == 0)."""
     return (q.dtype in _NATIVE_DTYPES and k.dtype == q.dtype and q.shape[-1] % 16 == 0 and kv_cache.is_contiguous()
-            and (kv_cache.dtype in _NATIVE_DTYPES or kv_cache.dtype in (torch.int8, torch.uint8))  # uint8: int4
+            and (kv_cache.dtype in _NATIVE_DTYPES  # uint8: int4
+                 or (kv_cache.dtype in (torch.int8, torch.uint8) and native.prefill_quantized_usable()))
             and q.stride(-1) == 1 and q.stride(-2) == q.shape[-1] and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]
             and native_enabled(q) and native.prefill_attention_usable())
 

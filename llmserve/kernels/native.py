@@ -175,8 +175,15 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
 
 @functools.cache
 def prefill_attention_usable() -> bool:
-    """Whether the native prefill attention runs here: the extension builds and the CPU has AVX-512."""
+    """Whether the native prefill attention runs here: the extension builds and the CPU has AVX-512, or AVX2 and FMA
+    (fp32 FMAs over a float cache: prefill_quantized_usable() says whether an int8 or int4 cache's runs too)."""
     return load() is not None and _module.prefill_attention_supported()
+
+
+@functools.cache
+def prefill_quantized_usable() -> bool:
+    """Whether the native prefill attention reads an int8 or int4 KV cache here (AVX-512)."""
+    return prefill_attention_usable() and _module.prefill_attention_quantized_supported()
 
 
 def prefill_amx_usable() -> bool:

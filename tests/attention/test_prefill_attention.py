@@ -6,12 +6,21 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llmserve.attention import registry
 from llmserve.attention.metadata import AttentionMetadata, SeqSpec, build_attention_metadata
 from llmserve.attention.torch_backend import prefill_attention, quantize_int4, quantize_int8, write_kv
 from llmserve.kernels import native
 
 pytestmark = pytest.mark.skipif(not native.prefill_attention_usable(),
-                                reason="native prefill attention needs the extension and a CPU with AVX-512")
+                                reason="native prefill attention needs the extension and a CPU with AVX-512 or AVX2")
+# an int8 or int4 cache's prefill (as its decode) runs on AVX-512 only; AVX2 CPUs refuse it (tested below)
+needs_quantized = pytest.mark.skipif(not native.prefill_quantized_usable(),
+                                     reason="an int8 or int4 cache's prefill needs AVX-512")
+
+
+def _skip_quantized_without_avx512(cache_dtype: torch.dtype | str) -> None:
+    if cache_dtype in ("int8", "int4") and not native.prefill_quantized_usable():
+        pytest.skip("an int8 or int4 cache's prefill needs AVX-512")
 
 
 def _case(spans: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int, block_size: int,
@@ -74,6 +83,7 @@ def test_matches_reference_fp32(heads: int, kv_heads: int, head_dim: int, window
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [8, 64])
 def test_matches_reference_across_dtypes(dtype: torch.dtype, cache_dtype, block_size: int) -> None:
+    _skip_quantized_without_avx512(cache_dtype)
     # bf16 rows: the reference widens to fp32 too (on every CPU) and both round the output once to bf16;
     # only the summation order differs, so a few outputs may land one bf16 ulp apart
     case = _case(SPANS, 9, 3, 64, block_size, dtype, cache_dtype, seed=block_size)
@@ -85,6 +95,7 @@ def test_matches_reference_across_dtypes(dtype: torch.dtype, cache_dtype, block_
         assert (got != want).float().mean() < 0.01
 
 
+@needs_quantized
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (4, 4)])
 @pytest.mark.parametrize("head_dim", [32, 80, 128])
 @pytest.mark.parametrize("window", [None, 17])
@@ -137,6 +148,22 @@ def test_dot_refuses_where_the_cpu_lacks_it() -> None:
         native.prefill_attention(q, k, v, kv_cache, None, spans, slots, 0.125, None, torch.empty_like(q), "dot")
 
 
+def test_a_quantized_cache_is_refused_without_avx512() -> None:
+    """Without AVX-512 the kernel runs fp32 FMAs over float caches only; an int8 or int4 cache is refused, and the
+    attention layer keeps the torch reference for it (registry.native_prefill)."""
+    if native.prefill_quantized_usable():
+        pytest.skip("this CPU has AVX-512")
+    for cache_dtype in ("int8", "int4"):
+        q, k, v, kv_cache, kv_scales, meta = _case([(5, 10)], 9, 3, 64, 16, torch.float32, cache_dtype)
+        spans, slots = meta.prefill_arrays()
+        with pytest.raises(RuntimeError, match="int8 or int4 cache needs a CPU with AVX-512"):
+            native.prefill_attention(q, k, v, kv_cache, kv_scales, spans, slots, 0.125, None, torch.empty_like(q))
+        assert not registry.native_prefill(q, k, kv_cache)
+    q, k, _, kv_cache, _, _ = _case([(5, 10)], 9, 3, 64, 16, torch.float32, torch.float32)
+    assert registry.native_prefill(q, k, kv_cache)
+
+
+@needs_quantized
 def test_fresh_prompt_reads_this_steps_rows_not_the_cache() -> None:
     # An int8 cache rounds K/V; a fresh prompt attends over the unrounded rows (the reference's rule), a later
     # chunk over the cache. Garbage in the cache slots of a fresh prompt must not matter.

@@ -88,7 +88,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = weight * rms_norm(residual), in place (CPU)");
   m.def("silu_mul", &silu_mul, "[T, 2 I] (gate, up) -> silu(gate) * up, [T, I] (CPU)");
   m.def("w8a8_linear_supported", &w8a8_linear_supported, "whether this CPU runs w8a8_linear (AVX-512 with VNNI)");
-  m.def("prefill_attention_supported", &prefill_attention_supported, "whether prefill_attention runs here (AVX-512)");
+  m.def("prefill_attention_supported", &prefill_attention_supported,
+        "whether prefill_attention runs here (AVX-512, or AVX2 and FMA: fp32 FMAs, float caches)");
+  m.def("prefill_attention_quantized_supported", &prefill_attention_quantized_supported,
+        "whether prefill_attention reads an int8 or int4 cache here (AVX-512)");
   m.def("prefill_attention", &prefill_attention, "causal prefill attention of every span of a step (CPU, AVX-512)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scales"),
         py::arg("v_scales"), py::arg("spans"), py::arg("slots"), py::arg("scale"), py::arg("window"), py::arg("out"),

@@ -27,6 +27,7 @@ void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double 
 at::Tensor silu_mul(at::Tensor x);
 // prefill_attention.cpp
 bool prefill_attention_supported();
+bool prefill_attention_quantized_supported();  // an int8 or int4 cache's (AVX-512)
 void prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_cache,
                        at::Tensor v_cache, c10::optional<at::Tensor> k_scales,
                        c10::optional<at::Tensor> v_scales, at::Tensor spans, at::Tensor slots, double scale,

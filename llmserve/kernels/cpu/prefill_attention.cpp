@@ -1,4 +1,4 @@
-// Prefill attention on CPU (AVX-512): causal attention of each prompt chunk over its context, flash-style (online
+// Prefill attention on CPU (AVX-512; fp32 FMAs in 8 lanes on AVX2): causal attention of each prompt chunk over its context, flash-style (online
 // softmax over blocks of keys), fp32 arithmetic, for every prefill span of a step in one call.
 //
 // Where a span's keys come from, as in the torch reference (torch_backend.paged_attention):
@@ -46,6 +46,7 @@
 #include "float_types.h"  // dispatch_float
 
 #include "amx_tiles.h"     // TileConfig, load_tile_config
+#include "avx2_math.h"    // LLMSERVE_AVX2, exp256
 #include "avx512_math.h"  // LLMSERVE_AVX512, load16, exp512
 #include "kernels.h"       // amx_bf16_supported
 
@@ -592,12 +593,186 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
     }
 }
 
+#ifdef LLMSERVE_AVX2
+// ---- The fp32 path on CPUs with AVX2 and FMA (no AVX-512) ----
+// attend_tile's fp32 path with each 16-lane vector (one head's 16 query tokens) as two 8-lane halves: the same
+// layouts (Q^T, S^T, O^T [.., V, 16]), keys and values made once a call by prefill_impl, the same online softmax down
+// the keys; a key's visible lanes are a 16-bit set made into two lane masks. fp32, fp16 and bf16 q and caches (an int8
+// or int4 cache's prefill stays on AVX-512, as its decode). exp256's polynomial, not exp512's: the outputs agree with
+// the AVX-512 path's to fp32 rounding, not bit for bit.
+// Why: without AVX-512 every prefill ran torch's SDPA and the attention's Python around it, and the native decoder
+// stack (which needs native prefill attention for a step with prompts) ran decode-only steps. On a 2-core Zen 3 (AVX2
+// only), SDPA took 0.54 ms a layer for a 36-token prompt (SmolLM2's 9 heads over 3 KV heads, head_dim 64), 7.0 at
+// 500 tokens and 59 at 2,000: 16, 210 and 1,780 ms of those prompts' first tokens over 30 layers.
+
+bool avx2_fma_supported() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c");
+  return ok;
+}
+
+constexpr int kRowsPerPass2 = 4;  // rows of S^T (keys) or O^T (dimensions) in registers: 4 x 2 halves accumulators
+
+inline __m256 load8w(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8w(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m256 load8w(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// widen_rows for the float caches (and this step's rows) in 8 lanes; D % 16 == 0.
+template <typename T>
+void widen_rows_avx2(const Rows<T>& src, int64_t j0, int64_t n, int64_t D, float* dst) {
+  if constexpr (std::is_same_v<T, int8_t> || std::is_same_v<T, uint8_t>) {
+    TORCH_CHECK(false, "prefill_attention: an int8 or int4 cache needs AVX-512");
+  } else {
+    for (int64_t t = 0; t < n; ++t) {
+      const T* r = src.row(j0 + t);
+      for (int64_t c = 0; c < D; c += 8) _mm256_storeu_ps(dst + t * D + c, load8w(r + c));
+    }
+  }
+}
+
+// tile_pass for one row vector v (two halves): out[r, v] (+)= sum_s a[r * row_stride + s * sum_stride] b[s, v], rows
+// a multiple of kRowsPerPass2.
+__attribute__((optimize("no-tree-pre"))) void tile_pass_avx2(const float* a, int64_t row_stride, int64_t sum_stride,
+                                                              int64_t rows, int64_t sums, const float* b, int64_t V,
+                                                              int64_t v, bool accumulate, float* out) {
+  for (int64_t r = 0; r < rows; r += kRowsPerPass2) {
+    __m256 acc[kRowsPerPass2][2];
+    _Pragma("GCC unroll 4") for (int k = 0; k < kRowsPerPass2; ++k)
+      _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h)
+        acc[k][h] = accumulate ? _mm256_loadu_ps(out + ((r + k) * V + v) * 16 + 8 * h) : _mm256_setzero_ps();
+    for (int64_t i = 0; i < sums; ++i) {
+      const __m256 b0 = _mm256_loadu_ps(b + (i * V + v) * 16), b1 = _mm256_loadu_ps(b + (i * V + v) * 16 + 8);
+      _Pragma("GCC unroll 4") for (int k = 0; k < kRowsPerPass2; ++k) {
+        const __m256 ab = _mm256_broadcast_ss(a + (r + k) * row_stride + i * sum_stride);
+        acc[k][0] = _mm256_fmadd_ps(ab, b0, acc[k][0]);
+        acc[k][1] = _mm256_fmadd_ps(ab, b1, acc[k][1]);
+      }
+    }
+    _Pragma("GCC unroll 4") for (int k = 0; k < kRowsPerPass2; ++k)
+      _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h)
+        _mm256_storeu_ps(out + ((r + k) * V + v) * 16 + 8 * h, acc[k][h]);
+  }
+}
+
+// visible's lanes as a 16-bit set: lane i (context position p0 + i) sees `key` where key <= p0 + i and, with a
+// window, key > p0 + i - window; live: the tile's tokens.
+inline uint32_t visible_bits(int64_t key, uint32_t live, bool masked, int64_t p0, int64_t window) {
+  if (!masked) return live;
+  uint32_t v = live & (0xFFFFu << std::clamp<int64_t>(key - p0, 0, 16)) & 0xFFFFu;
+  if (window > 0) v &= (1u << std::clamp<int64_t>(key - p0 + window, 0, 16)) - 1u;
+  return v;
+}
+
+// A 16-bit lane set as two masks of 8 lanes (all ones where the lane's bit is set).
+inline void lane_masks(uint32_t bits, __m256& lo, __m256& hi) {
+  const __m256i b = _mm256_set1_epi32(static_cast<int32_t>(bits));
+  const __m256i sel_lo = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i sel_hi = _mm256_slli_epi32(sel_lo, 8);
+  lo = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(b, sel_lo), sel_lo));
+  hi = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(b, sel_hi), sel_hi));
+}
+
+// One work item on the fp32 path (attend_tile's arguments; the keys and values from `made`).
+template <typename TQ>
+void attend_tile_avx2(const TQ* q, int64_t q_row, const Span& sp, int64_t i0, int64_t kvh, int64_t G, int64_t D,
+                      float scale, int64_t window, const Rowsets& made, Scratch& s, TQ* out, int64_t out_row) {
+  const int64_t V = G;
+  const int64_t nt = std::min(kTileTokens, sp.q_len - i0);
+  std::fill(s.qt.begin(), s.qt.end(), 0.f);
+  for (int64_t i = 0; i < nt; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const TQ* qr = q + (sp.q_start + i0 + i) * q_row + (kvh * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) s.qt[d * V * 16 + g * 16 + i] = static_cast<float>(qr[d]) * scale;
+    }
+  std::fill(s.ot.begin(), s.ot.end(), 0.f);
+  std::fill(s.m.begin(), s.m.end(), -std::numeric_limits<float>::infinity());
+  std::fill(s.l.begin(), s.l.end(), 0.f);
+  const int64_t p0 = sp.num_cached + i0, p_last = p0 + nt - 1;
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, p0 - window + 1) : 0, hi = p_last + 1;
+  const uint32_t live = nt >= 16 ? 0xFFFFu : (1u << nt) - 1u;
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), one = _mm256_set1_ps(1.f);
+  for (int64_t j0 = lo; j0 < hi; j0 += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, hi - j0), n8 = (n + 7) / 8 * 8;
+    const float* kf = made.kf + j0 * D;  // (rows past n: zeros or later keys, their scores unused)
+    for (int64_t v = 0; v < V; ++v) tile_pass_avx2(kf, D, 1, n8, D, s.qt.data(), V, v, false, s.st.data());
+    const bool masked = j0 + n - 1 > p0 || (window > 0 && j0 <= p_last - window);
+    uint32_t vis[kKeyBlock];
+    for (int64_t j = 0; j < n; ++j) vis[j] = visible_bits(j0 + j, live, masked, p0, window);
+    for (int64_t v = 0; v < V; ++v) {
+      float* m = s.m.data() + v * 16;
+      float* l = s.l.data() + v * 16;
+      __m256 mx[2] = {_mm256_loadu_ps(m), _mm256_loadu_ps(m + 8)};
+      for (int64_t j = 0; j < n; ++j) {
+        __m256 k[2];
+        lane_masks(vis[j], k[0], k[1]);
+        for (int h = 0; h < 2; ++h)
+          mx[h] = _mm256_blendv_ps(mx[h], _mm256_max_ps(mx[h], _mm256_loadu_ps(s.st.data() + (j * V + v) * 16 + 8 * h)),
+                                   k[h]);
+      }
+      // lanes that have seen no key yet keep max -inf; subtract 0 there instead (their p are all masked to 0)
+      __m256 sub[2], alpha[2], sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+      int moved = 0;
+      for (int h = 0; h < 2; ++h) {
+        const __m256 old = _mm256_loadu_ps(m + 8 * h);
+        const __m256 seen = _mm256_cmp_ps(mx[h], ninf, _CMP_NEQ_OQ);
+        sub[h] = _mm256_and_ps(seen, mx[h]);
+        alpha[h] = _mm256_and_ps(_mm256_cmp_ps(old, ninf, _CMP_NEQ_OQ),
+                                 exp256(_mm256_sub_ps(_mm256_and_ps(seen, old), sub[h])));
+        moved |= _mm256_movemask_ps(_mm256_cmp_ps(alpha[h], one, _CMP_NEQ_UQ));
+      }
+      for (int64_t j = 0; j < n8; ++j) {
+        float* sj = s.st.data() + (j * V + v) * 16;
+        __m256 k[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        if (j < n) lane_masks(vis[j], k[0], k[1]);
+        for (int h = 0; h < 2; ++h) {
+          const __m256 p = _mm256_and_ps(k[h], exp256(_mm256_sub_ps(_mm256_loadu_ps(sj + 8 * h), sub[h])));
+          _mm256_storeu_ps(sj + 8 * h, p);
+          sum[h] = _mm256_add_ps(sum[h], p);
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        _mm256_storeu_ps(l + 8 * h, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(l + 8 * h), alpha[h]), sum[h]));
+        _mm256_storeu_ps(m + 8 * h, mx[h]);
+      }
+      if (moved)  // (no lane's max moved, as in most blocks past the first few: O^T times 1 is O^T)
+        for (int64_t d = 0; d < D; ++d)
+          for (int h = 0; h < 2; ++h) {
+            float* o = s.ot.data() + (d * V + v) * 16 + 8 * h;
+            _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_loadu_ps(o), alpha[h]));
+          }
+    }
+    const float* vf = made.vf + j0 * D;  // the block's values in fp32 [n, D]
+    for (int64_t v = 0; v < V; ++v) tile_pass_avx2(vf, 1, D, D, n, s.st.data(), V, v, true, s.ot.data());
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < nt; ++i) {
+      const float lsum = s.l[g * 16 + i];
+      const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+      TQ* o = out + (sp.q_start + i0 + i) * out_row + (kvh * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<TQ>(s.ot[(d * V + g) * 16 + i] * inv);
+    }
+}
+#else
+bool avx2_fma_supported() { return false; }
+template <typename T>
+void widen_rows_avx2(const Rows<T>&, int64_t, int64_t, int64_t, float*) {}
+template <typename TQ>
+void attend_tile_avx2(const TQ*, int64_t, const Span&, int64_t, int64_t, int64_t, int64_t, float, int64_t,
+                      const Rowsets&, Scratch&, TQ*, int64_t) {}
+#endif
+
 template <typename TQ, typename TC>
 void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, const void* k_scales, const void* v_scales,
                   const std::vector<Span>& spans, const int64_t* slots, double scale, int64_t window, int64_t path,
                   at::Tensor& out) {
   const int64_t H = q.size(1), D = q.size(2), KVH = k.size(1), G = H / KVH;
+  const bool avx512 = cpu_has_avx512();  // else the fp32 path in 8 lanes (attend_tile_avx2)
   // the amx path: V^T in blocks of 32 keys, [(ctx + 32) / 32][D][32] bf16 (keys past the context 0), of each (span, KV
   // head) whose keys are bf16 (a fresh prompt's, or a bf16 cache's), made once here; other spans keep FMAs
   constexpr bool kBf16Cache = std::is_same_v<TC, c10::BFloat16>;
@@ -685,8 +860,12 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const Span& sp = spans[u / KVH];
       const int64_t h = u % KVH, ctx = sp.num_cached + sp.q_len, row0 = rows_at[u], pad = rows_at[u + 1] - row0;
       float* vf = vfs.get() + row0 * D;
+      auto widen = [&](const auto& rows, float* dst) {
+        if (avx512) widen_rows(rows, 0, ctx, D, dst);
+        else widen_rows_avx2(rows, 0, ctx, D, dst);
+      };
       auto fill = [&](const auto& kr, const auto& vr) {
-        widen_rows(vr, 0, ctx, D, vf);
+        widen(vr, vf);
         if (dot_rows[u]) {
           uint16_t* kp = kps.get() + row0 * D;
           for (int64_t j = 0; j < ctx; ++j) {
@@ -695,7 +874,7 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           }
           std::fill(kp + ctx * D, kp + pad * D, uint16_t{0});
         } else {
-          widen_rows(kr, 0, ctx, D, kfs.get() + row0 * D);
+          widen(kr, kfs.get() + row0 * D);
           std::fill(kfs.get() + (row0 + ctx) * D, kfs.get() + (row0 + pad) * D, 0.f);
         }
         std::fill(vf + ctx * D, vf + pad * D, 0.f);
@@ -738,7 +917,9 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const Rowsets made{shared && dot_rows[vu] ? kps.get() + rows_at[vu] * D : nullptr,
                          shared && !dot_rows[vu] ? kfs.get() + rows_at[vu] * D : nullptr,
                          shared ? vfs.get() + rows_at[vu] * D : nullptr};
-      if (sp.from_cache) {
+      if (!avx512) {
+        attend_tile_avx2<TQ>(qp, q.stride(0), sp, it.i0, it.kvh, G, D, sc, window, made, s, op, out.stride(0));
+      } else if (sp.from_cache) {
         attend_tile<TQ, TC>(qp, q.stride(0), sp, it.i0, it.kvh, G, D, key_rows(sp, it.kvh).first, sc, window,
                             span_path[it.span], vt, made, s, op, out.stride(0));
       } else {  // this step's rows: token j of the span at row q_start + j
@@ -751,7 +932,8 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 }  // namespace
 
-bool prefill_attention_supported() { return cpu_has_avx512(); }
+bool prefill_attention_supported() { return cpu_has_avx512() || avx2_fma_supported(); }
+bool prefill_attention_quantized_supported() { return cpu_has_avx512(); }
 
 // q [T, H, D]; k, v [T, KVH, D] (this step's rows; each may have a row stride, e.g. views of a fused QKV output,
 // but heads and dimensions contiguous); k_cache, v_cache [NB, BS, KVH, D] contiguous, fp32/bf16/fp16 or int8 with
@@ -766,7 +948,7 @@ void prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_ca
                        at::Tensor v_cache, c10::optional<at::Tensor> k_scales,
                        c10::optional<at::Tensor> v_scales, at::Tensor spans, at::Tensor slots, double scale,
                        int64_t window, at::Tensor out, int64_t path) {
-  TORCH_CHECK(prefill_attention_supported(), "prefill_attention needs a CPU with AVX-512");
+  TORCH_CHECK(prefill_attention_supported(), "prefill_attention needs a CPU with AVX-512, or AVX2 and FMA");
   TORCH_CHECK(path != 1 || cpu_has_avx512_bf16(), "prefill_attention: path 1 (dot) needs a CPU with AVX512-BF16");
   TORCH_CHECK(path != 2 || (amx_bf16_supported() && cpu_has_avx512_bf16()),
               "prefill_attention: path 2 (amx) needs a CPU with AMX-BF16 and the OS's permission");
@@ -787,6 +969,8 @@ void prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_ca
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
               "prefill_attention: contiguous caches of one dtype");
   const bool quantized = k_cache.scalar_type() == at::kChar || int4;
+  TORCH_CHECK(!quantized || prefill_attention_quantized_supported(),
+              "prefill_attention: an int8 or int4 cache needs a CPU with AVX-512");
   TORCH_CHECK(quantized == (k_scales.has_value() && v_scales.has_value()),
               "k_scales and v_scales are given exactly when the cache is int8 or int4");
   if (quantized)
