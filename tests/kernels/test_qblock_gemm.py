@@ -132,6 +132,22 @@ def test_rows_do_not_depend_on_the_batch(fmt: str, vnni: bool) -> None:
         assert torch.equal(native.qblock_linear(x[rows], w.native, None, vnni=vnni), whole[rows])
 
 
+def _avx2_cases(fmt: str, dtype: torch.dtype):
+    """(weight, its BlockWeight, bias, x, whether its codes are all at their largest) for the AVX2 kernels' tests: a
+    last tile of 5 outputs (one half of 8 lanes), 53 and 600 outputs, rows 1-2 (the streaming tiles), 3, 17 and 300
+    (register tiles of 4, partial ones, more than one 240-row chunk); random codes and codes at their largest."""
+    for n, k, rows in [(5, 64, (1, 3)), (53, 192, (1, 2, 3, 17)), (600, 256, (300,))]:
+        t = _weight(fmt, n, k, seed=n)
+        extreme = _weight(fmt, n, k, seed=n)
+        extreme.codes.fill_(2 ** t.bits - 1)
+        for tensor in (t, extreme):
+            w = qb.BlockWeight(tensor)
+            bias = torch.randn(n)
+            for m in rows:
+                yield tensor, w, bias, torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype), \
+                    tensor is extreme
+
+
 @pytest.mark.skipif(not native.qblock_avx2_usable(), reason="needs AVX2")
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -142,25 +158,17 @@ def test_avx2_kernel_gives_the_int8_arithmetic(fmt: str, dtype: torch.dtype) -> 
     fp32 rounding, and a row's result does not depend on its batch. Shapes: a last tile of 5 outputs (one half of 8
     lanes), 53 and 600 outputs, rows 1-2 (the streaming tiles), 3, 17 and 300 (register tiles of 4, partial ones,
     more than one 240-row chunk); codes at their extremes (the largest int16 sums) and random."""
-    for n, k, rows in [(5, 64, (1, 3)), (53, 192, (1, 2, 3, 17)), (600, 256, (300,))]:
-        t = _weight(fmt, n, k, seed=n)
-        extreme = _weight(fmt, n, k, seed=n)
-        extreme.codes.fill_(2 ** t.bits - 1)
-        for tensor in (t, extreme):
-            w = qb.BlockWeight(tensor)
-            bias = torch.randn(n)
-            for m in rows:
-                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
-                if tensor is extreme:  # rows of activations all 127 or all -127 after rounding: the largest sums
-                    x = torch.ones(m, k, dtype=dtype)
-                    x[1::2] = -1
-                y = native.qblock_linear(x, w.native, bias, vnni=3)
-                if native.qblock_vnni_usable():
-                    assert torch.equal(y, native.qblock_linear(x, w.native, bias, vnni=2)), (fmt, n, m)
-                want = _int8_reference(x, tensor.dequantize()) + bias.double()
-                tol = 1e-5 if dtype == torch.float32 else 8e-3
-                torch.testing.assert_close(y.double(), want, atol=tol * want.abs().max().item(), rtol=0)
-                assert torch.equal(native.qblock_linear(x[-1:], w.native, bias, vnni=3), y[-1:])
+    for tensor, w, bias, x, extreme in _avx2_cases(fmt, dtype):
+        if extreme:  # rows of activations all 127 or all -127 after rounding: the largest sums
+            x = torch.ones_like(x)
+            x[1::2] = -1
+        y = native.qblock_linear(x, w.native, bias, vnni=3)
+        if native.qblock_vnni_usable():
+            assert torch.equal(y, native.qblock_linear(x, w.native, bias, vnni=2)), (fmt, w.n, x.shape[0])
+        want = _int8_reference(x, tensor.dequantize()) + bias.double()
+        tol = 1e-5 if dtype == torch.float32 else 8e-3
+        torch.testing.assert_close(y.double(), want, atol=tol * want.abs().max().item(), rtol=0)
+        assert torch.equal(native.qblock_linear(x[-1:], w.native, bias, vnni=3), y[-1:])
 
 
 @pytest.mark.skipif(not native.qblock_avx2_usable(), reason="needs AVX2")
@@ -172,22 +180,14 @@ def test_avx2_fma_kernel_gives_the_fp32_arithmetic(fmt: str, dtype: torch.dtype)
     product of x and the dequantized weight to fp32 rounding, and a row's result does not depend on its batch. The
     shapes of test_avx2_kernel_gives_the_int8_arithmetic, codes at their largest and random."""
     avx512 = native.packed_gemm_usable()
-    for n, k, rows in [(5, 64, (1, 3)), (53, 192, (1, 2, 3, 17)), (600, 256, (300,))]:
-        t = _weight(fmt, n, k, seed=n)
-        extreme = _weight(fmt, n, k, seed=n)
-        extreme.codes.fill_(2 ** t.bits - 1)
-        for tensor in (t, extreme):
-            w = qb.BlockWeight(tensor)
-            bias = torch.randn(n)
-            for m in rows:
-                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
-                y = native.qblock_linear(x, w.native, bias, vnni=4)
-                if avx512:  # (vnni=0 runs the AVX-512 kernel there, this one elsewhere)
-                    assert torch.equal(y, native.qblock_linear(x, w.native, bias, vnni=0)), (fmt, n, m)
-                want = x.double() @ tensor.dequantize().double().T + bias.double()
-                tol = 2e-6 if dtype == torch.float32 else 8e-3
-                torch.testing.assert_close(y.double(), want, atol=tol * want.abs().max().item(), rtol=0)
-                assert torch.equal(native.qblock_linear(x[-1:], w.native, bias, vnni=4), y[-1:])
+    for tensor, w, bias, x, _ in _avx2_cases(fmt, dtype):
+        y = native.qblock_linear(x, w.native, bias, vnni=4)
+        if avx512:  # (vnni=0 runs the AVX-512 kernel there, this one elsewhere)
+            assert torch.equal(y, native.qblock_linear(x, w.native, bias, vnni=0)), (fmt, w.n, x.shape[0])
+        want = x.double() @ tensor.dequantize().double().T + bias.double()
+        tol = 2e-6 if dtype == torch.float32 else 8e-3
+        torch.testing.assert_close(y.double(), want, atol=tol * want.abs().max().item(), rtol=0)
+        assert torch.equal(native.qblock_linear(x[-1:], w.native, bias, vnni=4), y[-1:])
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "g16_q5_mins"])

@@ -427,6 +427,37 @@ struct Scratch {
                                   pp(2 * kKeyBlock / 2 * V * 16) {}
 };
 
+// Q^T [D, G * 16] of a tile's nt tokens, pre-scaled, lanes past nt 0 (their outputs are never written): q0 the first
+// token's first head of the group, rows q_row apart.
+template <typename TQ>
+void fill_qt(const TQ* q0, int64_t q_row, int64_t nt, int64_t G, int64_t D, float scale, Scratch& s) {
+  std::fill(s.qt.begin(), s.qt.end(), 0.f);
+  for (int64_t i = 0; i < nt; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const TQ* qr = q0 + i * q_row + g * D;
+      for (int64_t d = 0; d < D; ++d) s.qt[d * G * 16 + g * 16 + i] = static_cast<float>(qr[d]) * scale;
+    }
+}
+
+// A work item's O^T, running max and sum, before its first block.
+inline void reset_sums(Scratch& s) {
+  std::fill(s.ot.begin(), s.ot.end(), 0.f);
+  std::fill(s.m.begin(), s.m.end(), -std::numeric_limits<float>::infinity());
+  std::fill(s.l.begin(), s.l.end(), 0.f);
+}
+
+// O^T / l into the tile's nt output rows (out0: the first token's first head of the group, rows out_row apart).
+template <typename TQ>
+void write_out(const Scratch& s, int64_t nt, int64_t G, int64_t D, TQ* out0, int64_t out_row) {
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < nt; ++i) {
+      const float lsum = s.l[g * 16 + i];
+      const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+      TQ* o = out0 + i * out_row + g * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<TQ>(s.ot[(d * G + g) * 16 + i] * inv);
+    }
+}
+
 // The dot path's keys of one block of n keys (padded to n8 with 0): the rows copied as they are stored, pairs of
 // dimensions.
 void pair_keys(const Rows<c10::BFloat16>& keys, int64_t j0, int64_t n, int64_t n8, int64_t D, Scratch& s) {
@@ -479,16 +510,9 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
           s.qtp[p * V * 16 + g * 16 + i] = qr[2 * p] | (static_cast<uint32_t>(qr[2 * p + 1]) << 16);
       }
   } else if (!dot && !amx) {
-    std::fill(s.qt.begin(), s.qt.end(), 0.f);
-    for (int64_t i = 0; i < nt; ++i)
-      for (int64_t g = 0; g < G; ++g) {
-        const TQ* qr = q + (sp.q_start + i0 + i) * q_row + (kvh * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) s.qt[d * V * 16 + g * 16 + i] = static_cast<float>(qr[d]) * scale;
-      }
+    fill_qt(q + (sp.q_start + i0) * q_row + kvh * G * D, q_row, nt, G, D, scale, s);
   }
-  std::fill(s.ot.begin(), s.ot.end(), 0.f);
-  std::fill(s.m.begin(), s.m.end(), -std::numeric_limits<float>::infinity());
-  std::fill(s.l.begin(), s.l.end(), 0.f);
+  reset_sums(s);
   // the tile's tokens sit at context positions p0 .. p0 + nt - 1 and see keys (p - window, p]
   const int64_t p0 = sp.num_cached + i0, p_last = p0 + nt - 1;
   // (amx: from a multiple of 32, where vt's blocks start; keys before the window are masked like any other)
@@ -584,13 +608,7 @@ LLMSERVE_AVX512 void attend_tile(const TQ* q, int64_t q_row, const Span& sp, int
     if (D % 32 == 0)
       return out_rows(s.ot.data(), s.l.data(), nt, G, D, out + (sp.q_start + i0) * out_row + kvh * G * D, out_row);
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t i = 0; i < nt; ++i) {
-      const float lsum = s.l[g * 16 + i];
-      const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
-      TQ* o = out + (sp.q_start + i0 + i) * out_row + (kvh * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<TQ>(s.ot[(d * V + g) * 16 + i] * inv);
-    }
+  write_out(s, nt, G, D, out + (sp.q_start + i0) * out_row + kvh * G * D, out_row);
 }
 
 #ifdef LLMSERVE_AVX2
@@ -683,15 +701,8 @@ void attend_tile_avx2(const TQ* q, int64_t q_row, const Span& sp, int64_t i0, in
                       float scale, int64_t window, const Rowsets& made, Scratch& s, TQ* out, int64_t out_row) {
   const int64_t V = G;
   const int64_t nt = std::min(kTileTokens, sp.q_len - i0);
-  std::fill(s.qt.begin(), s.qt.end(), 0.f);
-  for (int64_t i = 0; i < nt; ++i)
-    for (int64_t g = 0; g < G; ++g) {
-      const TQ* qr = q + (sp.q_start + i0 + i) * q_row + (kvh * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) s.qt[d * V * 16 + g * 16 + i] = static_cast<float>(qr[d]) * scale;
-    }
-  std::fill(s.ot.begin(), s.ot.end(), 0.f);
-  std::fill(s.m.begin(), s.m.end(), -std::numeric_limits<float>::infinity());
-  std::fill(s.l.begin(), s.l.end(), 0.f);
+  fill_qt(q + (sp.q_start + i0) * q_row + kvh * G * D, q_row, nt, G, D, scale, s);
+  reset_sums(s);
   const int64_t p0 = sp.num_cached + i0, p_last = p0 + nt - 1;
   const int64_t lo = window > 0 ? std::max<int64_t>(0, p0 - window + 1) : 0, hi = p_last + 1;
   const uint32_t live = nt >= 16 ? 0xFFFFu : (1u << nt) - 1u;
@@ -749,13 +760,7 @@ void attend_tile_avx2(const TQ* q, int64_t q_row, const Span& sp, int64_t i0, in
     const float* vf = made.vf + j0 * D;  // the block's values in fp32 [n, D]
     for (int64_t v = 0; v < V; ++v) tile_pass_avx2(vf, 1, D, D, n, s.st.data(), V, v, true, s.ot.data());
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t i = 0; i < nt; ++i) {
-      const float lsum = s.l[g * 16 + i];
-      const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
-      TQ* o = out + (sp.q_start + i0 + i) * out_row + (kvh * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<TQ>(s.ot[(d * V + g) * 16 + i] * inv);
-    }
+  write_out(s, nt, G, D, out + (sp.q_start + i0) * out_row + kvh * G * D, out_row);
 }
 #else
 bool avx2_fma_supported() { return false; }

@@ -872,6 +872,29 @@ inline void block_sums(const __m256i* v, const int32_t* xq, __m256i& s0, __m256i
   }
 }
 
+// Tile t's codes of block b; stream: a row or two read the codes as one stream, so ask for those kPrefetchBytes on.
+inline const uint8_t* block_codes(const Weight& w, int64_t t, int64_t b, int64_t KB, bool stream) {
+  const uint8_t* c = w.codes + (t * KB + b) * w.bytes;
+  if (stream)
+    for (int64_t off = 0; off < w.bytes; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(c + off + kPrefetchBytes), _MM_HINT_T0);
+  return c;
+}
+
+// A register tile's sums (acc[i][h]: row i0 + i, outputs 16 t + 8 h ..) into y [M, N] (+ bias as store_rows adds
+// it; c10::BFloat16: nearest even, NaN 0x7FC0); lanes past N are not written.
+template <int MR, typename T>
+inline void store_tile8(const float (&acc)[MR][2][8], int64_t i0, int64_t t, int64_t N, const float* bias, T* y) {
+  for (int h = 0; h < 2; ++h) {
+    const int64_t n = t * kTileRows + 8 * h, lanes = std::min<int64_t>(8, N - n);  // (none past n)
+    for (int i = 0; i < MR && lanes > 0; ++i) {
+      T* out = y + (i0 + i) * N + n;
+      for (int64_t l = 0; l < lanes; ++l)
+        out[l] = static_cast<T>(bias != nullptr ? acc[i][h][l] + bias[n + l] : acc[i][h][l]);
+    }
+  }
+}
+
 // y[i0 : i0 + MR, tile t's 16 outputs) as tile_vnni<MR, 1, ...> computes them, in two halves of 8 lanes.
 template <int MR, int BITS, bool G16, typename S, typename T>
 __attribute__((optimize("no-tree-pre", "no-tree-reassoc"))) void tile_avx2(const Act& a, const Weight& w, int64_t i0, int64_t t,
@@ -880,10 +903,7 @@ __attribute__((optimize("no-tree-pre", "no-tree-reassoc"))) void tile_avx2(const
   _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < a.KB; ++b) {
     const int64_t g = G16 ? 2 * b : b / w.blocks_per_group;
-    const uint8_t* c = w.codes + (t * a.KB + b) * w.bytes;
-    if (MR <= 2)
-      for (int64_t off = 0; off < w.bytes; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(c + off + kPrefetchBytes), _MM_HINT_T0);
+    const uint8_t* c = block_codes(w, t, b, a.KB, MR <= 2);
     __m256i v[2][8];
     __m256 d[2], m[2], d1[2], m1[2];
     _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {
@@ -909,16 +929,10 @@ __attribute__((optimize("no-tree-pre", "no-tree-reassoc"))) void tile_avx2(const
       }
     }
   }
-  for (int h = 0; h < 2; ++h) {
-    const int64_t n = t * kTileRows + 8 * h, lanes = std::min<int64_t>(8, N - n);  // (none past n)
-    for (int i = 0; i < MR && lanes > 0; ++i) {
-      alignas(32) float r[8];
-      _mm256_store_ps(r, acc[i][h]);
-      T* out = y + (i0 + i) * N + n;
-      for (int64_t l = 0; l < lanes; ++l)  // + bias as store_rows adds it; c10::BFloat16: nearest even, NaN 0x7FC0
-        out[l] = static_cast<T>(bias != nullptr ? r[l] + bias[n + l] : r[l]);
-    }
-  }
+  alignas(32) float r[MR][2][8];
+  for (int i = 0; i < MR; ++i)
+    for (int h = 0; h < 2; ++h) _mm256_store_ps(r[i][h], acc[i][h]);
+  store_tile8<MR>(r, i0, t, N, bias, y);
 }
 
 // *p in every lane, loaded where it is used: volatile, so that GCC neither shares one broadcast between the
@@ -986,38 +1000,7 @@ __attribute__((optimize("no-tree-pre", "no-tree-reassoc"))) void tile_avx2_strea
       }
     }
   }
-  for (int h = 0; h < 2; ++h) {
-    const int64_t n = t * kTileRows + 8 * h, lanes = std::min<int64_t>(8, N - n);  // (none past n)
-    for (int i = 0; i < MR && lanes > 0; ++i) {
-      T* out = y + (i0 + i) * N + n;
-      for (int64_t l = 0; l < lanes; ++l)  // + bias as store_rows adds it; c10::BFloat16: nearest even, NaN 0x7FC0
-        out[l] = static_cast<T>(bias != nullptr ? acc[i][h][l] + bias[n + l] : acc[i][h][l]);
-    }
-  }
-}
-
-template <typename T, typename S, int BITS, bool G16>
-void run_avx2(const at::Tensor& x, const Weight& w, int64_t N, int64_t NT, const float* bias, T* yp) {
-  const int64_t M = x.size(0), K = x.size(1), KB = K / kBlock;
-  constexpr int64_t kSums = G16 ? 2 : 1;
-  const T* xp = x.data_ptr<T>();
-  auto dx = at::empty({M, KB}, x.options().dtype(at::kFloat));
-  auto sx = at::empty({M, KB * kSums}, x.options().dtype(at::kFloat));
-  auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
-  float* dxp = dx.data_ptr<float>();
-  float* sxp = sx.data_ptr<float>();
-  int8_t* qp = xq.data_ptr<int8_t>();
-  at::parallel_for(0, M, std::max<int64_t>(1, kSerialElems / K), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) quantize_row_avx2<G16>(xp + i * K, KB, qp + i * K, dxp + i * KB, sxp + i * KB * kSums);
-  });
-  const Act a{qp, dxp, sxp, K, KB};
-  auto tile = [&](auto mr, auto, int64_t i, int64_t t) {
-    constexpr int MR = decltype(mr)::value;
-    if constexpr ((BITS == 4 || BITS == 8) && !G16) tile_avx2_stream<MR, BITS, S, T>(a, w, i, t, N, bias, yp);
-    else tile_avx2<MR, BITS, G16, S, T>(a, w, i, t, N, bias, yp);
-  };
-  if (M <= 2) for_each_tile<2, 1>(M, NT, kChunkRows, tile);
-  else for_each_tile<kAvx2Rows, 1>(M, NT, kChunkRows, tile);
+  store_tile8<MR>(acc, i0, t, N, bias, y);
 }
 
 // ---- qblock_linear's fp32-FMA product (vnni=0) on CPUs with AVX2 and FMA: tile_fma's bits ----
@@ -1103,10 +1086,7 @@ __attribute__((optimize("no-tree-pre", "no-tree-reassoc"))) void tile_fma_avx2(c
   alignas(32) float first[G16 ? MR : 1][2][8];  // G16: the block's columns 0-15 term, m sx + d s
   for (int64_t b = 0; b < a.KB; ++b) {
     const int64_t g = G16 ? 2 * b : b / w.blocks_per_group;
-    const uint8_t* c = w.codes + (t * a.KB + b) * w.bytes;
-    if (MR <= 2)
-      for (int64_t off = 0; off < w.bytes; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(c + off + kPrefetchBytes), _MM_HINT_T0);
+    const uint8_t* c = block_codes(w, t, b, a.KB, MR <= 2);
     const float* xr[MR];
     _Pragma("GCC unroll 4") for (int i = 0; i < MR; ++i) xr[i] = xf + (i0 + i) * a.K + b * kBlock;
     __m256 s[MR][2];
@@ -1155,34 +1135,38 @@ __attribute__((optimize("no-tree-pre", "no-tree-reassoc"))) void tile_fma_avx2(c
       });
     }
   }
-  for (int h = 0; h < 2; ++h) {
-    const int64_t n = t * kTileRows + 8 * h, lanes = std::min<int64_t>(8, N - n);  // (none past n)
-    for (int i = 0; i < MR && lanes > 0; ++i) {
-      T* out = y + (i0 + i) * N + n;
-      for (int64_t l = 0; l < lanes; ++l)  // + bias as store_rows adds it; c10::BFloat16: nearest even, NaN 0x7FC0
-        out[l] = static_cast<T>(bias != nullptr ? acc[i][h][l] + bias[n + l] : acc[i][h][l]);
-    }
-  }
+  store_tile8<MR>(acc, i0, t, N, bias, y);
 }
 
-template <typename T, typename S, int BITS, bool G16>
-void run_fma_avx2(const at::Tensor& x, const Weight& w, int64_t N, int64_t NT, const float* bias, T* yp) {
+// qblock_linear without AVX-512 (and with vnni 3 or 4): int8 activations (FMA false: x quantized per block of 32) or
+// fp32 FMAs on the codes (FMA true: bf16 x widened, fp32 x read in place), row tiles of 4 (1 and 2 for a row or two).
+template <typename T, typename S, int BITS, bool G16, bool FMA>
+void run_avx2(const at::Tensor& x, const Weight& w, int64_t N, int64_t NT, const float* bias, T* yp) {
   const int64_t M = x.size(0), K = x.size(1), KB = K / kBlock;
   constexpr int64_t kSums = G16 ? 2 : 1;
+  constexpr bool kOwnX = !FMA || !std::is_same_v<T, float>;  // x's int8 codes, or bf16 x widened
   const T* xp = x.data_ptr<T>();
-  auto sx = at::empty({M, KB * kSums}, x.options().dtype(at::kFloat));
-  // fp32 x is read in place; bf16 x is widened into xw
-  const at::Tensor xw = std::is_same_v<T, float> ? at::Tensor() : at::empty({M, K}, x.options().dtype(at::kFloat));
+  const at::Tensor sx = at::empty({M, KB * kSums}, x.options().dtype(at::kFloat));
+  const at::Tensor dx = FMA ? at::Tensor() : at::empty({M, KB}, x.options().dtype(at::kFloat));
+  const at::Tensor xw = kOwnX ? at::empty({M, K}, x.options().dtype(FMA ? at::kFloat : at::kChar)) : at::Tensor();
   float* sxp = sx.data_ptr<float>();
-  float* xwp = std::is_same_v<T, float> ? nullptr : xw.data_ptr<float>();
+  float* dxp = FMA ? nullptr : dx.data_ptr<float>();
   at::parallel_for(0, M, std::max<int64_t>(1, kSerialElems / K), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-      widen_row_avx2<G16>(xp + i * K, KB, xwp == nullptr ? nullptr : xwp + i * K, sxp + i * KB * kSums);
+    for (int64_t i = begin; i < end; ++i) {
+      if constexpr (FMA)
+        widen_row_avx2<G16>(xp + i * K, KB, kOwnX ? xw.data_ptr<float>() + i * K : nullptr, sxp + i * KB * kSums);
+      else
+        quantize_row_avx2<G16>(xp + i * K, KB, xw.data_ptr<int8_t>() + i * K, dxp + i * KB, sxp + i * KB * kSums);
+    }
   });
-  const float* xf = xwp == nullptr ? reinterpret_cast<const float*>(xp) : xwp;
-  const Act a{nullptr, nullptr, sxp, K, KB};
+  const Act a{FMA ? nullptr : xw.data_ptr<int8_t>(), dxp, sxp, K, KB};
+  const float* xf = nullptr;
+  if constexpr (FMA) xf = kOwnX ? xw.data_ptr<float>() : reinterpret_cast<const float*>(xp);
   auto tile = [&](auto mr, auto, int64_t i, int64_t t) {
-    tile_fma_avx2<decltype(mr)::value, BITS, G16, S, T>(xf, a, w, i, t, N, bias, yp);
+    constexpr int MR = decltype(mr)::value;
+    if constexpr (FMA) tile_fma_avx2<MR, BITS, G16, S, T>(xf, a, w, i, t, N, bias, yp);
+    else if constexpr ((BITS == 4 || BITS == 8) && !G16) tile_avx2_stream<MR, BITS, S, T>(a, w, i, t, N, bias, yp);
+    else tile_avx2<MR, BITS, G16, S, T>(a, w, i, t, N, bias, yp);
   };
   if (M <= 2) for_each_tile<2, 1>(M, NT, kChunkRows, tile);
   else for_each_tile<kAvx2Rows, 1>(M, NT, kChunkRows, tile);
@@ -1375,23 +1359,18 @@ at::Tensor qblock_linear(at::Tensor x, const QBlockWeight& qw, c10::optional<at:
       using S = decltype(s);
       constexpr bool G16 = decltype(g16)::value;
 #if defined(LLMSERVE_AVX2)
-      if (fma_avx2) {
-        const int64_t NT = qw.codes.size(0);
-        switch (qw.bits) {
-          case 4: return run_fma_avx2<T, S, 4, G16>(xc, w, qw.n, NT, bp, yp);
-          case 5: return run_fma_avx2<T, S, 5, G16>(xc, w, qw.n, NT, bp, yp);
-          case 6: return run_fma_avx2<T, S, 6, G16>(xc, w, qw.n, NT, bp, yp);
-          default: return run_fma_avx2<T, S, 8, G16>(xc, w, qw.n, NT, bp, yp);
-        }
-      }
       if (use_avx2) {
         const int64_t NT = qw.codes.size(0);
-        switch (qw.bits) {
-          case 4: return run_avx2<T, S, 4, G16>(xc, w, qw.n, NT, bp, yp);
-          case 5: return run_avx2<T, S, 5, G16>(xc, w, qw.n, NT, bp, yp);
-          case 6: return run_avx2<T, S, 6, G16>(xc, w, qw.n, NT, bp, yp);
-          default: return run_avx2<T, S, 8, G16>(xc, w, qw.n, NT, bp, yp);
-        }
+        auto on = [&](auto fma) {  // fp32 FMAs on the codes, or int8 activations
+          constexpr bool F = decltype(fma)::value;
+          switch (qw.bits) {
+            case 4: return run_avx2<T, S, 4, G16, F>(xc, w, qw.n, NT, bp, yp);
+            case 5: return run_avx2<T, S, 5, G16, F>(xc, w, qw.n, NT, bp, yp);
+            case 6: return run_avx2<T, S, 6, G16, F>(xc, w, qw.n, NT, bp, yp);
+            default: return run_avx2<T, S, 8, G16, F>(xc, w, qw.n, NT, bp, yp);
+          }
+        };
+        return fma_avx2 ? on(std::true_type{}) : on(std::false_type{});
       }
 #endif
       switch (qw.bits) {
