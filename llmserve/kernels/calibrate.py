@@ -888,7 +888,8 @@ def plan(model: nn.Module, threads: int, kernel_choice: str | None = None, *, dt
         # an fp32 model's blocks: int8 activations or fp32 FMAs on the codes (never a bf16 copy of its weights)
         if pins.get(QBLOCK_LINEAR, "blocks") not in ("blocks", "blocks_fma"):
             raise InvalidRequestError(f"kernel_choice: {QBLOCK_LINEAR}={pins[QBLOCK_LINEAR]} is a bf16 path; an fp32 "
-                                      "model's blocks run blocks or blocks_fma", param="kernel_choice")
+                                      "model's blocks run blocks or blocks_fma: pin one of those, or leave it auto",
+                                      param="kernel_choice")
         for layer in qblock_layers(model):  # the first layer of each op stands for it
             op = qblock_op(layer)
             measure.setdefault(op, functools.partial(_measure, op, qblock_linear_candidates,
